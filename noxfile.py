@@ -1,0 +1,148 @@
+"""Nox sessions for the am-* monorepo.
+
+`nox` with no arguments runs what CI runs: lint, types, wheels and the per-package `tests` matrix.
+
+Every package under `packages/` is found by itself (a folder with a `pyproject.toml`), so a new package joins the
+matrix without touching this file. Each `tests` session gets a fresh virtualenv that holds ONLY that package, its
+runtime dependencies and its `test` dependency group, at the versions in `uv.lock`: a test that passes there
+proves the package needs nothing it does not declare.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import nox
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - nox runs on the workspace interpreter (>= 3.11 in uv.lock's dev group)
+    import tomli as tomllib
+
+nox.options.default_venv_backend = "uv"
+nox.options.reuse_existing_virtualenvs = False
+nox.options.sessions = ["lint", "types", "wheels", "tests"]
+
+ROOT = Path(__file__).resolve().parent
+PACKAGES_DIR = ROOT / "packages"
+
+
+def _read_pyproject(package: str) -> dict:
+    with open(PACKAGES_DIR / package / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def _discover_packages() -> list[str]:
+    return sorted(p.name for p in PACKAGES_DIR.iterdir() if (p / "pyproject.toml").is_file())
+
+
+PACKAGES = _discover_packages()
+
+
+def _requirement_name(requirement: str) -> str:
+    """`'torch>=2.6; python_version>"3"'` -> `'torch'` (normalized as in PEP 503)."""
+    name = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    assert name is not None, f"cannot parse requirement {requirement!r}"
+    return re.sub(r"[-_.]+", "-", name.group(1)).lower()
+
+
+def _workspace_closure(package: str) -> set[str]:
+    """The workspace packages that `package` needs at run time, itself included."""
+    seen: set[str] = set()
+    todo = [package]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        deps = _read_pyproject(name)["project"].get("dependencies", [])
+        todo.extend(dep for dep in map(_requirement_name, deps) if dep in PACKAGES)
+    return seen
+
+
+def _uv_sync(session: nox.Session, *args: str) -> None:
+    """Install the locked versions into the session venv (`uv sync` reads uv.lock; `session.install` does not)."""
+    session.run_install(
+        "uv",
+        "sync",
+        "--locked",
+        "--no-default-groups",
+        *args,
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+        external=True,
+    )
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """Run one package's tests in a venv with only that package and its declared (locked) dependencies."""
+    _uv_sync(session, "--package", package, "--group", "test")
+    allowed = _workspace_closure(package)
+    session.run("python", "tools/check_isolation.py", json.dumps(sorted(allowed)), json.dumps(PACKAGES))
+    junit = ROOT / ".nox" / f"junit-{package}.xml"
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        f"packages/{package}/tests",
+        f"--junitxml={junit}",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+    )
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def lowest(session: nox.Session, package: str) -> None:
+    """Run one package's tests with the LOWEST versions its pyproject declares, so its lower bounds are true.
+
+    Not part of CI (it downloads another torch build); run it before raising or lowering a bound:
+    `uv run nox -s "lowest(package='am-precision')"`.
+    """
+    pyproject = _read_pyproject(package)
+    test_deps = pyproject.get("dependency-groups", {}).get("test", [])
+    siblings = [f"-e{PACKAGES_DIR / name}" for name in sorted(_workspace_closure(package))]
+    session.install("--resolution", "lowest-direct", *siblings, *test_deps)
+    session.run("python", "-m", "pytest", f"packages/{package}/tests", "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole repository."""
+    _uv_sync(session, "--only-group", "dev")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def types(session: nox.Session) -> None:
+    """Type-check every package's sources with mypy, each against its own installed dependencies."""
+    _uv_sync(session, "--all-packages", "--group", "dev")
+    for package in PACKAGES:
+        session.run("mypy", f"packages/{package}/src")
+
+
+def _expected_requires_dist(pyproject: dict) -> list[str]:
+    project = pyproject["project"]
+    expected = list(project.get("dependencies", []))
+    for extra, deps in project.get("optional-dependencies", {}).items():
+        expected += [f'{dep}; extra == "{extra}"' for dep in deps]
+    return expected
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """Build every package's wheel and check it lists exactly the declared runtime dependencies and extras."""
+    _uv_sync(session, "--only-group", "dev")
+    out = Path(session.create_tmp()) / "dist"
+    for package in PACKAGES:
+        session.run("uv", "build", "--wheel", "--package", package, "--out-dir", str(out), "--quiet", external=True)
+        normalized = package.replace("-", "_")
+        (wheel,) = out.glob(f"{normalized}-*.whl")
+        expected = _expected_requires_dist(_read_pyproject(package))
+        session.run("python", "tools/check_wheel.py", str(wheel), json.dumps(expected))
