@@ -1,0 +1,1 @@
+"""Sequence sharding and ring attention for context parallelism."""
