@@ -1,0 +1,1 @@
+"""Pipeline parallelism for HuggingFace-style models on torch.distributed.pipelining."""
