@@ -1,1 +1,99 @@
-"""placeholder"""
+"""am-precision: the dtype policy for LLM training.
+
+fp32-pinned modules (`_keep_in_fp32_modules[_strict]`), bf16 casts that never round pinned tensors (also under
+FSDP2), an fp32 RMSNorm, backend selection (`BackendConfig`), Transformer Engine FP8 recipes and module patching,
+the lm-head projection, and a report to check the fp32 contract.
+
+Importing this package never imports transformer_engine or transformers; both are optional extras (`te`, `hf`)
+imported only by the functions that need them.
+"""
+
+from __future__ import annotations
+
+from am_precision.backend import (
+    ATTN_BACKENDS,
+    DISPATCHER_BACKENDS,
+    EXPERTS_BACKENDS,
+    FP8_RECIPES,
+    LINEAR_BACKENDS,
+    RMS_NORM_BACKENDS,
+    ROPE_BACKENDS,
+    BackendConfig,
+    TEFp8Config,
+)
+from am_precision.casting import (
+    cast_frozen_modules_to_compute_dtype,
+    cast_model_to_dtype,
+    is_dtensor,
+    yield_fp32_model,
+)
+from am_precision.flags import (
+    HAVE_TE,
+    get_is_first_microbatch,
+    get_is_optim_step,
+    is_tensor_unallocated,
+    set_is_first_microbatch,
+    set_is_optim_step,
+    te_usable,
+)
+from am_precision.keep_rules import KeepRule, canonical_name, fp32_keep_rules, match_keep_rule
+from am_precision.lm_head import compute_lm_head_logits
+from am_precision.modules import Float32RMSNorm, initialize_linear_module, initialize_rms_norm_module
+from am_precision.report import Fp32Report, TensorPrecision, assert_fp32_contract, fp32_report
+from am_precision.rope import get_rope_config
+from am_precision.te_patch import (
+    apply_te_patches,
+    patch_first_microbatch_injection,
+    patch_te_modules,
+    patch_unallocated_short_circuit,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # backend selection
+    "BackendConfig",
+    "TEFp8Config",
+    "ATTN_BACKENDS",
+    "LINEAR_BACKENDS",
+    "RMS_NORM_BACKENDS",
+    "ROPE_BACKENDS",
+    "EXPERTS_BACKENDS",
+    "DISPATCHER_BACKENDS",
+    "FP8_RECIPES",
+    # flags
+    "HAVE_TE",
+    "te_usable",
+    "get_is_first_microbatch",
+    "set_is_first_microbatch",
+    "get_is_optim_step",
+    "set_is_optim_step",
+    "is_tensor_unallocated",
+    # modules
+    "Float32RMSNorm",
+    "initialize_linear_module",
+    "initialize_rms_norm_module",
+    # keep rules and casting
+    "KeepRule",
+    "fp32_keep_rules",
+    "match_keep_rule",
+    "canonical_name",
+    "cast_model_to_dtype",
+    "cast_frozen_modules_to_compute_dtype",
+    "yield_fp32_model",
+    "is_dtensor",
+    # fp32 contract report
+    "fp32_report",
+    "assert_fp32_contract",
+    "Fp32Report",
+    "TensorPrecision",
+    # lm head and rope
+    "compute_lm_head_logits",
+    "get_rope_config",
+    # Transformer Engine patching
+    "patch_te_modules",
+    "apply_te_patches",
+    "patch_unallocated_short_circuit",
+    "patch_first_microbatch_injection",
+    "__version__",
+]

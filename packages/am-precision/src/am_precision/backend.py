@@ -1,0 +1,303 @@
+"""Backend selection (`BackendConfig`) and Transformer Engine FP8 recipes (`TEFp8Config`).
+
+What it is for: one validated, immutable description of which kernels a model uses (attention, linear, RMSNorm,
+RoPE, MoE experts and token dispatcher, FP8). Every literal is checked at construction and all problems are
+reported in one `ValueError`.
+What it must not do: import transformer_engine at import time or while validating (a config may be built on a
+machine without CUDA), silently rewrite a field the user set, or be mutated after construction: the dataclasses are
+frozen; derive a variant with `config.replace(field=value)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from am_precision import flags
+
+__all__ = [
+    "ATTN_BACKENDS",
+    "DISPATCHER_BACKENDS",
+    "EXPERTS_BACKENDS",
+    "FP8_RECIPES",
+    "LINEAR_BACKENDS",
+    "RMS_NORM_BACKENDS",
+    "ROPE_BACKENDS",
+    "BackendConfig",
+    "TEFp8Config",
+]
+
+ATTN_BACKENDS: tuple[str, ...] = ("te", "sdpa", "flex", "eager", "tilelang", "cudnn")
+LINEAR_BACKENDS: tuple[str, ...] = ("torch", "te", "quack")
+RMS_NORM_BACKENDS: tuple[str, ...] = ("torch", "torch_fp32", "te", "quack")
+ROPE_BACKENDS: tuple[str, ...] = ("torch", "quack")
+EXPERTS_BACKENDS: tuple[str, ...] = ("torch", "te", "gmm", "torch_mm", "torch_mm_mxfp8")
+DISPATCHER_BACKENDS: tuple[str, ...] = ("torch", "deepep", "hybridep", "uccl_ep", "mok")
+FP8_RECIPES: tuple[str, ...] = ("current", "block", "mxfp8")
+
+# Grouped-GEMM expert kernels consume tokens already permuted by an all-to-all dispatcher.
+_EXPERTS_NEEDING_A2A = ("te", "gmm")
+_A2A_DISPATCHERS = ("deepep", "hybridep", "uccl_ep", "mok")
+
+
+def _format_allowed(allowed: tuple[str, ...]) -> str:
+    return ", ".join(repr(a) for a in allowed)
+
+
+def _raise_if_problems(owner: str, problems: list[str]) -> None:
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        plural = "s" if len(problems) > 1 else ""
+        raise ValueError(f"Invalid {owner} ({len(problems)} problem{plural}):\n{lines}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TEFp8Config:
+    """Transformer Engine FP8 recipe selection.
+
+    Args:
+        recipe: "current" (per-tensor current scaling), "block" (block scaling), "mxfp8" (MX block scaling,
+            Blackwell) or an already built TE recipe object, returned unchanged by `build_recipe()`.
+
+    Raises:
+        ValueError: `recipe` is a string outside `FP8_RECIPES`.
+    """
+
+    recipe: str | Any = "current"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.recipe, str) and self.recipe not in FP8_RECIPES:
+            _raise_if_problems("TEFp8Config", [f"recipe={self.recipe!r} is not one of {_format_allowed(FP8_RECIPES)}"])
+
+    def build_recipe(self) -> Any | None:
+        """The TE recipe object for `recipe`, or None when transformer_engine is not installed.
+
+        Raises:
+            ImportError: recipe="mxfp8" with a TE release that has no `MXFP8BlockScaling`.
+        """
+        if not flags.HAVE_TE:
+            return None
+        if not isinstance(self.recipe, str):
+            return self.recipe
+        from transformer_engine.common import recipe as te_recipe
+
+        if self.recipe == "mxfp8":
+            mxfp8 = getattr(te_recipe, "MXFP8BlockScaling", None)
+            if mxfp8 is None:
+                raise ImportError(
+                    "TEFp8Config(recipe='mxfp8') needs transformer_engine.common.recipe.MXFP8BlockScaling, which "
+                    "this Transformer Engine release lacks; upgrade with `pip install -U am-precision[te]` or "
+                    "use recipe='current' or 'block'."
+                )
+            return mxfp8()
+        if self.recipe == "block":
+            return te_recipe.Float8BlockScaling()
+        return te_recipe.Float8CurrentScaling()
+
+    def maybe_te_autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """A TE FP8 autocast context for `build_recipe()`, or a null context when TE is not installed."""
+        if not flags.HAVE_TE:
+            return contextlib.nullcontext()
+        import transformer_engine.pytorch as te
+
+        built = self.build_recipe()
+        autocast = getattr(te, "autocast", None)
+        if autocast is not None:
+            return autocast(enabled=True, recipe=built)
+        # TE releases before `te.autocast` spell it fp8_autocast(fp8_recipe=...).
+        return te.fp8_autocast(enabled=True, fp8_recipe=built)
+
+
+def _default_attn() -> str:
+    return "te" if flags.te_usable() else "sdpa"
+
+
+def _default_linear() -> str:
+    return "te" if flags.te_usable() else "torch"
+
+
+def _default_experts() -> str:
+    return "torch_mm" if torch.cuda.is_available() else "torch"
+
+
+def _default_dispatcher() -> str:
+    if torch.cuda.is_available():
+        if flags.HAVE_DEEP_EP:
+            return "deepep"
+        if flags.HAVE_UCCL_EP:
+            return "uccl_ep"
+    return "torch"
+
+
+def _parse_dtype(value: str) -> torch.dtype | None:
+    name = value.strip().removeprefix("torch.")
+    dtype = getattr(torch, name, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+_LITERAL_FIELDS: dict[str, tuple[str, ...]] = {
+    "attn": ATTN_BACKENDS,
+    "linear": LINEAR_BACKENDS,
+    "rms_norm": RMS_NORM_BACKENDS,
+    "rope": ROPE_BACKENDS,
+    "experts": EXPERTS_BACKENDS,
+    "dispatcher": DISPATCHER_BACKENDS,
+}
+_BOOL_FIELDS = (
+    "dispatcher_share_token_dispatcher",
+    "dispatcher_async_dispatch",
+    "fake_balanced_gate",
+    "enable_hf_state_dict_adapter",
+    "enable_fsdp_optimizations",
+    "compile_attn",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendConfig:
+    """Which kernel implementation each part of a model uses. Immutable; derive variants with `replace()`.
+
+    Defaults depend on the machine at construction time: with Transformer Engine installed and CUDA available,
+    attention and linear default to "te"; otherwise "sdpa" and "torch". Experts default to "torch_mm" on CUDA
+    ("torch" elsewhere); the dispatcher to "deepep" / "uccl_ep" when installed and CUDA is available, else "torch".
+
+    Args:
+        attn: attention kernel, one of `ATTN_BACKENDS`.
+        linear: linear layers, one of `LINEAR_BACKENDS`.
+        rms_norm: RMSNorm, one of `RMS_NORM_BACKENDS` ("torch_fp32" computes in fp32 whatever the storage dtype).
+        rope: rotary embedding kernel, one of `ROPE_BACKENDS`.
+        rope_fusion: use TE's fused RoPE. None (default) resolves to True when TE is usable and rope="torch";
+            after construction it is always a bool.
+        experts: MoE expert computation, one of `EXPERTS_BACKENDS`; "te" and "gmm" need an all-to-all dispatcher.
+        dispatcher: MoE token dispatcher, one of `DISPATCHER_BACKENDS`.
+        dispatcher_num_sms: streaming multiprocessors reserved for the dispatcher's communication kernels.
+        dispatcher_share_token_dispatcher: share one dispatcher between MoE layers.
+        dispatcher_async_dispatch: overlap dispatch with computation.
+        fake_balanced_gate: replace the router with a perfectly balanced fake (benchmarking only).
+        fake_gate_noise: noise added to the fake gate's scores (>= 0).
+        enable_hf_state_dict_adapter: convert checkpoints from/to the HF layout on load/save.
+        enable_fsdp_optimizations: model-specific FSDP tweaks.
+        te_fp8: FP8 recipe (`TEFp8Config` or a dict of its fields); requires linear="te" or experts="te".
+        gate_precision: dtype of MoE router math (a dtype or a name such as "float32" / "torch.float32").
+        compile_attn: wrap the attention kernel in torch.compile.
+
+    Raises:
+        ValueError: one or more fields are invalid; the message lists every problem with the allowed values.
+    """
+
+    attn: str = field(default_factory=_default_attn)
+    linear: str = field(default_factory=_default_linear)
+    rms_norm: str = "torch_fp32"
+    rope: str = "torch"
+    rope_fusion: bool | None = None
+    experts: str = field(default_factory=_default_experts)
+    dispatcher: str = field(default_factory=_default_dispatcher)
+    dispatcher_num_sms: int = 20
+    dispatcher_share_token_dispatcher: bool = True
+    dispatcher_async_dispatch: bool = False
+    fake_balanced_gate: bool = False
+    fake_gate_noise: float = 0.0
+    enable_hf_state_dict_adapter: bool = True
+    enable_fsdp_optimizations: bool = False
+    te_fp8: TEFp8Config | None = None
+    gate_precision: torch.dtype | None = None
+    compile_attn: bool = False
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        for name, allowed in _LITERAL_FIELDS.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                problems.append(f"{name}={value!r} is not one of {_format_allowed(allowed)}")
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                problems.append(f"{name}={value!r} must be a bool")
+        if self.rope_fusion is not None and not isinstance(self.rope_fusion, bool):
+            problems.append(f"rope_fusion={self.rope_fusion!r} must be a bool or None (auto)")
+        if (
+            isinstance(self.dispatcher_num_sms, bool)
+            or not isinstance(self.dispatcher_num_sms, int)
+            or self.dispatcher_num_sms <= 0
+        ):
+            problems.append(f"dispatcher_num_sms={self.dispatcher_num_sms!r} must be a positive int")
+        if isinstance(self.fake_gate_noise, bool) or not isinstance(self.fake_gate_noise, (int, float)):
+            problems.append(f"fake_gate_noise={self.fake_gate_noise!r} must be a number >= 0")
+        elif self.fake_gate_noise < 0:
+            problems.append(f"fake_gate_noise={self.fake_gate_noise!r} must be >= 0")
+
+        self._normalize_te_fp8(problems)
+        self._normalize_gate_precision(problems)
+        if self.rope_fusion is None and self.rope in ROPE_BACKENDS:
+            object.__setattr__(self, "rope_fusion", flags.te_usable() and self.rope == "torch")
+        self._check_combinations(problems)
+        _raise_if_problems("BackendConfig", problems)
+
+    def _normalize_te_fp8(self, problems: list[str]) -> None:
+        value: Any = self.te_fp8
+        if value is None or isinstance(value, TEFp8Config):
+            return
+        if isinstance(value, Mapping):
+            try:
+                object.__setattr__(self, "te_fp8", TEFp8Config(**value))
+            except (TypeError, ValueError) as err:
+                allowed = ", ".join(f.name for f in dataclasses.fields(TEFp8Config))
+                problems.append(f"te_fp8={dict(value)!r} is not a valid TEFp8Config (fields: {allowed}): {err}")
+            return
+        problems.append(f"te_fp8={value!r} must be a TEFp8Config, a dict of its fields, or None")
+
+    def _normalize_gate_precision(self, problems: list[str]) -> None:
+        value: Any = self.gate_precision
+        if value is None:
+            return
+        if isinstance(value, torch.dtype):
+            if not value.is_floating_point:
+                problems.append(f"gate_precision={value!r} must be a floating-point dtype")
+            return
+        if isinstance(value, str):
+            dtype = _parse_dtype(value)
+            if dtype is None:
+                problems.append(
+                    f"gate_precision={value!r} does not name a floating-point torch dtype "
+                    "(use e.g. 'float32', 'torch.float32' or 'bfloat16')"
+                )
+            else:
+                object.__setattr__(self, "gate_precision", dtype)
+            return
+        problems.append(f"gate_precision={value!r} must be a torch.dtype, a dtype name, or None")
+
+    def _check_combinations(self, problems: list[str]) -> None:
+        # Each rule runs only when the fields it reads are individually valid, so messages never compound.
+        if self.rope_fusion is True and self.rope in ROPE_BACKENDS and self.rope != "torch":
+            problems.append(
+                f"rope_fusion=True uses TE's fused RoPE, which replaces rope='torch'; with rope={self.rope!r} "
+                "set rope_fusion=False"
+            )
+        if (
+            self.experts in _EXPERTS_NEEDING_A2A
+            and self.dispatcher in DISPATCHER_BACKENDS
+            and (self.dispatcher not in _A2A_DISPATCHERS)
+        ):
+            problems.append(
+                f"experts={self.experts!r} consumes tokens permuted by an all-to-all dispatcher "
+                f"({_format_allowed(_A2A_DISPATCHERS)}), but dispatcher={self.dispatcher!r}; choose one of those "
+                "dispatchers or experts='torch_mm' / 'torch'"
+            )
+        backends_known = self.linear in LINEAR_BACKENDS and self.experts in EXPERTS_BACKENDS
+        if isinstance(self.te_fp8, TEFp8Config) and backends_known and "te" not in (self.linear, self.experts):
+            problems.append(
+                "te_fp8 requires at least one TE backend (linear='te' or experts='te'), "
+                f"but got linear={self.linear!r}, experts={self.experts!r}"
+            )
+
+    def replace(self, **changes: Any) -> BackendConfig:
+        """A validated copy with `changes` applied; the original is left untouched.
+
+        Note: `rope_fusion` was resolved to a bool at construction; pass `rope_fusion=None` to re-resolve it.
+        """
+        return dataclasses.replace(self, **changes)

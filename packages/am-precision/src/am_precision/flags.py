@@ -1,0 +1,109 @@
+"""Process-wide precision flags and cheap capability probes.
+
+What it is for: whether Transformer Engine (TE) is installed, whether it can run here (TE needs CUDA), the two
+training-loop flags that drive TE's FP8 weight cache, and `is_tensor_unallocated`.
+What it must not do: import transformer_engine (presence is probed with `importlib.util.find_spec`), or decide
+CUDA availability at import time (a process may import us before it picks a device; we ask at call time).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+__all__ = [
+    "HAVE_DEEP_EP",
+    "HAVE_TE",
+    "HAVE_UCCL_EP",
+    "get_is_first_microbatch",
+    "get_is_optim_step",
+    "is_tensor_unallocated",
+    "set_is_first_microbatch",
+    "set_is_optim_step",
+    "te_usable",
+]
+
+
+def _installed(module_name: str) -> bool:
+    # find_spec on a top-level name never executes the package, so a broken CUDA setup cannot fail our import.
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+HAVE_TE: bool = _installed("transformer_engine")
+HAVE_DEEP_EP: bool = _installed("deep_ep")
+HAVE_UCCL_EP: bool = _installed("uccl_ep")
+
+
+def te_usable() -> bool:
+    """True when Transformer Engine is installed and CUDA is available right now (TE cannot run without CUDA)."""
+    return HAVE_TE and torch.cuda.is_available()
+
+
+# FP8 weight caching under gradient accumulation (TE's `is_first_microbatch` argument):
+#   True  -> first micro-batch after an optimizer step: quantize the weights and cache them,
+#   False -> later micro-batches: reuse the cached FP8 weights,
+#   None  -> caching disabled (TE quantizes on every call).
+_is_first_microbatch: bool | None = None
+_is_optim_step: bool = False
+
+
+def set_is_first_microbatch(value: bool | None) -> None:
+    """Set the global `is_first_microbatch` flag that patched TE modules inject when the caller passes None.
+
+    Raises:
+        TypeError: `value` is not True, False or None.
+    """
+    global _is_first_microbatch
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"is_first_microbatch must be True, False or None, got {value!r} ({type(value).__name__})")
+    _is_first_microbatch = value
+
+
+def get_is_first_microbatch() -> bool | None:
+    """The global `is_first_microbatch` flag (None = FP8 weight caching disabled)."""
+    return _is_first_microbatch
+
+
+def set_is_optim_step(value: bool) -> None:
+    """Mark whether the current micro-batch is the one followed by an optimizer step.
+
+    Raises:
+        TypeError: `value` is not a bool.
+    """
+    global _is_optim_step
+    if not isinstance(value, bool):
+        raise TypeError(f"is_optim_step must be a bool, got {value!r} ({type(value).__name__})")
+    _is_optim_step = value
+
+
+def get_is_optim_step() -> bool:
+    """Whether the current micro-batch is followed by an optimizer step (default False)."""
+    return _is_optim_step
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    # Asking a FakeTensor for its data pointer warns (and will raise in a future torch); recognise it first.
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:
+        return False
+    return isinstance(tensor, FakeTensor)
+
+
+def is_tensor_unallocated(tensor: torch.Tensor) -> bool:
+    """True when `tensor` has no real storage: zero elements, a null data pointer, or no data pointer at all.
+
+    Meta tensors and fake tensors (used while tracing for torch.compile) raise on `data_ptr()`; those count as
+    unallocated too.
+    """
+    if tensor.device.type == "meta" or _is_fake(tensor):
+        return True
+    try:
+        return tensor.numel() == 0 or tensor.data_ptr() == 0
+    except Exception:
+        # Any tensor whose storage cannot be inspected is, for our purposes, not backed by memory.
+        return True

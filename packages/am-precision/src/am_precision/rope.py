@@ -1,0 +1,51 @@
+"""Reading RoPE settings from a HuggingFace v5 config.
+
+What it is for: `get_rope_config`, the one place that knows transformers v5 moved `rope_theta` and friends into
+`config.rope_parameters` (a dict, per layer type for models such as Gemma).
+What it must not do: import transformers (the config is duck-typed), or copy the rope dict (callers may rely on
+identity to share it with the HF rotary-embedding helpers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["get_rope_config"]
+
+
+def get_rope_config(config: Any, *, layer_type: str | None = None) -> tuple[float, dict[str, Any], float]:
+    """`(rope_theta, rope_parameters, partial_rotary_factor)` from an HF v5 config.
+
+    `rope_parameters` is returned as the same dict object the config holds. `partial_rotary_factor` is read from
+    `rope_parameters`, then from the config attribute, and defaults to 1.0 (rotate the whole head).
+
+    Args:
+        config: an object with a `rope_parameters` dict holding `rope_theta`.
+        layer_type: for configs whose `rope_parameters` is keyed by layer type (e.g. "full_attention",
+            "sliding_attention"), which entry to read.
+
+    Raises:
+        ValueError: `rope_parameters` is missing or lacks `rope_theta`, or `layer_type` is missing/unknown for a
+            per-layer-type dict.
+    """
+    rope_parameters = getattr(config, "rope_parameters", None)
+    if not isinstance(rope_parameters, dict):
+        raise ValueError(
+            f"{type(config).__name__}.rope_parameters must be a dict holding 'rope_theta' (transformers v5 layout), "
+            f"got {rope_parameters!r}"
+        )
+    per_layer_type = "rope_theta" not in rope_parameters and all(isinstance(v, dict) for v in rope_parameters.values())
+    if per_layer_type and rope_parameters:
+        if layer_type not in rope_parameters:
+            raise ValueError(
+                f"{type(config).__name__}.rope_parameters is keyed by layer type {sorted(rope_parameters)}; pass "
+                f"layer_type=<one of them> (got {layer_type!r})"
+            )
+        rope_parameters = rope_parameters[layer_type]
+    if "rope_theta" not in rope_parameters:
+        raise ValueError(
+            f"{type(config).__name__}.rope_parameters has no 'rope_theta' (keys: {sorted(rope_parameters)}); "
+            "set rope_parameters['rope_theta'] to the RoPE base"
+        )
+    partial = rope_parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    return rope_parameters["rope_theta"], rope_parameters, 1.0 if partial is None else float(partial)

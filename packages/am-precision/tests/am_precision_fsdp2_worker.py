@@ -1,0 +1,241 @@
+"""One rank of the FSDP2 test group: runs every case on a real 2-rank gloo group and writes facts as JSON.
+
+Usage: python am_precision_fsdp2_worker.py RANK WORLD_SIZE STORE_FILE OUT_JSON
+Each case returns JSON-serialisable facts (or the traceback of its failure); test_fsdp2.py asserts on them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from am_precision_toy_models import UNROUNDABLE, ToyLM
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from am_precision import (
+    assert_fp32_contract,
+    cast_frozen_modules_to_compute_dtype,
+    cast_model_to_dtype,
+    compute_lm_head_logits,
+    fp32_report,
+    yield_fp32_model,
+)
+
+BF16 = torch.bfloat16
+CASES: dict[str, Callable[[DeviceMesh], dict[str, Any]]] = {}
+
+
+def case(fn: Callable[[DeviceMesh], dict[str, Any]]) -> Callable[[DeviceMesh], dict[str, Any]]:
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def shard_of(full: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The dim-0 shard FSDP2 gives this rank (torch.chunk semantics)."""
+    chunks = torch.chunk(full, mesh.size(), dim=0)
+    rank = mesh.get_local_rank()
+    return chunks[rank] if rank < len(chunks) else full[:0]
+
+
+def sharded_toy(mesh: DeviceMesh) -> tuple[ToyLM, dict[str, torch.Tensor]]:
+    """ToyLM with strict `lm_head` + router bias, non-strict `norm` (params and a buffer), FSDP2 per block."""
+    torch.manual_seed(0)
+    model = ToyLM()
+    model._keep_in_fp32_modules_strict = ["lm_head", "router.e_score_correction_bias"]
+    model._keep_in_fp32_modules = ["norm"]
+    model.final_norm.register_buffer("running_scale", torch.full((8,), UNROUNDABLE))
+    original = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model.lm_head, mesh=mesh)  # fp32 group of its own: FSDP2 all-gathers one dtype per group
+    fully_shard(model, mesh=mesh)
+    return model, original
+
+
+@case
+def strict_and_non_strict_params(mesh: DeviceMesh) -> dict[str, Any]:
+    model, original = sharded_toy(mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cast_model_to_dtype(model, BF16)
+    params = dict(model.named_parameters())
+    facts: dict[str, Any] = {"warnings": [str(w.message) for w in caught]}
+    facts["params"] = {
+        name: {
+            "dtensor": isinstance(p, DTensor),
+            "dtype": dtype_name(p),
+            "local_exact": torch.equal(p.to_local(), shard_of(original[name], mesh).to(p.dtype)),
+            "full_exact": torch.equal(p.full_tensor(), original[name].to(p.dtype)),
+        }
+        for name, p in params.items()
+    }
+    facts["buffers"] = {
+        name: {"dtype": dtype_name(b), "exact": torch.equal(b, original[name].to(b.dtype))}
+        for name, b in model.named_buffers()
+    }
+    facts["original_bias_rounds_in_bf16"] = not torch.equal(
+        original["layers.0.router.e_score_correction_bias"].to(BF16).float(),
+        original["layers.0.router.e_score_correction_bias"],
+    )
+    # Forward/backward parity with an unsharded copy holding the same dtypes: proves FSDP2 re-registered its
+    # sharded storage after the cast (a stale storage would all-gather the old values).
+    reference = ToyLM()
+    with torch.no_grad():
+        for name, tensor in [*reference.named_parameters(), *reference.named_buffers()]:
+            target = params[name].dtype if name in params else dict(model.named_buffers())[name].dtype
+            tensor.data = original[name].to(target)
+    reference.final_norm.register_buffer("running_scale", original["final_norm.running_scale"])
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    out, ref_out = model(ids), reference(ids)
+    out.float().pow(2).mean().backward()
+    facts["forward_dtype"] = dtype_name(out)
+    facts["forward_max_abs_diff"] = (out.float() - ref_out.float()).abs().max().item()
+    facts["lm_head_grad_dtype"] = dtype_name(model.lm_head.weight.grad)
+    facts["report"] = str(fp32_report(model, storage_dtype=BF16))
+    try:
+        assert_fp32_contract(model, storage_dtype=BF16)
+        facts["contract_error"] = None
+    except AssertionError as err:
+        facts["contract_error"] = str(err)
+    report = fp32_report(model, storage_dtype=BF16)
+    facts["report_entries"] = {
+        e.name: {
+            "dtensor": e.is_dtensor,
+            "dtype": dtype_name(torch.empty(0, dtype=e.dtype)),
+            "rule": None if e.rule is None else [e.rule.keyword, e.rule.strict],
+            "pinned": e.pinned,
+            "note": e.note,
+        }
+        for e in report.entries
+    }
+    return facts
+
+
+@case
+def plain_to_after_sharding_breaks_contract(mesh: DeviceMesh) -> dict[str, Any]:
+    model, _ = sharded_toy(mesh)
+    model.to(BF16)
+    violations = fp32_report(model).violations
+    return {"violations": sorted(e.name for e in violations)}
+
+
+@case
+def skip_modules_keeps_fp32_holder(mesh: DeviceMesh) -> dict[str, Any]:
+    facts = {}
+    for skip in ((), ("_fp32_params",)):
+        torch.manual_seed(1)
+        model = ToyLM()
+        model._fp32_params = nn.Module()
+        model._fp32_params.a_log = nn.Parameter(torch.full((6, 2), UNROUNDABLE))
+        exact = model._fp32_params.a_log.detach().clone()
+        fully_shard(model._fp32_params, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        cast_model_to_dtype(model, BF16, skip_modules=skip)
+        holder = model._fp32_params.a_log
+        facts["with_skip" if skip else "without_skip"] = {
+            "dtensor": isinstance(holder, DTensor),
+            "dtype": dtype_name(holder),
+            "full_exact": torch.equal(holder.full_tensor().float(), exact),
+            "local_exact": torch.equal(holder.to_local().float(), shard_of(exact, mesh)),
+            "other_dtype": dtype_name(model.embed.weight),
+        }
+    return facts
+
+
+@case
+def lm_head_uses_fsdp_param_dtype(mesh: DeviceMesh) -> dict[str, Any]:
+    torch.manual_seed(2)
+    head = nn.Linear(8, 6, bias=False)
+    full_weight = head.weight.detach().clone()
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    fully_shard(head, mesh=mesh, mp_policy=policy)
+    storage_dtype = dtype_name(head.weight)  # read before forward: a root FSDP2 module stays unsharded after it
+    hidden = torch.randn(2, 5, 8)
+    out = compute_lm_head_logits(head, hidden, logits_to_keep=3)
+    expected = nn.functional.linear(hidden[:, -3:].to(BF16), full_weight.to(BF16))
+    try:
+        head(hidden)  # without our cast: fp32 input against the bf16 all-gathered weight
+        direct_call_error = None
+    except RuntimeError as err:
+        direct_call_error = str(err)
+    return {
+        "weight_storage_dtype": storage_dtype,
+        "logits_dtype": dtype_name(out.logits),
+        "logits_shape": list(out.logits.shape),
+        "logits_max_abs_diff": (out.logits.float() - expected.float()).abs().max().item(),
+        "direct_call_error": direct_call_error,
+    }
+
+
+@case
+def frozen_cast_skips_dtensor_weights(mesh: DeviceMesh) -> dict[str, Any]:
+    torch.manual_seed(3)
+    model = nn.Module()
+    model.tower = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+    model.tower.register_buffer("scale", torch.full((4,), UNROUNDABLE))
+    model.head = nn.Linear(4, 2)
+    model.tower.requires_grad_(False)
+    fully_shard(model.tower[0], mesh=mesh)
+    cast_frozen_modules_to_compute_dtype(model, BF16)
+    return {
+        "sharded_weight": [isinstance(model.tower[0].weight, DTensor), dtype_name(model.tower[0].weight)],
+        "plain_sibling": dtype_name(model.tower[2].weight),
+        "tower_buffer": dtype_name(model.tower.scale),
+        "head": dtype_name(model.head.weight),
+    }
+
+
+@case
+def yield_fp32_on_sharded_model(mesh: DeviceMesh) -> dict[str, Any]:
+    model, _ = sharded_toy(mesh)
+    cast_model_to_dtype(model, BF16)
+    with yield_fp32_model(model):
+        inside = sorted({dtype_name(p) for p in model.parameters()})
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(UNROUNDABLE)
+    head = model.lm_head.weight
+    return {
+        "inside": inside,
+        "after": {n: dtype_name(p) for n, p in model.named_parameters()},
+        "head_exact": torch.equal(head.full_tensor(), torch.full(head.shape, UNROUNDABLE)),
+        "embed_rounded_once": torch.equal(
+            model.embed.weight.full_tensor(), torch.full(model.embed.weight.shape, UNROUNDABLE).to(BF16)
+        ),
+    }
+
+
+def main() -> None:
+    rank, world, store_path, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
+    mesh = init_device_mesh("cpu", (world,))
+    results: dict[str, Any] = {}
+    for name, fn in CASES.items():
+        try:
+            results[name] = {"ok": True, "facts": fn(mesh)}
+        except Exception:
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+        dist.barrier()  # keep ranks in step: a case that failed on one rank must not leave collectives pending
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
