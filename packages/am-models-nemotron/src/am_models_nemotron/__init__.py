@@ -1,0 +1,1 @@
+"""Nemotron-H / Nemotron V3 hybrid Mamba2 + attention + MoE models with multi-token prediction."""
