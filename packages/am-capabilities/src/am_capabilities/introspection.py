@@ -1,0 +1,504 @@
+"""What a live model instance supports, derived by introspection: ``ModelSupports`` and its predicates.
+
+Everything is read from duck-typed attributes (see the package README for the full list); no model package,
+trainer or transformers is imported. Each parallel axis is decided by one ``_decide_<axis>`` function that
+returns a verdict *with its reason and fix*, so ``ModelSupports`` and ``validate_for_mesh`` can never disagree.
+
+Rule between declared and introspected capabilities: when the model class declares capabilities
+(``ModelCapabilities`` / ``get_capabilities``, see ``declarative``), the declaration decides TP, PP and EP
+outright — it is the model author's statement, and the structural heuristics (plans, MoE marker) only stand
+in for it on undeclared models. For CP a declaration of ``False`` vetoes; ``True`` still requires a CP-capable
+attention backend on this instance, since the backend is a runtime choice the class cannot vouch for.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+import torch.nn as nn
+
+from am_capabilities.declarative import ModelCapabilities, declared_capabilities
+from am_capabilities.mesh import MeshContext
+from am_capabilities.registry import is_registered_model_class
+
+__all__ = ["ModelSupports", "is_hybrid_model"]
+
+# Block-type names of state-space / linear-attention layers, in both NemotronH vocabularies
+# (NVIDIA checkpoints: "mamba"; transformers >= 5.13: "linear_attention") plus the pattern letter "M".
+_HYBRID_BLOCK_NAMES = frozenset({"m", "mamba", "mamba2", "linear_attention"})
+# Names that are layer kinds but not hybrid; a string equal to one of them is a name, not a pattern.
+_PLAIN_BLOCK_NAMES = frozenset({"attention", "full_attention", "sliding_attention", "mlp", "moe", "e", "*", "-"})
+_HYBRID_CONFIG_FIELDS = ("layers_block_type", "hybrid_override_pattern", "layer_types")
+
+_TE = "te"
+_MAGI = "magi"
+
+
+class _Verdict(NamedTuple):
+    """One capability decision: whether it holds, and when it does not, why and how to fix it."""
+
+    ok: bool
+    reason: str = ""
+    fix: str = ""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Predicates over the duck-typed protocol
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _field(obj: Any, name: str) -> Any:
+    """``obj.name`` or ``obj[name]`` for mapping-shaped configs; ``None`` when absent."""
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def _candidate_configs(model: nn.Module) -> Iterator[Any]:
+    """The model's config, its text sub-config, and the configs of an inner ``language_model``."""
+    seen: set[int] = set()
+    holders = [model, getattr(model, "model", None)]
+    roots = [_field(model, "config")]
+    roots += [_field(_field(holder, "language_model"), "config") for holder in holders]
+    for root in roots:
+        for config in (root, _field(root, "text_config")):
+            if config is not None and id(config) not in seen:
+                seen.add(id(config))
+                yield config
+
+
+def _has_hybrid_marker(value: Any) -> bool:
+    """Whether a block-type field (pattern string, single name, or sequence of names) names Mamba/SSM layers."""
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in _HYBRID_BLOCK_NAMES:
+            return True
+        if lowered in _PLAIN_BLOCK_NAMES:
+            return False
+        return "m" in lowered  # a pattern string such as "M*M-E": one character per layer
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(item, str) and item.strip().lower() in _HYBRID_BLOCK_NAMES for item in value)
+    return False
+
+
+def is_hybrid_model(model: nn.Module) -> bool:
+    """Whether the model mixes attention with Mamba / SSM / linear-attention layers.
+
+    Reads ``layers_block_type``, ``hybrid_override_pattern`` and ``layer_types`` on the model config, its
+    ``text_config`` and an inner ``language_model.config``; also ``is_hybrid_model is True``. Both NemotronH
+    vocabularies count: names ``"mamba"`` / ``"linear_attention"`` in a list, and ``"M"`` (any case) in a
+    pattern string. (Upstream matched only single-letter ``"M"`` entries, so a list of names was missed.)
+    """
+    for config in _candidate_configs(model):
+        if _field(config, "is_hybrid_model") is True:
+            return True
+        if any(_has_hybrid_marker(_field(config, name)) for name in _HYBRID_CONFIG_FIELDS):
+            return True
+    return False
+
+
+def _attn_backend(model: nn.Module) -> str | None:
+    """``model.backend.attn`` for custom models; ``None`` for models without a backend (HuggingFace)."""
+    backend = getattr(model, "backend", None)
+    attn = getattr(backend, "attn", None) if backend is not None else None
+    return None if attn is None else str(attn)
+
+
+def _has_backend(model: nn.Module) -> bool:
+    backend = getattr(model, "backend", None)
+    return backend is not None and hasattr(backend, "attn")
+
+
+def _uses_te_attention(model: nn.Module) -> bool:
+    return _attn_backend(model) == _TE or getattr(model, "_te_attention_injected", False) is True
+
+
+def _uses_magi_attention(model: nn.Module) -> bool:
+    return _attn_backend(model) == _MAGI
+
+
+def _has_plan(plan: Any) -> bool:
+    # transformers >= 5 always sets an instance plan, `{}` when the model has none: an empty plan declares nothing.
+    return plan is not None and (len(plan) > 0 if isinstance(plan, Mapping) else bool(plan))
+
+
+def _is_moe(model: nn.Module) -> bool:
+    return getattr(type(model), "_am_is_moe", False) is True
+
+
+def _supports_seq_lens(model: nn.Module) -> bool:
+    """Whether ``forward`` accepts ``seq_lens`` (explicitly or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "seq_lens" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _tuple_attr(model: nn.Module, name: str) -> tuple[str, ...] | None:
+    value = getattr(model, name, None)
+    return None if value is None else tuple(str(v) for v in value)
+
+
+def _plain_class_value(cls: type, name: str) -> Any:
+    """The first plain (non-descriptor) value of ``name`` in the MRO's own dicts; properties etc. are skipped."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            value = vars(klass)[name]
+            if not hasattr(type(value), "__get__"):
+                return value
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Axis decisions
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _declared(model: nn.Module) -> ModelCapabilities | None:
+    return declared_capabilities(type(model), getattr(model, "config", None))
+
+
+def _veto(declared: ModelCapabilities | None, flag: str, axis: str) -> _Verdict | None:
+    if declared is not None and not getattr(declared, flag):
+        return _Verdict(False, f"its capability declaration says {flag}=False", f"set {axis}_size=1")
+    return None
+
+
+def _decide_tp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:
+    if declared is not None:
+        return _veto(declared, "supports_tp", "tp") or _Verdict(True)
+    if _has_plan(getattr(model, "_tp_plan", None)):
+        return _Verdict(True)
+    return _Verdict(
+        False,
+        "it has no tensor-parallel plan (`_tp_plan` is missing or empty) and declares no capabilities",
+        "set tp_size=1, or give the model a non-empty `_tp_plan`",
+    )
+
+
+def _decide_pp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:
+    if declared is not None:
+        return _veto(declared, "supports_pp", "pp") or _Verdict(True)
+    if _has_plan(getattr(model, "_pp_plan", None)) or _is_moe(model):
+        return _Verdict(True)
+    return _Verdict(
+        False,
+        "it has no pipeline plan (`_pp_plan` is missing or empty) and declares no capabilities",
+        "set pp_size=1, or give the model a non-empty `_pp_plan`",
+    )
+
+
+def _decide_ep(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:
+    if declared is not None:
+        return _veto(declared, "supports_ep", "ep") or _Verdict(True)
+    if _is_moe(model):
+        return _Verdict(True)
+    return _Verdict(
+        False,
+        "expert parallelism needs a mixture-of-experts model, and the class does not set `_am_is_moe = True`",
+        "set ep_size=1",
+    )
+
+
+def _decide_cp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:
+    vetoed = _veto(declared, "supports_cp", "cp")
+    if vetoed is not None:
+        return vetoed
+    if getattr(model, "_owns_cp_attention", False) is True:
+        return _Verdict(True)
+    attn = _attn_backend(model)
+    hybrid = is_hybrid_model(model)
+    if _has_backend(model):
+        own_backends = _tuple_attr(model, "_cp_attn_backends")
+        if own_backends is not None:
+            allowed = own_backends
+        elif hybrid or getattr(model, "_supports_cp_sdpa", False) is True:
+            allowed = (_TE, "sdpa")
+        else:
+            allowed = (_TE, _MAGI)
+        if attn in allowed or (_TE in allowed and _uses_te_attention(model)):
+            return _Verdict(True)
+        kind = "hybrid model" if hybrid and own_backends is None else "model"
+        return _Verdict(
+            False,
+            f"this {kind} runs context-parallel attention only with backend.attn in {list(allowed)}, got {attn!r}",
+            f"set cp_size=1, or set backend.attn to one of {list(allowed)}",
+        )
+    if hybrid:
+        return _Verdict(
+            False,
+            "it is a hybrid model with Mamba/SSM layers, and its implementation has no context-parallel path "
+            "for them (no `backend` and no `_owns_cp_attention`)",
+            "set cp_size=1, or use an implementation that owns its CP (e.g. am-models-nemotron)",
+        )
+    if getattr(model, "_supports_sdpa", None) is True:
+        return _Verdict(True)
+    return _Verdict(
+        False,
+        "it declares neither `_supports_sdpa = True` (ring attention over SDPA) nor `_owns_cp_attention`",
+        "set cp_size=1, or use a model with SDPA attention",
+    )
+
+
+def _has_packing_attention(model: nn.Module) -> bool:
+    attn = _attn_backend(model)
+    packed_cp = _tuple_attr(model, "_packed_cp_attn_backends") or ()
+    return (
+        getattr(model, "_supports_sdpa", None) is True
+        or _uses_te_attention(model)
+        or _uses_magi_attention(model)
+        or (attn is not None and attn in packed_cp)
+        or getattr(model, "_owns_packed_attention", False) is True
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# ModelSupports
+# --------------------------------------------------------------------------------------------------------------
+
+
+class ModelSupports:
+    """Capability flags of one live model, optionally for a given mesh.
+
+    Holds the model through a weak reference (a model does not keep itself alive through its own
+    ``supports``); every flag is recomputed on access, so it follows live changes such as ``backend.attn`` or
+    ``mtp_config.enabled``.
+
+    Args:
+        model: the model instance.
+        mesh: ``None``, a ``MeshContext``, a ``DeviceMesh`` with named dims, or any object with
+            ``<axis>_size`` attributes. Only needed for the mesh-dependent flags.
+
+    Raises:
+        ValueError: the mesh has invalid sizes.
+        ReferenceError: (on attribute access) the model has been garbage-collected.
+    """
+
+    __slots__ = ("__weakref__", "_mesh", "_model_cls", "_model_ref")
+
+    _FLAGS: tuple[str, ...] = (
+        "supports_tp",
+        "supports_pp",
+        "supports_cp",
+        "supports_ep",
+        "supports_sequence_packing",
+        "supports_cp_with_sequence_packing",
+        "supports_thd",
+        "supports_mtp_cp",
+        "supports_mtp_cp_pp",
+        "supports_cp_vision_frame_sharding",
+        "supports_gradient_checkpointing",
+        "supports_generate",
+        "mtp_enabled",
+        "is_custom_model",
+    )
+
+    def __init__(self, model: nn.Module, mesh: Any = None) -> None:
+        self._model_ref: weakref.ref[nn.Module] = weakref.ref(model)
+        self._model_cls: type = type(model)
+        self._mesh: MeshContext | None = None if mesh is None else MeshContext.from_mesh(mesh)
+
+    # ---- plumbing --------------------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> nn.Module:
+        """The model these flags describe."""
+        model = self._model_ref()
+        if model is None:
+            raise ReferenceError(
+                f"ModelSupports: the {self._model_cls.__name__} it describes has been garbage-collected; "
+                "keep a reference to the model while using its capabilities."
+            )
+        return model
+
+    def describes(self, model: nn.Module) -> bool:
+        """Whether this object describes exactly ``model`` (not a copy of it)."""
+        return self._model_ref() is model
+
+    @property
+    def mesh(self) -> MeshContext | None:
+        return self._mesh
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self._mesh is None else self._mesh.tp_size
+
+    @property
+    def pp_size(self) -> int:
+        return 1 if self._mesh is None else self._mesh.pp_size
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self._mesh is None else self._mesh.cp_size
+
+    @property
+    def ep_size(self) -> int:
+        return 1 if self._mesh is None else self._mesh.ep_size
+
+    @property
+    def declared_capabilities(self) -> ModelCapabilities | None:
+        """The class's capability declaration for this model's config, or ``None`` if it declares none."""
+        return _declared(self.model)
+
+    # ---- parallel axes ---------------------------------------------------------------------------------------
+
+    @property
+    def supports_tp(self) -> bool:
+        """Declared, or a non-empty ``_tp_plan``."""
+        model = self.model
+        return _decide_tp(model, _declared(model)).ok
+
+    @property
+    def supports_pp(self) -> bool:
+        """Declared, or a non-empty ``_pp_plan``, or an MoE model (``_am_is_moe``) that pipelines itself."""
+        model = self.model
+        return _decide_pp(model, _declared(model)).ok
+
+    @property
+    def supports_cp(self) -> bool:
+        """Not vetoed by a declaration, and a CP-capable attention path (see ``_decide_cp``)."""
+        model = self.model
+        return _decide_cp(model, _declared(model)).ok
+
+    @property
+    def supports_ep(self) -> bool:
+        """Declared, or an MoE model (``_am_is_moe = True``)."""
+        model = self.model
+        return _decide_ep(model, _declared(model)).ok
+
+    # Aliases kept for upstream API parity.
+    supports_tp_plan = supports_tp
+    supports_pp_plan = supports_pp
+
+    # ---- declared-only flags ---------------------------------------------------------------------------------
+
+    def _declared_flag(self, name: str) -> bool:
+        declared = _declared(self.model)
+        return declared is not None and bool(getattr(declared, name))
+
+    @property
+    def supports_thd(self) -> bool:
+        return self._declared_flag("supports_thd")
+
+    @property
+    def supports_mtp_cp(self) -> bool:
+        return self._declared_flag("supports_mtp_cp")
+
+    @property
+    def supports_mtp_cp_pp(self) -> bool:
+        return self._declared_flag("supports_mtp_cp_pp")
+
+    @property
+    def supports_cp_vision_frame_sharding(self) -> bool:
+        return self._declared_flag("supports_cp_vision_frame_sharding")
+
+    # ---- sequence packing ------------------------------------------------------------------------------------
+
+    @property
+    def supports_sequence_packing(self) -> bool:
+        """``forward`` takes ``seq_lens`` (or ``**kwargs``) and the attention path handles packed sequences.
+
+        A hybrid model without a ``backend`` (the HuggingFace implementation) is excluded: its Mamba scan does
+        not reset state at document boundaries, so packed documents would leak into each other.
+        """
+        model = self.model
+        if not _supports_seq_lens(model) or not _has_packing_attention(model):
+            return False
+        return (
+            _has_backend(model)
+            or getattr(model, "_owns_packed_attention", False) is True
+            or not (is_hybrid_model(model))
+        )
+
+    @property
+    def supports_cp_with_sequence_packing(self) -> bool:
+        """Packing under this mesh's CP size: trivially when ``cp_size <= 1``, else a packed-CP attention path."""
+        if not self.supports_sequence_packing:
+            return False
+        if self.cp_size <= 1:
+            return True
+        model = self.model
+        packed_cp = _tuple_attr(model, "_packed_cp_attn_backends")
+        if packed_cp is not None:
+            return _supports_seq_lens(model) and _attn_backend(model) in packed_cp
+        if getattr(model, "_owns_cp_attention", False) is True:
+            return True
+        return _uses_te_attention(model) or _uses_magi_attention(model)
+
+    # ---- training / inference features -----------------------------------------------------------------------
+
+    @property
+    def supports_gradient_checkpointing(self) -> bool:
+        """False for an MoE model when ``ep_size > 1``; otherwise the first plain class-level
+        ``supports_gradient_checkpointing`` value in the MRO decides (properties and methods skipped)."""
+        model = self.model
+        if self.ep_size > 1 and _decide_ep(model, _declared(model)).ok:
+            return False
+        return _plain_class_value(type(model), "supports_gradient_checkpointing") is True
+
+    @property
+    def supports_generate(self) -> bool:
+        return callable(getattr(self.model, "generate", None))
+
+    @property
+    def mtp_enabled(self) -> bool:
+        """Live value of ``model.mtp_config.enabled`` (False without an MTP config)."""
+        return getattr(getattr(self.model, "mtp_config", None), "enabled", False) is True
+
+    @property
+    def is_custom_model(self) -> bool:
+        """Whether the model class (or a base) is registered as a custom model (entry point or register_model)."""
+        return is_registered_model_class(self._model_cls)
+
+    # ---- copying / printing ----------------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        if self._model_ref() is None:
+            return f"ModelSupports({self._model_cls.__name__}, <model garbage-collected>)"
+        flags = ", ".join(f"{_short(name)}={getattr(self, name)}" for name in self._FLAGS)
+        mesh = "" if self._mesh is None else f", mesh={self._mesh}"
+        return f"ModelSupports({self._model_cls.__name__}: {flags}{mesh})"
+
+    def __copy__(self) -> ModelSupports:
+        return self._clone()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModelSupports:
+        # A weak reference cannot be deep-copied meaningfully: the copy still describes the same model.
+        # Copies of an attached model rebuild their own ModelSupports (see validation.attach...).
+        return self._clone()
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "ModelSupports holds a weak reference to its model and cannot be pickled; pickle the model "
+            "(an attached model rebuilds its ModelSupports after unpickling)."
+        )
+
+    def _clone(self) -> ModelSupports:
+        clone = ModelSupports.__new__(ModelSupports)
+        clone._model_ref = self._model_ref
+        clone._model_cls = self._model_cls
+        clone._mesh = self._mesh
+        return clone
+
+
+def _short(name: str) -> str:
+    return name.removeprefix("supports_")
+
+
+# Names ``attach_capabilities_and_validate`` forwards from the model to its ``supports`` object.
+FORWARDED_FLAGS: tuple[str, ...] = tuple(
+    name for name in dir(ModelSupports) if name.startswith("supports_") or name == "is_custom_model"
+)
+
+_decide: dict[str, Callable[[nn.Module, ModelCapabilities | None], _Verdict]] = {
+    "tp": _decide_tp,
+    "pp": _decide_pp,
+    "cp": _decide_cp,
+    "ep": _decide_ep,
+}

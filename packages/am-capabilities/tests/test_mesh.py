@@ -1,0 +1,282 @@
+"""MeshContext and mesh reading: attribute meshes in-process, and real ``DeviceMesh`` objects on a 4-rank gloo
+group spawned once for this module (every distributed case runs inside that one launch)."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import math
+import multiprocessing
+import pickle
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import torch.nn as nn
+
+from am_capabilities import MeshContext, attach_capabilities_and_validate, read_mesh_sizes, validate_for_mesh
+
+WORLD_SIZE = 4
+# Generous: four ranks import torch concurrently on two cores; a hung rank must fail the test, not the suite.
+LAUNCH_TIMEOUT_S = 120.0
+
+
+class _Index:
+    """An integer-like scalar (as numpy / 0-d integer tensors are) that is not an ``int``."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MeshContext and attribute meshes
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_mesh_context_defaults_are_one_and_world_size_is_the_product():
+    assert MeshContext() == MeshContext(tp_size=1, pp_size=1, cp_size=1, ep_size=1, dp_size=1)
+    mesh = MeshContext(tp_size=2, pp_size=3, cp_size=1, ep_size=2, dp_size=5)
+    assert mesh.world_size == 2 * 3 * 1 * 2 * 5
+
+
+def test_mesh_context_is_frozen_hashable_and_picklable():
+    mesh = MeshContext(tp_size=2, dp_size=4)
+    with pytest.raises(AttributeError):
+        mesh.tp_size = 4  # type: ignore[misc]
+    assert {mesh: 1}[MeshContext(tp_size=2, dp_size=4)] == 1
+    assert pickle.loads(pickle.dumps(mesh)) == mesh
+    assert copy.deepcopy(mesh) == mesh
+
+
+def test_mesh_context_lists_every_invalid_size():
+    with pytest.raises(ValueError, match="Invalid MeshContext") as info:
+        MeshContext(tp_size=0, pp_size=2.5, cp_size=True, ep_size="2", dp_size=-1)  # type: ignore[arg-type]
+    lines = str(info.value).splitlines()[1:]
+    assert len(lines) == 5
+    for axis, shown in [("tp", "tp_size=0"), ("pp", "pp_size=2.5"), ("cp", "cp_size=True"), ("ep", "ep_size='2'")]:
+        assert any(line.strip().startswith(f"- {shown}:") and f"{axis}_size" in line for line in lines), axis
+    assert any("dp_size=-1" in line and ">= 1" in line for line in lines)
+
+
+def test_mesh_context_normalises_integer_like_scalars():
+    mesh = MeshContext(tp_size=_Index(2))  # type: ignore[arg-type]
+    assert mesh.tp_size == 2
+    assert type(mesh.tp_size) is int
+
+
+def test_read_mesh_sizes_treats_missing_and_none_attributes_as_one():
+    sizes, problems = read_mesh_sizes(SimpleNamespace(pp_size=2, cp_size=None))
+    assert problems == []
+    assert sizes == {"tp": 1, "pp": 2, "cp": 1, "ep": 1, "dp": 1}
+
+
+def test_read_mesh_sizes_collects_problems_and_keeps_reading():
+    sizes, problems = read_mesh_sizes(SimpleNamespace(tp_size=0, pp_size=4, cp_size=2.0))
+    assert sizes["pp"] == 4
+    assert sizes["tp"] == 1
+    assert sizes["cp"] == 1
+    assert len(problems) == 2
+    assert "write cp_size=2 as an int" in problems[1]
+
+
+def test_from_mesh_accepts_context_and_attribute_objects():
+    context = MeshContext(cp_size=2)
+    assert MeshContext.from_mesh(context) is context
+    assert MeshContext.from_mesh(SimpleNamespace(ep_size=4, dp_size=2)) == MeshContext(ep_size=4, dp_size=2)
+    with pytest.raises(ValueError, match="tp_size=0"):
+        MeshContext.from_mesh(SimpleNamespace(tp_size=0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Real DeviceMesh cases (4 gloo ranks, one launch)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _PlainModule(nn.Module):
+    """No plans, no backend, no SDPA flag: supports nothing but data parallelism."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+
+def _mesh_fields(context: MeshContext) -> dict[str, int]:
+    return {
+        "tp": context.tp_size,
+        "pp": context.pp_size,
+        "cp": context.cp_size,
+        "ep": context.ep_size,
+        "dp": context.dp_size,
+    }
+
+
+def _distributed_cases() -> dict[str, Any]:
+    """Run on every rank; returns {case name: result or ('error', message)}."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    results: dict[str, Any] = {}
+
+    def case(name: str, fn: Any) -> None:
+        try:
+            results[name] = fn()
+        except Exception as exc:
+            results[name] = ("error", type(exc).__name__, str(exc))
+
+    pp_dp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    cp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    hsdp_ep = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "ep"))
+    unnamed = init_device_mesh("cpu", (2, 2))
+    custom_names = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tensor"))
+
+    case("pp_dp", lambda: _mesh_fields(MeshContext.from_device_mesh(pp_dp)))
+    case("cp_tp", lambda: _mesh_fields(MeshContext.from_device_mesh(cp_tp)))
+    case("hsdp_ep", lambda: _mesh_fields(MeshContext.from_device_mesh(hsdp_ep)))
+    case("submesh_tp", lambda: _mesh_fields(MeshContext.from_device_mesh(cp_tp["tp"])))
+    case("from_mesh_dispatch", lambda: _mesh_fields(MeshContext.from_mesh(pp_dp)))
+    case("unnamed", lambda: _mesh_fields(MeshContext.from_device_mesh(unnamed)))
+    case("unknown_names", lambda: _mesh_fields(MeshContext.from_device_mesh(custom_names)))
+    case(
+        "aliases",
+        lambda: _mesh_fields(MeshContext.from_device_mesh(custom_names, aliases={"fsdp": "dp", "tensor": "tp"})),
+    )
+    case("validate_pp_dp", lambda: validate_for_mesh(_PlainModule(), pp_dp))
+    case("validate_cp_tp", lambda: validate_for_mesh(_PlainModule(), cp_tp))
+    case(
+        "validate_dp_only",
+        lambda: validate_for_mesh(_PlainModule(), init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))),
+    )
+
+    def attach_and_copy() -> dict[str, Any]:
+        model = _PlainModule()
+        model._pp_plan = {"linear": (["x"], ["x"])}  # make PP legal for this instance
+        attach_capabilities_and_validate(model, pp_dp)
+        clone = copy.deepcopy(model)
+        return {
+            "pp_size": clone.supports.pp_size,
+            "dp_size": clone.supports.mesh.dp_size,
+            "describes_clone": clone.supports.describes(clone),
+        }
+
+    case("attach_and_copy", attach_and_copy)
+    return results
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    out = Path(out_dir) / f"rank{rank}.pkl"
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=WORLD_SIZE,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        try:
+            payload: Any = {"ok": _distributed_cases()}
+        finally:
+            dist.barrier()
+            dist.destroy_process_group()
+    except Exception:
+        payload = {"crash": traceback.format_exc()}
+    out.write_bytes(pickle.dumps(payload))
+
+
+@pytest.fixture(scope="module")
+def device_mesh_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Launch the 4 ranks once; return each rank's case results (failing loudly on a crash or hang)."""
+    tmp = tmp_path_factory.mktemp("device_mesh")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(rank, str(tmp / "store"), str(tmp))) for rank in range(WORLD_SIZE)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if hung:
+        pytest.fail(f"ranks {hung} did not finish within {LAUNCH_TIMEOUT_S}s")
+    results = []
+    for rank, proc in enumerate(procs):
+        out = tmp / f"rank{rank}.pkl"
+        if not out.exists():
+            pytest.fail(f"rank {rank} exited with code {proc.exitcode} and wrote no result")
+        payload = pickle.loads(out.read_bytes())
+        if "crash" in payload:
+            pytest.fail(f"rank {rank} crashed:\n{payload['crash']}")
+        assert proc.exitcode == 0, f"rank {rank} exit code {proc.exitcode}"
+        results.append(payload["ok"])
+    return results
+
+
+def _case(results: list[dict[str, Any]], name: str) -> Any:
+    """The case's result, checked to be identical on every rank."""
+    values = [rank_results[name] for rank_results in results]
+    assert all(value == values[0] for value in values), f"ranks disagree on {name}: {values}"
+    return values[0]
+
+
+def _sizes(**kw: int) -> dict[str, int]:
+    sizes = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 1}
+    sizes.update(kw)
+    return sizes
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("pp_dp", _sizes(pp=2, dp=2)),
+        ("cp_tp", _sizes(cp=2, tp=2)),
+        ("hsdp_ep", _sizes(dp=1 * 2, ep=2)),
+        ("submesh_tp", _sizes(tp=2)),
+        ("from_mesh_dispatch", _sizes(pp=2, dp=2)),
+        ("aliases", _sizes(dp=2, tp=2)),
+    ],
+)
+def test_from_device_mesh_reads_sizes_by_dimension_name(device_mesh_results, name, expected):
+    result = _case(device_mesh_results, name)
+    assert result == expected
+    assert math.prod(result.values()) in (1, 2, WORLD_SIZE)  # a sub-mesh covers part of the world
+
+
+def test_from_device_mesh_rejects_unnamed_mesh(device_mesh_results):
+    kind, error_type, message = _case(device_mesh_results, "unnamed")
+    assert (kind, error_type) == ("error", "ValueError")
+    assert "no dimension names" in message
+    assert "mesh_dim_names" in message
+
+
+def test_from_device_mesh_lists_unknown_dimension_names(device_mesh_results):
+    kind, error_type, message = _case(device_mesh_results, "unknown_names")
+    assert (kind, error_type) == ("error", "ValueError")
+    assert "['fsdp', 'tensor']" in message
+    assert "aliases" in message
+
+
+def test_validate_for_mesh_reads_a_device_mesh(device_mesh_results):
+    kind, error_type, message = _case(device_mesh_results, "validate_pp_dp")
+    assert (kind, error_type) == ("error", "ValueError")
+    assert "pp_size=2" in message
+    assert "dp_size" not in message
+
+    kind, error_type, message = _case(device_mesh_results, "validate_cp_tp")
+    assert (kind, error_type) == ("error", "ValueError")
+    assert "tp_size=2" in message
+    assert "cp_size=2" in message
+    assert "(2 problems)" in message
+
+    assert _case(device_mesh_results, "validate_dp_only") is None
+
+
+def test_attached_model_on_device_mesh_survives_deepcopy(device_mesh_results):
+    assert _case(device_mesh_results, "attach_and_copy") == {"pp_size": 2, "dp_size": 2, "describes_clone": True}

@@ -1,0 +1,318 @@
+"""``validate_for_mesh`` (every problem reported at once, one actionable line each) and
+``attach_capabilities_and_validate`` (class swap, idempotence, deep copies and pickling)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import itertools
+import pickle
+import re
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import pytest
+import torch
+import torch.nn as nn
+
+from am_capabilities import MeshContext, ModelSupports, attach_capabilities_and_validate, validate_for_mesh
+
+
+class Plain(nn.Module):
+    """Supports no model-side parallelism at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class HybridCustom(Plain):
+    def __init__(self, attn: str) -> None:
+        super().__init__()
+        self.backend = SimpleNamespace(attn=attn)
+        self.config = SimpleNamespace(layers_block_type=["mamba", "attention"])
+
+
+class DeclaredMoE(Plain):
+    """Upstream's Gemma4-MoE shape: an MoE model that declares PP unsupported."""
+
+    _am_is_moe = True
+    _owns_cp_attention = True
+
+    class ModelCapabilities:
+        supports_ep = True
+        supports_cp = True
+
+
+class Everything(Plain):
+    _am_is_moe = True
+    _tp_plan: ClassVar[dict[str, str]] = {"proj": "colwise"}
+    _owns_cp_attention = True
+
+
+def _problems(error: pytest.ExceptionInfo[ValueError]) -> list[str]:
+    lines = str(error.value).splitlines()
+    assert all(line.startswith("  - ") for line in lines[1:])
+    return [line[4:] for line in lines[1:]]
+
+
+# ================================================================================================================
+# validate_for_mesh
+# ================================================================================================================
+
+
+def test_none_mesh_is_a_no_op():
+    assert validate_for_mesh(Plain(), None) is None
+
+
+@pytest.mark.parametrize(
+    "mesh", [MeshContext(), SimpleNamespace(), SimpleNamespace(tp_size=1, pp_size=1, cp_size=1, ep_size=1, dp_size=8)]
+)
+def test_size_one_axes_never_fail(mesh):
+    validate_for_mesh(Plain(), mesh)
+
+
+@pytest.mark.parametrize(
+    ("axis", "pattern"),
+    [
+        ("tp", r"^tp_size=2: Plain cannot use tensor parallelism: .*`_tp_plan`.*\. Fix: set tp_size=1"),
+        ("pp", r"^pp_size=2: Plain cannot use pipeline parallelism: .*`_pp_plan`.*\. Fix: set pp_size=1"),
+        ("cp", r"^cp_size=2: Plain cannot use context parallelism: .*_supports_sdpa.*\. Fix: set cp_size=1"),
+        ("ep", r"^ep_size=2: Plain cannot use expert parallelism: .*_am_is_moe.*\. Fix: set ep_size=1"),
+    ],
+)
+def test_each_axis_error_names_axis_size_reason_and_fix(axis, pattern):
+    with pytest.raises(ValueError, match=r"^Unsupported mesh for Plain \(1 problem\):") as info:
+        validate_for_mesh(Plain(), SimpleNamespace(**{f"{axis}_size": 2}))
+    (problem,) = _problems(info)
+    assert re.search(pattern, problem), problem
+
+
+def test_every_violation_is_reported_at_once():
+    mesh = SimpleNamespace(tp_size=2, pp_size=4, cp_size=2, ep_size=8, dp_size=0)
+    with pytest.raises(ValueError, match=r"\(5 problems\)") as info:
+        validate_for_mesh(Plain(), mesh)
+    problems = _problems(info)
+    assert [p.split(":")[0] for p in problems] == ["dp_size=0", "tp_size=2", "pp_size=4", "cp_size=2", "ep_size=8"]
+
+
+def test_invalid_sizes_are_listed_with_capability_problems():
+    mesh = SimpleNamespace(tp_size=0, pp_size=2.0, cp_size=2, ep_size="1")
+    with pytest.raises(ValueError, match=r"^Unsupported mesh for ") as info:
+        validate_for_mesh(Plain(), mesh)
+    problems = _problems(info)
+    assert len(problems) == 4
+    assert problems[0].startswith("tp_size=0: sizes must be >= 1. Fix:")
+    assert problems[1].startswith("pp_size=2.0:")
+    assert "write pp_size=2 as an int" in problems[1]
+    assert problems[2].startswith("ep_size='1':")  # a string is wrong even when it spells 1
+    assert problems[3].startswith("cp_size=2: Plain cannot use context parallelism")
+
+
+def test_supported_mesh_passes():
+    validate_for_mesh(Everything(), MeshContext(tp_size=2, pp_size=2, cp_size=2, ep_size=2, dp_size=2))
+
+
+def test_hybrid_cp_messages_depend_on_backend(tiny_nemotron_h):
+    with pytest.raises(ValueError, match=r"^Unsupported mesh for ") as info:
+        validate_for_mesh(HybridCustom("flex"), MeshContext(cp_size=2))
+    (problem,) = _problems(info)
+    assert "hybrid model" in problem
+    assert "['te', 'sdpa']" in problem
+    assert "got 'flex'" in problem
+    validate_for_mesh(HybridCustom("sdpa"), MeshContext(cp_size=2))
+
+    hf_model = tiny_nemotron_h(layers_block_type=["linear_attention", "full_attention"])
+    with pytest.raises(ValueError, match=r"^Unsupported mesh for ") as info:
+        validate_for_mesh(hf_model, MeshContext(cp_size=2))
+    (problem,) = _problems(info)
+    assert problem.startswith("cp_size=2: NemotronHForCausalLM cannot use context parallelism")
+    assert "Mamba/SSM" in problem
+
+
+def test_real_hf_models_on_a_full_mesh(tiny_llama, tiny_nemotron_h):
+    mesh = MeshContext(tp_size=2, pp_size=2, cp_size=2, ep_size=1, dp_size=2)
+    validate_for_mesh(tiny_llama(), mesh)
+    with pytest.raises(ValueError, match=r"^Unsupported mesh for ") as info:
+        validate_for_mesh(tiny_nemotron_h(hybrid_override_pattern="M*"), mesh)
+    assert [p.split(":")[0] for p in _problems(info)] == ["pp_size=2", "cp_size=2"]
+
+
+def test_declared_capabilities_and_validator_agree():
+    """The upstream disagreement: an MoE model declaring pp=False must be rejected for PP."""
+    model = DeclaredMoE()
+    assert not ModelSupports(model).supports_pp
+    with pytest.raises(ValueError, match=r"^Unsupported mesh for ") as info:
+        validate_for_mesh(model, MeshContext(pp_size=2, ep_size=2, cp_size=2))
+    (problem,) = _problems(info)
+    assert problem.startswith("pp_size=2:")
+    assert "supports_pp=False" in problem
+
+
+_MODELS = {
+    "plain": Plain,
+    "everything": Everything,
+    "declared_moe": DeclaredMoE,
+    "hybrid_flex": lambda: HybridCustom("flex"),
+    "hybrid_te": lambda: HybridCustom("te"),
+}
+
+
+@pytest.mark.parametrize(("name", "axis"), list(itertools.product(_MODELS, ("tp", "pp", "cp", "ep"))))
+def test_validator_rejects_exactly_what_model_supports_denies(name, axis):
+    model = _MODELS[name]()
+    supported = getattr(ModelSupports(model), f"supports_{axis}")
+    mesh = SimpleNamespace(**{f"{axis}_size": 2})
+    if supported:
+        validate_for_mesh(model, mesh)
+    else:
+        with pytest.raises(ValueError, match=f"{axis}_size=2"):
+            validate_for_mesh(model, mesh)
+
+
+# ================================================================================================================
+# attach_capabilities_and_validate
+# ================================================================================================================
+
+
+def test_attach_preserves_identity_of_the_class(tiny_llama):
+    model = tiny_llama()
+    original = type(model)
+    assert attach_capabilities_and_validate(model, MeshContext(tp_size=2)) is model
+    attached = type(model)
+    assert attached is not original
+    assert issubclass(attached, original)
+    assert isinstance(model, original)
+    assert (attached.__name__, attached.__qualname__, attached.__module__) == (
+        original.__name__,
+        original.__qualname__,
+        original.__module__,
+    )
+
+
+def test_attach_is_idempotent_and_caches_the_subclass():
+    first, second = Plain(), Plain()
+    attach_capabilities_and_validate(first)
+    attached = type(first)
+    attach_capabilities_and_validate(first)
+    attach_capabilities_and_validate(second)
+    assert type(first) is attached
+    assert type(second) is attached
+    assert attached.__mro__[1] is Plain  # wrapped once, not twice
+
+
+def test_attach_validates_and_leaves_a_rejected_model_untouched():
+    model = Plain()
+    with pytest.raises(ValueError, match="tp_size=2"):
+        attach_capabilities_and_validate(model, MeshContext(tp_size=2))
+    assert type(model) is Plain
+    assert not hasattr(model, "supports")
+
+
+def test_reattach_updates_the_mesh():
+    model = Everything()
+    attach_capabilities_and_validate(model, MeshContext(ep_size=1))
+    assert model.supports.ep_size == 1
+    attach_capabilities_and_validate(model, SimpleNamespace(ep_size=4))
+    assert model.supports.ep_size == 4
+    assert model.supports.mesh == MeshContext(ep_size=4)
+
+
+def test_forwarding_properties_and_model_owned_names(tiny_llama):
+    custom = attach_capabilities_and_validate(Everything())
+    assert custom.supports_tp
+    assert custom.supports_ep
+    assert custom.supports_cp
+    assert not custom.is_custom_model
+    assert custom.supports_tp_plan
+    assert not custom.supports_thd
+
+    model = tiny_llama()
+    hf_value = type(model).supports_gradient_checkpointing
+    attach_capabilities_and_validate(model, MeshContext(ep_size=1))
+    # HF's own class attribute is not shadowed; ours is on model.supports.
+    assert "supports_gradient_checkpointing" not in vars(type(model))
+    assert model.supports_gradient_checkpointing is hf_value
+    assert model.supports.supports_gradient_checkpointing is True
+    assert model.supports_cp is True
+    assert model.supports_sequence_packing is True
+
+
+def test_model_with_its_own_supports_attribute_is_refused():
+    class OwnSupports(Plain):
+        supports = "mine"
+
+    with pytest.raises(TypeError, match="already defines 'supports'"):
+        attach_capabilities_and_validate(OwnSupports())
+
+
+def test_supports_is_cached_and_weak():
+    model = attach_capabilities_and_validate(Plain())
+    assert model.supports is model.supports
+    assert model.supports.describes(model)
+
+
+def test_deep_copy_gets_its_own_supports(tiny_llama):
+    """PP stages are deep copies of the model: each copy must describe itself, even after the original is gone."""
+    model = tiny_llama()
+    attach_capabilities_and_validate(model, MeshContext(pp_size=2))
+    _ = model.supports  # build it on the original first
+    stage = copy.deepcopy(model)
+    assert type(stage) is type(model)
+    assert stage.supports is not model.supports
+    assert stage.supports.describes(stage)
+    assert stage.supports.pp_size == 2
+    assert model.supports.describes(model)
+    del model
+    gc.collect()
+    assert stage.supports_pp
+    assert stage.supports.supports_cp
+    tokens = torch.randint(0, 64, (1, 4))
+    assert stage(tokens).logits.shape == (1, 4, 64)
+
+
+def test_stale_weak_reference_is_rebuilt():
+    """Whatever copies the instance dict (here a further dynamic wrapper's default reduction), ``supports``
+    notices that it describes another object and rebuilds."""
+    model = attach_capabilities_and_validate(Plain(), MeshContext(dp_size=2))
+    original_supports = model.supports
+    wrapper = type("FSDPPlain", (nn.Module,), {})  # stands in for FSDP's dynamic class on top of ours
+    model.__class__ = type("FSDPPlain", (wrapper, type(model)), {})
+    clone = copy.deepcopy(model)
+    assert clone.__dict__["_am_capabilities_supports"] is not None  # the stale one was copied...
+    assert not clone.__dict__["_am_capabilities_supports"].describes(clone)
+    assert clone.supports.describes(clone)  # ...and is replaced on access
+    assert clone.supports.mesh == MeshContext(dp_size=2)
+    assert model.supports is original_supports
+
+
+def test_deep_copy_keeps_shared_submodules_shared():
+    model = Plain()
+    model.alias = model.proj  # two names, one module
+    attach_capabilities_and_validate(model)
+    clone = copy.deepcopy(model)
+    assert clone.alias is clone.proj
+    assert clone.proj is not model.proj
+
+
+def test_pickle_round_trip_restores_an_attached_model(tiny_llama):
+    model = tiny_llama()
+    attach_capabilities_and_validate(model, MeshContext(tp_size=2))
+    _ = model.supports
+    restored = pickle.loads(pickle.dumps(model))
+    assert type(restored) is type(model)
+    assert restored.supports.describes(restored)
+    assert restored.supports.tp_size == 2
+    tokens = torch.randint(0, 64, (1, 5))
+    torch.testing.assert_close(restored(tokens).logits, model(tokens).logits, rtol=0, atol=0)
+
+
+def test_pickled_bytes_reference_the_original_class_only():
+    model = attach_capabilities_and_validate(Plain())
+    payload = pickle.dumps(model)
+    restored: Any = pickle.loads(payload)
+    assert type(restored).__mro__[1] is Plain
+    assert b"ModelSupports" not in payload  # the weak reference never travels
