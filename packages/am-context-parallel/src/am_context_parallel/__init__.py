@@ -1,1 +1,80 @@
-"""Sequence sharding and ring attention for context parallelism."""
+"""Sequence sharding and ring attention for context parallelism (CP), in plain PyTorch.
+
+Layouts (`layouts`), batch sharding with upstream's padding semantics (`batch`), THD conversion (`thd`), the ring
+attention over point-to-point sends (`ring`, with pluggable per-chunk `kernels`), the context that routes attention
+to the ring (`context`, `hf`) and the loss/gradient reduction of a CP step (`training`).
+Importing this package never imports transformers, transformer_engine or flash_attn.
+"""
+
+from __future__ import annotations
+
+from am_context_parallel.batch import (
+    _synthesize_single_document_seq_ids,
+    make_contiguous_shard_cp_batch_and_ctx,
+    make_cp_batch_and_ctx,
+    make_cp_batch_for_te,
+)
+from am_context_parallel.context import RingAttentionContext, current_ring_context
+from am_context_parallel.hf import (
+    RING_ATTENTION_NAME,
+    hf_ring_attention_forward,
+    register_ring_attention,
+    routed_hf_attention,
+)
+from am_context_parallel.kernels import (
+    AttentionKernel,
+    FlashCPUAttentionKernel,
+    TorchAttentionKernel,
+    merge_partial_attention,
+    select_kernel,
+)
+from am_context_parallel.layouts import (
+    ContiguousLayout,
+    IdentityLayout,
+    Layout,
+    LoadBalancedLayout,
+    PackedLayout,
+    pad_sequence_dim,
+)
+from am_context_parallel.ring import RingCommStats, count_ring_bytes, ring_attention, ring_plan
+from am_context_parallel.thd import process_input_for_thd, split_batch_into_thd_chunks
+from am_context_parallel.training import all_reduce_cp_gradients, cp_token_mean_loss
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # layouts
+    "ContiguousLayout",
+    "IdentityLayout",
+    "Layout",
+    "LoadBalancedLayout",
+    "PackedLayout",
+    "pad_sequence_dim",
+    # batch sharding (upstream names)
+    "_synthesize_single_document_seq_ids",
+    "make_contiguous_shard_cp_batch_and_ctx",
+    "make_cp_batch_and_ctx",
+    "make_cp_batch_for_te",
+    "process_input_for_thd",
+    "split_batch_into_thd_chunks",
+    # ring attention
+    "AttentionKernel",
+    "FlashCPUAttentionKernel",
+    "RingCommStats",
+    "TorchAttentionKernel",
+    "count_ring_bytes",
+    "merge_partial_attention",
+    "ring_attention",
+    "ring_plan",
+    "select_kernel",
+    # attention context and HF integration
+    "RING_ATTENTION_NAME",
+    "RingAttentionContext",
+    "current_ring_context",
+    "hf_ring_attention_forward",
+    "register_ring_attention",
+    "routed_hf_attention",
+    # training step
+    "all_reduce_cp_gradients",
+    "cp_token_mean_loss",
+]

@@ -1,0 +1,423 @@
+"""Shard a training batch over the CP group: padding semantics, layouts, and the attention context.
+
+What it is for: the upstream entry points `make_cp_batch_and_ctx` (model hook > THD > identity > load-balanced) and
+`make_contiguous_shard_cp_batch_and_ctx` (the model-owned contiguous shard), plus `make_cp_batch_for_te` and
+`_synthesize_single_document_seq_ids`. Every input problem is reported at once, before anything is changed.
+What it must not do: shard in place (torch's experimental `context_parallel` resizes buffers in place and rejects
+tensors that need grad; we build new tensors and put them in the batch dict), or communicate (the CP rank comes
+from the mesh).
+
+Padding (to a multiple of 2C): input_ids → `padding_token_id`, labels → −100, padding_mask → True,
+attention_mask → False, `_packed_seq_ids` → 0, loss_mask → 0, floats → 0, position_ids continue `last+1, ...`
+(3-D mRoPE position ids `[3, B, S]` carry the sequence on dim 2), model-supplied keys with their own pad values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from am_context_parallel.context import RingAttentionContext
+from am_context_parallel.layouts import ContiguousLayout, Layout, LoadBalancedLayout, PackedLayout
+from am_context_parallel.thd import split_batch_into_thd_chunks
+
+__all__ = [
+    "make_contiguous_shard_cp_batch_and_ctx",
+    "make_cp_batch_and_ctx",
+    "make_cp_batch_for_te",
+]
+
+ContextFactory = Callable[[], contextlib.AbstractContextManager[Any]]
+
+_PRIMARY_KEYS = ("input_ids", "inputs_embeds")
+
+
+@dataclass(frozen=True)
+class _SeqKey:
+    seq_dim: int
+    batch_dim: int
+    pad_value: Any
+
+
+def _sub_mesh(device_mesh: Any, name: str) -> Any:
+    names = getattr(device_mesh, "mesh_dim_names", None) or ()
+    return device_mesh[name] if device_mesh is not None and name in names else None
+
+
+def _cp_rank(cp_mesh: Any) -> int:
+    # The rank INSIDE the CP group, never the global or HSDP coordinate.
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group=cp_mesh.get_group())
+    return int(cp_mesh.get_local_rank())
+
+
+def _default_pad(key: str, tensor: torch.Tensor, padding_token_id: int) -> Any:
+    if key == "input_ids":
+        return padding_token_id
+    if key == "labels":
+        return -100
+    if key == "padding_mask":
+        return True
+    if key == "attention_mask":
+        return False
+    if key == "position_ids":
+        return "continue"
+    return False if tensor.dtype == torch.bool else 0
+
+
+def _position_seq_dim(position_ids: torch.Tensor) -> int:
+    return 2 if position_ids.dim() == 3 else 1
+
+
+def _padding_mask_from_attention_mask(mask: torch.Tensor) -> torch.Tensor:
+    """`[B, S]` True = pad, from a 2-D keep-mask or a 4-D `[B, 1, S, S]` mask (its diagonal)."""
+    if mask.dim() == 4:
+        diagonal = torch.diagonal(mask[:, 0], dim1=-2, dim2=-1)
+        return ~diagonal if diagonal.dtype == torch.bool else diagonal != 0
+    return ~mask.bool()
+
+
+def _synthesize_single_document_seq_ids(batch: dict[str, Any]) -> None:
+    """Add `_packed_seq_ids` `[B, S]` when missing: 1 for real tokens, 0 for padding (or all ones).
+
+    Collators emit `_packed_seq_ids` only for rows with two or more packed documents, but the ring mask always
+    needs document boundaries (0 marks padding that nothing attends to).
+    """
+    if "_packed_seq_ids" in batch:
+        return
+    if "padding_mask" in batch:
+        batch["_packed_seq_ids"] = (~batch["padding_mask"].bool()).long()
+        return
+    primary = batch.get("input_ids", batch.get("inputs_embeds"))
+    if primary is None:
+        return
+    batch["_packed_seq_ids"] = torch.ones(primary.shape[:2], dtype=torch.long, device=primary.device)
+
+
+def _ensure_position_ids(batch: dict[str, Any], primary: torch.Tensor) -> None:
+    b, s = primary.shape[0], primary.shape[1]
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        batch["position_ids"] = torch.arange(s, device=primary.device).unsqueeze(0).expand(b, s).contiguous()
+    elif position_ids.dim() == 2 and position_ids.shape[0] == 1 and b > 1:
+        batch["position_ids"] = position_ids.expand(b, -1).contiguous()
+
+
+def _validate(
+    batch: dict[str, Any],
+    keys: dict[str, _SeqKey],
+    *,
+    needs_labels: bool,
+    extra_missing: list[str],
+) -> None:
+    """Raise one ValueError listing every problem with the batch (nothing has been modified yet)."""
+    problems = []
+    present = [k for k in _PRIMARY_KEYS if batch.get(k) is not None]
+    if len(present) != 1:
+        what = "both" if present else "neither"
+        problems.append(
+            f"context parallelism requires exactly one of 'input_ids' or 'inputs_embeds' in the batch; got {what}"
+        )
+    if needs_labels and batch.get("labels") is None:
+        problems.append(
+            "context parallelism requires 'labels' in the batch (or labels passed as `loss_mask`): the loss is "
+            "computed on the sharded sequence, so labels must be sharded with it"
+        )
+    problems += [f"sequence buffer '{key}' is missing from the batch" for key in extra_missing]
+    if len(present) == 1:
+        reference_key = present[0]
+        reference = batch[reference_key]
+        b, s = reference.shape[0], reference.shape[1] if reference.dim() >= 2 else None
+        if reference.dim() < 2:
+            problems.append(f"'{reference_key}' must be [B, S, ...]; got shape {tuple(reference.shape)}")
+        for key, spec in keys.items():
+            value = batch.get(key)
+            if value is None or s is None:
+                continue
+            if not isinstance(value, torch.Tensor):
+                problems.append(f"'{key}' must be a tensor; got {type(value).__name__}")
+            elif value.dim() <= max(spec.seq_dim, spec.batch_dim):
+                problems.append(
+                    f"'{key}' has shape {tuple(value.shape)} but its sequence dim is {spec.seq_dim}; it needs at "
+                    f"least {max(spec.seq_dim, spec.batch_dim) + 1} dims (fix the declared sequence dim or the tensor)"
+                )
+            else:
+                if value.shape[spec.seq_dim] != s:
+                    problems.append(
+                        f"'{key}' has {value.shape[spec.seq_dim]} tokens on its sequence dim {spec.seq_dim} "
+                        f"(shape {tuple(value.shape)}) but '{reference_key}' has S={s}; every sequence tensor of "
+                        "the batch must have the same length"
+                    )
+                if value.shape[spec.batch_dim] not in (1, b):
+                    problems.append(
+                        f"'{key}' has batch size {value.shape[spec.batch_dim]} on dim {spec.batch_dim} "
+                        f"(shape {tuple(value.shape)}) but '{reference_key}' has B={b}"
+                    )
+    if problems:
+        raise ValueError("cannot shard the batch for context parallelism:\n  - " + "\n  - ".join(problems))
+
+
+def _shard_keys(batch: dict[str, Any], keys: dict[str, _SeqKey], layout: Layout) -> tuple[int, int]:
+    """Pad and shard every key in `keys` (out of place), writing the local tensors back into `batch`."""
+    primary = batch.get("input_ids", batch.get("inputs_embeds"))
+    assert primary is not None
+    seq_len = primary.shape[1]
+    padded_len = layout.padded_length(seq_len)
+    for key, spec in keys.items():
+        if batch.get(key) is not None:
+            batch[key] = layout.shard(batch[key], seq_dim=spec.seq_dim, pad_value=spec.pad_value)
+    return seq_len, padded_len
+
+
+def _doc_ids_for_ring(batch: dict[str, Any], padding_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Full-length `[B, S]` document ids for the ring mask, or None when every token is one real document."""
+    if batch.get("_packed_seq_ids") is not None:
+        return batch["_packed_seq_ids"].long()
+    if padding_mask is not None:
+        return (~padding_mask.bool()).long()
+    return None
+
+
+def make_cp_batch_and_ctx(
+    device_mesh: Any,
+    batch: dict[str, Any],
+    loss_mask: torch.Tensor | None = None,
+    use_te: bool = False,
+    padding_token_id: int = 0,
+    num_chunks: int = 1,
+    seq_lens_padding_value: int = -1000,
+    extra_seq_buffers: list[str] | None = None,
+) -> tuple[ContextFactory, dict[str, Any]]:
+    """Shard `batch` along the sequence for the `cp` dim of `device_mesh`; return `(context_factory, batch)`.
+
+    Resolution order: a model-owned sharder (`batch["_cp_make_batch_fn"]`, popped, called even at C = 1) > THD for
+    Transformer Engine (`use_te`) > identity when C ≤ 1 or there is no `cp` dim (same batch object, unchanged) >
+    the load-balanced head-tail layout.
+
+    Load-balanced path: `attention_mask` is popped (its padding becomes document id 0 for the ring); position_ids
+    are synthesized as `arange(S)` when missing; input_ids/inputs_embeds `[B, S, ...]`, labels, position_ids
+    (`[B, S]` or mRoPE `[3, B, S]`), padding_mask, `_packed_seq_ids`, a `loss_mask` (argument or batch key; the
+    local one is stored in `batch["loss_mask"]`) and every `extra_seq_buffers` key are padded to a multiple of 2C and
+    replaced IN THE DICT by this rank's out-of-place shard (embeddings keep their autograd history). The returned
+    factory is a `RingAttentionContext`: run forward AND backward inside `with ctx():` so attention is a ring
+    over the CP group (HF models dispatching to `sdpa`/`eager` are routed automatically; see `context.py`).
+    The caller must then: compute the loss as a global token mean over the CP group and all-reduce gradients over
+    it (`cp_token_mean_loss`, `all_reduce_cp_gradients`); labels must be ALREADY shifted (label t = token t+1),
+    since a shard cannot see its neighbour's next token; pop `loss_mask` before `model(**batch)`.
+
+    Raises:
+        ValueError: listing every problem (missing labels, both/neither of input_ids/inputs_embeds, sequence tensors
+            of different lengths or with a sequence dim they do not have, missing extra buffers).
+    """
+    cp_mesh, tp_mesh = _sub_mesh(device_mesh, "cp"), _sub_mesh(device_mesh, "tp")
+    model_fn = batch.pop("_cp_make_batch_fn", None)
+    if model_fn is not None:
+        return model_fn(cp_mesh, tp_mesh, batch, loss_mask=loss_mask, padding_token_id=padding_token_id)
+    if use_te:
+        if extra_seq_buffers:
+            raise ValueError(
+                f"extra_seq_buffers {extra_seq_buffers} are not supported by the TE THD context-parallel path; "
+                "convert them to THD yourself or use the default path"
+            )
+        te_batch = make_cp_batch_for_te(
+            cp_mesh,
+            batch,
+            padding_token_id=padding_token_id,
+            num_chunks=num_chunks,
+            seq_lens_padding_value=seq_lens_padding_value,
+        )
+        return contextlib.nullcontext, te_batch
+    cp_size = cp_mesh.size() if cp_mesh is not None else 1
+    if cp_size <= 1:
+        return contextlib.nullcontext, batch
+
+    keys = {
+        "input_ids": _SeqKey(1, 0, padding_token_id),
+        "inputs_embeds": _SeqKey(1, 0, 0),
+        "labels": _SeqKey(1, 0, -100),
+        "padding_mask": _SeqKey(1, 0, True),
+        "_packed_seq_ids": _SeqKey(1, 0, 0),
+        "loss_mask": _SeqKey(1, 0, 0),
+        "attention_mask": _SeqKey(1, 0, False),
+    }
+    if isinstance(batch.get("position_ids"), torch.Tensor):
+        seq_dim = _position_seq_dim(batch["position_ids"])
+        keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
+    extra = list(extra_seq_buffers or [])
+    for key in extra:
+        if isinstance(batch.get(key), torch.Tensor):
+            keys.setdefault(key, _SeqKey(1, 0, _default_pad(key, batch[key], padding_token_id)))
+    if loss_mask is not None:
+        batch["loss_mask"] = loss_mask
+    attention_mask = batch.get("attention_mask")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        keys.pop("attention_mask")  # a 4-D mask is only read for its diagonal below
+    _validate(batch, keys, needs_labels=True, extra_missing=[k for k in extra if k not in batch])
+
+    attention_mask = batch.pop("attention_mask", None)
+    keys.pop("attention_mask")
+    primary = batch.get("input_ids", batch.get("inputs_embeds"))
+    assert primary is not None
+    _ensure_position_ids(batch, primary)
+    seq_dim = _position_seq_dim(batch["position_ids"])
+    keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
+    padding_mask = batch.get("padding_mask")
+    if padding_mask is None and attention_mask is not None:
+        padding_mask = _padding_mask_from_attention_mask(attention_mask)
+    doc_ids = _doc_ids_for_ring(batch, padding_mask)
+
+    layout = LoadBalancedLayout(cp_size=cp_size, cp_rank=_cp_rank(cp_mesh))
+    seq_len, padded_len = _shard_keys(batch, keys, layout)
+    if doc_ids is None and padded_len != seq_len:
+        doc_ids = torch.ones(primary.shape[:2], dtype=torch.long, device=primary.device)
+    local_doc_ids = layout.shard(doc_ids, seq_dim=1, pad_value=0) if doc_ids is not None else None
+    ctx = RingAttentionContext(
+        group=cp_mesh.get_group(),
+        layout=layout,
+        positions=layout.local_indices(padded_len, device=primary.device),
+        doc_ids=local_doc_ids,
+        seq_len=seq_len,
+        padded_len=padded_len,
+    )
+    return ctx, batch
+
+
+def make_contiguous_shard_cp_batch_and_ctx(
+    cp_mesh: Any,
+    tp_mesh: Any,
+    batch: dict[str, Any],
+    loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0,
+) -> tuple[ContextFactory, dict[str, Any]]:
+    """Model-owned contiguous shard: rank r keeps tokens `[r·P/C, (r+1)·P/C)` of every sequence tensor.
+
+    For models that run their own CP attention (they attach this as `batch["_cp_make_batch_fn"]`). Pops
+    `attention_mask` (deriving `padding_mask` from it when missing); synthesizes position_ids and `_packed_seq_ids`
+    (`_synthesize_single_document_seq_ids`); labels come from the batch, else `loss_mask` is promoted to labels.
+    Keys sharded: input_ids, inputs_embeds, labels, position_ids (continuing), padding_mask, `_packed_seq_ids`,
+    mm_token_type_ids, per_layer_inputs (`[B, S, L, H]`), loss_mask, and the model's own keys from
+    `batch["_cp_metadata_seq_dims"]` / `batch["_cp_metadata_pad_values"]` (popped; pad default 0). Padded to a
+    multiple of 2C. No collective. Returns `(contextlib.nullcontext, batch)` — the same dict, updated.
+
+    Raises:
+        ValueError: listing every problem with the batch.
+    """
+    seq_dims: dict[str, int] = dict(batch.pop("_cp_metadata_seq_dims", None) or {})
+    pad_values: dict[str, Any] = dict(batch.pop("_cp_metadata_pad_values", None) or {})
+    attention_mask = batch.get("attention_mask")
+    if batch.get("labels") is None and loss_mask is not None:
+        batch["labels"] = loss_mask
+        loss_mask = None
+    keys = {
+        "input_ids": _SeqKey(1, 0, padding_token_id),
+        "inputs_embeds": _SeqKey(1, 0, 0),
+        "labels": _SeqKey(1, 0, -100),
+        "padding_mask": _SeqKey(1, 0, True),
+        "_packed_seq_ids": _SeqKey(1, 0, 0),
+        "mm_token_type_ids": _SeqKey(1, 0, 0),
+        "per_layer_inputs": _SeqKey(1, 0, 0),
+        "loss_mask": _SeqKey(1, 0, 0),
+    }
+    if isinstance(batch.get("position_ids"), torch.Tensor):
+        seq_dim = _position_seq_dim(batch["position_ids"])
+        keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
+    for key, dim in seq_dims.items():
+        keys[key] = _SeqKey(dim, 0, pad_values.get(key, 0))
+    if attention_mask is not None and attention_mask.dim() == 2:
+        keys["attention_mask"] = _SeqKey(1, 0, False)
+    _validate(batch, keys, needs_labels=True, extra_missing=[k for k in seq_dims if k not in batch])
+    keys.pop("attention_mask", None)
+
+    attention_mask = batch.pop("attention_mask", None)
+    if "padding_mask" not in batch and attention_mask is not None:
+        batch["padding_mask"] = _padding_mask_from_attention_mask(attention_mask)
+    if loss_mask is not None:
+        batch["loss_mask"] = loss_mask
+    primary = batch.get("input_ids", batch.get("inputs_embeds"))
+    assert primary is not None
+    _ensure_position_ids(batch, primary)
+    seq_dim = _position_seq_dim(batch["position_ids"])
+    keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
+    _synthesize_single_document_seq_ids(batch)
+    cp_size = cp_mesh.size() if cp_mesh is not None else 1
+    layout = ContiguousLayout(cp_size=cp_size, cp_rank=_cp_rank(cp_mesh) if cp_size > 1 else 0)
+    _shard_keys(batch, keys, layout)
+    return contextlib.nullcontext, batch
+
+
+def make_cp_batch_for_te(
+    cp_mesh: Any,
+    batch: dict[str, Any],
+    qkv_format: str = "thd",
+    padding_token_id: int = 0,
+    num_chunks: int = 1,
+    seq_lens_padding_value: int = -1000,
+) -> dict[str, Any]:
+    """THD batch for Transformer Engine's CP attention: convert to THD, then keep this rank's per-sequence head-tail.
+
+    The partition is `PackedLayout` (TE's `thd_get_partitioned_indices`, in torch). Output: int64 input_ids, labels,
+    position_ids; `cu_seqlens` = the GLOBAL padded cumulative lengths (int32; TE divides by C itself), `max_seqlen`
+    (int32), `padding_mask = input_ids == padding_token_id`, `qkv_format`, `cp_size`, `cp_rank`. For
+    `num_chunks > 1` the per-chunk results are stacked on a leading dim.
+
+    Raises:
+        ValueError: for a format other than "thd", or padded sequence lengths not divisible by 2C.
+    """
+    if qkv_format != "thd":
+        raise ValueError(f"Currently only 'thd' format is supported, got: {qkv_format}")
+    thd = split_batch_into_thd_chunks(batch, num_chunks, seq_lens_padding_value, padding_token_id)
+    cp_size = cp_mesh.size() if cp_mesh is not None else 1
+    if cp_size <= 1:
+        return thd
+    rank = _cp_rank(cp_mesh)
+    if num_chunks <= 1:
+        return _shard_thd_chunk(thd, cp_size, rank, padding_token_id, seq_lens_padding_value)
+    chunks = []
+    for index in range(num_chunks):
+        chunk = {k: (v[index] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in thd.items()}
+        chunks.append(_shard_thd_chunk(chunk, cp_size, rank, padding_token_id, seq_lens_padding_value))
+    out = dict(chunks[0])
+    for key in ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "padding_mask"):
+        if key in chunks[0]:
+            out[key] = _stack_ragged([c[key] for c in chunks], seq_lens_padding_value)
+    return out
+
+
+def _stack_ragged(values: list[torch.Tensor], fill: int) -> torch.Tensor:
+    if values[0].dim() == 0 or all(v.shape == values[0].shape for v in values):
+        return torch.stack(values)
+    width = max(v.shape[-1] for v in values)
+    return torch.stack([torch.cat([v, v.new_full((width - v.shape[-1],), fill)]) for v in values])
+
+
+def _shard_thd_chunk(
+    thd: dict[str, Any], cp_size: int, rank: int, padding_token_id: int, sentinel: int
+) -> dict[str, Any]:
+    cu = thd.get("cu_seqlens_padded", thd.get("cu_seqlens"))
+    if cu is None:
+        raise ValueError(
+            "BSHD format is not supported by the THD CP path: 'cu_seqlens' (and 'cu_seqlens_padded' when sequences "
+            "are padded) must be present; convert the batch with process_input_for_thd first"
+        )
+    cu = cu[cu != sentinel].to(torch.int64)
+    layout = PackedLayout(cp_size=cp_size, cp_rank=rank, cu_seqlens_padded=cu)
+    out = {k: v for k, v in thd.items() if k != "cu_seqlens_padded"}
+    for key in ("input_ids", "labels", "position_ids", "padding_mask"):
+        value = thd.get(key)
+        if isinstance(value, torch.Tensor):
+            out[key] = layout.shard(value, seq_dim=-1)
+            if key != "padding_mask":
+                out[key] = out[key].long()
+    if isinstance(out.get("input_ids"), torch.Tensor):
+        out["padding_mask"] = out["input_ids"] == padding_token_id
+    out["cu_seqlens"] = cu.to(torch.int32)
+    out["max_seqlen"] = (cu[1:] - cu[:-1]).max().to(torch.int32)
+    out["qkv_format"] = "thd"
+    out["cp_size"] = cp_size
+    out["cp_rank"] = rank
+    return out

@@ -1,0 +1,123 @@
+"""The context that makes attention run as a ring over the CP group while a sharded batch is in use.
+
+What it is for: `make_cp_batch_and_ctx` shards the batch itself (out of place) and returns a `RingAttentionContext`
+— a factory like upstream's (`with ctx():` around forward AND backward). Entering it
+  1. records, for this thread, the CP group and the global positions / document ids of the local tokens, and
+  2. if transformers is already imported, routes HF attention dispatch (`sdpa` and `eager`, plus our own
+     `am_cp_ring` name) to `ring_attention` for the duration (see `hf.py`); the model's local 4-D masks are
+     ignored: the ring builds its mask from global positions and document ids.
+Models that call attention themselves use `ctx.attention(q, k, v, ...)` or read `current_ring_context()`.
+What it must not do: import transformers (hf.py does, lazily, and only when transformers is already loaded), or
+shard anything (batch.py did that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from am_context_parallel.kernels import AttentionKernel
+from am_context_parallel.layouts import Layout
+from am_context_parallel.ring import ring_attention
+
+__all__ = ["RingAttentionContext", "current_ring_context"]
+
+_CURRENT: ContextVar[RingAttentionContext | None] = ContextVar("am_context_parallel_ring", default=None)
+
+
+def current_ring_context() -> RingAttentionContext | None:
+    """The `RingAttentionContext` entered on this thread, or None outside one."""
+    return _CURRENT.get()
+
+
+class RingAttentionContext:
+    """What attention needs to know about a sharded batch; call it to get the context manager.
+
+    positions: `[S_local]` (or `[B, S_local]`) global positions of the local tokens; doc_ids: `[B, S_local]`
+    document ids (0 = padding, never attended to) or None when every token is real and in one document.
+    seq_len / padded_len: the batch's sequence length before and after CP padding (for `unshard`).
+    """
+
+    def __init__(
+        self,
+        *,
+        group: Any,
+        layout: Layout,
+        positions: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+        seq_len: int,
+        padded_len: int,
+        route_hf_attention: bool = True,
+        kernel: AttentionKernel | None = None,
+    ) -> None:
+        self.group = group
+        self.layout = layout
+        self.positions = positions
+        self.doc_ids = doc_ids
+        self.seq_len = seq_len
+        self.padded_len = padded_len
+        self.route_hf_attention = route_hf_attention
+        self.kernel = kernel  # None: select_kernel(device); set e.g. FlashCPUAttentionKernel() for speed on the CPU
+
+    def __repr__(self) -> str:
+        return (
+            f"RingAttentionContext(layout={self.layout!r}, seq_len={self.seq_len}, padded_len={self.padded_len}, "
+            f"local_tokens={self.positions.shape[-1]}, doc_ids={'yes' if self.doc_ids is not None else 'no'})"
+        )
+
+    def _check_group(self) -> None:
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        if world != self.layout.cp_size:
+            raise ValueError(
+                f"the CP group has {world} ranks but the batch was sharded for {self.layout.cp_size} "
+                f"({self.layout!r}); use the same CP mesh for sharding and attention"
+            )
+
+    @contextmanager
+    def __call__(self) -> Iterator[RingAttentionContext]:
+        """Activate ring attention for this thread (and HF attention dispatch) until exit."""
+        self._check_group()
+        token = _CURRENT.set(self)
+        try:
+            if self.route_hf_attention:
+                from am_context_parallel.hf import routed_hf_attention
+
+                with routed_hf_attention():
+                    yield self
+            else:
+                yield self
+        finally:
+            _CURRENT.reset(token)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool = True,
+        sliding_window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """`ring_attention` of local `[B, heads, S_local, d]` tensors with this batch's positions and doc ids."""
+        return ring_attention(
+            q,
+            k,
+            v,
+            group=self.group,
+            positions=self.positions,
+            doc_ids=self.doc_ids,
+            causal=causal,
+            sliding_window=sliding_window,
+            scale=scale,
+            kernel=self.kernel,
+        )
+
+    def unshard(self, tensor: torch.Tensor, *, seq_dim: int = 1, trim: bool = True) -> torch.Tensor:
+        """Gather a local `[..., S_local, ...]` tensor (e.g. logits) back to global order, padding trimmed."""
+        return self.layout.unshard(tensor, seq_dim=seq_dim, group=self.group, seq_len=self.seq_len if trim else None)

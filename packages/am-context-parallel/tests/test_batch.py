@@ -1,0 +1,311 @@
+"""Batch sharding: resolution order, padding semantics, the contiguous and THD paths, and input validation.
+
+The load-balanced and THD paths run on a real 2-rank gloo group with a `DeviceMesh(("cp",))`; expected shards are
+computed in the pytest process by indexing the padded full tensors with the positions each rank should keep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _cp_dist import case_result, run_cases, run_group
+from torch.distributed.device_mesh import init_device_mesh
+
+from am_context_parallel import (
+    LoadBalancedLayout,
+    RingAttentionContext,
+    _synthesize_single_document_seq_ids,
+    make_contiguous_shard_cp_batch_and_ctx,
+    make_cp_batch_and_ctx,
+)
+
+PAD_ID = 9
+# rank r of 2 keeps chunks r and 3 - r of 8 padded tokens (chunk = 2 tokens)
+KEEP = {0: [0, 1, 6, 7], 1: [2, 3, 4, 5]}
+
+
+def _full_batch() -> dict[str, torch.Tensor]:
+    input_ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 0, 0]])
+    return {
+        "input_ids": input_ids,
+        "labels": input_ids + 100,
+        "attention_mask": torch.tensor([[1] * 7, [1] * 5 + [0] * 2]),
+    }
+
+
+def _load_balanced_case(mesh: Any) -> dict[str, Any]:
+    batch = _full_batch()
+    batch_id = id(batch)
+    loss_mask = torch.ones(2, 7)
+    ctx, out = make_cp_batch_and_ctx(mesh, batch, loss_mask=loss_mask, padding_token_id=PAD_ID)
+    assert isinstance(ctx, RingAttentionContext)
+    return {
+        "same_object": id(out) == batch_id,
+        "keys": sorted(out),
+        "input_ids": out["input_ids"],
+        "labels": out["labels"],
+        "position_ids": out["position_ids"],
+        "loss_mask": out["loss_mask"],
+        "positions": ctx.positions,
+        "doc_ids": ctx.doc_ids,
+        "unsharded": ctx.unshard(out["input_ids"], seq_dim=1),
+    }
+
+
+def _embeds_case(mesh: Any) -> dict[str, Any]:
+    embeds = torch.randn(1, 8, 3, requires_grad=True)
+    batch = {"inputs_embeds": embeds, "labels": torch.zeros(1, 8, dtype=torch.long)}
+    _, out = make_cp_batch_and_ctx(mesh, batch)
+    out["inputs_embeds"].sum().backward()
+    assert embeds.grad is not None
+    return {"grad_mask": embeds.grad[0, :, 0], "position_ids": out["position_ids"]}
+
+
+def _mrope_and_extra_case(mesh: Any) -> dict[str, Any]:
+    batch = {
+        "input_ids": torch.arange(6).unsqueeze(0),
+        "labels": torch.arange(6).unsqueeze(0),
+        "position_ids": torch.arange(18).reshape(3, 1, 6),
+        "padding_mask": torch.zeros(1, 6, dtype=torch.bool),
+        "token_weights": torch.full((1, 6), 0.5),
+    }
+    _, out = make_cp_batch_and_ctx(mesh, batch, extra_seq_buffers=["token_weights"])
+    return {k: out[k] for k in ("position_ids", "padding_mask", "token_weights")}
+
+
+def _error_case(mesh: Any, batch: dict[str, Any], **kwargs: Any) -> str:
+    try:
+        make_cp_batch_and_ctx(mesh, batch, **kwargs)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def _te_case(mesh: Any) -> dict[str, Any]:
+    batch = {
+        "input_ids": torch.tensor([[1, 2, 3, 0, 4, 5, 6, 7]]),
+        "labels": torch.tensor([[1, 2, 3, 0, 4, 5, 6, 7]]),
+        "seq_lens": torch.tensor([[3, 4]]),
+        "seq_lens_padded": torch.tensor([[4, 4]]),
+    }
+    ctx, out = make_cp_batch_and_ctx(mesh, batch, use_te=True)
+    assert ctx is contextlib.nullcontext
+    return {k: out[k] for k in ("input_ids", "cu_seqlens", "max_seqlen", "padding_mask", "cp_size", "cp_rank")}
+
+
+def _contiguous_error_case(mesh: Any) -> str:
+    try:
+        make_contiguous_shard_cp_batch_and_ctx(mesh, None, {"input_ids": torch.ones(1, 4)})
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def _wrong_group_case() -> str:
+    layout = LoadBalancedLayout(cp_size=4, cp_rank=0)
+    ctx = RingAttentionContext(
+        group=dist.group.WORLD, layout=layout, positions=torch.arange(2), doc_ids=None, seq_len=8, padded_len=8
+    )
+    try:
+        with ctx():
+            pass
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def _contiguous_case(mesh: Any) -> dict[str, Any]:
+    batch = {
+        "input_ids": torch.tensor([[1, 2, 3]]),
+        "labels": torch.tensor([[1, 2, 3]]),
+        "_packed_seq_ids": torch.tensor([[1, 1, 2]]),
+        "mm_token_type_ids": torch.tensor([[0, 1, 1]]),
+        "attention_mask": torch.tensor([[1, 1, 1]]),
+    }
+    ctx, out = make_contiguous_shard_cp_batch_and_ctx(mesh, None, batch, padding_token_id=PAD_ID)
+    assert ctx is contextlib.nullcontext
+    assert out is batch
+    mrope = {"inputs_embeds": torch.randn(1, 8, 2), "labels": torch.zeros(1, 8), "position_ids": torch.zeros(3, 1, 8)}
+    _, mrope_out = make_contiguous_shard_cp_batch_and_ctx(mesh, None, mrope)
+    metadata = {
+        "input_ids": torch.tensor([[1, 2, 3, 4, 5]]),
+        "vision_groups": torch.tensor([[0, 0, 1, 1, 1]]),
+        "_cp_metadata_seq_dims": {"vision_groups": 1},
+        "_cp_metadata_pad_values": {"vision_groups": -1},
+    }
+    loss_mask = torch.tensor([[1, 1, 1, 0, 1]])
+    _, metadata_out = make_contiguous_shard_cp_batch_and_ctx(mesh, None, metadata, loss_mask=loss_mask)
+    return {
+        "keys": sorted(out),
+        **{k: out[k] for k in ("input_ids", "labels", "_packed_seq_ids", "mm_token_type_ids", "padding_mask")},
+        "position_ids": out["position_ids"],
+        "mrope_shapes": (tuple(mrope_out["position_ids"].shape), tuple(mrope_out["inputs_embeds"].shape)),
+        "vision_groups": metadata_out["vision_groups"],
+        "promoted_labels": metadata_out["labels"],
+        "metadata_keys": sorted(metadata_out),
+    }
+
+
+def _worker(rank: int, world_size: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    ids = torch.ones(2, 7, dtype=torch.long)
+    return run_cases(
+        {
+            "load_balanced": lambda: _load_balanced_case(mesh),
+            "embeds": lambda: _embeds_case(mesh),
+            "mrope_extra": lambda: _mrope_and_extra_case(mesh),
+            "te": lambda: _te_case(mesh),
+            "contiguous": lambda: _contiguous_case(mesh),
+            "err_contiguous_labels": lambda: _contiguous_error_case(mesh),
+            "err_labels": lambda: _error_case(mesh, {"input_ids": ids}),
+            "err_both": lambda: _error_case(
+                mesh, {"input_ids": ids, "inputs_embeds": torch.ones(2, 7, 3), "labels": ids}
+            ),
+            "err_neither": lambda: _error_case(mesh, {"labels": ids}),
+            "err_lengths": lambda: _error_case(mesh, {"input_ids": ids, "labels": torch.ones(2, 6, dtype=torch.long)}),
+            "err_seq_dim": lambda: _error_case(
+                mesh, {"input_ids": ids, "labels": ids, "padding_mask": torch.zeros(2, dtype=torch.bool)}
+            ),
+            "err_all_at_once": lambda: _error_case(
+                mesh,
+                {"input_ids": ids, "position_ids": torch.zeros(3, 2, 5, dtype=torch.long)},
+                extra_seq_buffers=["missing_key"],
+            ),
+            "err_group_size": _wrong_group_case,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_group(2, _worker)
+
+
+def test_load_balanced_padding_and_context(results: list[dict[str, Any]]) -> None:
+    """Pad 7 -> 8 with pad id / -100 / continuing positions; attention_mask becomes doc id 0 for the ring."""
+    full = _full_batch()
+    padded_ids = torch.cat([full["input_ids"], torch.full((2, 1), PAD_ID)], dim=1)
+    padded_labels = torch.cat([full["labels"], torch.full((2, 1), -100)], dim=1)
+    docs = torch.cat([full["attention_mask"], torch.zeros(2, 1, dtype=torch.long)], dim=1)
+    for rank in range(2):
+        local = case_result(results, "load_balanced", rank)
+        keep = KEEP[rank]
+        assert local["same_object"]
+        assert "attention_mask" not in local["keys"]
+        assert local["input_ids"].tolist() == padded_ids[:, keep].tolist()
+        assert local["labels"].tolist() == padded_labels[:, keep].tolist()
+        assert local["position_ids"].tolist() == [keep, keep]  # synthesized arange, continued into the padding
+        assert local["loss_mask"].tolist() == [[1.0 if p < 7 else 0.0 for p in keep]] * 2
+        assert local["positions"].tolist() == keep
+        assert local["doc_ids"].tolist() == docs[:, keep].tolist()
+        assert torch.equal(local["unsharded"], full["input_ids"])
+
+
+def test_embeddings_keep_their_gradient(results: list[dict[str, Any]]) -> None:
+    """Rank 1 of 2 keeps positions 2..5 of 8; gradients reach exactly those embedding rows."""
+    assert case_result(results, "embeds", 1)["grad_mask"].tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
+    assert case_result(results, "embeds", 0)["grad_mask"].tolist() == [1, 1, 0, 0, 0, 0, 1, 1]
+
+
+def test_mrope_positions_padding_mask_and_extra_buffers(results: list[dict[str, Any]]) -> None:
+    """6 tokens -> 8: mRoPE [3,1,S] is sharded on dim 2 (continuing), padding_mask pads True, floats pad 0."""
+    positions = torch.arange(18).reshape(3, 1, 6)
+    padded_positions = torch.cat([positions, positions[..., -1:] + torch.tensor([1, 2])], dim=2)
+    for rank in range(2):
+        local = case_result(results, "mrope_extra", rank)
+        keep = KEEP[rank]
+        assert torch.equal(local["position_ids"], padded_positions[..., keep])
+        assert local["padding_mask"].tolist() == [[p >= 6 for p in keep]]
+        assert local["token_weights"].tolist() == [[0.5 if p < 6 else 0.0 for p in keep]]
+
+
+def test_thd_path_shards_each_sequence_head_tail(results: list[dict[str, Any]]) -> None:
+    """Two packed sequences of padded length 4: rank r keeps chunks r and 3-r of EACH sequence."""
+    tokens = [1, 2, 3, 0, 4, 5, 6, 7]
+    expected = {0: [0, 3, 4, 7], 1: [1, 2, 5, 6]}
+    for rank in range(2):
+        local = case_result(results, "te", rank)
+        assert local["input_ids"].tolist() == [tokens[i] for i in expected[rank]]
+        assert local["cu_seqlens"].tolist() == [0, 4, 8]
+        assert int(local["max_seqlen"]) == 4
+        assert local["padding_mask"].tolist() == [tokens[i] == 0 for i in expected[rank]]
+        assert (local["cp_size"], local["cp_rank"]) == (2, rank)
+
+
+@pytest.mark.parametrize(
+    ("case", "needles"),
+    [
+        ("err_labels", ["requires 'labels'"]),
+        ("err_both", ["exactly one of 'input_ids' or 'inputs_embeds'", "got both"]),
+        ("err_neither", ["got neither"]),
+        ("err_lengths", ["'labels' has 6 tokens", "S=7"]),
+        ("err_seq_dim", ["'padding_mask' has shape (2,)", "sequence dim is 1"]),
+        ("err_all_at_once", ["requires 'labels'", "'missing_key' is missing", "'position_ids' has 5 tokens"]),
+        ("err_group_size", ["2 ranks", "sharded for 4"]),
+        ("err_contiguous_labels", ["requires 'labels'"]),
+    ],
+)
+def test_bad_input_is_a_clear_error(results: list[dict[str, Any]], case: str, needles: list[str]) -> None:
+    for rank in range(2):
+        message = case_result(results, case, rank)
+        for needle in needles:
+            assert needle in message, f"{needle!r} not in {message!r}"
+
+
+def test_contiguous_shard_pads_and_slices(results: list[dict[str, Any]]) -> None:
+    """S=3, C=2, rank 1 -> [3, pad], labels [3, -100], _packed_seq_ids [2, 0]; mRoPE [3,1,8] -> [3,1,4]."""
+    local = case_result(results, "contiguous", 1)
+    assert local["input_ids"].tolist() == [[3, PAD_ID]]
+    assert local["labels"].tolist() == [[3, -100]]
+    assert local["_packed_seq_ids"].tolist() == [[2, 0]]
+    assert local["mm_token_type_ids"].tolist() == [[1, 0]]
+    assert local["padding_mask"].tolist() == [[False, True]]
+    assert local["position_ids"].tolist() == [[2, 3]]
+    assert "attention_mask" not in local["keys"]
+    assert local["mrope_shapes"] == ((3, 1, 4), (1, 4, 2))
+    # Model metadata with its own pad value; loss_mask promoted to labels when labels are missing.
+    # 5 tokens pad to 8 (a multiple of 2C): rank 1 keeps tokens 4..7.
+    assert local["vision_groups"].tolist() == [[1, -1, -1, -1]]
+    assert local["promoted_labels"].tolist() == [[1, -100, -100, -100]]
+    assert "_cp_metadata_seq_dims" not in local["metadata_keys"]
+    rank0 = case_result(results, "contiguous", 0)
+    assert rank0["input_ids"].tolist() == [[1, 2]]
+    assert rank0["_packed_seq_ids"].tolist() == [[1, 1]]
+
+
+# ---------------------------------------------------------------- single process
+def test_no_mesh_or_cp1_is_identity() -> None:
+    batch = _full_batch()
+    ctx, out = make_cp_batch_and_ctx(None, batch)
+    assert ctx is contextlib.nullcontext
+    assert out is batch
+    assert "attention_mask" in out
+
+
+def test_model_owned_sharder_is_honoured_first() -> None:
+    calls = []
+
+    def sharder(cp_mesh: Any, tp_mesh: Any, batch: dict[str, Any], **kwargs: Any) -> Any:
+        calls.append((cp_mesh, tp_mesh, kwargs))
+        return contextlib.nullcontext, batch
+
+    batch = {**_full_batch(), "_cp_make_batch_fn": sharder}
+    _, out = make_cp_batch_and_ctx(None, batch, padding_token_id=7, use_te=True)
+    assert calls == [(None, None, {"loss_mask": None, "padding_token_id": 7})]
+    assert "_cp_make_batch_fn" not in out
+
+
+def test_synthesize_single_document_seq_ids() -> None:
+    from_mask = {"input_ids": torch.ones(1, 3), "padding_mask": torch.tensor([[False, False, True]])}
+    _synthesize_single_document_seq_ids(from_mask)
+    assert from_mask["_packed_seq_ids"].tolist() == [[1, 1, 0]]
+    plain = {"input_ids": torch.ones(2, 3)}
+    _synthesize_single_document_seq_ids(plain)
+    assert plain["_packed_seq_ids"].tolist() == [[1, 1, 1]] * 2
+    present = {"input_ids": torch.ones(1, 2), "_packed_seq_ids": torch.tensor([[3, 4]])}
+    _synthesize_single_document_seq_ids(present)
+    assert present["_packed_seq_ids"].tolist() == [[3, 4]]
