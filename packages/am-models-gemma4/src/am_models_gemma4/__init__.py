@@ -1,0 +1,1 @@
+"""Gemma 4 (dense and MoE) with model-owned context parallelism."""
