@@ -1,1 +1,99 @@
-"""Pipeline parallelism for HuggingFace-style models on torch.distributed.pipelining."""
+"""Pipeline parallelism for HuggingFace-style models on torch.distributed.pipelining.
+
+Split a model into stages by construction (no tracing, no full copy per stage), place them on ranks (loop or V),
+run any torch schedule, compute the pipeline loss (with multi-token prediction), keep tied embeddings correct,
+and draw the schedule with its bubble fraction.
+"""
+
+from am_pipelining.autopipeline import AutoPipeline, PipelineConfig, PipelineInfo
+from am_pipelining.functional import (
+    build_pipeline_schedule,
+    build_stage_modules,
+    calculate_virtual_stages,
+    generate_hf_model_fqn_per_model_part,
+    pipeline_model,
+    split_model_into_stages,
+    stage_ids_this_rank,
+    stage_metas,
+)
+from am_pipelining.hf_utils import (
+    MULTIMODAL_SUFFIXES,
+    TEXT_MODULE_ATTRS,
+    create_pipeline_forward_causal_lm,
+    create_pipeline_forward_gemma4_text,
+    create_pipeline_forward_gemma4_vlm,
+    create_pipeline_forward_inner,
+    create_pipeline_forward_mistral3_vlm,
+    get_text_module,
+    init_hf_model_buffers,
+    model_keeps_self_forward,
+    patch_hf_model_for_pp,
+    validate_hf_model_for_pipeline_support,
+)
+from am_pipelining.loss import (
+    MTPLossConfig,
+    MTPLossOutput,
+    PipelineCausalLMLoss,
+    calculate_mtp_loss,
+    get_mtp_loss_scaling_factor,
+    roll_tensor,
+    shift_packed_tensor,
+)
+from am_pipelining.schedule_picture import (
+    ScheduleTimeline,
+    render_svg,
+    render_text,
+    save_schedule_picture,
+    schedule_timeline,
+    textbook_bubble_fraction,
+)
+from am_pipelining.tied import sync_tied_embedding_grads, sync_tied_embedding_weights
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # facade
+    "AutoPipeline",
+    "PipelineConfig",
+    "PipelineInfo",
+    # splitting and schedules
+    "stage_ids_this_rank",
+    "generate_hf_model_fqn_per_model_part",
+    "calculate_virtual_stages",
+    "build_stage_modules",
+    "split_model_into_stages",
+    "stage_metas",
+    "build_pipeline_schedule",
+    "pipeline_model",
+    # HF forwards
+    "TEXT_MODULE_ATTRS",
+    "MULTIMODAL_SUFFIXES",
+    "get_text_module",
+    "create_pipeline_forward_inner",
+    "create_pipeline_forward_causal_lm",
+    "create_pipeline_forward_gemma4_text",
+    "create_pipeline_forward_gemma4_vlm",
+    "create_pipeline_forward_mistral3_vlm",
+    "patch_hf_model_for_pp",
+    "init_hf_model_buffers",
+    "model_keeps_self_forward",
+    "validate_hf_model_for_pipeline_support",
+    # loss
+    "PipelineCausalLMLoss",
+    "MTPLossConfig",
+    "MTPLossOutput",
+    "calculate_mtp_loss",
+    "get_mtp_loss_scaling_factor",
+    "roll_tensor",
+    "shift_packed_tensor",
+    # tied embeddings
+    "sync_tied_embedding_grads",
+    "sync_tied_embedding_weights",
+    # schedule picture
+    "ScheduleTimeline",
+    "schedule_timeline",
+    "textbook_bubble_fraction",
+    "render_text",
+    "render_svg",
+    "save_schedule_picture",
+]

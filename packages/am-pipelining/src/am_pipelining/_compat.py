@@ -1,0 +1,269 @@
+"""The one place that touches private internals of `torch.distributed.pipelining` and torch's checkpoint wrapper.
+
+torch renames and reshapes these internals between releases (static stage metadata moved from
+`_configure_outputs_meta` to `_user_meta` in 2.12; schedule action lists live in `pipeline_order`). Every access is
+feature-detected with `hasattr`, so a torch upgrade touches this file only. Nothing else in the package may import a
+private torch pipelining name. This module must not import transformers.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import schedules as _schedules
+
+__all__ = [
+    "ComputeAction",
+    "get_schedule_class",
+    "is_multi_stage_schedule",
+    "is_runtime_schedule",
+    "schedule_class_name",
+    "schedule_compute_actions",
+    "schedule_stage_to_rank",
+    "load_schedule_csv",
+    "runtime_schedule_class",
+    "kwargs_chunk_spec_override",
+    "replicate_chunk_spec",
+    "reset_stage_shapes",
+    "is_reentrant_checkpoint_wrapper",
+]
+
+ComputeAction = tuple[int, str, int]
+"""(stage_index, kind, microbatch_index) with kind one of "F", "B", "I", "W"."""
+
+_COMPUTE_KINDS = ("F", "B", "I", "W")
+
+
+def get_schedule_class(name: str) -> type:
+    """Map a schedule name (case-insensitive, e.g. "1f1b", "interleaved1f1b") to torch's schedule class."""
+    return _schedules.get_schedule_class(name)
+
+
+def is_multi_stage_schedule(schedule_class: type) -> bool:
+    """True for schedules that take a list of stages (several virtual stages per rank)."""
+    return issubclass(schedule_class, _schedules.PipelineScheduleMulti)
+
+
+def runtime_schedule_class() -> type:
+    """The class that runs a schedule loaded from a CSV file."""
+    if not hasattr(_schedules, "_PipelineScheduleRuntime"):
+        raise RuntimeError(
+            "This torch has no _PipelineScheduleRuntime, so CSV pipeline schedules cannot run; "
+            "upgrade torch (>= 2.6) or pass a schedule name instead of a CSV path."
+        )
+    return _schedules._PipelineScheduleRuntime
+
+
+def is_runtime_schedule(schedule: Any) -> bool:
+    runtime = getattr(_schedules, "_PipelineScheduleRuntime", None)
+    return runtime is not None and isinstance(schedule, runtime)
+
+
+def load_schedule_csv(schedule: Any, path: str) -> None:
+    """Load a compute-only CSV schedule (one row per rank, actions like `0F1`) into a runtime schedule."""
+    if not hasattr(schedule, "_load_csv"):
+        raise RuntimeError(f"{type(schedule).__name__} cannot load CSV schedules in this torch version.")
+    schedule._load_csv(path)
+
+
+def schedule_class_name(schedule_class: type) -> str:
+    """Short name of a schedule class as `get_schedule_class` accepts it ("ScheduleGPipe" -> "GPipe")."""
+    name = schedule_class.__name__
+    return name[len("Schedule") :] if name.startswith("Schedule") else name
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Schedule action lists (for the schedule picture)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _flatten_action(action: Any) -> Iterator[ComputeAction]:
+    """Yield the compute actions inside one torch `_Action` (OVERLAP_F_B holds sub-actions)."""
+    if action is None:
+        return
+    sub_actions = getattr(action, "sub_actions", None)
+    if sub_actions:
+        for sub in sub_actions:
+            yield from _flatten_action(sub)
+        return
+    kind = getattr(action.computation_type, "value", str(action.computation_type))
+    if kind in _COMPUTE_KINDS and action.microbatch_index is not None:
+        yield (int(action.stage_index), kind, int(action.microbatch_index))
+
+
+def _order_to_compute_actions(order: dict[int, list[Any]]) -> dict[int, list[ComputeAction]]:
+    return {rank: [a for action in actions for a in _flatten_action(action)] for rank, actions in order.items()}
+
+
+class _StandInStage:
+    """The few attributes a schedule constructor reads from its stages; lets us ask torch for its action lists
+    without a process group."""
+
+    def __init__(self, *, num_stages: int, group_size: int) -> None:
+        self.num_stages = num_stages
+        self.group_size = group_size
+        self.group_rank = 0
+        self.submod = None
+        self.stage_index = 0
+        self.is_first = True
+        self.is_last = False
+        self.has_backward = True
+        self.stage_index_to_group_rank: dict[int, int] = {}
+
+
+def schedule_compute_actions(
+    schedule: Any, *, pp_size: int, n_microbatches: int, stages_per_rank: int
+) -> dict[int, list[ComputeAction]]:
+    """Compute actions per rank, in torch's own order, for a schedule name/class or a built schedule instance.
+
+    Returns an empty dict when this torch cannot tell (the caller falls back to its own textbook order).
+    """
+    order = getattr(schedule, "pipeline_order", None) if not isinstance(schedule, (str, type)) else None
+    if isinstance(order, dict) and order:
+        return _order_to_compute_actions(order)
+    schedule_class = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
+    if not isinstance(schedule_class, type):
+        schedule_class = type(schedule)
+    num_stages = pp_size * stages_per_rank
+    try:
+        if is_multi_stage_schedule(schedule_class):
+            stand_ins: Any = [_StandInStage(num_stages=num_stages, group_size=pp_size) for _ in range(stages_per_rank)]
+        else:
+            stand_ins = _StandInStage(num_stages=num_stages, group_size=pp_size)
+        instance = schedule_class(stand_ins, n_microbatches)
+        order = getattr(instance, "pipeline_order", None)
+    except Exception:  # a torch whose constructors need more than the stand-in offers
+        order = None
+    if not isinstance(order, dict) or not order:
+        return {}
+    return _order_to_compute_actions(order)
+
+
+def schedule_stage_to_rank(schedule: Any) -> dict[int, int] | None:
+    """The stage -> rank map a built multi-stage schedule uses (None when the schedule does not expose one)."""
+    mapping = getattr(schedule, "stage_index_to_group_rank", None)
+    return dict(mapping) if isinstance(mapping, dict) else None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Schedule state
+# --------------------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def kwargs_chunk_spec_override(schedule: Any, spec: dict[str, Any] | None) -> Iterator[None]:
+    """Temporarily set the schedule's keyword-argument chunking spec; restore the old one even on errors."""
+    if spec is None or not hasattr(schedule, "_kwargs_chunk_spec"):
+        yield
+        return
+    previous = schedule._kwargs_chunk_spec
+    schedule._kwargs_chunk_spec = spec
+    try:
+        yield
+    finally:
+        schedule._kwargs_chunk_spec = previous
+
+
+def replicate_chunk_spec() -> Any:
+    """The chunk spec that hands every microbatch the whole value (for non-tensor keyword arguments)."""
+    from torch.distributed.pipelining import microbatch as _microbatch
+
+    return getattr(_microbatch, "_Replicate", None)
+
+
+def _meta_like(tensors: tuple[torch.Tensor, ...]) -> Any:
+    from torch.distributed.pipelining import stage as _stage
+
+    extract = getattr(_stage, "extract_tensor_metas", None)
+    return extract(tensors) if extract is not None else None
+
+
+def reset_stage_shapes(
+    schedule: Any,
+    stages: list[Any],
+    new_metas: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]],
+) -> None:
+    """Give each stage new static input/output shapes and make the schedule re-run its setup on the next step.
+
+    Args:
+        schedule: the built schedule.
+        stages: this rank's `PipelineStage`s.
+        new_metas: per stage, `(inputs, outputs)` meta tensors.
+
+    Raises:
+        RuntimeError: when this torch's stages expose no known metadata API.
+    """
+    for stage, (inputs, outputs) in zip(stages, new_metas, strict=True):
+        user_meta = getattr(stage, "_user_meta", None)
+        if user_meta is not None and hasattr(user_meta, "inputs"):
+            user_meta.inputs = _meta_like(inputs)
+            user_meta.outputs = _meta_like(outputs)
+            for field in ("input_grads", "output_grads"):
+                if hasattr(user_meta, field):
+                    setattr(user_meta, field, None)
+        elif callable(getattr(stage, "_configure_outputs_meta", None)):
+            stage.inputs_meta = inputs
+            stage._outputs_meta = None
+            stage._configure_outputs_meta(outputs)
+        else:
+            raise RuntimeError(
+                f"{type(stage).__name__} exposes no known static-metadata API in torch {torch.__version__}; "
+                "update am_pipelining._compat.reset_stage_shapes for this torch."
+            )
+        stage_meta = getattr(stage, "_stage_meta", None)
+        if stage_meta is not None:
+            for field in ("inputs", "outputs", "input_grads", "output_grads"):
+                if hasattr(stage_meta, field):
+                    setattr(stage_meta, field, None)
+        for field in ("_fwd_outputs_for_bwd_meta", "_fwd_inputs_for_bwd_meta", "_fwd_kwargs_tensors_for_bwd_meta"):
+            if hasattr(stage, field):
+                setattr(stage, field, None)
+        if hasattr(stage, "_inference_mode"):
+            stage._inference_mode = None
+        for field, empty in (("args_recv_info", {}), ("grad_recv_info", {}), ("grad_send_info", None)):
+            if hasattr(stage, field):
+                setattr(stage, field, type(empty)() if isinstance(empty, dict) else empty)
+    for flag in (
+        "_stage_forward_initialized",
+        "_stage_backward_initialized",
+        "_stages_forward_initialized",
+        "_stages_backward_initialized",
+        "_stage_initialized",
+        "_stages_initialized",
+    ):
+        if hasattr(schedule, flag):
+            setattr(schedule, flag, False)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Activation checkpointing
+# --------------------------------------------------------------------------------------------------------------
+
+
+def is_reentrant_checkpoint_wrapper(module: nn.Module) -> bool:
+    """True when `module` is torch's `CheckpointWrapper` configured with the reentrant implementation."""
+    try:
+        from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _cw
+    except ImportError:  # pragma: no cover - torch without the wrapper
+        return False
+    wrapper_cls = getattr(_cw, "CheckpointWrapper", None)
+    impl_enum = getattr(_cw, "CheckpointImpl", None)
+    if wrapper_cls is None or impl_enum is None or not isinstance(module, wrapper_cls):
+        return False
+    impl = getattr(module, "checkpoint_impl", None)
+    if impl == getattr(impl_enum, "REENTRANT", object()):
+        return True
+    # A wrapper built with a custom checkpoint_fn may carry use_reentrant in a functools.partial.
+    checkpoint_fn = getattr(module, "checkpoint_fn", None)
+    keywords = getattr(checkpoint_fn, "keywords", None) or {}
+    return bool(keywords.get("use_reentrant", False))
+
+
+def bind_method(module: nn.Module, name: str, function: Callable[..., Any]) -> None:
+    """Bind `function` as an instance method `name` of `module` (shadows the class method for this object)."""
+    setattr(module, name, types.MethodType(function, module))

@@ -1,0 +1,318 @@
+"""Pipeline loss for causal LMs, including multi-token prediction (MTP) depths.
+
+Semantics (labels are the already next-token-shifted main labels, so `labels[t]` is token t+1): MTP depth k
+(0-based) predicts token t+k+2, i.e. its targets are the labels rolled left k+1 times; the last k+1 positions and
+every position whose target would come from another packed sequence are ignored. The MTP term is
+`sum_k loss_k × scaling_factor / D`, added to the main loss while the model trains.
+
+This module runs on the last pipeline stage as the schedule's `loss_fn`; it does no communication and never imports
+transformers or a model package.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "roll_tensor",
+    "shift_packed_tensor",
+    "get_mtp_loss_scaling_factor",
+    "calculate_mtp_loss",
+    "MTPLossOutput",
+    "PipelineCausalLMLoss",
+    "MTPLossConfig",
+]
+
+
+def roll_tensor(t: torch.Tensor, shifts: int = -1, dim: int = -1) -> torch.Tensor:
+    """`torch.roll` that zero-fills the wrapped-around positions instead of wrapping.
+
+    Negative shifts (left) zero the trailing |shifts| positions, positive shifts the leading ones.
+    """
+    rolled = torch.roll(t, shifts=shifts, dims=dim)
+    size = t.shape[dim]
+    if shifts == 0 or size == 0:
+        return rolled
+    count = min(abs(shifts), size)
+    index = torch.arange(size - count, size) if shifts < 0 else torch.arange(0, count)
+    return rolled.index_fill(dim, index.to(t.device), 0)
+
+
+def shift_packed_tensor(
+    tensor: torch.Tensor,
+    *,
+    depth: int,
+    seq_idx: torch.Tensor | None = None,
+    fill_value: Any = 0,
+    batch_dim: int = 0,
+    seq_dim: int = 1,
+) -> torch.Tensor:
+    """Shift left by `depth` along `seq_dim` without crossing packed-sequence boundaries.
+
+    tensor: [B, S, ...] (any layout with distinct batch/sequence dims); seq_idx: [B, S] sequence id per token.
+    Position t takes the value at t+depth when that exists and belongs to the same sequence, else `fill_value`.
+    Returns fresh storage.
+
+    Raises:
+        ValueError: tensor has < 2 dims, depth <= 0, batch_dim == seq_dim, or seq_idx's shape is not [B, S].
+    """
+    if tensor.dim() < 2:
+        raise ValueError(f"shift_packed_tensor needs a tensor with batch and sequence dims, got shape {tensor.shape}.")
+    if depth <= 0:
+        raise ValueError(f"depth must be positive, got {depth}.")
+    batch_dim %= tensor.dim()
+    seq_dim %= tensor.dim()
+    if batch_dim == seq_dim:
+        raise ValueError(f"batch_dim and seq_dim must differ, both are {batch_dim}.")
+    batch, seq = tensor.shape[batch_dim], tensor.shape[seq_dim]
+    if seq_idx is not None and tuple(seq_idx.shape) != (batch, seq):
+        raise ValueError(f"seq_idx must have shape ({batch}, {seq}) = (B, S), got {tuple(seq_idx.shape)}.")
+    positions = torch.arange(seq, device=tensor.device)
+    source = positions + depth
+    valid = (source < seq).unsqueeze(0).expand(batch, seq)
+    source = source.clamp(max=seq - 1)
+    if seq_idx is not None:
+        valid = valid & (seq_idx.index_select(1, source) == seq_idx)
+    shifted = tensor.index_select(seq_dim, source)
+    # Broadcast the [B, S] validity onto the tensor's layout.
+    shape = [1] * tensor.dim()
+    shape[batch_dim], shape[seq_dim] = batch, seq
+    order = sorted([batch_dim, seq_dim])
+    mask = valid if order == [batch_dim, seq_dim] else valid.t()
+    mask = mask.reshape(shape)
+    return torch.where(mask, shifted, torch.as_tensor(fill_value, dtype=tensor.dtype, device=tensor.device))
+
+
+def get_mtp_loss_scaling_factor(model: Any, default: float = 0.1) -> float:
+    """`model.mtp_config.loss_scaling_factor` when the model has an MTP config, else `default`."""
+    mtp_config = getattr(model, "mtp_config", None)
+    value = getattr(mtp_config, "loss_scaling_factor", None) if mtp_config is not None else None
+    return float(value) if value is not None else default
+
+
+@dataclass
+class MTPLossOutput:
+    """Scaled MTP loss and the unscaled per-depth losses (graphs kept)."""
+
+    loss: torch.Tensor
+    per_depth_losses: list[torch.Tensor]
+
+
+def _call_loss(
+    loss_fn: Callable[..., torch.Tensor], logits: torch.Tensor, labels: torch.Tensor, num_label_tokens: Any
+) -> torch.Tensor:
+    try:
+        accepts = "num_label_tokens" in inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    if accepts and num_label_tokens is not None:
+        return loss_fn(logits, labels, num_label_tokens=num_label_tokens)
+    return loss_fn(logits, labels)
+
+
+def _output_projection(model: Any, lm_weight: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    if lm_weight is not None:
+        return lambda h: h @ lm_weight.t()
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is None and callable(getattr(model, "get_output_embeddings", None)):
+        lm_head = model.get_output_embeddings()
+    if lm_head is None:
+        raise ValueError("lm_head module not found in model: pass lm_weight or MTP logits instead of hidden states.")
+    return lm_head
+
+
+def _resolve_seq_idx(
+    labels: torch.Tensor, seq_idx: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+) -> torch.Tensor | None:
+    if seq_idx is None and cu_seqlens is not None:
+        bounds = cu_seqlens.reshape(-1)
+        seq_len = labels.shape[-1]
+        seq_idx = torch.searchsorted(bounds[1:], torch.arange(seq_len, device=labels.device), right=True)
+    if seq_idx is None:
+        return None
+    if seq_idx.dim() == 1 and labels.dim() == 2:
+        seq_idx = seq_idx.unsqueeze(0).expand_as(labels)
+    elif seq_idx.dim() == 2 and labels.dim() == 1 and seq_idx.shape[0] == 1:
+        seq_idx = seq_idx.squeeze(0)
+    if seq_idx.shape != labels.shape:
+        raise ValueError(
+            f"calculate_mtp_loss: seq_idx.shape={tuple(seq_idx.shape)} does not match labels.shape="
+            f"{tuple(labels.shape)}; under PP, chunk seq_idx into per-microbatch pieces together with the labels."
+        )
+    return seq_idx
+
+
+def calculate_mtp_loss(
+    loss_fn: Callable[..., torch.Tensor],
+    *,
+    mtp_per_depth_h: Sequence[torch.Tensor] | None = None,
+    mtp_per_depth_logits: Sequence[torch.Tensor] | None = None,
+    mtp_per_depth_targets: Sequence[torch.Tensor] | None = None,
+    labels: torch.Tensor,
+    model: Any = None,
+    scaling_factor: float = 0.1,
+    num_label_tokens: Any = None,
+    ignore_index: int = -100,
+    cu_seqlens: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    lm_weight: torch.Tensor | None = None,
+    grad_reduce_group: Any = None,
+    return_per_depth: bool = False,
+) -> torch.Tensor | MTPLossOutput:
+    """MTP loss: `sum_k loss_fn(logits_k, targets_k) × scaling_factor / D` over depths k = 0..D-1.
+
+    Args:
+        loss_fn: `(logits [B, S, V], labels [B, S]) -> scalar` (may accept `num_label_tokens=`).
+        mtp_per_depth_h: D hidden states [B, S, H], projected with the model's `lm_head` (or `lm_weight`).
+        mtp_per_depth_logits: D logits [B, S, V] (exactly one of the two must be given).
+        mtp_per_depth_targets: precomputed targets per depth (context-parallel path); exclusive with
+            `cu_seqlens`/`seq_idx`.
+        labels: main labels [B, S] (or flat [T]), already shifted to the next token.
+        seq_idx / cu_seqlens: packed-sequence ids [B, S] or boundaries, so targets never cross sequences.
+        return_per_depth: also return the unscaled per-depth losses.
+
+    Raises:
+        ValueError: both or neither per-depth inputs, bad target count/shape, targets with seq metadata,
+            seq_idx shape mismatch, no lm_head for hidden states.
+    """
+    del grad_reduce_group  # reserved: the loss is computed locally on the last stage
+    if (mtp_per_depth_h is None) == (mtp_per_depth_logits is None):
+        raise ValueError("Provide exactly one of mtp_per_depth_h or mtp_per_depth_logits")
+    outputs = list(mtp_per_depth_h if mtp_per_depth_h is not None else mtp_per_depth_logits or [])
+    depths = len(outputs)
+    if depths == 0:
+        raise ValueError("calculate_mtp_loss needs at least one MTP depth.")
+    if labels.dim() == 1:
+        outputs = [o.squeeze(0) if o.dim() == 3 and o.shape[0] == 1 else o for o in outputs]
+    if mtp_per_depth_targets is not None:
+        if cu_seqlens is not None or seq_idx is not None:
+            raise ValueError("mtp_per_depth_targets cannot be combined with cu_seqlens or seq_idx (already applied).")
+        if len(mtp_per_depth_targets) != depths:
+            raise ValueError(f"Got {len(mtp_per_depth_targets)} MTP target tensors for {depths} MTP depths.")
+        for k, target in enumerate(mtp_per_depth_targets):
+            if target.shape != labels.shape:
+                raise ValueError(
+                    f"MTP targets of depth {k} have shape {tuple(target.shape)}, labels {tuple(labels.shape)}."
+                )
+        targets = list(mtp_per_depth_targets)
+    else:
+        seq_idx = _resolve_seq_idx(labels, seq_idx, cu_seqlens)
+        targets = []
+        current = labels
+        seq_len = labels.shape[-1]
+        for k in range(depths):
+            current = roll_tensor(current, shifts=-1, dim=-1)
+            target = current.clone()
+            target[..., seq_len - min(k + 1, seq_len) :] = ignore_index
+            if seq_idx is not None:
+                crosses = roll_tensor(seq_idx, shifts=-(k + 1), dim=-1) != seq_idx
+                target = target.masked_fill(crosses, ignore_index)
+            targets.append(target)
+    project = _output_projection(model, lm_weight) if mtp_per_depth_h is not None else (lambda x: x)
+    per_depth = [_call_loss(loss_fn, project(o), t, num_label_tokens) for o, t in zip(outputs, targets, strict=True)]
+    loss = torch.stack(per_depth).sum() * scaling_factor / depths
+    return MTPLossOutput(loss, per_depth) if return_per_depth else loss
+
+
+class PipelineCausalLMLoss(nn.Module):
+    """The schedule's `loss_fn` for the last stage: main LM loss plus MTP depths when the stage emits them.
+
+    The last stage may return logits [B, S, V], or a tuple `(logits, mtp_1, ..., mtp_D[, seq_idx])` where the
+    MTP entries are hidden states (or logits when `model.mtp_outputs_are_logits`) and an optional trailing 2-D int32
+    tensor carries the micro-batch's packed-sequence ids. MTP is added only while `model.training`.
+
+    Args:
+        loss_fn: `(logits, labels) -> scalar`, e.g. a token-sum cross entropy.
+        model: the last stage's module (its `lm_head` projects MTP hidden states; its `mtp_config` gives the
+            default scaling).
+        scaling_factor: overrides the model's MTP loss scaling when given.
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., torch.Tensor],
+        model: Any,
+        scaling_factor: float | None = None,
+        ignore_index: int = -100,
+        grad_reduce_group: Any = None,
+    ) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+        # Not a registered submodule: the loss must not own (or re-export) the stage's parameters.
+        self.__dict__["model"] = model
+        self.scaling_factor = scaling_factor
+        self.ignore_index = ignore_index
+        self.grad_reduce_group = grad_reduce_group
+        self.cu_seqlens: torch.Tensor | None = None
+
+    @staticmethod
+    def _extract_seq_idx_tail(output: Any) -> tuple[Any, torch.Tensor | None]:
+        if (
+            isinstance(output, tuple)
+            and len(output) > 1
+            and isinstance(output[-1], torch.Tensor)
+            and output[-1].dim() == 2
+            and output[-1].dtype == torch.int32
+        ):
+            return output[:-1], output[-1]
+        return output, None
+
+    def forward(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        output, seq_idx = self._extract_seq_idx_tail(output)
+        mtp_h = mtp_logits = None
+        scaling = self.scaling_factor
+        model = self.model
+        if isinstance(output, tuple):
+            logits = output[0]
+            rest = list(output[1:])
+            if rest:
+                if getattr(model, "mtp_outputs_are_logits", False):
+                    mtp_logits = rest
+                else:
+                    mtp_h = rest
+        else:
+            mtp_h = getattr(output, "mtp_per_depth_h", None)
+            mtp_logits = getattr(output, "mtp_per_depth_logits", None)
+            if scaling is None:
+                scaling = getattr(output, "mtp_loss_scaling_factor", None)
+            logits = getattr(output, "logits", None)
+            if logits is None:
+                logits = output
+        loss = _call_loss(self.loss_fn, logits, labels, None)
+        training = bool(getattr(model, "training", True))
+        if training and (mtp_h or mtp_logits):
+            if scaling is None:
+                scaling = get_mtp_loss_scaling_factor(model)
+            loss = loss + calculate_mtp_loss(  # type: ignore[operator]
+                self.loss_fn,
+                mtp_per_depth_h=mtp_h or None,
+                mtp_per_depth_logits=mtp_logits or None,
+                labels=labels,
+                model=model,
+                scaling_factor=scaling,
+                ignore_index=self.ignore_index,
+                seq_idx=seq_idx,
+                cu_seqlens=self.cu_seqlens if seq_idx is None else None,
+            )
+        return loss
+
+
+@dataclass
+class MTPLossConfig:
+    """Config that builds a `PipelineCausalLMLoss`."""
+
+    scaling_factor: float | None = None
+    ignore_index: int = -100
+
+    def build(
+        self, loss_fn: Callable[..., torch.Tensor], model: Any, *, grad_reduce_group: Any = None
+    ) -> PipelineCausalLMLoss:
+        return PipelineCausalLMLoss(
+            loss_fn, model, self.scaling_factor, ignore_index=self.ignore_index, grad_reduce_group=grad_reduce_group
+        )

@@ -1,0 +1,67 @@
+"""AutoPipeline / PipelineConfig checks that need no process group (built pipelines are tested on real ranks in
+test_pipeline_2ranks.py: `autopipeline` and `hooked-mtp` cases)."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from am_pipelining import AutoPipeline, PipelineConfig
+
+
+class _FakeMesh:
+    mesh_dim_names = ("pp",)
+
+    def size(self):
+        return 2
+
+
+def test_constructor_errors_name_the_fix():
+    with pytest.raises(ValueError, match="pipeline_parallel_schedule or pipeline_parallel_schedule_csv"):
+        AutoPipeline(world_mesh=_FakeMesh(), pp_schedule=None)
+    with pytest.raises(ValueError, match="local_batch_size must be divisible by microbatch_size"):
+        AutoPipeline(world_mesh=_FakeMesh(), pp_microbatch_size=3, pp_batch_size=8)
+    with pytest.raises(ValueError, match="world_mesh must be provided"):
+        AutoPipeline()
+
+
+def test_unbuilt_pipeline():
+    pipe = AutoPipeline(world_mesh=_FakeMesh())
+    assert not pipe.info.enabled
+    assert pipe.list_stage_modules() == []
+    assert pipe.get_stage_param_counts() == []
+    assert pipe.pretty_print_stages() == "<no stages>"
+    with pytest.raises(RuntimeError, match="not built"):
+        _ = pipe.parts
+    with pytest.raises(RuntimeError, match=r"build\(\) must be called before running"):
+        pipe.step(None)
+    with pytest.raises(RuntimeError, match=r"before update_seq_len"):
+        pipe.update_seq_len(16)
+    with pytest.raises(ValueError, match="loss_fn must be provided"):
+        pipe.build(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="must be a PyTorch module"):
+        pipe.build("model", loss_fn=lambda o, t: o)  # type: ignore[arg-type]
+    assert "PP degree: 2" in pipe.debug_summary()
+
+
+def test_config_round_trip():
+    config = PipelineConfig(pp_schedule="interleaved1f1b", pp_microbatch_size=2, pp_batch_size=8, pp_seq_len=128)
+    data = config.to_dict()
+    assert len(data) == 14
+    assert data["pp_seq_len"] == 128
+    assert data["pp_schedule"] == "interleaved1f1b"
+    pipe = AutoPipeline.from_config(config, world_mesh=_FakeMesh())
+    assert pipe.pp_microbatch_size == 2
+    assert pipe.pp_batch_size == 8
+    assert pipe.pp_seq_len == 128
+
+
+def test_param_count_deduplicates_tied_weights():
+    model = nn.Module()
+    model.a = nn.Linear(4, 4, bias=False)
+    model.b = nn.Linear(4, 4, bias=False)
+    model.b.weight = model.a.weight
+    model.c = nn.Linear(2, 2)
+    model.c.requires_grad_(False)
+    assert AutoPipeline._count_parameters(model) == 16 + 6
+    assert AutoPipeline._count_parameters(model, trainable_only=True) == 16
