@@ -1,19 +1,20 @@
 """Check that a built wheel declares exactly the expected Requires-Dist lines and ships py.typed.
 
 Usage: python tools/check_wheel.py WHEEL '<json list of expected requirements>'
-Whitespace and quote style are ignored when comparing (`extra == 'te'` equals `extra=="te"`).
+Requirements are compared as parsed by `packaging` (whitespace, quotes and specifier order do not matter).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import sys
 import zipfile
 
+from packaging.requirements import Requirement
+
 
 def _normalize(requirement: str) -> str:
-    return re.sub(r"\s+", "", requirement).replace("'", '"')
+    return str(Requirement(requirement.strip()))
 
 
 def main(wheel: str, expected_json: str) -> None:
