@@ -1,1 +1,79 @@
-"""Nemotron-H / Nemotron V3 hybrid Mamba2 + attention + MoE models with multi-token prediction."""
+"""am-models-nemotron: Nemotron-H / Nemotron V3 hybrid Mamba2 + attention + MLP + MoE models with multi-token
+prediction, in plain PyTorch, loading and saving HF-format checkpoints.
+
+Importing this package never imports mamba_ssm, causal_conv1d, am-pipelining or am-capabilities.
+"""
+
+from __future__ import annotations
+
+from am_models_nemotron.attention import NemotronAttention, build_attention_mask
+from am_models_nemotron.blocks import NemotronV3Block
+from am_models_nemotron.cache import NemotronHybridCache
+from am_models_nemotron.checkpoint import (
+    load_pretrained,
+    read_safetensors_folder,
+    save_pretrained,
+    write_safetensors_folder,
+)
+from am_models_nemotron.config import BLOCK_KINDS, NemotronConfig, as_hf_config, normalize_block_types
+from am_models_nemotron.mamba2 import Mamba2FP32Params, Mamba2Mixer, MambaRMSNormGated, mamba_kernels_available
+from am_models_nemotron.model import (
+    ModelClass,
+    NemotronHCausalLMOutputWithPast,
+    NemotronHForCausalLM,
+    NemotronV3Model,
+    default_backend,
+)
+from am_models_nemotron.moe import GroupedExperts, NemotronMLP, NemotronMoE, NemotronRouter, relu2
+from am_models_nemotron.mtp import MTPConfig, MTPModule, MTPSublayer, mtp_loss, roll_tensor, shift_labels
+from am_models_nemotron.ssd import segment_sum, ssd_chunked_scan, ssd_sequential_scan
+from am_models_nemotron.state_dict_adapter import NemotronV3StateDictAdapter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # config
+    "BLOCK_KINDS",
+    "NemotronConfig",
+    "as_hf_config",
+    "normalize_block_types",
+    # models
+    "ModelClass",
+    "NemotronHForCausalLM",
+    "NemotronV3Model",
+    "NemotronHCausalLMOutputWithPast",
+    "default_backend",
+    # blocks
+    "NemotronV3Block",
+    "NemotronAttention",
+    "build_attention_mask",
+    "Mamba2Mixer",
+    "Mamba2FP32Params",
+    "MambaRMSNormGated",
+    "mamba_kernels_available",
+    "NemotronMLP",
+    "NemotronMoE",
+    "NemotronRouter",
+    "GroupedExperts",
+    "relu2",
+    # SSD scan
+    "ssd_chunked_scan",
+    "ssd_sequential_scan",
+    "segment_sum",
+    # MTP
+    "MTPConfig",
+    "MTPModule",
+    "MTPSublayer",
+    "mtp_loss",
+    "roll_tensor",
+    "shift_labels",
+    # cache
+    "NemotronHybridCache",
+    # checkpoints
+    "NemotronV3StateDictAdapter",
+    "load_pretrained",
+    "save_pretrained",
+    "read_safetensors_folder",
+    "write_safetensors_folder",
+    "__version__",
+]

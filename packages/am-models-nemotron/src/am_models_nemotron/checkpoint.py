@@ -1,0 +1,183 @@
+"""HF-format checkpoint folders: config.json plus safetensors, single file or sharded with an index.
+
+What it is for: `load_pretrained` (read the config, build the model on the meta device, read every tensor, convert
+names with `NemotronV3StateDictAdapter`, load strictly) and `save_pretrained` (NVIDIA naming, fp32-pinned tensors as
+F32, shards + `model.safetensors.index.json` above `max_shard_size` bytes).
+What it must not do: load partially. Missing or unexpected keys and shape mismatches raise one error listing all of
+them; an unreadable, truncated or corrupt file raises an error naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from am_models_nemotron.config import as_hf_config
+from am_models_nemotron.state_dict_adapter import NemotronV3StateDictAdapter
+from am_precision import cast_model_to_dtype
+
+__all__ = ["load_pretrained", "read_safetensors_folder", "save_pretrained", "write_safetensors_folder"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                tensors[key] = handle.get_tensor(key)
+    except Exception as err:  # safetensors raises SafetensorError / OSError / ValueError for damaged files
+        raise ValueError(
+            f"Cannot read safetensors file {path}: {type(err).__name__}: {err}. The file is truncated, corrupt or "
+            "not a safetensors file; re-download or re-save the checkpoint."
+        ) from err
+    return tensors
+
+
+def read_safetensors_folder(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder: `model.safetensors.index.json` shards, else `model.safetensors`.
+
+    Raises:
+        FileNotFoundError: no index and no model.safetensors, or a shard named by the index is absent.
+        ValueError: a file cannot be read (named), or the index is malformed.
+    """
+    root = Path(folder)
+    index_path = root / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"Malformed shard index {index_path}: {err}") from err
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (root / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"Shards listed in {index_path} are missing from {root}: {missing}")
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            tensors.update(_read_file(root / shard))
+        absent = sorted(k for k, s in weight_map.items() if k not in tensors)
+        if absent:
+            raise ValueError(f"Tensors listed in {index_path} are absent from their shards: {absent}")
+        return tensors
+    single = root / SINGLE_FILE
+    if single.is_file():
+        return _read_file(single)
+    raise FileNotFoundError(f"No {SINGLE_FILE} or {INDEX_FILE} in {root}.")
+
+
+def write_safetensors_folder(
+    tensors: dict[str, torch.Tensor], folder: str | os.PathLike[str], *, max_shard_size: int | None = None
+) -> None:
+    """Write `tensors` as `model.safetensors`, or as numbered shards plus an index when they exceed `max_shard_size`
+    bytes."""
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    total = sum(t.numel() * t.element_size() for t in contiguous.values())
+    metadata = {"format": "pt"}
+    if max_shard_size is None or total <= max_shard_size:
+        save_file(contiguous, str(root / SINGLE_FILE), metadata=metadata)
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(contiguous):
+        nbytes = contiguous[key].numel() * contiguous[key].element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][key] = contiguous[key]
+        size += nbytes
+    weight_map = {}
+    for number, shard in enumerate(shards, start=1):
+        name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(root / name), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (root / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def _load_config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"No config.json in {folder}.")
+    return as_hf_config(AutoConfig.from_pretrained(str(folder)))
+
+
+def load_pretrained(
+    cls: Any,
+    path: str | os.PathLike[str],
+    *,
+    backend: Any = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    **model_kwargs: Any,
+) -> Any:
+    """Build `cls` from the folder's config and load every parameter and buffer strictly.
+
+    Args:
+        dtype: cast after loading with `cast_model_to_dtype` (fp32-pinned tensors stay fp32); None keeps the
+            checkpoint's dtypes.
+        device: where the loaded tensors go (default CPU).
+
+    Raises:
+        ValueError: missing / unexpected keys or shape mismatches (all listed), or an unreadable file (named).
+    """
+    folder = Path(path)
+    config = _load_config(folder)
+    adapter = NemotronV3StateDictAdapter(config)
+    state_dict = adapter.from_hf(read_safetensors_folder(folder))
+    model = cls(config, backend, device="meta", **model_kwargs)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    mismatched = sorted(
+        f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in set(expected) & set(state_dict)
+        if tuple(state_dict[k].shape) != tuple(expected[k].shape)
+    )
+    if missing or unexpected or mismatched:
+        parts = []
+        if missing:
+            parts.append(f"missing keys ({len(missing)}): {missing}")
+        if unexpected:
+            parts.append(f"unexpected keys ({len(unexpected)}): {unexpected}")
+        if mismatched:
+            parts.append(f"shape mismatches ({len(mismatched)}): {mismatched}")
+        raise ValueError(
+            f"Checkpoint {folder} does not match {cls.__name__} built from its config.json:\n  - "
+            + "\n  - ".join(parts)
+        )
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    model.load_state_dict({k: v.to(target) for k, v in state_dict.items()}, strict=True, assign=True)
+    for pinned in ("A_log", "dt_bias", "D", "e_score_correction_bias"):
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("." + pinned) and tensor.dtype != torch.float32:
+                tensor.data = tensor.data.float()
+    if dtype is not None:
+        cast_model_to_dtype(model, dtype)
+    return model
+
+
+def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_size: int | None = None) -> None:
+    """Write config.json (transformers' NemotronHConfig) and the weights in NVIDIA's naming; A_log, dt_bias, D and
+    e_score_correction_bias are stored as F32."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = as_hf_config(model.config)
+    config.architectures = ["NemotronHForCausalLM"]
+    # The constructor may override the MTP depth count; the saved config must describe the saved weights.
+    config.num_nextn_predict_layers = model.mtp_config.num_layers if model.mtp is not None else 0
+    config.save_pretrained(str(folder))
+    adapter = NemotronV3StateDictAdapter(config)
+    tensors = adapter.to_hf(model.state_dict())
+    tensors = {k: (v.float() if adapter.forced_fp32(k) else v) for k, v in tensors.items()}
+    write_safetensors_folder(tensors, folder, max_shard_size=max_shard_size)

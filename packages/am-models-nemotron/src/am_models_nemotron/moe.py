@@ -1,0 +1,255 @@
+"""ReLU² MLP, the sigmoid group-limited top-k router, grouped ReLU² experts and the Nemotron-H MoE block.
+
+What it is for: `NemotronMLP` (dense blocks and the shared expert), `NemotronRouter` (router math in fp32:
+sigmoid scores, `e_score_correction_bias` for selection only, group-limited top-k over the sum of each group's top-2
+scores, normalized top-k weights × `routed_scaling_factor`), `GroupedExperts` (tokens sorted by expert, one matmul
+pair per expert on a contiguous slice, no per-token Python work) and `NemotronMoE` (latent projections when
+`moe_latent_size` is set, plus the shared expert).
+What it must not do: let padding take part in routing — padded tokens (`padding_mask` True) get no routed expert
+(their output is the shared expert alone) and never change another token's routing — or store
+`e_score_correction_bias` in anything but fp32 (a buffer pinned by `_keep_in_fp32_modules_strict`).
+
+Dropped groups are excluded with -inf before the top-k, as transformers' NemotronH router does (5.23, our parity
+reference). NeMo AutoModel multiplies them by 0 instead, which lets a dropped expert outrank a kept one whose
+biased score is negative.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from am_models_nemotron._init import reset_linear_
+from am_models_nemotron.config import NemotronConfig
+from am_precision import BackendConfig, initialize_linear_module
+
+__all__ = ["GroupedExperts", "NemotronMLP", "NemotronMoE", "NemotronRouter", "relu2"]
+
+SUPPORTED_EXPERTS_BACKENDS: tuple[str, ...] = ("torch", "torch_mm")
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU."""
+    return torch.square(F.relu(x))
+
+
+def _check_activation(name: str) -> None:
+    if name != "relu2":
+        raise ValueError(f"activation {name!r} is not supported; Nemotron-H uses 'relu2'.")
+
+
+class NemotronMLP(nn.Module):
+    """down(relu(up(x))²), no gate projection. x: [..., H] -> [..., H]."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        bias: bool,
+        activation: str,
+        backend: BackendConfig,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        _check_activation(activation)
+        self.up_proj = initialize_linear_module(
+            backend.linear, hidden_size, intermediate_size, bias=bias, device=device, dtype=dtype
+        )
+        self.down_proj = initialize_linear_module(
+            backend.linear, intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype
+        )
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        reset_linear_(self.up_proj)
+        reset_linear_(self.down_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(relu2(self.up_proj(x)))
+        return out
+
+
+class NemotronRouter(nn.Module):
+    """Sigmoid top-k router with group-limited selection. x: [T, H] -> (weights [T, K] fp32, indices [T, K]).
+
+    `weight`: [E, H] in the model dtype; `e_score_correction_bias`: [E] fp32 buffer (selection only).
+    """
+
+    e_score_correction_bias: torch.Tensor
+
+    def __init__(
+        self,
+        config: NemotronConfig,
+        *,
+        gate_precision: torch.dtype,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.initializer_range = config.initializer_range
+        self.gate_precision = gate_precision
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, device=device, dtype=dtype))
+        self.register_buffer(
+            "e_score_correction_bias", torch.zeros(self.num_experts, device=device, dtype=torch.float32)
+        )
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.initializer_range)
+        self.e_score_correction_bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.to(self.gate_precision), self.weight.to(self.gate_precision))
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.to(scores.dtype)
+        if self.n_group > 1:
+            per_group = self.num_experts // self.n_group
+            grouped = choice.view(-1, self.n_group, per_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+            kept = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(-1, self.num_experts)
+        indices = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, indices)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, indices
+
+
+class GroupedExperts(nn.Module):
+    """E ReLU² experts. `up_proj`: [E, I, D], `down_proj`: [E, D, I] (transformers' layout, D = hidden or latent).
+
+    x: [T, D], indices/weights: [T, K] -> [T, D]: sum_k weights[t, k] * expert_{indices[t, k]}(x[t]).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        intermediate_size: int,
+        *,
+        initializer_range: float,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.initializer_range = initializer_range
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, dim, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate_size, device=device, dtype=dtype))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        nn.init.normal_(self.up_proj, mean=0.0, std=self.initializer_range)
+        nn.init.normal_(self.down_proj, mean=0.0, std=self.initializer_range)
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        tokens, top_k = indices.shape
+        flat = indices.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        routed = x[order // top_k]  # [T*K, D], grouped by expert
+        outputs = []
+        for expert, part in enumerate(routed.split(counts)):
+            if part.shape[0] == 0:
+                continue
+            hidden = relu2(F.linear(part, self.up_proj[expert]))
+            outputs.append(F.linear(hidden, self.down_proj[expert]))
+        if not outputs:
+            return x.new_zeros(tokens, x.shape[-1])
+        sorted_out = torch.cat(outputs)
+        # Undo the sort with a gather (deterministic; no atomics as index_add would use on GPU).
+        unsorted = sorted_out[torch.argsort(order)].view(tokens, top_k, -1)
+        return (unsorted * weights[..., None].to(unsorted.dtype)).sum(dim=1).to(x.dtype)
+
+
+class NemotronMoE(nn.Module):
+    """Routed ReLU² experts (optionally in a latent space) plus a shared expert. x: [B, S, H] -> [B, S, H]."""
+
+    def __init__(
+        self,
+        config: NemotronConfig,
+        *,
+        backend: BackendConfig,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if backend.experts not in SUPPORTED_EXPERTS_BACKENDS:
+            raise ValueError(
+                f"BackendConfig.experts={backend.experts!r} is not implemented by am-models-nemotron; supported: "
+                f"{SUPPORTED_EXPERTS_BACKENDS} (grouped torch experts). Pass BackendConfig(experts='torch', "
+                "dispatcher='torch')."
+            )
+        if backend.dispatcher != "torch":
+            raise ValueError(
+                f"BackendConfig.dispatcher={backend.dispatcher!r} is not implemented by am-models-nemotron (expert "
+                "parallel all-to-all is out of scope); pass BackendConfig(dispatcher='torch')."
+            )
+        gate_precision = backend.gate_precision if backend.gate_precision is not None else torch.float32
+        self.gate = NemotronRouter(config, gate_precision=gate_precision, device=device, dtype=dtype)
+        latent = config.moe_latent_size
+        expert_dim = latent if latent is not None else config.hidden_size
+        self.experts = GroupedExperts(
+            config.n_routed_experts,
+            expert_dim,
+            config.moe_intermediate_size,
+            initializer_range=config.initializer_range,
+            device=device,
+            dtype=dtype,
+        )
+        self.shared_experts = NemotronMLP(
+            config.hidden_size,
+            config.moe_shared_expert_intermediate_size,
+            bias=config.mlp_bias,
+            activation=config.mlp_hidden_act,
+            backend=backend,
+            device=device,
+            dtype=dtype,
+        )
+        self.fc1_latent_proj: nn.Module | None = None
+        self.fc2_latent_proj: nn.Module | None = None
+        if latent is not None:
+            self.fc1_latent_proj = initialize_linear_module(
+                backend.linear, config.hidden_size, latent, bias=config.mlp_bias, device=device, dtype=dtype
+            )
+            self.fc2_latent_proj = initialize_linear_module(
+                backend.linear, latent, config.hidden_size, bias=config.mlp_bias, device=device, dtype=dtype
+            )
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        self.gate.init_weights()
+        self.experts.init_weights()
+        self.shared_experts.init_weights()
+        reset_linear_(self.fc1_latent_proj)
+        reset_linear_(self.fc2_latent_proj)
+
+    def forward(self, hidden_states: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """padding_mask: [B, S] bool, True for padding tokens (routed to no expert)."""
+        shape = hidden_states.shape
+        flat = hidden_states.reshape(-1, shape[-1])
+        routed_out = flat.new_zeros(flat.shape)
+        if padding_mask is not None:
+            real = (~padding_mask.reshape(-1).to(torch.bool)).nonzero().squeeze(-1)
+            tokens = flat.index_select(0, real)
+        else:
+            real = None
+            tokens = flat
+        if tokens.shape[0] > 0:
+            weights, indices = self.gate(tokens)
+            expert_in = self.fc1_latent_proj(tokens) if self.fc1_latent_proj is not None else tokens
+            expert_out = self.experts(expert_in, indices, weights)
+            if self.fc2_latent_proj is not None:
+                expert_out = self.fc2_latent_proj(expert_out)
+            routed_out = expert_out if real is None else routed_out.index_copy(0, real, expert_out)
+        return routed_out.view(shape) + self.shared_experts(hidden_states)

@@ -1,0 +1,226 @@
+"""Multi-token prediction (MTP): extra depths that predict tokens further ahead, and their loss.
+
+What it is for: `MTPConfig` (depth count, per-depth block pattern, loss scale, repeated layer), `MTPModule` (a flat
+`layers` list of `physical_depths × len(pattern)` sublayers, checkpoint names `mtp.layers.{i}.*`; the first sublayer
+of each depth fuses `eh_proj([enorm(embedding), hnorm(hidden)])`, the last applies `final_layernorm`), the input
+roll (`roll_tensor`) and the loss (`mtp_loss`): depth k (0-based) at position t predicts token t + k + 2, never
+across a packed-sequence boundary.
+What it must not do: import am-pipelining (it has its own `calculate_mtp_loss`; this is the model's small copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from am_models_nemotron._init import reset_linear_
+from am_models_nemotron.blocks import NemotronV3Block
+from am_models_nemotron.config import NemotronConfig
+from am_precision import BackendConfig, initialize_linear_module, initialize_rms_norm_module
+
+__all__ = ["MTPConfig", "MTPModule", "MTPSublayer", "mtp_loss", "roll_tensor", "shift_labels"]
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    """num_layers: MTP depths D; layer_pattern: block kinds of one depth; use_repeated_layer: one physical depth
+    applied D times (shared weights); loss_scaling_factor: weight of the mean depth loss."""
+
+    num_layers: int = 0
+    layer_pattern: tuple[str, ...] = ()
+    loss_scaling_factor: float = 0.1
+    use_repeated_layer: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_layers > 0 and len(self.layer_pattern) > 0
+
+    @property
+    def num_physical_depths(self) -> int:
+        return 1 if self.use_repeated_layer else self.num_layers
+
+    @property
+    def total_sublayers(self) -> int:
+        return self.num_physical_depths * len(self.layer_pattern)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: NemotronConfig,
+        *,
+        num_nextn_predict_layers: int | None = None,
+        loss_scaling_factor: float = 0.1,
+        use_repeated_layer: bool = False,
+    ) -> MTPConfig:
+        """Depths from the config unless overridden (0 disables MTP)."""
+        depths = config.num_nextn_predict_layers if num_nextn_predict_layers is None else num_nextn_predict_layers
+        if depths < 0:
+            raise ValueError(f"num_nextn_predict_layers={depths} must be >= 0")
+        return cls(depths, tuple(config.mtp_layers_block_type), float(loss_scaling_factor), use_repeated_layer)
+
+
+def roll_tensor(tensor: torch.Tensor, shifts: int = -1, dim: int = -1, *, fill_value: float = 0) -> torch.Tensor:
+    """torch.roll, with the wrapped-around slice replaced by `fill_value` (the trailing |shifts| for shifts < 0)."""
+    if shifts == 0 or tensor.shape[dim] == 0:
+        return tensor
+    rolled = torch.roll(tensor, shifts=shifts, dims=dim)
+    length = tensor.shape[dim]
+    count = min(abs(shifts), length)
+    start = length - count if shifts < 0 else 0
+    return rolled.index_fill(dim, torch.arange(start, start + count, device=tensor.device), fill_value)
+
+
+def shift_labels(
+    labels: torch.Tensor, shift: int, *, seq_idx: torch.Tensor | None = None, ignore_index: int = -100
+) -> torch.Tensor:
+    """Targets at distance `shift`: out[:, t] = labels[:, t + shift], or `ignore_index` past the end or when
+    position t + shift lies in another packed sequence. labels, seq_idx: [B, S]."""
+    out = roll_tensor(labels, -shift, dim=-1, fill_value=ignore_index)
+    if seq_idx is not None:
+        crosses = roll_tensor(seq_idx, -shift, dim=-1, fill_value=-1) != seq_idx
+        out = out.masked_fill(crosses, ignore_index)
+    return out
+
+
+def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    total = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index, reduction="sum"
+    )
+    count = (targets != ignore_index).sum().clamp(min=1)
+    return total / count
+
+
+def mtp_loss(
+    per_depth_hidden: Sequence[torch.Tensor],
+    *,
+    labels: torch.Tensor,
+    lm_head: nn.Module,
+    scaling_factor: float,
+    seq_idx: torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """scaling_factor × mean over depths of the mean cross entropy of depth k against labels[t + k + 2].
+
+    per_depth_hidden: D tensors [B, S, H]; labels: [B, S] unshifted token ids (as for the main loss).
+    """
+    losses = []
+    for depth, hidden in enumerate(per_depth_hidden):
+        targets = shift_labels(labels, depth + 2, seq_idx=seq_idx, ignore_index=ignore_index)
+        losses.append(_mean_cross_entropy(lm_head(hidden), targets, ignore_index))
+    return torch.stack(losses).sum() * scaling_factor / len(losses)
+
+
+class MTPSublayer(NemotronV3Block):
+    """A block of an MTP depth; the first of a depth owns the fusion, the last the final norm.
+
+    forward(hidden [B, S, H], embed_input [B, S, H] | None, **block inputs) -> [B, S, H].
+    """
+
+    def __init__(
+        self,
+        config: NemotronConfig,
+        layer_idx: int,
+        *,
+        block_type: str,
+        has_fusion: bool,
+        has_final_norm: bool,
+        backend: BackendConfig,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(config, layer_idx, backend=backend, block_type=block_type, device=device, dtype=dtype)
+        hidden, eps = config.hidden_size, config.layer_norm_epsilon
+        self.enorm: nn.Module | None = None
+        self.hnorm: nn.Module | None = None
+        self.eh_proj: nn.Module | None = None
+        self.final_layernorm: nn.Module | None = None
+        if has_fusion:
+            self.enorm = initialize_rms_norm_module(backend.rms_norm, hidden, eps=eps, device=device, dtype=dtype)
+            self.hnorm = initialize_rms_norm_module(backend.rms_norm, hidden, eps=eps, device=device, dtype=dtype)
+            self.eh_proj = initialize_linear_module(
+                backend.linear, 2 * hidden, hidden, bias=False, device=device, dtype=dtype
+            )
+        if has_final_norm:
+            self.final_layernorm = initialize_rms_norm_module(
+                backend.rms_norm, hidden, eps=eps, device=device, dtype=dtype
+            )
+
+    @torch.no_grad()
+    def init_weights(self, *, num_hidden_layers: int, rescale_prenorm_residual: bool) -> None:
+        super().init_weights(num_hidden_layers=num_hidden_layers, rescale_prenorm_residual=rescale_prenorm_residual)
+        for module in (self.enorm, self.hnorm, self.eh_proj, self.final_layernorm):
+            reset_linear_(module)
+
+    def forward(
+        self, hidden_states: torch.Tensor, *, embed_input: torch.Tensor | None = None, **block_inputs: Any
+    ) -> torch.Tensor:
+        if self.eh_proj is not None:
+            if embed_input is None:
+                raise ValueError("The first sublayer of an MTP depth needs the depth's token embeddings (embed_input).")
+            assert self.enorm is not None
+            assert self.hnorm is not None
+            hidden_states = self.eh_proj(torch.cat([self.enorm(embed_input), self.hnorm(hidden_states)], dim=-1))
+        hidden_states = super().forward(hidden_states, **block_inputs)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states
+
+
+class MTPModule(nn.Module):
+    """All MTP depths. forward(hidden [B, S, H], embed_inputs: D × [B, S, H]) -> D × [B, S, H]."""
+
+    def __init__(
+        self,
+        config: NemotronConfig,
+        mtp_config: MTPConfig,
+        *,
+        backend: BackendConfig,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if not mtp_config.enabled:
+            raise ValueError(
+                f"MTPModule needs an enabled MTPConfig (num_layers > 0, non-empty pattern), got {mtp_config}"
+            )
+        self.mtp_config = mtp_config
+        pattern = mtp_config.layer_pattern
+        sublayers = []
+        for depth in range(mtp_config.num_physical_depths):
+            for position, kind in enumerate(pattern):
+                index = depth * len(pattern) + position
+                sublayers.append(
+                    MTPSublayer(
+                        config,
+                        config.num_hidden_layers + index,
+                        block_type=kind,
+                        has_fusion=position == 0,
+                        has_final_norm=position == len(pattern) - 1,
+                        backend=backend,
+                        device=device,
+                        dtype=dtype,
+                    )
+                )
+        self.layers = nn.ModuleList(sublayers)
+
+    def forward(
+        self, hidden_states: torch.Tensor, *, embed_inputs: Sequence[torch.Tensor], **block_inputs: Any
+    ) -> list[torch.Tensor]:
+        depths = self.mtp_config.num_layers
+        if len(embed_inputs) != depths:
+            raise ValueError(f"MTP has {depths} depths but received {len(embed_inputs)} embedding tensors.")
+        pattern_len = len(self.mtp_config.layer_pattern)
+        outputs = []
+        for depth in range(depths):
+            physical = 0 if self.mtp_config.use_repeated_layer else depth
+            for position in range(pattern_len):
+                layer = self.layers[physical * pattern_len + position]
+                embed = embed_inputs[depth] if position == 0 else None
+                hidden_states = layer(hidden_states, embed_input=embed, **block_inputs)
+            outputs.append(hidden_states)
+        return outputs

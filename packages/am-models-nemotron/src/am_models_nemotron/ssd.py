@@ -1,0 +1,189 @@
+"""The Mamba2 state-space-duality (SSD) scan in plain PyTorch: chunked (fast) and sequential (the definition).
+
+What it is for: `ssd_chunked_scan` evaluates the selective SSM recurrence
+    h_t = exp(dt_t * A) * h_{t-1} + dt_t * (x_t ⊗ B_t),    y_t = C_t · h_t + D * x_t
+in chunks of `chunk_size` tokens (quadratic within a chunk, a short recurrence over chunk states), with an initial
+state (from a cache), packed-sequence resets (`seq_idx`) and the final state (for a cache). `ssd_sequential_scan`
+is the token-by-token definition, used as the test oracle and the benchmark baseline.
+What it must not do: import mamba_ssm (the CUDA kernels live behind `mamba2._kernels`), or round: all math is
+fp32 (or fp64 when the inputs are fp64) whatever the input dtype.
+
+Heads map to groups as `head // (heads / groups)`; B and C are never repeated per head (transformers' reference
+repeats them), chunk states are kept per group as [state, heads_per_group * head_dim] matrices so every contraction
+is one batched matmul without broadcast copies.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["segment_sum", "ssd_chunked_scan", "ssd_sequential_scan"]
+
+
+def segment_sum(a: torch.Tensor) -> torch.Tensor:
+    """Pairwise decay exponents within a chunk: out[..., i, j] = sum(a[..., j+1 : i+1]) for i >= j, else -inf.
+
+    a: [..., Q] -> [..., Q, Q]. Computed as a masked cumulative sum (not cum_i - cum_j) so that long chunks do
+    not lose precision to cancellation.
+    """
+    length = a.size(-1)
+    expanded = a[..., None].expand(*a.shape, length)  # [..., k, j] = a_k
+    strictly_lower = torch.ones(length, length, dtype=torch.bool, device=a.device).tril(-1)
+    sums = expanded.masked_fill(~strictly_lower, 0).cumsum(dim=-2)
+    return sums.masked_fill(~torch.ones_like(strictly_lower).tril(0), -torch.inf)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def ssd_chunked_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    return_final_state: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Chunked SSD scan.
+
+    x: [b, S, h, p]; dt: [b, S, h] (already softplus'ed and clamped); A: [h] (negative); B, C: [b, S, g, n];
+    D: [h]; initial_state: [b, h, p, n]; seq_idx: [b, S] integer document ids, non-decreasing along each row.
+    Returns y: [b, S, h, p] in fp32 (fp64 for fp64 inputs), and with `return_final_state` the state after the
+    last token, [b, h, p, n].
+
+    Packed rows: the state is reset where `seq_idx` changes; `initial_state` belongs to the document of the first
+    token. S need not be a multiple of `chunk_size` (the tail chunk is zero-padded with dt = 0, which neither
+    decays nor feeds the state).
+    """
+    batch, seqlen, heads, head_dim = x.shape
+    groups, state = B.shape[-2], B.shape[-1]
+    if heads % groups:
+        raise ValueError(f"heads={heads} must be a multiple of groups={groups}")
+    per_group = heads // groups
+    q = chunk_size
+    pad = (-seqlen) % q
+    total = seqlen + pad
+    chunks = total // q
+    dtype = _compute_dtype(x)
+
+    x32, dt32, b32, c32 = x.to(dtype), dt.to(dtype), B.to(dtype), C.to(dtype)
+    if pad:
+        x32 = F.pad(x32, (0, 0, 0, 0, 0, pad))
+        dt32 = F.pad(dt32, (0, 0, 0, pad))
+        b32 = F.pad(b32, (0, 0, 0, 0, 0, pad))
+        c32 = F.pad(c32, (0, 0, 0, 0, 0, pad))
+    x_dt = (x32 * dt32[..., None]).view(batch, chunks, q, heads, head_dim)  # natural layout [b,c,Q,h,p]
+    a_cum = (dt32 * A.to(dtype)).view(batch, chunks, q, heads).permute(0, 1, 3, 2).cumsum(dim=-1)  # [b,c,h,Q]
+    b_c = b32.view(batch, chunks, q, groups, state).permute(0, 1, 3, 2, 4)  # [b,c,g,Q,n]
+    c_c = c32.view(batch, chunks, q, groups, state).permute(0, 1, 3, 2, 4)  # [b,c,g,Q,n]
+
+    same_doc = start_ok = keep_chunk = None
+    if seq_idx is not None:
+        sid = seq_idx.to(torch.long)
+        if pad:
+            sid = torch.cat([sid, sid[:, -1:].expand(batch, pad)], dim=1)
+        sid = sid.view(batch, chunks, q)
+        same_doc = (sid[..., :, None] == sid[..., None, :])[:, :, None]  # [b,c,1,Q,Q]
+        # The state entering chunk c belongs to the document of the token before it (the first token for c = 0).
+        entering_tag = torch.cat([sid[:, :1, :1], sid[:, :-1, -1:]], dim=1)  # [b,c,1]
+        start_ok = (sid == entering_tag)[:, :, None]  # [b,c,1,Q]
+        keep_chunk = (entering_tag[..., 0] == sid[..., -1])[:, :, None]  # [b,c,1]
+
+    # 1. Within each chunk: y_i += sum_{j<=i} (C_i · B_j) exp(cum_i - cum_j) dt_j x_j. Like mamba_ssm's kernels the
+    # exponent is a difference of cumulative sums (one subtraction instead of a Q x Q cumulative sum).
+    upper = torch.ones(q, q, dtype=torch.bool, device=x.device).triu(1)
+    decay = torch.exp((a_cum[..., :, None] - a_cum[..., None, :]).masked_fill(upper, -torch.inf))  # [b,c,h,Q,Q]
+    scores = c_c @ b_c.transpose(-1, -2)  # [b,c,g,Q,Q], per group: never repeated per head
+    if same_doc is not None:
+        scores = scores * same_doc
+    mixing = (decay.view(batch, chunks, groups, per_group, q, q) * scores[:, :, :, None]).view(
+        batch, chunks, heads, q, q
+    )
+    y = (mixing @ x_dt.permute(0, 1, 3, 2, 4)).permute(0, 1, 3, 2, 4)  # [b,c,Q,h,p]
+
+    # 2. Each chunk's own end state, per group as [n, (r p)]: sum_j B_j ⊗ exp(cum_last - cum_j) dt_j x_j.
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b,c,h,Q]
+    if same_doc is not None:
+        to_end = to_end * same_doc[:, :, :, -1, :]
+    weighted = (x_dt * to_end.permute(0, 1, 3, 2)[..., None]).view(batch, chunks, q, groups, per_group * head_dim)
+    chunk_states = b_c.transpose(-1, -2) @ weighted.permute(0, 1, 3, 2, 4)  # [b,c,g,n,(r p)]
+
+    # 3. State passing over chunks (one short step per chunk).
+    chunk_decay = torch.exp(a_cum[..., -1])  # [b,c,h]
+    if keep_chunk is not None:
+        chunk_decay = chunk_decay * keep_chunk
+    chunk_decay = chunk_decay.view(batch, chunks, groups, 1, per_group, 1)
+    chunk_states = chunk_states.view(batch, chunks, groups, state, per_group, head_dim)
+    if initial_state is not None:
+        running = initial_state.to(dtype).view(batch, groups, per_group, head_dim, state).permute(0, 1, 4, 2, 3)
+    else:
+        running = x32.new_zeros(batch, groups, state, per_group, head_dim)
+    entering = []
+    for chunk in range(chunks):
+        entering.append(running)
+        running = running * chunk_decay[:, chunk] + chunk_states[:, chunk]
+    entering_states = torch.stack(entering, dim=1).view(batch, chunks, groups, state, per_group * head_dim)
+
+    # 4. Contribution of the entering state: exp(cum_i) C_i · H_c.
+    out_decay = torch.exp(a_cum)  # [b,c,h,Q]
+    if start_ok is not None:
+        out_decay = out_decay * start_ok
+    from_state = (c_c @ entering_states).view(batch, chunks, groups, q, per_group, head_dim)  # [b,c,g,Q,r,p]
+    from_state = from_state * out_decay.view(batch, chunks, groups, per_group, q).transpose(-1, -2)[..., None]
+    y = y + from_state.permute(0, 1, 3, 2, 4, 5).reshape(batch, chunks, q, heads, head_dim)
+
+    y = y.reshape(batch, total, heads, head_dim)
+    if D is not None:
+        y = y + x32 * D.to(dtype)[:, None]
+    if pad:
+        y = y[:, :seqlen]
+    if return_final_state:
+        return y, running.permute(0, 1, 3, 4, 2).reshape(batch, heads, head_dim, state)
+    return y
+
+
+def ssd_sequential_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence, one token at a time (slow; the definition the chunked scan must equal).
+
+    Shapes as in `ssd_chunked_scan`. Computes in fp32, or fp64 for fp64 inputs. Returns (y, final_state).
+    """
+    batch, seqlen, heads, head_dim = x.shape
+    groups = B.shape[-2]
+    dtype = _compute_dtype(x)
+    x, dt, A, B, C = x.to(dtype), dt.to(dtype), A.to(dtype), B.to(dtype), C.to(dtype)
+    B_h = B.repeat_interleave(heads // groups, dim=2)  # [b, S, h, n]
+    C_h = C.repeat_interleave(heads // groups, dim=2)
+    h = (
+        initial_state.to(dtype).clone()
+        if initial_state is not None
+        else x.new_zeros(batch, heads, head_dim, B.shape[-1])
+    )
+    ys = []
+    for t in range(seqlen):
+        if seq_idx is not None and t > 0:
+            boundary = (seq_idx[:, t] != seq_idx[:, t - 1]).to(dtype)[:, None, None, None]
+            h = h * (1 - boundary)
+        decay = torch.exp(dt[:, t] * A)[:, :, None, None]
+        h = decay * h + (dt[:, t, :, None] * x[:, t])[..., None] * B_h[:, t, :, None, :]
+        y = (h * C_h[:, t, :, None, :]).sum(-1)
+        if D is not None:
+            y = y + D.to(dtype)[:, None] * x[:, t]
+        ys.append(y)
+    return torch.stack(ys, dim=1), h

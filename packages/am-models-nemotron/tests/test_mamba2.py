@@ -1,0 +1,105 @@
+"""The Mamba2 mixer: prefill + one-token decode steps equal the full-sequence forward; gated norm, conv with packed
+documents and the time-step clamp against direct computations; the fp32 holder."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from am_nemotron_helpers import assert_close_rel, randomize_, tiny_hf_config
+
+from am_models_nemotron import Mamba2Mixer, MambaRMSNormGated, NemotronConfig, NemotronHybridCache, default_backend
+
+FP32_TOL = 2e-6
+
+
+def _mixer(**overrides) -> tuple[Mamba2Mixer, NemotronConfig]:
+    cfg = NemotronConfig.from_any(tiny_hf_config("M", **overrides))
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(cfg, 0, backend=default_backend())
+    mixer.init_weights(num_hidden_layers=1, rescale_prenorm_residual=False)
+    randomize_(mixer, seed=5)
+    return mixer, cfg
+
+
+def test_prefill_then_decode_steps_equal_the_full_sequence() -> None:
+    mixer, cfg = _mixer()
+    x = torch.randn(2, 19, 32)
+    full = mixer(x)
+    cache = NemotronHybridCache(cfg, 2)
+    prefix = 11
+    outputs = [mixer(x[:, :prefix], cache=cache)]
+    cache.has_previous_state = True
+    for t in range(prefix, 19):
+        outputs.append(mixer(x[:, t : t + 1], cache=cache))
+    assert_close_rel(torch.cat(outputs, dim=1), full, rtol=FP32_TOL, what="prefill + decode")
+    assert cache.ssm_states[0].dtype == torch.float32
+
+
+def test_short_prefill_shorter_than_the_conv_window() -> None:
+    mixer, cfg = _mixer()
+    x = torch.randn(1, 6, 32)
+    cache = NemotronHybridCache(cfg, 1)
+    outputs = [mixer(x[:, :2], cache=cache)]
+    cache.has_previous_state = True
+    outputs += [mixer(x[:, t : t + 1], cache=cache) for t in range(2, 6)]
+    assert_close_rel(torch.cat(outputs, dim=1), mixer(x), rtol=FP32_TOL, what="short prefill")
+
+
+def test_multi_token_continuation_from_a_cache() -> None:
+    mixer, cfg = _mixer()
+    x = torch.randn(1, 20, 32)
+    cache = NemotronHybridCache(cfg, 1)
+    first = mixer(x[:, :9], cache=cache)
+    cache.has_previous_state = True
+    second = mixer(x[:, 9:], cache=cache)  # chunked prefill: initial SSM state from the cache
+    assert_close_rel(second, mixer(x)[:, 9:], rtol=FP32_TOL, what="continuation")
+    assert first.shape == (1, 9, 32)
+
+
+def test_packed_documents_equal_each_document_alone() -> None:
+    mixer, _ = _mixer()
+    lengths = [3, 9, 6]
+    x = torch.randn(1, sum(lengths), 32)
+    seq_idx = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]
+    packed = mixer(x, seq_idx=seq_idx)
+    start = 0
+    for length in lengths:
+        alone = mixer(x[:, start : start + length])
+        assert_close_rel(packed[:, start : start + length], alone, rtol=FP32_TOL, what=f"document at {start}")
+        start += length
+
+
+def test_gated_norm_normalizes_each_group_after_the_gate() -> None:
+    norm = MambaRMSNormGated(8, group_size=4, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.arange(1.0, 9.0))
+    x, gate = torch.randn(3, 8), torch.randn(3, 8)
+    gated = x * F.silu(gate)
+    expected = torch.cat(
+        [g / torch.sqrt(g.pow(2).mean(-1, keepdim=True) + 1e-6) for g in gated.split(4, dim=-1)], dim=-1
+    ) * torch.arange(1.0, 9.0)
+    assert_close_rel(norm(x, gate), expected, rtol=FP32_TOL, what="gated norm")
+
+
+def test_time_step_limit_clamps_dt() -> None:
+    mixer, _ = _mixer(time_step_limit=(0.05, 0.2))
+    raw = torch.linspace(-8, 8, 4 * 5).view(5, 4)
+    dt = mixer._discretize(raw, mixer.dt_bias)
+    expected = F.softplus(raw + mixer.dt_bias).clamp(0.05, 0.2)
+    assert torch.equal(dt, expected)
+    assert dt.min() >= 0.05
+    assert dt.max() <= 0.2
+    unclamped, _ = _mixer(time_step_limit=(0.0, float("inf")))
+    assert torch.equal(unclamped._discretize(raw, mixer.dt_bias), F.softplus(raw + mixer.dt_bias))
+
+
+def test_fp32_holder_owns_the_ssm_parameters() -> None:
+    mixer, _ = _mixer()
+    names = {n for n, _ in mixer.named_parameters()}
+    assert {"_fp32_params.A_log", "_fp32_params.dt_bias", "_fp32_params.D"} <= names
+    assert mixer.A_log is mixer._fp32_params.A_log
+    mixer.to(torch.bfloat16)  # a plain .to() rounds them; cast_model_to_dtype is the supported cast (test_model)
+    a_log, dt_bias, d = mixer._fp32_params()
+    assert a_log is mixer.A_log
+    assert dt_bias is mixer.dt_bias
+    assert d is mixer.D

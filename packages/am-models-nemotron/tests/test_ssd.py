@@ -1,0 +1,117 @@
+"""The chunked SSD scan equals the token-by-token recurrence (fp64), across chunk boundaries, ragged lengths, packed
+documents and cached initial states; and matches transformers' reference scan in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from am_nemotron_helpers import assert_close_rel
+
+from am_models_nemotron import segment_sum, ssd_chunked_scan, ssd_sequential_scan
+
+# fp64 on both sides: only summation order differs.
+FP64_TOL = 1e-10
+
+
+def _inputs(
+    batch: int, seqlen: int, *, heads: int = 4, head_dim: int = 3, groups: int = 2, state: int = 5, seed: int = 0
+):
+    gen = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    x = torch.randn(batch, seqlen, heads, head_dim, generator=gen, dtype=f64)
+    dt = torch.rand(batch, seqlen, heads, generator=gen, dtype=f64) * 0.5 + 0.01
+    A = -(torch.rand(heads, generator=gen, dtype=f64) + 0.1)
+    B = torch.randn(batch, seqlen, groups, state, generator=gen, dtype=f64)
+    C = torch.randn(batch, seqlen, groups, state, generator=gen, dtype=f64)
+    D = torch.randn(heads, generator=gen, dtype=f64)
+    return x, dt, A, B, C, D
+
+
+def test_segment_sum_is_sum_over_the_open_closed_interval() -> None:
+    a = torch.tensor([1.0, 2.0, 4.0, 8.0])
+    seg = segment_sum(a)
+    for i in range(4):
+        for j in range(4):
+            expected = a[j + 1 : i + 1].sum() if i >= j else -torch.inf
+            assert seg[i, j] == expected
+
+
+@pytest.mark.parametrize("seqlen", [1, 8, 21, 40])
+def test_chunked_equals_sequential_for_ragged_lengths(seqlen: int) -> None:
+    x, dt, A, B, C, D = _inputs(2, seqlen)
+    y, final = ssd_chunked_scan(x, dt, A, B, C, chunk_size=8, D=D, return_final_state=True)
+    y_ref, final_ref = ssd_sequential_scan(x, dt, A, B, C, D=D)
+    assert_close_rel(y, y_ref, rtol=FP64_TOL, what="y")
+    assert_close_rel(final, final_ref, rtol=FP64_TOL, what="final state")
+
+
+def test_initial_state_from_a_cache_continues_the_sequence() -> None:
+    x, dt, A, B, C, D = _inputs(2, 29, seed=1)
+    split = 13
+    _, state = ssd_chunked_scan(
+        x[:, :split], dt[:, :split], A, B[:, :split], C[:, :split], chunk_size=8, D=D, return_final_state=True
+    )
+    y_tail, final = ssd_chunked_scan(
+        x[:, split:],
+        dt[:, split:],
+        A,
+        B[:, split:],
+        C[:, split:],
+        chunk_size=8,
+        D=D,
+        initial_state=state,
+        return_final_state=True,
+    )
+    y_full, final_full = ssd_sequential_scan(x, dt, A, B, C, D=D)
+    assert_close_rel(y_tail, y_full[:, split:], rtol=FP64_TOL, what="continued y")
+    assert_close_rel(final, final_full, rtol=FP64_TOL, what="continued state")
+
+
+def test_packed_documents_equal_each_document_alone() -> None:
+    lengths = [5, 11, 3, 13]  # boundaries inside and on chunk edges (5 + 11 = 16)
+    seqlen = sum(lengths)
+    x, dt, A, B, C, D = _inputs(1, seqlen, seed=2)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    y, final = ssd_chunked_scan(x, dt, A, B, C, chunk_size=8, D=D, seq_idx=seq_idx, return_final_state=True)
+    start = 0
+    for length in lengths:
+        part = slice(start, start + length)
+        y_doc, final_doc = ssd_sequential_scan(x[:, part], dt[:, part], A, B[:, part], C[:, part], D=D)
+        assert_close_rel(y[:, part], y_doc, rtol=FP64_TOL, what=f"document at {start}")
+        start += length
+    assert_close_rel(final, final_doc, rtol=FP64_TOL, what="final state = last document's state")
+    y_seq, _ = ssd_sequential_scan(x, dt, A, B, C, D=D, seq_idx=seq_idx)
+    assert_close_rel(y, y_seq, rtol=FP64_TOL, what="sequential with resets")
+
+
+def test_initial_state_applies_to_the_first_packed_document_only() -> None:
+    x, dt, A, B, C, D = _inputs(2, 24, seed=3)
+    init = torch.randn(2, 4, 3, 5, dtype=torch.float64)
+    seq_idx = torch.tensor([[0] * 10 + [1] * 14, [0] * 24])
+    y, final = ssd_chunked_scan(
+        x, dt, A, B, C, chunk_size=8, D=D, seq_idx=seq_idx, initial_state=init, return_final_state=True
+    )
+    y_ref, final_ref = ssd_sequential_scan(x, dt, A, B, C, D=D, seq_idx=seq_idx, initial_state=init)
+    assert_close_rel(y, y_ref, rtol=FP64_TOL, what="y")
+    assert_close_rel(final, final_ref, rtol=FP64_TOL, what="final")
+
+
+def test_gradients_match_the_sequential_recurrence() -> None:
+    inputs = [t.requires_grad_() for t in _inputs(1, 19, seed=4)]
+    y, _ = ssd_chunked_scan(*inputs[:5], chunk_size=8, D=inputs[5], return_final_state=True)
+    grads = torch.autograd.grad(y.square().sum(), inputs)
+    y_ref, _ = ssd_sequential_scan(*inputs[:5], D=inputs[5])
+    grads_ref = torch.autograd.grad(y_ref.square().sum(), inputs)
+    for name, g, g_ref in zip(["x", "dt", "A", "B", "C", "D"], grads, grads_ref, strict=True):
+        assert_close_rel(g, g_ref, rtol=1e-9, what=f"grad {name}")
+
+
+def test_fp32_inputs_compute_in_fp32_and_match_transformers_reference_scan() -> None:
+    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
+
+    x, dt, A, B, C, D = (t.float() for t in _inputs(2, 37, seed=5))
+    y, final = ssd_chunked_scan(x, dt, A, B, C, chunk_size=8, D=D, return_final_state=True)
+    y_hf, final_hf = mamba2_chunk_scan(x, dt, A, B, C, chunk_size=8, D=D, return_final_states=True)
+    assert y.dtype == torch.float32
+    assert_close_rel(y, y_hf, rtol=1e-5, what="y vs transformers")
+    assert_close_rel(final, final_hf, rtol=1e-5, what="state vs transformers")
