@@ -97,6 +97,18 @@ def _te_case(mesh: Any) -> dict[str, Any]:
     return {k: out[k] for k in ("input_ids", "cu_seqlens", "max_seqlen", "padding_mask", "cp_size", "cp_rank")}
 
 
+def _te_chunks_case(mesh: Any) -> dict[str, Any]:
+    """num_chunks=2: each batch row is its own THD chunk, sharded per packed sequence, then stacked."""
+    batch = {
+        "input_ids": torch.tensor([[1, 2, 3, 0, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]]),
+        "labels": torch.tensor([[1, 2, 3, 0, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]]),
+        "seq_lens": torch.tensor([[3, 4], [8, -1000]]),
+        "seq_lens_padded": torch.tensor([[4, 4], [8, -1000]]),
+    }
+    _, out = make_cp_batch_and_ctx(mesh, batch, use_te=True, num_chunks=2)
+    return {k: out[k] for k in ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "cp_rank")}
+
+
 def _contiguous_error_case(mesh: Any) -> str:
     try:
         make_contiguous_shard_cp_batch_and_ctx(mesh, None, {"input_ids": torch.ones(1, 4)})
@@ -159,6 +171,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
             "embeds": lambda: _embeds_case(mesh),
             "mrope_extra": lambda: _mrope_and_extra_case(mesh),
             "te": lambda: _te_case(mesh),
+            "te_chunks": lambda: _te_chunks_case(mesh),
             "contiguous": lambda: _contiguous_case(mesh),
             "err_contiguous_labels": lambda: _contiguous_error_case(mesh),
             "err_labels": lambda: _error_case(mesh, {"input_ids": ids}),
@@ -234,6 +247,25 @@ def test_thd_path_shards_each_sequence_head_tail(results: list[dict[str, Any]]) 
         assert int(local["max_seqlen"]) == 4
         assert local["padding_mask"].tolist() == [tokens[i] == 0 for i in expected[rank]]
         assert (local["cp_size"], local["cp_rank"]) == (2, rank)
+
+
+def test_thd_path_with_chunks_stacks_per_chunk_shards(results: list[dict[str, Any]]) -> None:
+    """Chunk 0 = sequences of padded length 4 and 4 (chunks of 1); chunk 1 = one sequence of 8 (chunks of 2)."""
+    rows = [[1, 2, 3, 0, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]]
+    keep = {0: ([0, 3, 4, 7], [0, 1, 6, 7]), 1: ([1, 2, 5, 6], [2, 3, 4, 5])}
+    # position ids restart at every packed sequence (over its padded extent) before sharding
+    positions = [[0, 1, 2, 3, 0, 1, 2, 3], list(range(8))]
+    for rank in range(2):
+        local = case_result(results, "te_chunks", rank)
+        expected = [[row[i] for i in idx] for row, idx in zip(rows, keep[rank], strict=True)]
+        assert local["input_ids"].tolist() == expected
+        assert local["labels"].tolist() == expected
+        assert local["position_ids"].tolist() == [
+            [pos[i] for i in idx] for pos, idx in zip(positions, keep[rank], strict=True)
+        ]
+        assert local["cu_seqlens"].tolist() == [[0, 4, 8], [0, 8, -1000]]
+        assert local["max_seqlen"].tolist() == [4, 8]
+        assert local["cp_rank"] == rank
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,9 @@ LR = 0.5
 # fp32 parity after 3 SGD steps: the ring changes only the order of fp32 sums (~1e-7 relative per op).
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
+# fp32 gradients of the first step: same reordering of fp32 sums; atol covers entries near 0.
+GRAD_RTOL = 1e-5
+GRAD_ATOL = 1e-6
 
 
 def _model(attn_implementation: str = "sdpa") -> Any:
@@ -72,12 +75,16 @@ def _params(model: Any) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def _grads(model: Any) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
 def _train_cp(mesh: Any) -> dict[str, Any]:
     group = mesh.get_group()
     model = _model()
     initial = _params(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, first_logits = [], None
+    losses, first_logits, first_grads = [], None, {}
     with count_ring_bytes() as stats:
         for step in range(STEPS):
             ctx, batch = make_cp_batch_and_ctx(mesh, _batch(step))
@@ -88,6 +95,8 @@ def _train_cp(mesh: Any) -> dict[str, Any]:
             if step == 0:
                 first_logits = ctx.unshard(logits.detach(), seq_dim=1)
             all_reduce_cp_gradients(model, group=group)
+            if step == 0:
+                first_grads = _grads(model)
             optimizer.step()
             optimizer.zero_grad()
             losses.append(global_loss.item())
@@ -96,6 +105,7 @@ def _train_cp(mesh: Any) -> dict[str, Any]:
         "params": _params(model),
         "initial": initial,
         "first_logits": first_logits,
+        "first_grads": first_grads,
         "ring_calls": stats.calls,
     }
 
@@ -125,18 +135,25 @@ def reference() -> dict[str, Any]:
     """CP=1: plain HF attention on the full batches, the same loss definition (token mean over the batch)."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, first_logits = [], None
+    losses: list[float] = []
+    first_logits, first_grads = None, {}
     for step in range(STEPS):
         batch = _batch(step)
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         loss = F.cross_entropy(logits.reshape(-1, 64), batch["labels"].reshape(-1), ignore_index=-100)
         loss.backward()
+        if step == 0:
+            first_logits, first_grads = logits.detach(), _grads(model)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-        if step == 0:
-            first_logits = logits.detach()
-    return {"losses": losses, "params": _params(model), "initial": _params(_model()), "first_logits": first_logits}
+    return {
+        "losses": losses,
+        "params": _params(model),
+        "initial": _params(_model()),
+        "first_logits": first_logits,
+        "first_grads": first_grads,
+    }
 
 
 def _real_tokens() -> torch.Tensor:
@@ -156,6 +173,17 @@ def test_forward_logits_match_cp1(results: list[dict[str, Any]], reference: dict
         torch.testing.assert_close(logits[real], reference["first_logits"][real], rtol=1e-5, atol=1e-5)
         eager = case_result(results, "eager", rank)
         torch.testing.assert_close(eager[real], reference["first_logits"][real], rtol=1e-5, atol=1e-5)
+
+
+def test_first_step_gradients_match_cp1(results: list[dict[str, Any]], reference: dict[str, Any]) -> None:
+    """After the CP gradient sum, every parameter's gradient equals the CP=1 gradient of the same loss."""
+    expected = reference["first_grads"]
+    assert len(expected) == len(reference["params"])  # every parameter got a gradient
+    for rank in range(2):
+        grads = case_result(results, "train", rank)["first_grads"]
+        assert sorted(grads) == sorted(expected)
+        for name, grad in expected.items():
+            torch.testing.assert_close(grads[name], grad, rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
 
 
 def test_three_training_steps_match_cp1(results: list[dict[str, Any]], reference: dict[str, Any]) -> None:

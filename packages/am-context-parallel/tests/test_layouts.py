@@ -107,16 +107,34 @@ def test_pad_continue_and_errors() -> None:
 
 
 # ---------------------------------------------------------------- real 2-rank group: unshard
-def _unshard_case(layout_cls: type[Layout]) -> dict[str, Any]:
+PACKED_CU = [0, 4, 12]  # two packed sequences of padded lengths 4 and 8 (multiples of 2C = 4)
+
+
+def _make_layout(kind: str, rank: int) -> Layout:
+    if kind == "load_balanced":
+        return LoadBalancedLayout(cp_size=2, cp_rank=rank)
+    if kind == "contiguous":
+        return ContiguousLayout(cp_size=2, cp_rank=rank)
+    if kind == "packed":
+        return PackedLayout(cp_size=2, cp_rank=rank, cu_seqlens_padded=PACKED_CU)
+    return IdentityLayout(cp_size=2, cp_rank=rank)
+
+
+def _seq_len(kind: str) -> int:
+    return PACKED_CU[-1] if kind == "packed" else 7  # 7 needs padding on the other layouts
+
+
+def _unshard_case(kind: str) -> dict[str, Any]:
     rank = dist.get_rank()
-    layout = layout_cls(cp_size=2, cp_rank=rank)
-    full = torch.arange(2 * 7 * 3, dtype=torch.float32).reshape(2, 7, 3)
+    layout = _make_layout(kind, rank)
+    seq_len = _seq_len(kind)
+    full = torch.arange(2 * seq_len * 3, dtype=torch.float32).reshape(2, seq_len, 3)
     local = layout.shard(full, seq_dim=1).clone().requires_grad_()
-    gathered = layout.unshard(local, seq_dim=1, group=dist.group.WORLD, seq_len=7)
+    gathered = layout.unshard(local, seq_dim=1, group=dist.group.WORLD, seq_len=seq_len)
     weights = torch.arange(gathered.numel(), dtype=torch.float32).reshape(gathered.shape)
     (gathered * weights).sum().backward()  # the same loss on every rank: "slice" gradients
     local_sum = local.detach().clone().requires_grad_()
-    gathered_sum = layout.unshard(local_sum, seq_dim=1, group=dist.group.WORLD, seq_len=7, grad="sum")
+    gathered_sum = layout.unshard(local_sum, seq_dim=1, group=dist.group.WORLD, seq_len=seq_len, grad="sum")
     (gathered_sum * weights * (rank + 1)).sum().backward()  # a different loss per rank: "sum" gradients
     return {
         "gathered": gathered.detach(),
@@ -124,6 +142,45 @@ def _unshard_case(layout_cls: type[Layout]) -> dict[str, Any]:
         "grad_sum": local_sum.grad,
         "expected_grad": layout.shard(weights, seq_dim=1),
     }
+
+
+RANDOM_ROUND_TRIPS = 32
+
+
+def _random_round_trips() -> list[str]:
+    """shard -> unshard through the real group on seeded random shapes, seq dims and layouts (same on every rank)."""
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(2024)
+    kinds = ["identity", "load_balanced", "contiguous", "packed"]
+    failures = []
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (1,), generator=gen))
+
+    for case in range(RANDOM_ROUND_TRIPS):
+        kind = kinds[case % len(kinds)]
+        ndim = draw(1, 4)
+        seq_dim = draw(0, ndim - 1)
+        shape = [draw(1, 3) for _ in range(ndim)]
+        if kind == "packed":
+            cu = torch.cumsum(torch.tensor([0] + [4 * draw(1, 3) for _ in range(draw(1, 3))]), 0)
+            layout: Layout = PackedLayout(cp_size=2, cp_rank=rank, cu_seqlens_padded=cu)
+            shape[seq_dim] = int(cu[-1])
+        elif kind == "contiguous":
+            layout = ContiguousLayout(cp_size=2, cp_rank=rank, pad_multiple=draw(1, 3))
+            shape[seq_dim] = draw(1, 20)
+        elif kind == "load_balanced":
+            layout = LoadBalancedLayout(cp_size=2, cp_rank=rank)
+            shape[seq_dim] = draw(1, 20)
+        else:
+            layout = IdentityLayout(cp_size=2, cp_rank=rank)
+            shape[seq_dim] = draw(1, 20)
+        full = torch.randn(*shape, generator=gen)
+        local = layout.shard(full, seq_dim=seq_dim)
+        restored = layout.unshard(local, seq_dim=seq_dim, group=dist.group.WORLD, seq_len=shape[seq_dim])
+        if not torch.equal(restored, full):
+            failures.append(f"{layout!r} shape={shape} seq_dim={seq_dim}")
+    return failures
 
 
 def _wrong_group_case() -> str:
@@ -134,14 +191,14 @@ def _wrong_group_case() -> str:
     return "no error"
 
 
+UNSHARD_KINDS = ["load_balanced", "contiguous", "packed", "identity"]
+
+
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
-    return run_cases(
-        {
-            "load_balanced": lambda: _unshard_case(LoadBalancedLayout),
-            "contiguous": lambda: _unshard_case(ContiguousLayout),
-            "wrong_group": _wrong_group_case,
-        }
-    )
+    cases = {kind: (lambda kind=kind: _unshard_case(kind)) for kind in UNSHARD_KINDS}
+    cases["random_round_trips"] = _random_round_trips
+    cases["wrong_group"] = _wrong_group_case
+    return run_cases(cases)
 
 
 @pytest.fixture(scope="module")
@@ -149,15 +206,24 @@ def results() -> list[dict[str, Any]]:
     return run_group(2, _worker)
 
 
-@pytest.mark.parametrize("kind", ["load_balanced", "contiguous"])
+@pytest.mark.parametrize("kind", UNSHARD_KINDS)
 def test_unshard_inverts_shard_with_gradients(results: list[dict[str, Any]], kind: str) -> None:
-    full = torch.arange(2 * 7 * 3, dtype=torch.float32).reshape(2, 7, 3)
+    seq_len = _seq_len(kind)
+    full = torch.arange(2 * seq_len * 3, dtype=torch.float32).reshape(2, seq_len, 3)
     for rank in range(2):
         local = case_result(results, kind, rank)
         assert torch.equal(local["gathered"], full)
+        if kind == "identity":
+            continue  # no communication: the gradient is the replicated computation's own
         assert torch.equal(local["grad"], local["expected_grad"])
         # Summed over ranks: rank 0's loss weighs 1x, rank 1's 2x.
         assert torch.equal(local["grad_sum"], 3 * local["expected_grad"])
+
+
+def test_unshard_round_trips_on_random_shapes(results: list[dict[str, Any]]) -> None:
+    """Every layout, random shapes and sequence dims, through the real all-gather: unshard(shard(x)) == x."""
+    for rank in range(2):
+        assert case_result(results, "random_round_trips", rank) == []
 
 
 def test_unshard_rejects_group_of_wrong_size(results: list[dict[str, Any]]) -> None:

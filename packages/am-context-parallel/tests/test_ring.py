@@ -46,6 +46,7 @@ class Spec:
     packed: bool = False
     dtype: torch.dtype = torch.float32
     scale: float | None = None
+    row_positions: bool = False  # pass positions as [B, S_local] instead of [S_local]
 
 
 BASE = Spec("base")
@@ -65,6 +66,8 @@ CASES_2 = [
     Spec("padding_lb", seq=13),
     Spec("padding_contiguous_window", layout="contiguous", seq=11, window=4),
     Spec("bf16_lb", dtype=torch.bfloat16, packed=True),
+    Spec("bf16_contiguous_window_noncausal", layout="contiguous", dtype=torch.bfloat16, window=6, causal=False),
+    Spec("row_positions_window_lb", window=5, row_positions=True, seq=14),
 ]
 CASES_4 = [
     Spec("c4_causal_lb", cp=4, seq=32),
@@ -121,6 +124,8 @@ def _run_case(spec: Spec, group: Any) -> dict[str, Any]:
     q, k, v = (local[n].clone().requires_grad_() for n in ("q", "k", "v"))
     local_docs = layout.shard(docs, seq_dim=1, pad_value=0) if padded_len != spec.seq or spec.packed else None
     positions = layout.local_indices(padded_len)
+    if spec.row_positions:
+        positions = positions.expand(spec.batch, -1)
     with count_ring_bytes() as stats:
         out = ring_attention(
             q,
@@ -136,7 +141,7 @@ def _run_case(spec: Spec, group: Any) -> dict[str, Any]:
         out.backward(local["dout"])
     return {
         "rank": rank,
-        "indices": positions,
+        "indices": layout.local_indices(padded_len),
         "out": out.detach(),
         "dq": q.grad,
         "dk": k.grad,
@@ -167,6 +172,18 @@ def _mismatch_case(group: Any) -> str:
     return "no error"
 
 
+def _invalid_on_one_rank_case(group: Any) -> str:
+    """Only rank 1 passes positions of the wrong length: both ranks raise (rank 0 must not wait for rank 1)."""
+    rank = dist.get_rank(group)
+    q = torch.randn(1, 2, 4, 8)
+    positions = torch.arange(4) + 4 * rank if rank == 0 else torch.arange(3)
+    try:
+        ring_attention(q, q, q, group=group, positions=positions)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = pairs[rank // 2]
@@ -176,6 +193,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     cases.update({spec.name: (lambda spec=spec: _run_case(spec, dist.group.WORLD)) for spec in CASES_4})
     if rank // 2 == 0:
         cases["skip_masked_chunk"] = lambda: _skip_case(mine)
+        cases["invalid_on_one_rank"] = lambda: _invalid_on_one_rank_case(mine)
     else:
         cases["mismatch"] = lambda: _mismatch_case(mine)
     return run_cases(cases)
@@ -293,6 +311,14 @@ def test_ranks_that_disagree_all_raise(results: list[dict[str, Any]]) -> None:
         assert "disagree" in message
         assert "rank 0" in message
         assert "rank 1" in message
+
+
+def test_invalid_input_on_one_rank_raises_on_every_rank(results: list[dict[str, Any]]) -> None:
+    """The rank with bad input lists its problems; the other names that rank; neither hangs."""
+    bad, good = _ranks_of(results, "invalid_on_one_rank")[1], _ranks_of(results, "invalid_on_one_rank")[0]
+    assert "invalid input" in bad
+    assert "positions must be integer [S_local=4]" in bad
+    assert "rank(s) [1]" in good
 
 
 def test_single_process_equals_reference() -> None:

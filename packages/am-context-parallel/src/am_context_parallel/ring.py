@@ -40,6 +40,7 @@ __all__ = ["RingCommStats", "count_ring_bytes", "ring_attention", "ring_plan"]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 _TAG_K, _TAG_V, _TAG_DK, _TAG_DV = 11, 12, 13, 14
+_HEADER_LEN = 11  # valid, B, S_local, Hq, Hkv, d, dtype, causal, sliding_window, positions rows, has doc_ids
 
 
 @dataclass
@@ -293,14 +294,15 @@ class _RingAttentionFunction(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def _validate(
+def _input_problems(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     positions: torch.Tensor,
     doc_ids: torch.Tensor | None,
     sliding_window: int | None,
-) -> None:
+) -> list[str]:
+    """Every problem with this rank's inputs (empty when they are valid)."""
     problems = []
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         problems.append(
@@ -328,8 +330,11 @@ def _validate(
             problems.append(f"doc_ids must be integer [B={b}, S_local={s}]; got {doc_ids.dtype} {tuple(doc_ids.shape)}")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         problems.append(f"sliding_window must be a positive int or None; got {sliding_window!r}")
-    if problems:
-        raise ValueError("ring_attention got invalid input:\n  - " + "\n  - ".join(problems))
+    return problems
+
+
+def _invalid_input_error(problems: list[str]) -> ValueError:
+    return ValueError("ring_attention got invalid input:\n  - " + "\n  - ".join(problems))
 
 
 def _all_gather(tensor: torch.Tensor, group: Any, world: int) -> torch.Tensor:
@@ -343,19 +348,33 @@ def _gather_metadata(
     group: Any,
     world: int,
     header: torch.Tensor,
-    positions: torch.Tensor,
+    positions: torch.Tensor | None,
     doc_ids: torch.Tensor | None,
+    problems: list[str],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """All-gather the header (checked first, so every rank fails alike), then every rank's positions and doc ids."""
+    """All-gather the header (checked first, so every rank fails alike), then every rank's positions and doc ids.
+
+    header[0] is 1 when this rank's inputs are valid: a rank with invalid input still takes part in this first
+    collective, so that the others raise with it instead of waiting for it forever.
+    """
     headers = _all_gather(header, group, world)
     _record(metadata_bytes=_nbytes(header))
+    invalid = [i for i, h in enumerate(headers.tolist()) if h[0] != 1]
+    if problems or invalid:
+        if problems:
+            raise _invalid_input_error([*problems, f"(ranks of the CP group with invalid input: {invalid})"])
+        raise ValueError(
+            f"ring_attention: rank(s) {invalid} of the CP group got invalid input (their error lists the problems); "
+            "every rank stops here so that none waits for them"
+        )
     if not bool((headers == headers[0]).all()):
-        fields = "B, S_local, Hq, Hkv, d, dtype, causal, sliding_window, positions rows, has doc_ids"
+        fields = "valid, B, S_local, Hq, Hkv, d, dtype, causal, sliding_window, positions rows, has doc_ids"
         rows = "\n".join(f"  rank {i}: {h.tolist()}" for i, h in enumerate(headers))
         raise ValueError(
             f"ring_attention: ranks of the CP group disagree on ({fields}); every rank must call it with the same "
             f"shapes and options (shard the batch with one layout for the whole group):\n{rows}"
         )
+    assert positions is not None  # valid input on every rank
     all_pos = _all_gather(positions, group, world)
     _record(metadata_bytes=_nbytes(positions))
     all_docs = None
@@ -394,15 +413,21 @@ def ring_attention(
         kernel: the per-chunk kernel (`AttentionKernel`), default `select_kernel(q.device)`.
 
     Raises:
-        ValueError: on inconsistent shapes (all problems listed), or when ranks of the group disagree on shapes or
-            options (raised on every rank, never a hang).
+        ValueError: on inconsistent shapes (all problems listed), when another rank of the group got invalid
+            input, or when ranks of the group disagree on shapes or options (raised on every rank, never a hang).
     """
-    _validate(q, k, v, positions, doc_ids, sliding_window)
+    problems = _input_problems(q, k, v, positions, doc_ids, sliding_window)
     if group is None and dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
     distributed = group is not None
     world = dist.get_world_size(group) if distributed else 1
     rank = dist.get_rank(group) if distributed else 0
+    if problems:
+        if distributed and world > 1:
+            # Join the header exchange marked invalid (header[0] = 0): every rank raises instead of hanging.
+            invalid = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=q.device)
+            _gather_metadata(group, world, invalid, None, None, problems)
+        raise _invalid_input_error(problems)
 
     b, hq, s, d = q.shape
     pos = positions.to(device=q.device, dtype=torch.int64)
@@ -411,6 +436,7 @@ def ring_attention(
     if distributed and world > 1:
         header = torch.tensor(
             [
+                1,  # valid
                 b,
                 s,
                 hq,
@@ -425,7 +451,7 @@ def ring_attention(
             dtype=torch.int64,
             device=q.device,
         )
-        all_pos, all_docs = _gather_metadata(group, world, header, pos, docs)
+        all_pos, all_docs = _gather_metadata(group, world, header, pos, docs, [])
     else:
         all_pos, all_docs = pos.unsqueeze(0), None if docs is None else docs.unsqueeze(0)
     setup = _RingSetup(
