@@ -152,6 +152,22 @@ def test_declared_capabilities_and_validator_agree():
     assert "supports_pp=False" in problem
 
 
+class DynamicNoConfig(Plain):
+    """Declares capabilities per config, but this instance has no config."""
+
+    @classmethod
+    def get_capabilities(cls, config: Any) -> dict[str, bool]:
+        return {"supports_tp": bool(config.tp)}
+
+
+def test_size_one_mesh_never_evaluates_the_declaration():
+    model = DynamicNoConfig()
+    validate_for_mesh(model, MeshContext(dp_size=8))
+    attach_capabilities_and_validate(model, SimpleNamespace(tp_size=1, dp_size=2))
+    with pytest.raises(ValueError, match="a config is required"):
+        validate_for_mesh(model, MeshContext(tp_size=2))
+
+
 _MODELS = {
     "plain": Plain,
     "everything": Everything,
@@ -272,6 +288,22 @@ def test_deep_copy_gets_its_own_supports(tiny_llama):
     assert stage.supports.supports_cp
     tokens = torch.randint(0, 64, (1, 4))
     assert stage(tokens).logits.shape == (1, 4, 64)
+
+
+def test_deep_copy_of_a_compiled_attached_model_runs_its_own_weights():
+    """``Module.compile()`` stores a compiled call bound to the instance; a copy must not inherit it (the copy's
+    forward would silently run the original's weights), exactly as a plain deep copy drops it."""
+    model = Plain()
+    model.compile(backend="eager")
+    attach_capabilities_and_validate(model)
+    clone = copy.deepcopy(model)
+    assert "_compiled_call_impl" not in vars(clone)
+    with torch.no_grad():
+        clone.proj.weight.zero_()
+        clone.proj.bias.fill_(3.0)
+    x = torch.ones(2, 4)
+    assert torch.equal(clone(x), torch.full((2, 4), 3.0))
+    assert not torch.equal(model(x), clone(x))
 
 
 def test_stale_weak_reference_is_rebuilt():

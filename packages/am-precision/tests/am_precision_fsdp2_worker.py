@@ -125,6 +125,37 @@ def strict_and_non_strict_params(mesh: DeviceMesh) -> dict[str, Any]:
 
 
 @case
+def cast_after_forward_while_root_is_unsharded(mesh: DeviceMesh) -> dict[str, Any]:
+    """FSDP2 keeps the root's parameters unsharded after forward; the cast must classify the sharded parameters
+    (the ones FSDP2's _apply re-registers), or strict pins in the root group would be missed."""
+    model, original = sharded_toy(mesh)
+    # The root group (embed, final_norm) is all strict: one dtype per FSDP2 group.
+    model._keep_in_fp32_modules_strict = ["lm_head", "router.e_score_correction_bias", "embed", "final_norm"]
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    with torch.no_grad():
+        model(ids)  # no backward: the root stays unsharded
+    root_unsharded = not isinstance(model.embed.weight, DTensor)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cast_model_to_dtype(model, BF16)
+    params = dict(model.named_parameters())
+    # No forward after this cast: FSDP2 (torch 2.15) keeps its all-gather buffers from the first forward in the
+    # old dtype, so a model must be cast before its first forward (see the README).
+    return {
+        "root_unsharded_before_cast": root_unsharded,
+        "root_params": {
+            name: [isinstance(params[name], DTensor), dtype_name(params[name])]
+            for name in ("embed.weight", "final_norm.weight")
+        },
+        "root_exact": all(
+            torch.equal(params[name].full_tensor(), original[name]) for name in ("embed.weight", "final_norm.weight")
+        ),
+        "block_proj": dtype_name(params["layers.0.proj.weight"]),
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+@case
 def plain_to_after_sharding_breaks_contract(mesh: DeviceMesh) -> dict[str, Any]:
     model, _ = sharded_toy(mesh)
     model.to(BF16)

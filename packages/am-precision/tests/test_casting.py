@@ -203,6 +203,54 @@ def test_yield_fp32_model_explicit_dtype_and_restores_on_error():
     assert model.final_norm.weight.dtype == torch.float32
 
 
+class NormFirstBlock(nn.Module):
+    """Its first parameter is a kept-fp32 norm: it says nothing about the storage dtype."""
+
+    _keep_in_fp32_modules: ClassVar[list[str]] = ["norm"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(4)
+        self.proj = nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize("storage", [BF16, torch.float16])
+def test_yield_fp32_model_default_restores_the_storage_dtype_not_a_pinned_params(storage):
+    model = NormFirstBlock()
+    cast_model_to_dtype(model, storage)
+    with yield_fp32_model(model):
+        assert model.proj.weight.dtype == torch.float32
+    assert model.norm.weight.dtype == torch.float32
+    assert model.proj.weight.dtype == storage
+    assert model.proj.bias.dtype == storage
+
+
+def test_yield_fp32_model_default_ignores_skipped_holders():
+    model = nn.Module()
+    model._fp32_params = nn.Linear(2, 2)  # an fp32 holder registered first
+    model.proj = nn.Linear(2, 2)
+    cast_model_to_dtype(model, BF16, skip_modules=("_fp32_params",))
+    with yield_fp32_model(model, skip_modules=("_fp32_params",)):
+        assert model.proj.weight.dtype == torch.float32
+    assert model.proj.weight.dtype == BF16
+    assert model._fp32_params.weight.dtype == torch.float32
+
+
+def test_yield_fp32_model_with_mixed_storage_dtypes_asks_for_restore_dtype():
+    model = VisionLM()
+    model.vision.requires_grad_(False)
+    cast_frozen_modules_to_compute_dtype(model, BF16)  # frozen tower bf16, trainable head fp32
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"several dtypes.*pass restore_dtype=") as err, yield_fp32_model(model):
+        pytest.fail("the block must not run")
+    assert "torch.bfloat16" in str(err.value)
+    assert "torch.float32" in str(err.value)
+    assert all(t.dtype == before[n].dtype for n, t in snapshot(model).items())  # nothing was cast
+    with yield_fp32_model(model, restore_dtype=BF16):
+        pass
+    assert model.head.weight.dtype == BF16
+
+
 def test_yield_fp32_model_without_float_params_restores_fp32():
     model = nn.Module()
     model.register_buffer("x", torch.zeros(2, dtype=BF16))

@@ -143,6 +143,18 @@ def test_fp32_report_on_the_fsdp2_model(rank_results):
         assert f["report"].splitlines()[-1] == "16 tensors, 4 pinned to fp32, 0 violations"
 
 
+def test_cast_after_forward_with_an_unsharded_root(rank_results):
+    for f in facts(rank_results, "cast_after_forward_while_root_is_unsharded"):
+        assert f["root_unsharded_before_cast"]  # the situation under test really arose
+        # Strict pins in the root group: sharded fp32 DTensors again, values exact.
+        assert f["root_params"] == {"embed.weight": [True, "float32"], "final_norm.weight": [True, "float32"]}
+        assert f["root_exact"]
+        assert f["block_proj"] == "bfloat16"
+        (warning,) = f["warnings"]  # only the blocks' non-strict norms are cast, and named
+        assert "layers.0.norm.weight" in warning
+        assert "final_norm.weight" not in warning
+
+
 def test_plain_to_after_sharding_is_reported_as_violations(rank_results):
     for f in facts(rank_results, "plain_to_after_sharding_breaks_contract"):
         assert f["violations"] == [

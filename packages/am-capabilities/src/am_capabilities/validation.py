@@ -47,12 +47,13 @@ def validate_for_mesh(model: nn.Module, mesh: Any) -> None:
         return
     sizes, problems = read_mesh_sizes(mesh)
     name = type(model).__name__
-    declared: ModelCapabilities | None = _declared(model)
     titles = {"tp": "tensor", "pp": "pipeline", "cp": "context", "ep": "expert"}
-    for axis in MODEL_AXES:
+    used = [axis for axis in MODEL_AXES if sizes[axis] > 1]
+    # Read the declaration only when an axis is used: a mesh of size-1 axes never errors, not even for a model
+    # whose dynamic declaration cannot be evaluated (e.g. no config).
+    declared: ModelCapabilities | None = _declared(model) if used else None
+    for axis in used:
         size = sizes[axis]
-        if size <= 1:
-            continue
         verdict = _decide[axis](model, declared)
         if not verdict.ok:
             problems.append(
@@ -165,7 +166,9 @@ def _reduce_ex(self: nn.Module, protocol: Any) -> str | tuple[Any, ...]:
         # A further wrapper (e.g. FSDP's dynamic class) sits on top: keep the default reduction; a deep copy
         # then carries a stale ModelSupports, which ``supports`` notices and rebuilds.
         return object.__reduce_ex__(self, protocol)
-    state = {key: value for key, value in self.__dict__.items() if key != _SUPPORTS_ATTR}
+    # Start from the class's own __getstate__ (nn.Module's drops `_compiled_call_impl`, whose closure is bound to
+    # *this* instance: a copy carrying it would run the original model's forward).
+    state = {key: value for key, value in self.__getstate__().items() if key != _SUPPORTS_ATTR}
     return (_new_attached, (original,), state)
 
 

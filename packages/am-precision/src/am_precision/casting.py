@@ -168,11 +168,25 @@ def cast_model_to_dtype(
     return model
 
 
-def _first_floating_param_dtype(model: nn.Module) -> torch.dtype:
-    for param in model.parameters():
-        if param.is_floating_point():
-            return param.dtype
-    return torch.float32
+def _entry_storage_dtype(model: nn.Module, skip_names: tuple[str, ...]) -> torch.dtype:
+    """The one dtype of the floating parameters that a cast would change (not pinned, not skipped).
+
+    Pinned parameters are fp32 whatever the storage dtype, so they say nothing about it: reading them (e.g. a
+    model whose first parameter is a kept-fp32 norm) would leave the whole model in fp32 after the block.
+    """
+    skipped = _skipped_tensor_ids(model, skip_names)
+    pinned, _ = _pinned_tensor_ids(model, fp32_keep_rules(model))
+    dtypes: dict[torch.dtype, str] = {}
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and id(param) not in pinned and id(param) not in skipped:
+            dtypes.setdefault(param.dtype, name)
+    if len(dtypes) > 1:
+        found = ", ".join(f"{dtype} (e.g. {name!r})" for dtype, name in dtypes.items())
+        raise ValueError(
+            f"yield_fp32_model: the unpinned floating parameters hold several dtypes ({found}), so there is no "
+            "single dtype to restore on exit; pass restore_dtype=<the storage dtype> explicitly."
+        )
+    return next(iter(dtypes), torch.float32)
 
 
 @contextlib.contextmanager
@@ -189,15 +203,20 @@ def yield_fp32_model(
 
     Args:
         model: the model, modified in place.
-        restore_dtype: the dtype to cast back to on exit; default: the dtype of the first floating parameter on
-            entry (fp32 when there is none).
+        restore_dtype: the dtype to cast back to on exit; default: the storage dtype on entry, i.e. the dtype of
+            the floating parameters that are neither pinned nor skipped (fp32 when there is none).
         skip_modules: passed to `cast_model_to_dtype` both ways.
 
     Yields:
         `model` itself.
+
+    Raises:
+        ValueError: `restore_dtype` is None and the unpinned parameters hold more than one dtype (e.g. after
+            `cast_frozen_modules_to_compute_dtype`); nothing is cast then.
     """
     if restore_dtype is None:
-        restore_dtype = _first_floating_param_dtype(model)
+        _reshard_fsdp_modules(model)  # classify the sharded parameters, as cast_model_to_dtype does
+        restore_dtype = _entry_storage_dtype(model, _check_skip_modules(skip_modules))
     cast_model_to_dtype(model, torch.float32, skip_modules=skip_modules)
     try:
         yield model
