@@ -1,0 +1,289 @@
+"""Gemma 4 self-attention: QK-norm, value norm, per-layer-type RoPE and head dim, K=V, KV sharing, ring CP.
+
+What it is for: `Gemma4Attention` computes what transformers' `Gemma4TextAttention` computes (same parameter
+names), and picks one of three attention paths:
+  1. ring — under context parallelism (`AttentionInputs.ring` is am-context-parallel's `RingAttentionContext`):
+     `ring_attention` over the contiguous shards with global positions, packed-document ids and the layer's
+     sliding window, so sliding layers fetch only the neighbouring ranks their window reaches;
+  2. local — our own boolean masks from sequence positions, documents (`_packed_seq_ids` / padding) and vision
+     groups, built once per forward and layer type (`AttentionInputs.mask_for`);
+  3. external mask — a 4-D mask handed in by a caller that built transformers' masks (pipeline stages).
+What it must not do: keep any state between forwards, or route other modules' attention (the vision tower keeps
+transformers' attention even under CP).
+
+Masking rules (shared by the local path and the ring): key k is visible to query q when k <= q (causal), q - k <
+window on sliding layers, both tokens are in the same document and it is not padding (id 0). With vision groups
+(`use_bidirectional_attention="vision"`, sliding layers only), tokens of one image also see each other. A query
+that sees nothing (padding) outputs 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
+
+from am_models_gemma4.config import SLIDING, kv_sharing_modes, layer_head_dim, layer_num_kv_heads
+from am_models_gemma4.layers import Gemma4RMSNorm
+
+__all__ = ["AttentionInputs", "Gemma4Attention", "SharedKVStates", "build_attention_mask"]
+
+
+class SharedKVStates(MutableMapping[str, tuple[torch.Tensor, torch.Tensor]]):
+    """Per-forward store of the K/V a "store" layer publishes for the "reuse" layers of its type.
+
+    Deliberately not a `dict` subclass: FSDP2 copies dict inputs when it casts forward arguments, which would give
+    every layer its own empty copy.
+    """
+
+    def __init__(self) -> None:
+        self._data: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __getitem__(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._data[key]
+
+    def __setitem__(self, key: str, value: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self._data[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._data[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+def build_attention_mask(
+    *,
+    seq_len: int,
+    device: torch.device,
+    doc_ids: torch.Tensor | None,
+    vision_group_ids: torch.Tensor | None,
+    sliding_window: int | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Boolean "may attend" mask `[B or 1, 1, S, S]` and the rows that see any key `[B, 1, S, 1]`.
+
+    Returns `(None, None)` for a plain causal mask (SDPA's `is_causal`). Rows that see nothing (padding queries)
+    are given their own diagonal so softmax stays finite; the second value marks the real rows, whose outputs
+    the caller keeps (the others become 0).
+
+    doc_ids: `[B, S]` document ids, 0 = padding; vision_group_ids: `[B, S]` image-run ids, -1 = text.
+    """
+    if doc_ids is None and vision_group_ids is None and sliding_window is None:
+        return None, None
+    index = torch.arange(seq_len, device=device)
+    query, key = index.view(-1, 1), index.view(1, -1)
+    allowed = (key <= query).unsqueeze(0)
+    if vision_group_ids is not None:
+        same_group = (vision_group_ids.unsqueeze(-1) == vision_group_ids.unsqueeze(-2)) & (
+            vision_group_ids >= 0
+        ).unsqueeze(-1)
+        allowed = allowed | same_group
+    if sliding_window is not None:
+        allowed = allowed & (key > query - sliding_window).unsqueeze(0)
+    if doc_ids is None:
+        return allowed.unsqueeze(1), None
+    same_doc = (doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)) & (doc_ids > 0).unsqueeze(-1)
+    allowed = allowed & same_doc
+    rows = allowed.any(dim=-1, keepdim=True)
+    allowed = allowed | (~rows & (key == query).unsqueeze(0))
+    return allowed.unsqueeze(1), rows.unsqueeze(1)
+
+
+@dataclass
+class AttentionInputs:
+    """What every attention layer of one forward needs besides its own tensors.
+
+    doc_ids: `[B, S]` (0 = padding) or None when every token is real and in one document. vision_group_ids:
+    `[B, S]` (-1 = text) for vision-bidirectional sliding layers, or None. ring: the `RingAttentionContext` of a
+    CP step (then masks come from its global positions and doc ids, and the two fields above are unused).
+    """
+
+    seq_len: int
+    device: torch.device
+    doc_ids: torch.Tensor | None = None
+    vision_group_ids: torch.Tensor | None = None
+    ring: Any = None
+    _masks: dict[tuple[str, int | None], tuple[torch.Tensor | None, torch.Tensor | None]] = field(
+        default_factory=dict, repr=False
+    )
+
+    def mask_for(self, layer_type: str, sliding_window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The (mask, real rows) pair of a layer type, built on first use and reused by the other layers."""
+        key = (layer_type, sliding_window)
+        if key not in self._masks:
+            self._masks[key] = build_attention_mask(
+                seq_len=self.seq_len,
+                device=self.device,
+                doc_ids=self.doc_ids,
+                vision_group_ids=self.vision_group_ids if layer_type == SLIDING else None,
+                sliding_window=sliding_window,
+            )
+        return self._masks[key]
+
+
+def _local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    scale: float,
+    dropout: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """SDPA of `[B, H, S, d]` tensors (K/V with fewer heads for GQA); `mask` None means causal.
+
+    With `window` (a causal sliding window whose mask has no look-ahead), queries are processed in blocks of
+    window/2 tokens against only the keys their window reaches (`[start - window + 1, end)`): about 1.5·window keys
+    per query instead of S, the same result.
+    """
+    gqa = k.shape[1] != q.shape[1]  # SDPA broadcasts K/V heads itself: no repeated copies
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)
+    seq = q.shape[2]
+    if window is None or mask is None or seq <= 2 * window:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, dropout_p=dropout, enable_gqa=gqa
+        )
+    block = max(window // 2, 1)  # S·(block + window) key visits instead of S²
+    blocks = []
+    for start in range(0, seq, block):
+        end = min(start + block, seq)
+        first_key = max(0, start - window + 1)
+        blocks.append(
+            F.scaled_dot_product_attention(
+                q[:, :, start:end],
+                k[:, :, first_key:end],
+                v[:, :, first_key:end],
+                attn_mask=mask[..., start:end, first_key:end],
+                scale=scale,
+                dropout_p=dropout,
+                enable_gqa=gqa,
+            )
+        )
+    return torch.cat(blocks, dim=2)
+
+
+class Gemma4Attention(nn.Module):
+    """Self-attention of decoder layer `layer_idx` (parameter names as in transformers' `Gemma4TextAttention`).
+
+    hidden_states: `[B, S, H]` → `[B, S, H]`. Sliding layers use `head_dim` and the sliding window; full layers
+    use `global_head_dim`, proportional RoPE (from the caller's cos/sin) and, with `attention_k_eq_v`,
+    `num_global_key_value_heads` and values taken from the raw key projection (no `v_proj`). KV-shared ("reuse")
+    layers have no K/V weights and read the K/V of the last "store" layer of their type.
+    """
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        self.is_sliding = self.layer_type == SLIDING
+        self.sliding_window = int(config.sliding_window) if self.is_sliding else None
+        self.head_dim = layer_head_dim(config, layer_idx)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_key_value_heads = layer_num_kv_heads(config, layer_idx)
+        self.use_alternative_attention = bool(getattr(config, "attention_k_eq_v", False)) and not self.is_sliding
+        self.scaling = 1.0  # QK-norm replaces 1/sqrt(d)
+        self.attention_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+        mode = kv_sharing_modes(config)[layer_idx]
+        self.is_kv_shared_layer = mode == "reuse"
+        self.store_full_length_kv = mode == "store"
+        bias = bool(getattr(config, "attention_bias", False))
+        hidden, eps = int(config.hidden_size), float(config.rms_norm_eps)
+
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.q_norm = Gemma4RMSNorm(self.head_dim, eps=eps)
+        self.k_proj: nn.Linear | None = None
+        self.v_proj: nn.Linear | None = None
+        self.k_norm: Gemma4RMSNorm | None = None
+        self.v_norm: Gemma4RMSNorm | None = None
+        if not self.is_kv_shared_layer:
+            self.k_norm = Gemma4RMSNorm(self.head_dim, eps=eps)
+            self.v_norm = Gemma4RMSNorm(self.head_dim, eps=eps, with_scale=False)
+            self.k_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias)
+            if not self.use_alternative_attention:
+                self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+
+    def _keys_and_values(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shared: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.is_kv_shared_layer:
+            if shared is None or self.layer_type not in shared:
+                raise RuntimeError(
+                    f"layer {self.layer_idx} reuses the K/V of an earlier '{self.layer_type}' layer, but none was "
+                    "published in shared_kv_states; run the layers in order within one forward"
+                )
+            return shared[self.layer_type]
+        assert self.k_proj is not None
+        assert self.k_norm is not None
+        assert self.v_norm is not None
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        keys = self.k_proj(hidden_states).view(shape)
+        values = self.v_proj(hidden_states).view(shape) if self.v_proj is not None else keys
+        keys = apply_rotary_pos_emb(self.k_norm(keys), cos, sin, unsqueeze_dim=2).transpose(1, 2)
+        values = self.v_norm(values).transpose(1, 2)
+        if self.store_full_length_kv and shared is not None:
+            shared[self.layer_type] = (keys, values)
+        return keys, values
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        *,
+        attention_mask: torch.Tensor | None = None,
+        shared_kv_states: Any = None,
+        attention_inputs: AttentionInputs | None = None,
+    ) -> torch.Tensor:
+        """hidden_states `[B, S, H]`, cos/sin `[B or 1, S, d]` → `[B, S, H]`.
+
+        `attention_inputs` (from our text model) wins; otherwise `attention_mask` is a transformers 4-D mask
+        (bool "may attend" or additive float), and None means causal (plus the window on sliding layers).
+        """
+        cos, sin = position_embeddings
+        batch, seq = hidden_states.shape[:2]
+        queries = self.q_proj(hidden_states).view(batch, seq, -1, self.head_dim)
+        queries = apply_rotary_pos_emb(self.q_norm(queries), cos, sin, unsqueeze_dim=2).transpose(1, 2)
+        keys, values = self._keys_and_values(hidden_states, cos, sin, shared_kv_states)
+        dropout = self.attention_dropout if self.training else 0.0
+
+        if attention_inputs is not None and attention_inputs.ring is not None:
+            if dropout:
+                raise NotImplementedError(
+                    f"attention_dropout={dropout} is not supported under context parallelism; set it to 0"
+                )
+            out = attention_inputs.ring.attention(
+                queries, keys, values, causal=True, sliding_window=self.sliding_window, scale=self.scaling
+            )
+        elif attention_inputs is not None:
+            mask, rows = attention_inputs.mask_for(self.layer_type, self.sliding_window)
+            lookahead = attention_inputs.vision_group_ids is not None  # image tokens may see keys ahead
+            window = None if lookahead else self.sliding_window
+            out = _local_attention(queries, keys, values, mask=mask, scale=self.scaling, dropout=dropout, window=window)
+            if rows is not None:
+                out = out * rows.to(out.dtype)
+        else:
+            mask = attention_mask
+            if mask is None and self.sliding_window is not None:
+                mask, _ = build_attention_mask(
+                    seq_len=seq,
+                    device=hidden_states.device,
+                    doc_ids=None,
+                    vision_group_ids=None,
+                    sliding_window=self.sliding_window,
+                )
+                out = _local_attention(
+                    queries, keys, values, mask=mask, scale=self.scaling, dropout=dropout, window=self.sliding_window
+                )
+            else:
+                out = _local_attention(queries, keys, values, mask=mask, scale=self.scaling, dropout=dropout)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -1,0 +1,111 @@
+"""One Gemma 4 decoder layer: attention, dense GeGLU MLP, optional MoE block, per-layer input, `layer_scalar`.
+
+What it is for: the residual wiring of transformers' `Gemma4TextDecoderLayer` (same parameter and buffer names
+except the MoE block, which lives under `moe.` — see `moe.py`), callable both from our text model (with
+`attention_inputs`) and from a pipeline stage forward that passes transformers' masks:
+`layer(hidden, per_layer_input, shared_kv_states=..., position_embeddings=..., attention_mask=..., position_ids=...)`.
+What it must not do: cache K/V across calls (training only; `past_key_values` must be None).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextMLP
+
+from am_models_gemma4.attention import AttentionInputs, Gemma4Attention
+from am_models_gemma4.layers import Gemma4RMSNorm
+from am_models_gemma4.moe import Gemma4MoE
+
+__all__ = ["Gemma4DecoderLayer"]
+
+
+class Gemma4DecoderLayer(nn.Module):
+    """`x += post_attn_norm(attn(input_norm(x)))`; `x += post_ff_norm(mlp(pre_ff_norm(x)) [+ MoE])`; `x *= scalar`.
+
+    With the MoE block the feed-forward output is `post_ff_norm_1(mlp(...)) + post_ff_norm_2(moe(pre_ff_norm_2(x),
+    router_input=x))` — the router sees the un-normalized residual. With per-layer inputs (PLE, E-series) a gated
+    projection of `per_layer_input` `[B, S, H_ple]` is added before the scalar.
+    """
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        hidden, eps = int(config.hidden_size), float(config.rms_norm_eps)
+        self.layer_idx = layer_idx
+        self.attention_type = config.layer_types[layer_idx]
+        self.self_attn = Gemma4Attention(config, layer_idx)
+        self.mlp = Gemma4TextMLP(config, layer_idx)
+        self.input_layernorm = Gemma4RMSNorm(hidden, eps=eps)
+        self.post_attention_layernorm = Gemma4RMSNorm(hidden, eps=eps)
+        self.pre_feedforward_layernorm = Gemma4RMSNorm(hidden, eps=eps)
+        self.post_feedforward_layernorm = Gemma4RMSNorm(hidden, eps=eps)
+        self.layer_scalar: torch.Tensor
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+        self.hidden_size_per_layer_input = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
+        if self.hidden_size_per_layer_input:
+            self.act_fn = ACT2FN[config.hidden_activation]
+            self.per_layer_input_gate = nn.Linear(hidden, self.hidden_size_per_layer_input, bias=False)
+            self.per_layer_projection = nn.Linear(self.hidden_size_per_layer_input, hidden, bias=False)
+            self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps=eps)
+
+        self.enable_moe_block = bool(getattr(config, "enable_moe_block", False))
+        if self.enable_moe_block:
+            self.moe = Gemma4MoE(config)
+            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(hidden, eps=eps)
+            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps=eps)
+            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps=eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        per_layer_input: torch.Tensor | None = None,
+        *,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        shared_kv_states: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        attention_inputs: AttentionInputs | None = None,
+        padding_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """hidden_states `[B, S, H]` → `[B, S, H]`; padding_mask `[B, S]` (True = pad) keeps pads out of the MoE."""
+        del position_ids, kwargs  # positions arrive as position_embeddings; extra HF kwargs are not needed
+        if past_key_values is not None:
+            raise NotImplementedError(
+                "am_models_gemma4 layers are for training and do not update a KV cache; pass past_key_values=None "
+                "(use transformers' Gemma4 for generation)"
+            )
+        residual = hidden_states
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings,
+            attention_mask=attention_mask,
+            shared_kv_states=shared_kv_states,
+            attention_inputs=attention_inputs,
+        )
+        hidden_states = residual + self.post_attention_layernorm(hidden_states)
+
+        residual = hidden_states
+        feed_forward = self.mlp(self.pre_feedforward_layernorm(hidden_states))
+        if self.enable_moe_block:
+            experts = self.moe(
+                self.pre_feedforward_layernorm_2(residual), router_input=residual, padding_mask=padding_mask
+            )
+            feed_forward = self.post_feedforward_layernorm_1(feed_forward) + self.post_feedforward_layernorm_2(experts)
+        hidden_states = residual + self.post_feedforward_layernorm(feed_forward)
+
+        if self.hidden_size_per_layer_input:
+            if per_layer_input is None:
+                raise ValueError(
+                    f"layer {self.layer_idx} has per-layer inputs (hidden_size_per_layer_input="
+                    f"{self.hidden_size_per_layer_input}) but per_layer_input is None; call it through the text model"
+                )
+            residual = hidden_states
+            gated = self.act_fn(self.per_layer_input_gate(hidden_states)) * per_layer_input
+            hidden_states = residual + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return hidden_states * self.layer_scalar

@@ -1,0 +1,337 @@
+"""Gemma 4 text decoder (`Gemma4TextModel`) and causal LM (`Gemma4ForCausalLM`), dense or MoE.
+
+What it is for: the text stack of transformers' Gemma 4 — scaled embeddings, per-layer inputs (PLE), per-layer-type
+RoPE (`Gemma4TextRotaryEmbedding`, proportional on full layers), mixed sliding/full layers keyed by their global
+index in a `ModuleDict` (so pipeline stages keep stable names), final norm, tied LM head with logit soft-capping —
+with the MoE path and the attention paths of this package (`moe.py`, `attention.py`).
+What it must not do: import am-pipelining or am-capabilities (it declares what they read: `config.layer_types`,
+`rotary_emb(x, position_ids, layer_type)`, `layers["<i>"]`, `get_capabilities`, `prepare_model_inputs_for_cp`),
+or keep a KV cache (training only).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding, Gemma4TextScaledWordEmbedding
+
+from am_context_parallel import cp_token_mean_loss
+from am_models_gemma4.attention import AttentionInputs, SharedKVStates
+from am_models_gemma4.config import is_moe_config, text_config_of, validate_text_config
+from am_models_gemma4.cp import ContextParallelHooks, active_ring_context
+from am_models_gemma4.decoder import Gemma4DecoderLayer
+from am_models_gemma4.layers import Gemma4RMSNorm
+from am_models_gemma4.moe import Gemma4Experts, Gemma4Router
+
+__all__ = ["Gemma4ForCausalLM", "Gemma4TextModel", "causal_lm_loss", "gemma4_capabilities", "softcap_logits"]
+
+_IGNORED_KWARGS = frozenset({"return_dict", "output_attentions", "cache_position", "num_items_in_batch"})
+
+
+def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """`cap · tanh(logits / cap)` when `cap` is set (Gemma's final logit soft-capping), else `logits`."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
+    """transformers' causal-LM loss: token t predicts label t+1 (shift inside), mean over non-ignored labels, fp32."""
+    shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1).to(logits.device), ignore_index=ignore_index
+    )
+
+
+def gemma4_capabilities(config: Any) -> dict[str, bool]:
+    """Declared capabilities for am-capabilities: dense → PP and CP; MoE → CP and EP.
+
+    PP is not declared for variants with per-layer inputs or KV sharing (a stage would need token ids or another
+    stage's K/V).
+    """
+    text = text_config_of(config)
+    if is_moe_config(text):
+        return {"supports_cp": True, "supports_ep": True, "supports_pp": False, "supports_tp": False}
+    stage_local = not getattr(text, "hidden_size_per_layer_input", 0) and not getattr(text, "num_kv_shared_layers", 0)
+    return {"supports_cp": True, "supports_pp": bool(stage_local), "supports_ep": False, "supports_tp": False}
+
+
+def _reject_unknown_kwargs(kwargs: dict[str, Any], where: str) -> None:
+    unknown = sorted(k for k in kwargs if k not in _IGNORED_KWARGS)
+    if unknown:
+        raise TypeError(f"{where} got unexpected keyword arguments {unknown}")
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError(f"{where}: output_attentions=True is not supported")
+
+
+class Gemma4TextModel(nn.Module):
+    """The decoder stack: input_ids `[B, S]` → last hidden state `[B, S, H]`.
+
+    Attention masks: `attention_mask` `[B, S]` (1 = token, 0 = padding) or `padding_mask` (True = padding), and/or
+    `_packed_seq_ids` `[B, S]` (document ids, 0 = padding) for packed sequences; a 4-D mask is passed to every
+    layer as is. `vision_group_ids` `[B, S]` (-1 = text) makes image tokens attend to each other on sliding layers
+    (`use_bidirectional_attention="vision"`). Under CP (an entered context from `make_cp_batch_and_ctx` with the
+    model's sharder) every layer runs the ring instead.
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        validate_text_config(config)
+        if getattr(config, "_attn_implementation", None) is None:
+            # Pipeline stages build transformers' masks from this config; "sdpa" gives 4-D boolean masks, which our
+            # layers read (None would make transformers skip padding masks).
+            config._attn_implementation = "sdpa"
+        self.config = config
+        hidden = int(config.hidden_size)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = Gemma4TextScaledWordEmbedding(
+            config.vocab_size, hidden, self.padding_idx, embed_scale=hidden**0.5
+        )
+        self.layers = nn.ModuleDict(
+            {str(index): Gemma4DecoderLayer(config, index) for index in range(config.num_hidden_layers)}
+        )
+        self.norm = Gemma4RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = Gemma4TextRotaryEmbedding(config)
+        self.hidden_size_per_layer_input = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
+        if self.hidden_size_per_layer_input:
+            ple = config.num_hidden_layers * self.hidden_size_per_layer_input
+            self.embed_tokens_per_layer = Gemma4TextScaledWordEmbedding(
+                config.vocab_size_per_layer_input,
+                ple,
+                self.padding_idx,
+                embed_scale=self.hidden_size_per_layer_input**0.5,
+            )
+            self.per_layer_input_scale = 2.0**-0.5
+            self.per_layer_model_projection = nn.Linear(hidden, ple, bias=False)
+            self.per_layer_model_projection_scale = hidden**-0.5
+            self.per_layer_projection_norm = Gemma4RMSNorm(self.hidden_size_per_layer_input, eps=config.rms_norm_eps)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """transformers' initialization: normal(0, initializer_range) weights, ones for norms and scales."""
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+                if module.padding_idx is not None:
+                    module.weight[module.padding_idx].zero_()
+            elif isinstance(module, Gemma4RMSNorm) and module.with_scale:
+                nn.init.ones_(module.weight)
+            elif isinstance(module, Gemma4Router):
+                nn.init.ones_(module.scale)
+                nn.init.ones_(module.per_expert_scale)
+            elif isinstance(module, Gemma4Experts):
+                nn.init.normal_(module.gate_up_proj, std=std)
+                nn.init.normal_(module.down_proj, std=std)
+            elif isinstance(module, Gemma4DecoderLayer):
+                module.layer_scalar.fill_(1.0)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def get_per_layer_inputs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token-identity part of PLE: `[B, S]` → `[B, S, L, H_ple]`."""
+        return self.embed_tokens_per_layer(input_ids).reshape(
+            *input_ids.shape, self.config.num_hidden_layers, self.hidden_size_per_layer_input
+        )
+
+    def project_per_layer_inputs(self, inputs_embeds: torch.Tensor, per_layer_inputs: torch.Tensor) -> torch.Tensor:
+        """Context part of PLE combined with the token part: `(norm(proj(x)/sqrt(H)) + ple) / sqrt(2)`."""
+        projection = self.per_layer_model_projection(inputs_embeds) * self.per_layer_model_projection_scale
+        projection = projection.reshape(
+            *inputs_embeds.shape[:-1], self.config.num_hidden_layers, self.hidden_size_per_layer_input
+        )
+        return (self.per_layer_projection_norm(projection) + per_layer_inputs) * self.per_layer_input_scale
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | dict[str, torch.Tensor | None] | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        per_layer_inputs: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        *,
+        padding_mask: torch.Tensor | None = None,
+        _packed_seq_ids: torch.Tensor | None = None,
+        vision_group_ids: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast:
+        """input_ids `[B, S]` (or inputs_embeds `[B, S, H]`) → `last_hidden_state` `[B, S, H]`."""
+        _reject_unknown_kwargs(kwargs, "Gemma4TextModel.forward")
+        if use_cache or past_key_values is not None:
+            raise NotImplementedError("am_models_gemma4 has no KV cache (training only); pass use_cache=False")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            assert input_ids is not None
+            inputs_embeds = self.embed_tokens(input_ids)
+        if self.hidden_size_per_layer_input:
+            if per_layer_inputs is None:
+                if input_ids is None:
+                    raise ValueError("per-layer inputs (PLE) need input_ids or precomputed per_layer_inputs")
+                per_layer_inputs = self.get_per_layer_inputs(input_ids)
+            per_layer_inputs = self.project_per_layer_inputs(inputs_embeds, per_layer_inputs)
+
+        seq = inputs_embeds.shape[1]
+        ring = active_ring_context()
+        # A 4-D mask, or transformers' {layer_type: mask} mapping, is handed to the layers as is (pipeline stages).
+        external_mask: Any = None
+        if isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() == 4):
+            external_mask = attention_mask
+        elif attention_mask is not None and padding_mask is None:
+            padding_mask = ~attention_mask.bool()
+        if ring is not None:
+            if vision_group_ids is not None:
+                raise NotImplementedError(
+                    "bidirectional attention among image tokens (use_bidirectional_attention='vision') is not "
+                    "supported under context parallelism; train this variant with cp=1"
+                )
+            doc_ids = ring.doc_ids
+            if position_ids is None:
+                position_ids = ring.positions.view(1, -1)
+        else:
+            doc_ids = _packed_seq_ids
+            if doc_ids is None and padding_mask is not None:
+                doc_ids = (~padding_mask.bool()).long()
+        if doc_ids is not None:
+            padding_mask = doc_ids == 0
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=inputs_embeds.device).unsqueeze(0)
+
+        attention_inputs = None
+        if external_mask is None:
+            attention_inputs = AttentionInputs(
+                seq_len=seq,
+                device=inputs_embeds.device,
+                doc_ids=doc_ids,
+                vision_group_ids=vision_group_ids,
+                ring=ring,
+            )
+        position_embeddings = {
+            layer_type: self.rotary_emb(inputs_embeds, position_ids, layer_type)
+            for layer_type in sorted(set(self.config.layer_types))
+        }
+        shared_kv_states = SharedKVStates()
+        hidden_states = inputs_embeds
+        for key, layer in self.layers.items():
+            index = int(key)
+            hidden_states = layer(
+                hidden_states,
+                per_layer_inputs[:, :, index, :] if per_layer_inputs is not None else None,
+                position_embeddings=position_embeddings[self.config.layer_types[index]],
+                shared_kv_states=shared_kv_states,
+                attention_mask=(
+                    external_mask.get(self.config.layer_types[index])
+                    if isinstance(external_mask, dict)
+                    else external_mask
+                ),
+                attention_inputs=attention_inputs,
+                padding_mask=padding_mask,
+            )
+        if self.norm is not None:
+            hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states)
+
+
+class Gemma4ForCausalLM(ContextParallelHooks, nn.Module):
+    """Text-only Gemma 4 with a (tied) LM head: `logits = softcap(lm_head(model(...)))` `[B, S, V]`.
+
+    Checkpoints: `from_pretrained` / `save_pretrained` read and write transformers' `Gemma4ForCausalLM` folders.
+    """
+
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["router"]  # router proj, scale and per-expert scale stay fp32
+    _keep_in_fp32_modules: ClassVar[list[str]] = ["rotary_emb"]  # RoPE inv_freq buffers
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
+    supports_gradient_checkpointing = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if getattr(config, "text_config", None) is not None:
+            raise ValueError(
+                f"Gemma4ForCausalLM needs a text config (Gemma4TextConfig); got {type(config).__name__} with a "
+                "text_config, a vision-language checkpoint: use Gemma4ForConditionalGeneration"
+            )
+        self.config = config
+        self.model = Gemma4TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    @classmethod
+    def get_capabilities(cls, config: Any) -> dict[str, bool]:
+        return gemma4_capabilities(config)
+
+    def tie_weights(self) -> None:
+        """Point `lm_head.weight` at the input embedding when `tie_word_embeddings` (the Gemma 4 default)."""
+        if getattr(self.config, "tie_word_embeddings", True):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        per_layer_inputs: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """Logits `[B, S, V]` (fp32 soft-capped when configured) and, with labels, the loss.
+
+        Without CP, labels are unshifted (transformers' convention: shifted inside). Under CP (inside the context
+        of `make_cp_batch_and_ctx`) labels are ALREADY shifted, as the CP batch contract requires, and `loss` is
+        this rank's share of the global token mean (`cp_token_mean_loss`); sum gradients over the CP group.
+        """
+        hidden = self.model(
+            input_ids,
+            attention_mask,
+            position_ids,
+            past_key_values,
+            inputs_embeds,
+            per_layer_inputs,
+            use_cache,
+            **kwargs,
+        ).last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:, :]
+        logits = softcap_logits(self.lm_head(hidden), getattr(self.config, "final_logit_softcapping", None))
+        loss = None
+        if labels is not None:
+            ring = active_ring_context()
+            if ring is not None:
+                loss, _ = cp_token_mean_loss(logits, labels, group=ring.group)
+            else:
+                loss = causal_lm_loss(logits, labels)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    @classmethod
+    def from_pretrained(
+        cls, folder: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: Any = None
+    ) -> Gemma4ForCausalLM:
+        """Load a transformers-format folder (config.json + safetensors); every parameter must be present."""
+        from am_models_gemma4.checkpoint import load_pretrained
+
+        return load_pretrained(cls, folder, dtype=dtype, device=device)
+
+    def save_pretrained(self, folder: str | os.PathLike[str], *, max_shard_size: int | None = None) -> None:
+        """Write a folder transformers' `Gemma4ForCausalLM.from_pretrained` loads (tied head saved once)."""
+        from am_models_gemma4.checkpoint import save_pretrained
+
+        save_pretrained(self, folder, max_shard_size=max_shard_size)

@@ -1,0 +1,254 @@
+"""`Gemma4ForConditionalGeneration`: our Gemma 4 text decoder with transformers' vision tower for the image path.
+
+What it is for: the module tree and state-dict names of transformers' `Gemma4ForConditionalGeneration`
+(`model.language_model.*` is ours — dense or MoE, ring CP — `model.vision_tower.*` and `model.embed_vision.*` are
+transformers' `Gemma4VisionModel` and `Gemma4MultimodalEmbedder`, `lm_head` is tied), with text-only and image+text
+forwards: media placeholder ids are embedded as the pad id, the pooled image features are scattered into the
+image-token rows, and `use_bidirectional_attention="vision"` lets an image's tokens see each other on sliding
+layers.
+What it must not do: run audio or video towers (configs with `audio_config` are rejected at construction; video or
+audio inputs are rejected in forward), or import am-pipelining (whose Gemma 4 VLM forward reads `model.
+language_model`, `model.vision_tower`, `model.get_image_features(...).pooler_output` and `lm_head`).
+
+Under CP every rank runs the vision tower on all images of the batch and keeps the feature rows of its own image
+tokens (their offset is the image tokens of the previous ranks: one all-gather of C integers), so the tower's
+gradients, summed over the CP group, are the full-sequence gradients.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPooling, CausalLMOutputWithPast
+from transformers.models.gemma4.modeling_gemma4 import (
+    Gemma4MultimodalEmbedder,
+    Gemma4VisionModel,
+    get_block_sequence_ids_for_mask,
+)
+
+from am_context_parallel import cp_token_mean_loss
+from am_models_gemma4.config import normalize_text_config
+from am_models_gemma4.cp import ContextParallelHooks, active_ring_context, tokens_before_this_rank
+from am_models_gemma4.model import Gemma4TextModel, causal_lm_loss, gemma4_capabilities, softcap_logits
+
+__all__ = ["Gemma4ForConditionalGeneration", "Gemma4Model"]
+
+_IGNORED_KWARGS = frozenset({"return_dict", "output_attentions", "cache_position", "num_items_in_batch"})
+
+
+class Gemma4Model(nn.Module):
+    """Container with transformers' attribute names: `language_model`, `vision_tower`, `embed_vision`."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if getattr(config, "audio_config", None) is not None:
+            raise NotImplementedError(
+                "Gemma4 audio (config.audio_config is set) is not supported by am_models_gemma4; drop audio_config "
+                "to train the text + vision model"
+            )
+        self.config = config
+        text_config = normalize_text_config(config.text_config)
+        self.language_model = Gemma4TextModel(text_config)
+        self.vision_tower: nn.Module | None = None
+        self.embed_vision: nn.Module | None = None
+        if config.vision_config is not None:
+            self.vision_tower = Gemma4VisionModel(config.vision_config)
+            self.embed_vision = Gemma4MultimodalEmbedder(config.vision_config, text_config)
+
+    @property
+    def layers(self) -> nn.ModuleDict:
+        return self.language_model.layers
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.language_model.embed_tokens
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.language_model.embed_tokens
+
+    def get_image_features(
+        self, pixel_values: torch.Tensor, image_position_ids: torch.Tensor | None = None, **kwargs: Any
+    ) -> BaseModelOutputWithPooling:
+        """Vision tower + projector; `pooler_output` is a tuple of `[N_i, H]` soft tokens per image.
+
+        pixel_values: `[N_images, max_patches, 3·patch²]`; image_position_ids: `[N_images, max_patches, 2]` with
+        (-1, -1) for padding patches.
+        """
+        del kwargs
+        if self.vision_tower is None or self.embed_vision is None:
+            raise ValueError("pixel_values were given but the config has no vision_config (no vision tower)")
+        if image_position_ids is None:
+            raise ValueError("image_position_ids [N_images, max_patches, 2] are required with pixel_values")
+        outputs = self.vision_tower(pixel_values=pixel_values, pixel_position_ids=image_position_ids)
+        projected = self.embed_vision(inputs_embeds=outputs.last_hidden_state)
+        pooling = self.config.vision_config.pooling_kernel_size
+        output_length = pixel_values.shape[-2] // (pooling**2)
+        k_squared = int((image_position_ids.shape[1] // output_length) ** 0.5) ** 2
+        per_image = ((image_position_ids != -1).all(dim=-1).sum(dim=-1) // k_squared).tolist()
+        pooled: Any = torch.split(projected, per_image)  # a tuple per image, as transformers returns
+        return BaseModelOutputWithPooling(last_hidden_state=outputs.last_hidden_state, pooler_output=pooled)
+
+
+class Gemma4ForConditionalGeneration(ContextParallelHooks, nn.Module):
+    """Gemma 4 vision-language model: logits `[B, S, V]` for text-only or image+text inputs."""
+
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["router"]
+    _keep_in_fp32_modules: ClassVar[list[str]] = ["rotary_emb"]
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
+    supports_gradient_checkpointing = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if getattr(config, "text_config", None) is None:
+            raise ValueError(
+                f"Gemma4ForConditionalGeneration needs a Gemma4Config with a text_config; got {type(config).__name__}: "
+                "use Gemma4ForCausalLM for a text-only checkpoint"
+            )
+        self.config = config
+        self.model = Gemma4Model(config)
+        text_config = config.text_config
+        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        self.tie_weights()
+
+    @classmethod
+    def get_capabilities(cls, config: Any) -> dict[str, bool]:
+        return gemma4_capabilities(config)
+
+    def tie_weights(self) -> None:
+        """Point `lm_head.weight` at the text embedding when `tie_word_embeddings` (top-level flag wins)."""
+        tied = getattr(self.config, "tie_word_embeddings", None)
+        if tied is None:
+            tied = getattr(self.config.text_config, "tie_word_embeddings", True)
+        if tied:
+            self.lm_head.weight = self.model.language_model.embed_tokens.weight
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.language_model.embed_tokens
+
+    def _media_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros_like(input_ids, dtype=torch.bool)
+        for attr in ("image_token_id", "video_token_id", "audio_token_id"):
+            token_id = getattr(self.config, attr, None)
+            if token_id is not None:
+                mask |= input_ids == token_id
+        return mask
+
+    def _scatter_image_features(
+        self,
+        inputs_embeds: torch.Tensor,
+        image_mask: torch.Tensor,
+        pixel_values: torch.Tensor,
+        image_position_ids: torch.Tensor | None,
+        ring: Any,
+    ) -> torch.Tensor:
+        pooled: Any = self.model.get_image_features(pixel_values, image_position_ids).pooler_output
+        features = torch.cat(list(pooled))
+        features = features.to(inputs_embeds.dtype)
+        count = image_mask.sum()
+        if ring is not None:
+            offset = tokens_before_this_rank(count, group=ring.group)
+            features = features[offset : offset + int(count)]
+        if features.shape[0] != int(count):
+            raise ValueError(
+                f"image features and image tokens do not match: {int(count)} image tokens (id "
+                f"{self.config.image_token_id}) but {features.shape[0]} feature rows from the vision tower"
+            )
+        expanded = image_mask.unsqueeze(-1).expand_as(inputs_embeds)
+        return inputs_embeds.masked_scatter(expanded, features)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        image_position_ids: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        *,
+        padding_mask: torch.Tensor | None = None,
+        _packed_seq_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """input_ids `[B, S]` (+ pixel_values, image_position_ids) → logits `[B, S, V]` and, with labels, the loss.
+
+        Labels follow `Gemma4ForCausalLM.forward`: unshifted without CP, already shifted under CP.
+        """
+        unknown = sorted(k for k in kwargs if k not in _IGNORED_KWARGS)
+        if unknown:
+            raise TypeError(f"Gemma4ForConditionalGeneration.forward got unexpected keyword arguments {unknown}")
+        text_config = self.config.text_config
+        language_model = self.model.language_model
+        ring = active_ring_context()
+        per_layer_inputs = None
+        if inputs_embeds is None:
+            if input_ids is None:
+                raise ValueError("pass input_ids or inputs_embeds")
+            media = self._media_mask(input_ids)
+            llm_ids = torch.where(media, text_config.pad_token_id, input_ids)
+            inputs_embeds = language_model.embed_tokens(llm_ids)
+            if language_model.hidden_size_per_layer_input:
+                per_layer_inputs = language_model.get_per_layer_inputs(llm_ids)
+            if pixel_values is not None:
+                image_mask = input_ids == self.config.image_token_id
+                inputs_embeds = self._scatter_image_features(
+                    inputs_embeds, image_mask, pixel_values, image_position_ids, ring
+                )
+        elif pixel_values is not None:
+            raise ValueError("pixel_values need input_ids (the image-token positions); got inputs_embeds")
+
+        vision_group_ids = None
+        if getattr(text_config, "use_bidirectional_attention", None) == "vision" and mm_token_type_ids is not None:
+            if ring is not None and pixel_values is not None:
+                raise NotImplementedError(
+                    "bidirectional attention among image tokens (use_bidirectional_attention='vision') is not "
+                    "supported under context parallelism; train image batches of this variant with cp=1"
+                )
+            if ring is None:
+                vision_group_ids = get_block_sequence_ids_for_mask(mm_token_type_ids, device=inputs_embeds.device)
+
+        hidden = language_model(
+            None,
+            attention_mask,
+            position_ids,
+            past_key_values,
+            inputs_embeds,
+            per_layer_inputs,
+            use_cache,
+            padding_mask=padding_mask,
+            _packed_seq_ids=_packed_seq_ids,
+            vision_group_ids=vision_group_ids,
+        ).last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:, :]
+        logits = softcap_logits(self.lm_head(hidden), getattr(text_config, "final_logit_softcapping", None))
+        loss = None
+        if labels is not None:
+            loss = (
+                cp_token_mean_loss(logits, labels, group=ring.group)[0]
+                if ring is not None
+                else causal_lm_loss(logits, labels)
+            )
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    @classmethod
+    def from_pretrained(
+        cls, folder: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: Any = None
+    ) -> Gemma4ForConditionalGeneration:
+        """Load a transformers-format `Gemma4ForConditionalGeneration` folder; every parameter must be present."""
+        from am_models_gemma4.checkpoint import load_pretrained
+
+        return load_pretrained(cls, folder, dtype=dtype, device=device)
+
+    def save_pretrained(self, folder: str | os.PathLike[str], *, max_shard_size: int | None = None) -> None:
+        """Write a folder transformers' `Gemma4ForConditionalGeneration.from_pretrained` loads."""
+        from am_models_gemma4.checkpoint import save_pretrained
+
+        save_pretrained(self, folder, max_shard_size=max_shard_size)

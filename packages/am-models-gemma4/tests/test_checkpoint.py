@@ -1,0 +1,101 @@
+"""Checkpoint folders: strict loading (every problem listed), corrupt files named, shards, tied head saved once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _g4_configs import perturb_, text_config
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from am_models_gemma4 import Gemma4ForCausalLM, read_safetensors_folder
+
+
+def _saved(tmp_path: Path, *, moe: bool = True) -> tuple[Gemma4ForCausalLM, Path]:
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(text_config(moe=moe))
+    perturb_(model)
+    folder = tmp_path / "ckpt"
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def test_round_trip_restores_every_tensor(tmp_path: Path) -> None:
+    model, folder = _saved(tmp_path)
+    loaded = Gemma4ForCausalLM.from_pretrained(folder)
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+def test_tied_head_is_saved_once_in_transformers_layout(tmp_path: Path) -> None:
+    _, folder = _saved(tmp_path)
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        keys = set(handle.keys())
+        gate_up = handle.get_tensor("model.layers.0.experts.gate_up_proj")
+    assert "lm_head.weight" not in keys
+    assert "model.layers.0.router.per_expert_scale" in keys
+    assert not any(".moe." in key for key in keys)
+    assert gate_up.shape == (4, 2 * 16, 32)  # transformers' [E, 2I, H]
+
+
+def test_missing_and_unexpected_keys_are_all_listed(tmp_path: Path) -> None:
+    _, folder = _saved(tmp_path)
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.q_proj.weight"]
+    del tensors["model.layers.2.router.scale"]
+    tensors["model.layers.0.extra.weight"] = torch.zeros(1)
+    tensors["model.norm.weight"] = torch.zeros(5)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="does not match Gemma4ForCausalLM") as info:
+        Gemma4ForCausalLM.from_pretrained(folder)
+    message = str(info.value)
+    for fragment in (
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.2.moe.router.scale",
+        "model.layers.0.extra.weight",
+        "model.norm.weight: checkpoint (5,) vs model (32,)",
+    ):
+        assert fragment in message
+
+
+def test_corrupt_file_error_names_the_file(tmp_path: Path) -> None:
+    _, folder = _saved(tmp_path)
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"model\.safetensors"):
+        Gemma4ForCausalLM.from_pretrained(folder)
+
+
+def test_sharded_save_and_load(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    model = Gemma4ForCausalLM(text_config())
+    model.save_pretrained(tmp_path / "sharded", max_shard_size=20_000)
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 1
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    loaded = Gemma4ForCausalLM.from_pretrained(tmp_path / "sharded")
+    ids = torch.randint(1, 100, (1, 9))
+    torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+    assert len(read_safetensors_folder(tmp_path / "sharded")) == len(load_file_all(tmp_path / "sharded"))
+
+
+def load_file_all(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for path in folder.glob("model-*.safetensors"):
+        out.update(load_file(str(path)))
+    return out
+
+
+def test_bf16_load_keeps_router_fp32(tmp_path: Path) -> None:
+    _, folder = _saved(tmp_path)
+    model = Gemma4ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert model.model.layers["1"].moe.router.proj.weight.dtype == torch.float32
+    assert model.model.layers["1"].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+
+def test_missing_folder_contents_are_reported(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        Gemma4ForCausalLM.from_pretrained(tmp_path)

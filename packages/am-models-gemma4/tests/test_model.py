@@ -1,0 +1,176 @@
+"""Text model parity with transformers (fp32): logits, loss and gradients, through both checkpoint directions.
+
+Dense and MoE configs mix sliding and full layers (full layers with global_head_dim, proportional RoPE,
+attention_k_eq_v), final logit soft-capping and tied embeddings; norms and layer scalars are moved off their init
+values so every parameter matters. Also: per-layer inputs with KV sharing, padding, packed documents, and the
+pipeline-stage protocol (layers keyed by global index, rotary per layer type, transformers' masks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _g4_configs import VOCAB, perturb_, text_config
+from transformers import Gemma4ForCausalLM as HFGemma4ForCausalLM
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from am_models_gemma4 import Gemma4ForCausalLM, Gemma4StateDictAdapter, gemma4_capabilities
+
+RTOL = 1e-5  # fp32 parity with transformers, relative to the largest entry of the reference tensor
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, *, rtol: float = RTOL) -> None:
+    got, ref = got.detach(), ref.detach()
+    scale = ref.abs().max().clamp(min=1e-12)
+    assert float((got - ref).abs().max() / scale) <= rtol, float((got - ref).abs().max() / scale)
+
+
+def _hf_model(tmp_path: Path, **config: Any) -> tuple[HFGemma4ForCausalLM, Path]:
+    torch.manual_seed(0)
+    hf = HFGemma4ForCausalLM(text_config(**config))
+    perturb_(hf)
+    folder = tmp_path / "hf"
+    hf.save_pretrained(folder)
+    return hf, folder
+
+
+def _ids(batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _our_grads_in_hf_names(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return Gemma4StateDictAdapter.to_hf(grads)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_logits_loss_and_gradients_match_transformers(tmp_path: Path, moe: bool) -> None:
+    hf, folder = _hf_model(tmp_path, moe=moe)
+    ours = Gemma4ForCausalLM.from_pretrained(folder)
+    ids = _ids()
+    ref = hf(input_ids=ids, labels=ids)
+    got = ours(input_ids=ids, labels=ids)
+    _close(got.logits, ref.logits)
+    _close(got.loss, ref.loss)
+    ref.loss.backward()
+    got.loss.backward()
+    ours_grads = _our_grads_in_hf_names(ours)
+    hf_grads = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    assert set(ours_grads) == set(hf_grads)
+    for name, grad in hf_grads.items():
+        _close(ours_grads[name], grad, rtol=5e-5)  # backward sums in another order (vectorised experts)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_our_checkpoint_loads_in_transformers_with_equal_logits(tmp_path: Path, moe: bool) -> None:
+    torch.manual_seed(1)
+    ours = Gemma4ForCausalLM(text_config(moe=moe))
+    perturb_(ours, seed=1)
+    ours.save_pretrained(tmp_path / "ours")
+    hf = HFGemma4ForCausalLM.from_pretrained(tmp_path / "ours")
+    ids = _ids(seed=1)
+    _close(ours(input_ids=ids).logits, hf(input_ids=ids).logits)
+
+
+def test_per_layer_inputs_and_kv_sharing_match_transformers(tmp_path: Path) -> None:
+    """E-series features: PLE, the last two layers reuse K/V (no k/v weights), double-wide MLP on them."""
+    hf, folder = _hf_model(tmp_path, hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True)
+    ours = Gemma4ForCausalLM.from_pretrained(folder)
+    assert ours.model.layers["3"].self_attn.k_proj is None
+    assert ours.model.layers["3"].mlp.intermediate_size == 2 * ours.config.intermediate_size
+    ids = _ids()
+    _close(ours(input_ids=ids).logits, hf(input_ids=ids).logits)
+
+
+def test_padding_matches_transformers_on_real_tokens(tmp_path: Path) -> None:
+    hf, folder = _hf_model(tmp_path, moe=True)
+    ours = Gemma4ForCausalLM.from_pretrained(folder)
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0
+    real = mask.bool()
+    _close(ours(input_ids=ids, attention_mask=mask).logits[real], hf(input_ids=ids, attention_mask=mask).logits[real])
+
+
+def test_packed_documents_equal_separate_sequences() -> None:
+    """Two documents packed in one row (`_packed_seq_ids`, positions restarting) give each document's own logits."""
+    torch.manual_seed(2)
+    model = Gemma4ForCausalLM(text_config(moe=True))
+    perturb_(model, seed=2)
+    first, second = _ids(1, 7, seed=3), _ids(1, 10, seed=4)
+    packed = torch.cat([first, second], dim=1)
+    doc_ids = torch.tensor([[1] * 7 + [2] * 10])
+    positions = torch.cat([torch.arange(7), torch.arange(10)]).unsqueeze(0)
+    logits = model(input_ids=packed, position_ids=positions, _packed_seq_ids=doc_ids).logits
+    _close(logits[:, :7], model(input_ids=first).logits)
+    _close(logits[:, 7:], model(input_ids=second).logits)
+
+
+def test_layers_run_as_pipeline_stages_with_transformers_masks() -> None:
+    """What am-pipelining's Gemma 4 text forward does: embed, rotary per layer type, layers by global index with
+    transformers' masks, norm — on two stages pruned from copies of the model."""
+    torch.manual_seed(3)
+    model = Gemma4ForCausalLM(text_config())
+    perturb_(model, seed=3)
+    ids = _ids(seq=12)
+    expected = model(input_ids=ids).logits
+    text = model.model
+    assert text.config._attn_implementation == "sdpa"  # set when unset, so transformers builds 4-D masks
+    assert list(text.layers.keys()) == ["0", "1", "2", "3"]
+    assert text.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    for implementation in ("sdpa", "eager"):
+        text.config._attn_implementation = implementation
+        hidden = text.embed_tokens(ids)
+        positions = torch.arange(12).unsqueeze(0)
+        kwargs = {"config": text.config, "inputs_embeds": hidden, "attention_mask": None, "past_key_values": None}
+        masks = {
+            "full_attention": create_causal_mask(position_ids=positions, **kwargs),
+            "sliding_attention": create_sliding_window_causal_mask(position_ids=positions, **kwargs),
+        }
+        for stage_layers in (["0", "1"], ["2", "3"]):
+            for key in stage_layers:
+                kind = text.config.layer_types[int(key)]
+                hidden = text.layers[key](
+                    hidden,
+                    None,
+                    shared_kv_states={},
+                    position_embeddings=text.rotary_emb(hidden, positions, kind),
+                    attention_mask=masks[kind],
+                    position_ids=positions,
+                    past_key_values=None,
+                )
+        logits = model.lm_head(text.norm(hidden))
+        logits = torch.tanh(logits / 30.0) * 30.0
+        _close(logits, expected)
+        # the same masks as transformers' {layer_type: mask} mapping through the text model
+        mapped = model.lm_head(text(inputs_embeds=text.embed_tokens(ids), attention_mask=masks).last_hidden_state)
+        _close(torch.tanh(mapped / 30.0) * 30.0, expected)
+
+
+def test_embedding_is_tied_to_the_lm_head() -> None:
+    model = Gemma4ForCausalLM(text_config())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_capabilities_dense_pp_cp_moe_cp_ep() -> None:
+    dense, moe = gemma4_capabilities(text_config()), gemma4_capabilities(text_config(moe=True))
+    assert dense["supports_pp"]
+    assert dense["supports_cp"]
+    assert not dense["supports_ep"]
+    assert moe["supports_cp"]
+    assert moe["supports_ep"]
+    assert not moe["supports_pp"]
+    assert not gemma4_capabilities(text_config(hidden_size_per_layer_input=8))["supports_pp"]
+    assert Gemma4ForCausalLM.get_capabilities(text_config(moe=True)) == moe
+    assert Gemma4ForCausalLM._owns_cp_attention is True
+
+
+def test_kv_cache_and_unknown_arguments_are_rejected() -> None:
+    model = Gemma4ForCausalLM(text_config())
+    with pytest.raises(NotImplementedError, match="KV cache"):
+        model(input_ids=_ids(), use_cache=True)
+    with pytest.raises(TypeError, match="pixel_values_videos"):
+        model(input_ids=_ids(), pixel_values_videos=torch.zeros(1))
