@@ -1,9 +1,14 @@
 """Benchmark am-models-nemotron against transformers' NemotronHForCausalLM on the CPU (fp32).
 
 (1) training step (forward + backward) with the same weights: time ratio ours / transformers (target <= 0.7);
-(2) chunked SSD scan vs the token-by-token recurrence at L = 2048: speed-up (target >= 20x);
+(2) chunked SSD scan vs the token-by-token recurrence at L = 2048: speed-up (target >= 20x), measured both forward
+    only and forward + backward. The recurrence (`ssd_sequential_scan`) is vectorised over batch and heads, one step
+    per token; in the forward it is cheap (a few elementwise ops on the [h, p, n] state per token), so the
+    forward-only speed-up is far smaller than the training one, whose backward through 2048 Python steps dominates.
+    Both are printed with their own verdict against the target; neither hides the other;
 (3) greedy decoding tokens per second, ours vs transformers.
-Prints the ratios and writes bench/results/nemotron.json. Run: python bench/bench_nemotron.py [--profile]
+Prints the ratios and writes bench/results/nemotron.json (with a `targets` entry: met or not, per metric).
+Run: python bench/bench_nemotron.py [--profile]
 """
 
 from __future__ import annotations
@@ -179,20 +184,32 @@ def main() -> None:
     results.update(training_step(hf, ours, profile=args.profile))
     results.update(scan_speedup())
     results.update(decoding(hf, ours))
+    targets = {
+        "train_step_ratio <= 0.7 (aim 0.5)": results["train_step_ratio"] <= 0.7,
+        "train_step_ratio <= 0.5 (aim)": results["train_step_ratio"] <= 0.5,
+        "scan_fwd_speedup >= 20": results["scan_fwd_speedup"] >= 20,
+        "scan_train_speedup >= 20": results["scan_train_speedup"] >= 20,
+        "greedy tokens equal": bool(results["greedy_tokens_equal"]),
+    }
+
+    def verdict(name: str) -> str:
+        return "meets target" if targets[name] else "BELOW TARGET"
+
     print(
         f"training step (fwd+bwd, fp32, B=2, S=1024): ours {results['ours_train_step_s']:.3f} s, "
         f"transformers {results['hf_train_step_s']:.3f} s -> ratio ours/HF = {results['train_step_ratio']:.2f} "
-        "(target <= 0.7)"
+        f"(target <= 0.7: {verdict('train_step_ratio <= 0.7 (aim 0.5)')}; aim 0.5: "
+        f"{verdict('train_step_ratio <= 0.5 (aim)')})"
     )
     print(
         f"SSD scan L=2048 forward + backward: chunked {results['scan_train_chunked_s'] * 1e3:.0f} ms, sequential "
         f"{results['scan_train_sequential_s'] * 1e3:.0f} ms -> speed-up {results['scan_train_speedup']:.0f}x "
-        "(target >= 20x)"
+        f"(target >= 20x: {verdict('scan_train_speedup >= 20')})"
     )
     print(
         f"SSD scan L=2048 forward only: chunked {results['scan_fwd_chunked_s'] * 1e3:.1f} ms, sequential "
-        f"{results['scan_fwd_sequential_s'] * 1e3:.0f} ms -> speed-up {results['scan_fwd_speedup']:.1f}x; "
-        f"rel err {results['scan_rel_err']:.1e}"
+        f"{results['scan_fwd_sequential_s'] * 1e3:.0f} ms -> speed-up {results['scan_fwd_speedup']:.1f}x "
+        f"(target >= 20x: {verdict('scan_fwd_speedup >= 20')}); rel err {results['scan_rel_err']:.1e}"
     )
     print(
         f"greedy decoding: ours {results['ours_decode_tok_per_s']:.1f} tok/s, transformers "
@@ -200,7 +217,7 @@ def main() -> None:
         f"{bool(results['greedy_tokens_equal'])}"
     )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    RESULTS.write_text(json.dumps({**results, "targets": targets}, indent=2, sort_keys=True) + "\n")
     print(f"wrote {RESULTS}")
 
 

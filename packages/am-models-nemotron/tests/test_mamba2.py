@@ -3,11 +3,22 @@ documents and the time-step clamp against direct computations; the fp32 holder."
 
 from __future__ import annotations
 
+import copy
+from importlib.util import find_spec
+
+import pytest
 import torch
 import torch.nn.functional as F
 from am_nemotron_helpers import assert_close_rel, randomize_, tiny_hf_config
 
-from am_models_nemotron import Mamba2Mixer, MambaRMSNormGated, NemotronConfig, NemotronHybridCache, default_backend
+from am_models_nemotron import (
+    Mamba2Mixer,
+    MambaRMSNormGated,
+    NemotronConfig,
+    NemotronHybridCache,
+    default_backend,
+    mamba_kernels_available,
+)
 
 FP32_TOL = 2e-6
 
@@ -103,3 +114,27 @@ def test_fp32_holder_owns_the_ssm_parameters() -> None:
     assert a_log is mixer.A_log
     assert dt_bias is mixer.dt_bias
     assert d is mixer.D
+
+
+# Triton / CUDA kernels accumulate in fp32 with TF32 tensor-core products: agree to ~1e-3 relative with fp32 torch.
+KERNEL_TOL = 5e-3
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or find_spec("mamba_ssm") is None or find_spec("causal_conv1d") is None,
+    reason="needs CUDA with mamba-ssm and causal-conv1d installed (the 'kernels' extra)",
+)
+def test_cuda_kernels_match_the_plain_pytorch_path() -> None:
+    """With the kernels on CUDA the full-sequence path (plain and packed) gives the plain-PyTorch path's numbers.
+
+    Widths are multiples of 8 (causal_conv1d's channel-last layout needs it)."""
+    mixer, _ = _mixer(mamba_num_heads=8, n_groups=2, time_step_limit=(0.001, 0.5))
+    on_gpu = copy.deepcopy(mixer).cuda()
+    x = torch.randn(2, 37, 32)
+    seq_idx = torch.tensor([[0] * 15 + [1] * 22, [0] * 37], dtype=torch.int32)
+    assert mamba_kernels_available(x.cuda())
+    with torch.no_grad():
+        for packed in (None, seq_idx):
+            expected = mixer(x, seq_idx=packed)
+            actual = on_gpu(x.cuda(), seq_idx=None if packed is None else packed.cuda()).cpu()
+            assert_close_rel(actual, expected, rtol=KERNEL_TOL, what=f"kernels vs torch (seq_idx={packed is not None})")

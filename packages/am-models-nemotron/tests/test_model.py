@@ -145,6 +145,33 @@ def test_packed_rows_equal_each_document_alone() -> None:
         assert_close_rel(model(packed, _packed_seq_ids=seq_idx + 1).logits, logits, rtol=0, what="_packed_seq_ids")
 
 
+def test_padding_from_the_attention_mask_is_excluded_from_moe_routing() -> None:
+    """The model passes its padding (attention_mask == 0) to every MoE block: only real tokens reach the router, and
+    what sits in the padded slots changes no real token's output."""
+    torch.manual_seed(0)
+    model = randomize_(NemotronHForCausalLM(tiny_hf_config("ME*E-")), seed=5).eval()
+    ids = tokens(2, 10, seed=6)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    mask[1, 8:] = 0  # right padding
+    pads = ~mask.bool()
+    routed: list[int] = []
+    gates = [layer.mixer.gate for layer in model.model.layers.values() if layer.block_type == "moe"]
+    hooks = [gate.register_forward_hook(lambda _m, args, _out: routed.append(args[0].shape[0])) for gate in gates]
+    try:
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask).logits
+            other = ids.clone()
+            other[pads] = (other[pads] + 11) % VOCAB
+            logits_other = model(other, attention_mask=mask).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert routed == [int(mask.sum())] * (2 * len(gates))
+    real = mask.bool()
+    assert_close_rel(logits_other[real], logits[real], rtol=1e-6, what="real tokens with other pad contents")
+
+
 def test_gradient_checkpointing_is_idempotent_and_gives_equal_gradients() -> None:
     torch.manual_seed(0)
     model = randomize_(NemotronHForCausalLM(tiny_hf_config("ME*-", mtp_depths=1)), seed=3).train()
@@ -183,8 +210,12 @@ def test_output_type_hidden_states_and_bad_kwargs() -> None:
     assert len(out.hidden_states) == 4
     assert out.logits.shape == (1, 6, VOCAB)
     assert model(ids, logits_to_keep=2).logits.shape == (1, 2, VOCAB)
+    with pytest.raises(ValueError, match="logits_to_keep=2 cannot be combined with labels"):
+        model(ids, labels=ids, logits_to_keep=2)
     with pytest.raises(TypeError, match="not_an_option"):
         model(ids, not_an_option=1)
+    with pytest.raises(ValueError, match="both input_ids and inputs_embeds"):
+        model(ids, inputs_embeds=model.model.embed_tokens(ids))
 
 
 def test_capabilities_are_declared_by_duck_typing() -> None:

@@ -184,6 +184,10 @@ class NemotronV3Model(nn.Module):
 
     def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
         if inputs_embeds is not None:
+            if input_ids is not None:
+                raise ValueError(
+                    "got both input_ids and inputs_embeds; pass exactly one (token ids [B, S], or embeddings [B, S, H])"
+                )
             return inputs_embeds
         if input_ids is None:
             raise ValueError("input_ids must be provided if inputs_embeds is not provided.")
@@ -448,8 +452,14 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
             cache.has_previous_state = True
 
         assert self.lm_head is not None
+        keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
+        if labels is not None and not keep_all:
+            raise ValueError(
+                f"logits_to_keep={logits_to_keep!r} cannot be combined with labels: the loss needs the logits of every "
+                "position. Pass logits_to_keep=0 (the default) when computing a loss."
+            )
         if compute_logits:
-            kept = hidden if isinstance(logits_to_keep, int) and logits_to_keep == 0 else _keep(hidden, logits_to_keep)
+            kept = hidden if keep_all else _keep(hidden, logits_to_keep)
             logits = self.lm_head(kept)
         else:
             if labels is not None:
