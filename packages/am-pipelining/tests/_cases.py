@@ -354,6 +354,40 @@ def fsdp_case(name: str) -> None:
     _compare(ref_model, parts, losses, ref_losses, has_last)
 
 
+def fsdp_update_seq_len_case() -> None:
+    """pp=2 × dp=2 with FSDP2 through AutoPipeline: gradients accumulate over two steps of different sequence
+    lengths (`update_seq_len` between them, no zero_grad) exactly as in the unsplit model. torch's stage
+    re-initialisation after a shape change clears FSDP parameters' grads; the accumulated ones must survive."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    ref_model = M.llama(4)
+    model = copy.deepcopy(ref_model)
+
+    def parallelize(part: nn.Module, *, world_mesh: Any, dp_axis_names: tuple[str, ...], **_: Any) -> nn.Module:
+        fully_shard(part, mesh=world_mesh[dp_axis_names[0]])
+        return part
+
+    pipe = AutoPipeline(world_mesh=mesh, pp_schedule="1f1b", pp_microbatch_size=1, pp_batch_size=4, pp_seq_len=8)
+    pipe.build(model, loss_fn=M.mean_ce, parallelize_fn=parallelize)
+    ref_model.zero_grad(set_to_none=True)
+    ref_losses: list[torch.Tensor] = []
+    losses: list[torch.Tensor] = []
+    for seq in (8, 5):
+        data = {k: v[:, :seq] for k, v in M.batch("llama", 4, seed=400 + seq).items()}
+        for i in range(4):  # the reference accumulates too: no zero_grad between the two batches
+            logits = M.reference_forward(ref_model, "llama", {"input_ids": data["input_ids"][i : i + 1]})
+            loss = M.mean_ce(logits, data["labels"][i : i + 1])
+            loss.backward()
+            ref_losses.append(loss.detach())
+        pipe.update_seq_len(seq)
+        step_losses: list[torch.Tensor] = []  # the schedule clears the list it is given
+        pipe.step(data["input_ids"], target=data["labels"], losses=step_losses)
+        losses.extend(step_losses)
+    _compare(ref_model, pipe.parts, losses, ref_losses, pipe.info.has_last_stage)
+
+
 def cases_4ranks() -> dict[str, Callable[[], None]]:
     cases: dict[str, Callable[[], None]] = {}
     for model in MODELS:
@@ -369,4 +403,5 @@ def cases_4ranks() -> dict[str, Callable[[], None]]:
     cases["too-few-microbatches"] = too_few_microbatches_case
     cases["fsdp2-pp2xdp2-llama"] = functools.partial(fsdp_case, "llama")
     cases["fsdp2-pp2xdp2-llama_tied"] = functools.partial(fsdp_case, "llama_tied")
+    cases["fsdp2-pp2xdp2-update-seq-len-accumulates"] = fsdp_update_seq_len_case
     return cases

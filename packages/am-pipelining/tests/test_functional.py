@@ -240,3 +240,15 @@ def test_stage_metas_shapes_and_model_hook():
     _inputs, outputs = stage_metas(hooked, is_first=True, is_last=True, microbatch_size=1, seq_len=4)
     assert len(outputs) == 2
     assert outputs[0].shape == (1, 4, M.VOCAB)
+
+
+def test_schedule_errors_before_any_collective():
+    """Indivisible batches and missing stages are ValueErrors naming the fix, raised before a schedule exists."""
+    from am_pipelining import build_pipeline_schedule
+
+    with pytest.raises(ValueError, match=r"Batch size 8 must be divisible by the microbatch size 3"):
+        build_pipeline_schedule(None, "1F1B", 3, 8, [], None)
+    with pytest.raises(ValueError, match=r"microbatch size 0"):
+        build_pipeline_schedule(None, "1F1B", 0, 8, [], None)
+    with pytest.raises(ValueError, match="No pipeline stages on this rank"):
+        build_pipeline_schedule(None, "1F1B", 1, 8, [], None)

@@ -118,6 +118,20 @@ def test_mask_cache_builds_once_without_mask_and_every_call_with_one():
     assert model.model._pp_mask_builds == 6, "a new sequence length is a new cache entry"
 
 
+def test_mask_cache_is_keyed_by_batch_size():
+    """A forward with another batch size (evaluation, a smaller last batch) must not reuse a mask built for the
+    training microbatch: eager masks are [B, 1, S, S] and would broadcast the batch."""
+    model = patch_hf_model_for_pp(M.llama(2))
+    reference = M.llama(2)
+    ids = M.batch("llama", 2)["input_ids"]
+    model(ids)
+    single = model(ids[:1])
+    assert single.shape == (1, M.SEQ, M.VOCAB)
+    torch.testing.assert_close(single, M.reference_forward(reference, "llama", {"input_ids": ids[:1]}))
+    model(ids)
+    assert model.model._pp_mask_builds == 2, "one build per batch size, then reuse"
+
+
 def test_mask_mapping_holds_sliding_mask_for_sliding_layers():
     model = M.gemma4_text(2)
     text = model.model

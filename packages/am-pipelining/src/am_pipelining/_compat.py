@@ -30,6 +30,7 @@ __all__ = [
     "kwargs_chunk_spec_override",
     "replicate_chunk_spec",
     "reset_stage_shapes",
+    "preserve_grads_across_stage_reinit",
     "is_reentrant_checkpoint_wrapper",
 ]
 
@@ -238,6 +239,34 @@ def reset_stage_shapes(
     ):
         if hasattr(schedule, flag):
             setattr(schedule, flag, False)
+
+
+def preserve_grads_across_stage_reinit(stage: Any) -> None:
+    """Keep accumulated gradients when the schedule re-initialises `stage` with static shapes.
+
+    After (re-)initialisation torch calls `stage._post_metadata_inference_cleanup()`, which sets every FSDP
+    parameter's `.grad` to None (torch 2.12+): right after dynamic shape inference those grads are by-products of
+    the inference pass, but with static shapes nothing ran, so they are the gradients accumulated by earlier steps
+    (e.g. `AutoPipeline.update_seq_len` between gradient-accumulation steps). In static mode this wrapper puts
+    them back; in dynamic mode torch's behaviour is unchanged. Idempotent; a no-op on torch without the hook.
+    """
+    original = getattr(stage, "_post_metadata_inference_cleanup", None)
+    if not callable(original) or getattr(original, "_am_pp_preserves_grads", False):
+        return
+
+    def cleanup() -> None:
+        mode = getattr(stage, "_inference_mode", None)
+        if getattr(mode, "name", None) != "STATIC":
+            original()
+            return
+        saved = [(p, p.grad) for p in stage.submod.parameters() if p.grad is not None]
+        original()
+        for param, grad in saved:
+            if param.grad is None:
+                param.grad = grad
+
+    cleanup._am_pp_preserves_grads = True  # type: ignore[attr-defined]
+    stage._post_metadata_inference_cleanup = cleanup
 
 
 # --------------------------------------------------------------------------------------------------------------

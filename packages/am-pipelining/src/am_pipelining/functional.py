@@ -579,7 +579,9 @@ def split_model_into_stages(
                 dtype=tensor_dtype,
             )
             static = {"input_args": inputs, "output_args": outputs}
-        stages.append(PipelineStage(stage_model, stage_id, num_stages, device, group=group, **static))
+        stage = PipelineStage(stage_model, stage_id, num_stages, device, group=group, **static)
+        _compat.preserve_grads_across_stage_reinit(stage)
+        stages.append(stage)
     return stages, models
 
 

@@ -119,7 +119,11 @@ def _layer_attention_type(config: Any, index: int, layer: nn.Module) -> str:
 
 
 def _is_packed(position_ids: torch.Tensor | None) -> bool:
-    """True when position ids restart inside a row (several sequences packed in one row)."""
+    """True when position ids restart inside a row (several sequences packed in one row).
+
+    Only caller-given position ids are checked (the forwards pass None for their default `arange`): the check reads
+    the tensor's values, which is a device synchronisation on a GPU.
+    """
     if position_ids is None or position_ids.dim() < 2 or position_ids.shape[-1] < 2:
         return False
     return bool((torch.diff(position_ids, dim=-1) != 1).any())
@@ -136,8 +140,8 @@ def _build_or_reuse_pp_causal_mask(
 ) -> dict[str, Any]:
     """Mask mapping {"full_attention": ..., "sliding_attention": ...} for the layers of this stage.
 
-    Built once per (seq_len, dtype, device, mask kinds) and cached on `module._pp_causal_mask_cache` when no
-    attention mask is given and the positions are not packed — the case of fixed-length training and of every
+    Built once per (batch, seq_len, dtype, device, mask kinds) and cached on `module._pp_causal_mask_cache` when
+    no attention mask is given and the positions are not packed — the case of fixed-length training and of every
     non-first stage. With an explicit `attention_mask` (padding) or packed `position_ids` it is rebuilt on every
     call. `module._pp_mask_builds` counts the builds and `module._pp_mask_build_seconds` sums their time (tests
     and the benchmark read them).
@@ -163,7 +167,16 @@ def _build_or_reuse_pp_causal_mask(
         and not _is_packed(position_ids)
         and module.__dict__.get("_pp_mask_cache_enabled", True) is not False
     )
-    key = (inputs_embeds.shape[1], inputs_embeds.dtype, inputs_embeds.device, tuple(sorted(kinds)))
+    # The batch size is part of the key: eager masks are expanded to [B, 1, S, S], and a mask built for another
+    # batch size would broadcast the attention scores to the wrong batch (a forward with a different batch size,
+    # e.g. evaluation, must not reuse the training microbatch's mask).
+    key = (
+        inputs_embeds.shape[0],
+        inputs_embeds.shape[1],
+        inputs_embeds.dtype,
+        inputs_embeds.device,
+        tuple(sorted(kinds)),
+    )
     cache = module.__dict__.get("_pp_causal_mask_cache")
     if not isinstance(cache, dict):
         cache = {}
@@ -285,13 +298,14 @@ def create_pipeline_forward_inner(model_class_name: str = "AutoModel") -> Callab
             from transformers.cache_utils import DynamicCache
 
             past_key_values = DynamicCache(config=text_module.config)
+        given_position_ids = position_ids
         position_ids = _default_positions(hidden, position_ids)
         layers = _layer_items(text_module)
         config = text_module.config
         kinds = {_layer_attention_type(config, index, layer) for index, layer in layers}
         if causal_mask_mapping is None:
             causal_mask_mapping = _build_or_reuse_pp_causal_mask(
-                text_module, hidden, attention_mask, cache_position, position_ids, mask_types=kinds
+                text_module, hidden, attention_mask, cache_position, given_position_ids, mask_types=kinds
             )
         rotary_emb = getattr(text_module, "rotary_emb", None)
         position_embeddings = rotary_emb(hidden, position_ids) if rotary_emb is not None and layers else None
@@ -403,12 +417,13 @@ def create_pipeline_forward_gemma4_text() -> Callable[..., Any]:
         if input_ids is None and inputs_embeds is None:
             raise ValueError("input_ids or inputs_embeds must be provided")
         hidden = _embed_or_take_hidden(self, input_ids, inputs_embeds)
+        given_position_ids = position_ids
         position_ids = _default_positions(hidden, position_ids)
         config = self.config
         layers = _layer_items(self)
         kinds = {_gemma4_layer_type(config, index, layer) for index, layer in layers}
         mapping = _build_or_reuse_pp_causal_mask(
-            self, hidden, attention_mask, cache_position, position_ids, mask_types=kinds
+            self, hidden, attention_mask, cache_position, given_position_ids, mask_types=kinds
         )
         rotary_emb = getattr(self, "rotary_emb", None)
         position_embeddings: dict[str, Any] = {}
