@@ -115,6 +115,8 @@ def _moe_step_ratio() -> dict[str, Any]:
         return float(out.loss.detach())
 
     losses = {"transformers": step(hf), "ours": step(ours)}  # warm-up, and the same-weights check
+    if abs(losses["ours"] - losses["transformers"]) > 1e-4 * abs(losses["transformers"]):
+        raise RuntimeError(f"the two models do not compute the same step (losses {losses}); the ratio would be void")
     cpu = {"transformers": float("inf"), "ours": float("inf")}
     wall = {"transformers": float("inf"), "ours": float("inf")}
     for _ in range(REPEATS):

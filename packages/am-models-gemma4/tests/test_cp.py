@@ -121,6 +121,56 @@ def _vlm_case(mesh: Any, *, moe: bool, seed: int) -> dict[str, Any]:
     return _compare(model, mesh, _vlm_batch(seed))
 
 
+def _pipeline_layers_case(mesh: Any, *, seed: int) -> float:
+    """Layers called one by one as am-pipelining's stage forward calls them (no `attention_inputs`, a local mask
+    or None) inside the CP context: they must run the ring, not local attention on this rank's shard.
+
+    Returns the worst relative difference to the text model's own CP forward on the same shard.
+    """
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(text_config())
+    perturb_(model, seed=seed)
+    text = model.model
+    batch = model.prepare_model_inputs_for_cp(_text_batch(seed))
+    ctx, batch = make_cp_batch_and_ctx(mesh, batch)
+    positions = batch["position_ids"]
+    with ctx(), torch.no_grad():
+        expected = text(
+            input_ids=batch["input_ids"],
+            position_ids=positions,
+            padding_mask=batch["padding_mask"],
+            _packed_seq_ids=batch["_packed_seq_ids"],
+        ).last_hidden_state
+        hidden = text.embed_tokens(batch["input_ids"])
+        local = torch.ones(1, 1, hidden.shape[1], hidden.shape[1], dtype=torch.bool).tril()  # a shard-local mask
+        for key, layer in text.layers.items():
+            kind = text.config.layer_types[int(key)]
+            hidden = layer(
+                hidden,
+                None,
+                shared_kv_states={},
+                position_embeddings=text.rotary_emb(hidden, positions, kind),
+                attention_mask=local if kind == "full_attention" else None,
+                position_ids=positions,
+                past_key_values=None,
+            )
+        got = text.norm(hidden)
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+def _expect_error(make: Any, mesh: Any, batch: dict[str, torch.Tensor]) -> str:
+    """The error every rank raises for an unsupported CP configuration (all ranks raise: no hang)."""
+    model = make()
+    batch = model.prepare_model_inputs_for_cp(dict(batch))
+    ctx, batch = make_cp_batch_and_ctx(mesh, batch)
+    try:
+        with ctx():
+            model(**batch)
+    except NotImplementedError as err:
+        return str(err)
+    return "no error"
+
+
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
     cp4 = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
     cp2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
@@ -132,6 +182,15 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
             "moe_cp4": lambda: _text_case(cp4, moe=True, seed=4),
             "vlm_cp2": lambda: _vlm_case(cp2, moe=False, seed=5),
             "vlm_moe_cp2": lambda: _vlm_case(cp2, moe=True, seed=6),
+            "pipeline_layers_cp4": lambda: _pipeline_layers_case(cp4, seed=7),
+            "dropout_cp2": lambda: _expect_error(
+                lambda: Gemma4ForCausalLM(text_config(attention_dropout=0.1)), cp2, _text_batch(8)
+            ),
+            "vision_bidirectional_cp2": lambda: _expect_error(
+                lambda: Gemma4ForConditionalGeneration(vlm_config(use_bidirectional_attention="vision")),
+                cp2,
+                {**_vlm_batch(9), "mm_token_type_ids": (_vlm_batch(9)["input_ids"] == IMAGE_TOKEN).long()},
+            ),
         }
     )
 
@@ -173,3 +232,22 @@ def test_sliding_layers_fetch_only_the_neighbouring_chunk(results: list[dict[str
     for rank in range(4):
         expected = 2 * (1 if rank < 3 else 0) * chunk + 2 * (3 - rank) * chunk
         assert case_result(results, "dense_cp4", rank)["sent_bytes"] == expected, rank
+
+
+def test_pipeline_stage_layer_calls_run_the_ring_under_cp(results: list[dict[str, Any]]) -> None:
+    """am-pipelining calls the layers with transformers' (shard-local) masks; inside the CP context they must still
+    attend across ranks — the same hidden states as the text model's CP forward, not local attention."""
+    for rank in range(4):
+        assert case_result(results, "pipeline_layers_cp4", rank) <= 1e-6, rank
+
+
+@pytest.mark.parametrize(
+    ("case", "fragment"),
+    [
+        ("dropout_cp2", "attention_dropout=0.1 is not supported under context parallelism"),
+        ("vision_bidirectional_cp2", "use_bidirectional_attention='vision') is not supported under context"),
+    ],
+)
+def test_unsupported_cp_settings_raise_on_every_rank(results: list[dict[str, Any]], case: str, fragment: str) -> None:
+    for rank in range(4):
+        assert fragment in case_result(results, case, rank), rank

@@ -168,6 +168,20 @@ def test_capabilities_dense_pp_cp_moe_cp_ep() -> None:
     assert Gemma4ForCausalLM._owns_cp_attention is True
 
 
+def test_am_capabilities_reads_the_declaration() -> None:
+    """What am-capabilities concludes from the declaration (it is not a dependency: skipped when absent)."""
+    am_capabilities = pytest.importorskip("am_capabilities")
+    dense_model, moe_model = Gemma4ForCausalLM(text_config()), Gemma4ForCausalLM(text_config(moe=True))
+    dense, moe = am_capabilities.ModelSupports(dense_model), am_capabilities.ModelSupports(moe_model)  # weak refs
+    assert (dense.supports_pp, dense.supports_cp, dense.supports_ep) == (True, True, False)
+    assert (moe.supports_pp, moe.supports_cp, moe.supports_ep) == (False, True, True)
+    mesh = type("Mesh", (), {"pp_size": 2, "cp_size": 2, "ep_size": 2})()
+    with pytest.raises(ValueError, match="pp_size=2") as info:
+        am_capabilities.validate_for_mesh(moe_model, mesh)
+    assert "cp_size" not in str(info.value)
+    assert "ep_size" not in str(info.value)
+
+
 def test_kv_cache_and_unknown_arguments_are_rejected() -> None:
     model = Gemma4ForCausalLM(text_config())
     with pytest.raises(NotImplementedError, match="KV cache"):

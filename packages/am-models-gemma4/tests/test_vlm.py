@@ -45,10 +45,21 @@ def pair(
     return hf, Gemma4ForConditionalGeneration.from_pretrained(tmp_path / "hf")
 
 
-def test_text_only_logits_match(pair: tuple[torch.nn.Module, torch.nn.Module]) -> None:
+def test_text_only_logits_loss_and_gradients_match(pair: tuple[torch.nn.Module, torch.nn.Module]) -> None:
     hf, ours = pair
     ids = torch.randint(1, VOCAB - 5, (2, 12), generator=torch.Generator().manual_seed(1))
-    _close(ours(input_ids=ids).logits, hf(input_ids=ids).logits)
+    ref = hf(input_ids=ids, labels=ids)
+    got = ours(input_ids=ids, labels=ids)
+    _close(got.logits, ref.logits)
+    _close(got.loss, ref.loss)
+    ref.loss.backward()
+    got.loss.backward()
+    ours_grads = Gemma4StateDictAdapter.to_hf({n: p.grad for n, p in ours.named_parameters() if p.grad is not None})
+    hf_grads = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    assert set(ours_grads) == set(hf_grads)
+    assert any(".layers.0." in name for name in hf_grads)
+    for name, grad in hf_grads.items():
+        _close(ours_grads[name], grad, rtol=5e-5)
 
 
 def test_image_logits_loss_and_gradients_match(pair: tuple[torch.nn.Module, torch.nn.Module]) -> None:
@@ -98,6 +109,13 @@ def test_pipeline_protocol_attributes(pair: tuple[torch.nn.Module, torch.nn.Modu
     assert ours.lm_head.weight is ours.model.language_model.embed_tokens.weight
     hidden = ours.model.language_model(input_ids=None, inputs_embeds=torch.randn(1, 5, 32)).last_hidden_state
     assert hidden.shape == (1, 5, 32)
+
+
+@pytest.mark.parametrize("name", ["pixel_values_videos", "input_features"])
+def test_video_and_audio_inputs_are_rejected(name: str) -> None:
+    model = Gemma4ForConditionalGeneration(vlm_config())
+    with pytest.raises(NotImplementedError, match=f"video and audio inputs are not supported.*{name}"):
+        model(input_ids=torch.ones(1, 4, dtype=torch.long), **{name: torch.zeros(1, 2, 3)})
 
 
 def test_audio_config_is_rejected() -> None:

@@ -7,7 +7,9 @@ names), and picks one of three attention paths:
      sliding window, so sliding layers fetch only the neighbouring ranks their window reaches;
   2. local — our own boolean masks from sequence positions, documents (`_packed_seq_ids` / padding) and vision
      groups, built once per forward and layer type (`AttentionInputs.mask_for`);
-  3. external mask — a 4-D mask handed in by a caller that built transformers' masks (pipeline stages).
+  3. external mask — a 4-D mask handed in by a caller that built transformers' masks (pipeline stages). When a
+     CP ring context is entered, such a mask (built from the local shard only) is ignored and the ring runs
+     instead, with the context's global positions and document ids — never local attention on one shard.
 What it must not do: keep any state between forwards, or route other modules' attention (the vision tower keeps
 transformers' attention even under CP).
 
@@ -29,6 +31,7 @@ from torch import nn
 from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
 
 from am_models_gemma4.config import SLIDING, kv_sharing_modes, layer_head_dim, layer_num_kv_heads
+from am_models_gemma4.cp import active_ring_context
 from am_models_gemma4.layers import Gemma4RMSNorm
 
 __all__ = ["AttentionInputs", "Gemma4Attention", "SharedKVStates", "build_attention_mask"]
@@ -256,12 +259,13 @@ class Gemma4Attention(nn.Module):
         keys, values = self._keys_and_values(hidden_states, cos, sin, shared_kv_states)
         dropout = self.attention_dropout if self.training else 0.0
 
-        if attention_inputs is not None and attention_inputs.ring is not None:
+        ring = attention_inputs.ring if attention_inputs is not None else active_ring_context()
+        if ring is not None:
             if dropout:
                 raise NotImplementedError(
                     f"attention_dropout={dropout} is not supported under context parallelism; set it to 0"
                 )
-            out = attention_inputs.ring.attention(
+            out = ring.attention(
                 queries, keys, values, causal=True, sliding_window=self.sliding_window, scale=self.scaling
             )
         elif attention_inputs is not None:

@@ -37,6 +37,14 @@ from am_models_gemma4.model import Gemma4TextModel, causal_lm_loss, gemma4_capab
 __all__ = ["Gemma4ForConditionalGeneration", "Gemma4Model"]
 
 _IGNORED_KWARGS = frozenset({"return_dict", "output_attentions", "cache_position", "num_items_in_batch"})
+# transformers' Gemma4ForConditionalGeneration inputs of the video and audio paths, which this model does not run
+_UNSUPPORTED_MEDIA_KWARGS = (
+    "pixel_values_videos",
+    "video_position_ids",
+    "input_features",
+    "input_features_mask",
+    "num_frames_per_video",
+)
 
 
 class Gemma4Model(nn.Module):
@@ -181,7 +189,13 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, nn.Module):
 
         Labels follow `Gemma4ForCausalLM.forward`: unshifted without CP, already shifted under CP.
         """
-        unknown = sorted(k for k in kwargs if k not in _IGNORED_KWARGS)
+        unsupported_media = [k for k in _UNSUPPORTED_MEDIA_KWARGS if kwargs.get(k) is not None]
+        if unsupported_media:
+            raise NotImplementedError(
+                f"video and audio inputs are not supported by am_models_gemma4 (got {unsupported_media}); train with "
+                "text and images only (pixel_values + image_position_ids), or use transformers' Gemma4 for video/audio"
+            )
+        unknown = sorted(k for k in kwargs if k not in _IGNORED_KWARGS and k not in _UNSUPPORTED_MEDIA_KWARGS)
         if unknown:
             raise TypeError(f"Gemma4ForConditionalGeneration.forward got unexpected keyword arguments {unknown}")
         text_config = self.config.text_config
