@@ -1,6 +1,7 @@
 """Nox sessions for the am-* monorepo.
 
-`nox` with no arguments runs what CI runs: lint, types, wheels and the per-package `tests` matrix.
+`nox` with no arguments runs what CI runs: lint, types, wheels, the per-package `tests` matrix and `integration`
+(the reference trainer run as real processes). `train` runs the reference training job, `bench` every benchmark.
 
 Every package under `packages/` is found by itself (a folder with a `pyproject.toml`), so a new package joins the
 matrix without touching this file. Each `tests` session gets a fresh virtualenv that holds ONLY that package, its
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -24,7 +26,7 @@ else:  # pragma: no cover - nox runs on the workspace interpreter (>= 3.11 in uv
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = False
-nox.options.sessions = ["lint", "types", "wheels", "tests"]
+nox.options.sessions = ["lint", "types", "wheels", "tests", "integration"]
 
 ROOT = Path(__file__).resolve().parent
 PACKAGES_DIR = ROOT / "packages"
@@ -146,3 +148,62 @@ def wheels(session: nox.Session) -> None:
         (wheel,) = out.glob(f"{normalized}-*.whl")
         expected = _expected_requires_dist(_read_pyproject(package))
         session.run("python", "tools/check_wheel.py", str(wheel), json.dumps(expected))
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """The integration tests: the reference trainer (integration_tests/) launched as real gloo processes with every
+    workspace package and the `integration` group installed at the locked versions (parity, resume, faults, bad
+    input, fp32 contract). About 10 minutes on 2 CPU cores."""
+    _uv_sync(session, "--all-packages", "--group", "integration")
+    junit = ROOT / ".nox" / "junit-integration.xml"
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "integration_tests/tests",
+        f"--junitxml={junit}",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+    )
+
+
+# The default training job: tiny Nemotron-H with multi-token prediction, pipeline 2 x data parallel 2 (4 processes).
+DEFAULT_TRAIN_ARGS = ["--model", "nemotron", "--pp", "2", "--dp", "2"]
+
+
+def _world_size(args: list[str]) -> int:
+    """pp x dp x cp from trainer arguments (`--pp 2` or `--pp=2`; absent = 1)."""
+    sizes = {"--pp": 1, "--dp": 1, "--cp": 1}
+    for i, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name in sizes:
+            sizes[name] = int(value or args[i + 1])
+    return sizes["--pp"] * sizes["--dp"] * sizes["--cp"]
+
+
+@nox.session
+def train(session: nox.Session) -> None:
+    """Run the reference training job with torchrun (gloo on the CPU, NCCL on GPUs), one process per mesh rank.
+
+    `uv run nox -s train` runs the default (tiny Nemotron-H with MTP, pp=2 x dp=2); arguments after `--` replace it,
+    e.g. `uv run nox -s train -- --model gemma4-moe --cp 2 --dp 2`. Outputs go to integration_tests/runs/default
+    unless `--out` says otherwise.
+    """
+    _uv_sync(session, "--all-packages", "--group", "integration")
+    args = list(session.posargs) or DEFAULT_TRAIN_ARGS
+    nproc = _world_size(args)
+    session.log(f"torchrun --nproc-per-node {nproc} integration_tests/train.py {shlex.join(args)}")
+    session.run(
+        "python", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "integration_tests/train.py", *args,
+    )  # fmt: skip
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run every bench/bench_*.py and write bench/results.json and bench/results.md (ratios against references
+    measured in the same run, with the date and the machine). Not part of CI: timings need a quiet machine."""
+    _uv_sync(session, "--all-packages", "--group", "integration")
+    session.run("python", "bench/run_all.py", *session.posargs)

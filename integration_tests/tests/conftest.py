@@ -1,0 +1,125 @@
+"""Launch the reference trainer as real processes (torchrun, gloo) and share the runs between tests.
+
+Each launch costs ~10-30 s on 2 cores (process start, imports, process groups), so a run is started at most once
+per pytest session: `runs.get(name)` launches the named configuration the first time and returns the cached
+result afterwards (the single-process references are shared by every parity test that needs them).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "train.py"
+sys.path.insert(0, str(ROOT))
+
+# Tiny everywhere: hidden 32, 4 layers, 16 tokens, 4 sequences, 3 steps (4 microbatches of 1 for the pipelines).
+TINY = ["--hidden-size", "32", "--layers", "4", "--seq-len", "16", "--global-batch", "4", "--steps", "3"]
+# fp32 parity runs. Adam's epsilon is raised from 1e-8 to 1e-6 so that an fp32 rounding difference in a gradient
+# element that is ~0 (|g| ~ eps) cannot turn into a whole learning-rate step of difference in that weight.
+PARITY = [*TINY, "--dtype", "fp32", "--adam-eps", "1e-6", "--no-progress", "--timeout", "60"]
+LAUNCH_TIMEOUT_S = 240
+
+
+@dataclass
+class Run:
+    """One finished launch: its command, exit code, output, wall time, and (on success) its summary."""
+
+    args: list[str]
+    nproc: int
+    out: Path
+    returncode: int
+    output: str
+    wall_s: float
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> Run:
+        assert self.returncode == 0, f"trainer failed ({self.returncode}): {' '.join(self.args)}\n{self.output[-6000:]}"
+        return self
+
+    def final_weights(self) -> dict[str, torch.Tensor]:
+        """The HF-format export of the newest checkpoint (safetensors), name -> tensor."""
+        from safetensors.torch import load_file
+
+        root = self.out / "checkpoints"
+        folder = root / (root / "latest").read_text().strip() / "model"
+        weights: dict[str, torch.Tensor] = {}
+        for path in sorted(glob.glob(str(folder / "*.safetensors"))):
+            weights.update(load_file(path))
+        assert weights, f"no safetensors in {folder}"
+        return weights
+
+
+def launch(
+    args: list[str], *, nproc: int, out: Path, env: dict[str, str] | None = None, timeout: float = LAUNCH_TIMEOUT_S
+) -> Run:
+    """Run train.py with `nproc` processes (torchrun for > 1, plain python for 1) and wait for it."""
+    full_args = [*args, "--out", str(out)]
+    if nproc == 1:
+        command = [sys.executable, str(TRAIN), *full_args]
+    else:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            str(TRAIN), *full_args,
+        ]  # fmt: skip
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env=environment, cwd=ROOT, check=False
+        )
+        code, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, output = -1, f"TIMED OUT after {timeout} s\n{exc.stdout or ''}{exc.stderr or ''}"
+    run = Run(command, nproc, out, code, output, time.perf_counter() - started)
+    summary = out / "summary.json"
+    if code == 0 and summary.is_file():
+        run.summary = json.loads(summary.read_text())
+    return run
+
+
+class RunCache:
+    """Named launches, each run at most once per session."""
+
+    CONFIGS: ClassVar[dict[str, tuple[int, list[str]]]] = {
+        "nemotron": (1, ["--model", "nemotron", *PARITY]),
+        "nemotron-pp2-1f1b": (2, ["--model", "nemotron", "--pp", "2", "--schedule", "1F1B", *PARITY]),
+        "nemotron-pp2-interleaved": (
+            2,
+            ["--model", "nemotron", "--pp", "2", "--schedule", "Interleaved1F1B", "--stages-per-rank", "2", *PARITY],
+        ),
+        "nemotron-pp2-dp2": (4, ["--model", "nemotron", "--pp", "2", "--dp", "2", *PARITY]),
+        "gemma4-moe": (1, ["--model", "gemma4-moe", *PARITY]),
+        "gemma4-moe-cp2": (2, ["--model", "gemma4-moe", "--cp", "2", *PARITY]),
+        "gemma4-moe-cp2-dp2": (4, ["--model", "gemma4-moe", "--cp", "2", "--dp", "2", *PARITY]),
+        "llama-tied": (1, ["--model", "llama", "--tie-embeddings", *PARITY]),
+        "llama-tied-pp2": (2, ["--model", "llama", "--tie-embeddings", "--pp", "2", *PARITY]),
+        "gemma4": (1, ["--model", "gemma4", *PARITY]),
+        "gemma4-pp2": (2, ["--model", "gemma4", "--pp", "2", *PARITY]),
+    }
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.runs: dict[str, Run] = {}
+
+    def get(self, name: str) -> Run:
+        if name not in self.runs:
+            nproc, args = self.CONFIGS[name]
+            self.runs[name] = launch(args, nproc=nproc, out=self.root / name)
+        return self.runs[name]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> RunCache:
+    return RunCache(tmp_path_factory.mktemp("runs"))

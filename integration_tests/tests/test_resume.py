@@ -1,0 +1,34 @@
+"""Resume is exact: a run whose rank is SIGKILLed mid-run, relaunched with `--resume latest`, ends with the same
+weights, bit for bit, as the uninterrupted run (Nemotron-H with MTP, pp=2, 1F1B, fp32).
+
+The kill comes from the trainer's fault injection (AM_TRAIN_FAIL_MODE=sigkill: rank 1 SIGKILLs itself as step 3
+starts, after the checkpoints of steps 1 and 2 were written); torchrun then stops rank 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from conftest import PARITY, launch
+
+KILL = {"AM_TRAIN_FAIL_AT_STEP": "3", "AM_TRAIN_FAIL_RANK": "1", "AM_TRAIN_FAIL_MODE": "sigkill"}
+ARGS = ["--model", "nemotron", "--pp", "2", "--schedule", "1F1B", *PARITY, "--ckpt-every", "1"]
+
+
+def test_sigkill_then_resume_equals_uninterrupted_run_bit_for_bit(runs, tmp_path) -> None:
+    uninterrupted = runs.get("nemotron-pp2-1f1b").check()
+    out = tmp_path / "killed"
+
+    killed = launch(ARGS, nproc=2, out=out, env=KILL)
+    assert killed.returncode != 0, killed.output[-3000:]
+    assert "SIGKILL" in killed.output or "Signal 9" in killed.output, killed.output[-3000:]
+    checkpoints = out / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step_00000002"
+    assert not (checkpoints / "step_00000003").exists()
+
+    resumed = launch([*ARGS, "--resume", "latest"], nproc=2, out=out).check()
+    assert resumed.summary["resumed_from"] == 2
+    assert resumed.summary["losses"] == uninterrupted.summary["losses"]  # exact floats, history included
+    got, want = resumed.final_weights(), uninterrupted.final_weights()
+    assert got.keys() == want.keys()
+    different = [name for name in want if not torch.equal(got[name], want[name])]
+    assert not different, f"not bit-identical after resume: {different}"

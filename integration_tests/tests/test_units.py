@@ -1,0 +1,83 @@
+"""In-process checks of the trainer's pieces (no process group): loss oracle, LR schedule, data, config, checkpoint
+verification. Cheap; the multi-process behaviour is in the other test modules."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from trainer.checkpoint import verify_checkpoint
+from trainer.config import find_problems, parse_args
+from trainer.data import BatchStream, ByteTokenizer, load_tokens
+from trainer.loop import TokenSumLoss, lr_at
+from trainer.models import build_model, preset_spec
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma4"])
+def test_trainer_loss_equals_the_models_own_loss(family: str) -> None:
+    """Oracle for the single-process reference: our global token mean on pre-shifted labels equals the model's own
+    causal-LM loss (which shifts internally) on the same windows."""
+    spec = preset_spec(family, hidden_size=32, num_layers=2, mtp_depths=0, tie_embeddings=True, vocab_size=None)
+    model = build_model(spec, seed=0)
+    windows = torch.randint(0, 256, (3, 17), generator=torch.Generator().manual_seed(0))
+    inputs, labels = windows[:, :-1], windows[:, 1:]
+    loss_fn = TokenSumLoss()
+    loss_fn.denominator = float(labels.numel())
+    ours = loss_fn(model(input_ids=inputs).logits, labels)
+    theirs = model(input_ids=windows, labels=windows).loss
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0.0)
+
+
+def test_lr_warms_up_then_decays_to_min_lr() -> None:
+    cfg = parse_args(["--steps", "100", "--warmup-steps", "10", "--lr", "1e-3", "--min-lr", "1e-4"])
+    assert lr_at(1, cfg) == pytest.approx(1e-4)
+    assert lr_at(10, cfg) == pytest.approx(1e-3)
+    assert lr_at(55, cfg) == pytest.approx(1e-4 + 0.9e-3 * 0.5)
+    assert lr_at(100, cfg) == pytest.approx(1e-4)
+    values = [lr_at(s, cfg) for s in range(10, 101)]
+    assert all(a >= b for a, b in itertools.pairwise(values))
+
+
+def test_batch_stream_resumes_where_it_stopped() -> None:
+    tokens = load_tokens(None, vocab_size=256)
+    assert ByteTokenizer().decode(tokens[:9]) == "Genesis 1"
+    first = BatchStream(tokens, seq_len=8, global_batch=2)
+    first.next_batch()
+    state = first.state_dict()
+    expected = first.next_batch()
+    second = BatchStream(tokens, seq_len=8, global_batch=2)
+    second.load_state_dict(json.loads(json.dumps(state)))
+    got = second.next_batch()
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+    assert torch.equal(got[0][:, 1:], got[1][:, :-1])  # labels are the inputs shifted by one
+
+
+def test_load_tokens_rejects_out_of_vocab_ids(tmp_path) -> None:
+    path = tmp_path / "ids.pt"
+    torch.save(torch.tensor([1, 2, 300]), path)
+    with pytest.raises(ValueError, match=r"span \[1, 300\] but the model's vocabulary has 256"):
+        load_tokens(path, vocab_size=256)
+
+
+def test_find_problems_accepts_a_good_config_and_lists_every_bad_value() -> None:
+    good = parse_args(["--pp", "2", "--dp", "2", "--global-batch", "8"])
+    assert find_problems(good, world_size=4) == []
+    bad = parse_args(["--pp", "0", "--dp", "3", "--global-batch", "8", "--schedule", "nope", "--lr", "-1"])
+    problems = find_problems(bad, world_size=4)
+    # pp, dp divisibility, schedule, lr (no world-size line: with pp=0 there is no meaningful product to compare)
+    assert len(problems) == 4, problems
+    assert any("--pp=0" in p for p in problems)
+    assert any("not divisible by --dp 3" in p for p in problems)
+    assert any("'nope' is unknown" in p for p in problems)
+
+
+def test_verify_checkpoint_names_what_is_missing(tmp_path) -> None:
+    assert verify_checkpoint(tmp_path / "nothing") == [f"checkpoint {tmp_path / 'nothing'} does not exist"]
+    (tmp_path / "ckpt").mkdir()
+    (problem,) = verify_checkpoint(tmp_path / "ckpt")
+    assert "has no trainer_state.json: it is incomplete" in problem
+    (tmp_path / "ckpt" / "trainer_state.json").write_text(json.dumps({"manifest": {"dcp/x": "0" * 64}}))
+    assert verify_checkpoint(tmp_path / "ckpt") == [f"checkpoint {tmp_path / 'ckpt'}: dcp/x is missing"]

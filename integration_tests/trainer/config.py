@@ -1,0 +1,196 @@
+"""Command-line options of the reference trainer and their validation, which runs before any collective.
+
+What it must not do: touch torch.distributed. Every rank validates the same arguments the same way, so a bad run
+ends on every rank with the same message, listing every problem at once, before a process group exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+MODELS = ("nemotron", "gemma4", "gemma4-moe", "llama")
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "runs" / "default"  # integration_tests/runs/ is git-ignored
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Parsed options; see `build_parser` for their meaning."""
+
+    model: str
+    model_path: str | None
+    pp: int
+    dp: int
+    cp: int
+    schedule: str
+    stages_per_rank: int
+    global_batch: int
+    microbatch_size: int
+    seq_len: int
+    steps: int
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    weight_decay: float
+    adam_eps: float
+    grad_clip: float
+    dtype: str
+    seed: int
+    data: str | None
+    out: Path
+    ckpt_every: int
+    resume: str | None
+    tie_embeddings: bool
+    mtp_depths: int
+    hidden_size: int
+    layers: int
+    threads: int
+    timeout: float
+    progress: bool
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp
+
+    @property
+    def local_batch(self) -> int:
+        """Sequences per data-parallel replica per step."""
+        return self.global_batch // self.dp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train.py",
+        description="Reference trainer composing the am-* packages: pp x dp x cp on one DeviceMesh, launched "
+        "with torchrun (gloo on CPU, NCCL on GPU).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", choices=MODELS, default="nemotron", help="tiny preset to build (random init)")
+    p.add_argument("--model-path", default=None, help="HF-format folder to load instead of the preset's random init")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel (FSDP2) size")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--schedule", default="1F1B", help="pipeline schedule name (GPipe, 1F1B, Interleaved1F1B, ...)")
+    p.add_argument("--stages-per-rank", type=int, default=1, help="pipeline stages per rank (2+ for interleaved)")
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, all replicas")
+    p.add_argument("--microbatch-size", type=int, default=1, help="sequences per pipeline microbatch")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine decay")
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0 disables)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter storage / compute dtype")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--data", default=None, help=".txt (bytes), .pt (int tensor) or .bin (uint16) corpus")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (checkpoints, loss curve, summary)")
+    p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--resume", default=None, help="checkpoint folder, or 'latest' under --out")
+    p.add_argument("--tie-embeddings", action="store_true", help="llama: tie lm_head to the input embeddings")
+    p.add_argument("--mtp-depths", type=int, default=1, help="nemotron: multi-token-prediction depths")
+    p.add_argument("--hidden-size", type=int, default=64, help="preset width")
+    p.add_argument("--layers", type=int, default=4, help="preset decoder layers")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: cores / processes)")
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds a collective may wait before the run fails (no hangs)"
+    )
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    ns = build_parser().parse_args(argv)
+    return RunConfig(**vars(ns))
+
+
+def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
+    """Every problem with `cfg` that can be seen without a process group (an empty list means go).
+
+    Each entry names the wrong value, why it is wrong and the fix. Problems that need the model (am-capabilities),
+    the data or a checkpoint are added by the caller, so the user sees them all in one message.
+    """
+    problems = []
+    for name in ("pp", "dp", "cp", "stages_per_rank", "global_batch", "microbatch_size", "seq_len", "steps", "layers"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"--{name.replace('_', '-')}={getattr(cfg, name)}: must be >= 1")
+    sizes_ok = min(cfg.pp, cfg.dp, cfg.cp) >= 1
+    if sizes_ok and world_size != cfg.world_size:
+        problems.append(
+            f"the world size is {world_size} but pp x dp x cp = {cfg.pp} x {cfg.dp} x {cfg.cp} = {cfg.world_size}: "
+            f"launch {cfg.world_size} processes (torchrun --nproc-per-node {cfg.world_size}) or change the sizes"
+        )
+    if cfg.dp >= 1 and cfg.global_batch % cfg.dp:
+        problems.append(
+            f"--global-batch {cfg.global_batch} is not divisible by --dp {cfg.dp}: every data-parallel replica needs "
+            "the same number of sequences"
+        )
+    elif cfg.dp >= 1 and cfg.microbatch_size >= 1 and cfg.local_batch % cfg.microbatch_size:
+        problems.append(
+            f"the batch per replica (--global-batch {cfg.global_batch} / --dp {cfg.dp} = {cfg.local_batch}) is not "
+            f"divisible by --microbatch-size {cfg.microbatch_size}: change either"
+        )
+    problems += _schedule_problems(cfg)
+    if cfg.pp > 1 and cfg.cp > 1:
+        problems.append(
+            f"--pp {cfg.pp} with --cp {cfg.cp}: this trainer does not combine pipeline and context parallelism yet; "
+            "use one of them (dp combines with either)"
+        )
+    if cfg.warmup_steps < 0 or cfg.lr <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr:
+        problems.append(
+            f"--lr {cfg.lr}, --min-lr {cfg.min_lr}, --warmup-steps {cfg.warmup_steps}: need lr > 0, "
+            "0 <= min-lr <= lr and warmup-steps >= 0"
+        )
+    if cfg.grad_clip < 0 or cfg.weight_decay < 0 or cfg.adam_eps <= 0:
+        problems.append(
+            f"--grad-clip {cfg.grad_clip}, --weight-decay {cfg.weight_decay}, --adam-eps {cfg.adam_eps}: need "
+            "grad-clip >= 0, weight-decay >= 0 and adam-eps > 0"
+        )
+    if cfg.ckpt_every < 0:
+        problems.append(f"--ckpt-every {cfg.ckpt_every}: must be >= 0 (0 writes a checkpoint at the end only)")
+    if cfg.mtp_depths < 0:
+        problems.append(f"--mtp-depths {cfg.mtp_depths}: must be >= 0 (0 disables multi-token prediction)")
+    if cfg.timeout <= 0:
+        problems.append(f"--timeout {cfg.timeout}: must be > 0 seconds")
+    if cfg.model_path is not None and not (Path(cfg.model_path) / "config.json").is_file():
+        problems.append(f"--model-path {cfg.model_path}: no config.json there (expected an HF-format folder)")
+    if cfg.tie_embeddings and cfg.model != "llama":
+        problems.append(f"--tie-embeddings applies to --model llama only, not {cfg.model}")
+    return problems
+
+
+def _schedule_problems(cfg: RunConfig) -> list[str]:
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    try:
+        schedule_class = get_schedule_class(cfg.schedule)
+    except ValueError:
+        return [
+            f"--schedule {cfg.schedule!r} is unknown: use one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
+            "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV (case-insensitive)"
+        ]
+    if cfg.pp <= 1:
+        return []
+    single = issubclass(schedule_class, PipelineScheduleSingle)
+    problems = []
+    if single and cfg.stages_per_rank != 1:
+        problems.append(f"--schedule {cfg.schedule} runs one stage per rank: use --stages-per-rank 1")
+    if not single and cfg.stages_per_rank < 2:
+        problems.append(f"--schedule {cfg.schedule} runs several stages per rank: use --stages-per-rank 2 or more")
+    stages = cfg.pp * max(cfg.stages_per_rank, 1)
+    if cfg.model_path is None and stages > cfg.layers:
+        problems.append(
+            f"{stages} pipeline stages (--pp {cfg.pp} x --stages-per-rank {cfg.stages_per_rank}) but only "
+            f"{cfg.layers} layers: every stage needs a layer; use --layers {stages} or fewer stages"
+        )
+    microbatches = cfg.local_batch // max(cfg.microbatch_size, 1)
+    needed = stages if schedule_class.__name__ in ("Schedule1F1B", "ScheduleDualPipeV") else cfg.pp
+    if microbatches < needed:
+        problems.append(
+            f"{microbatches} microbatches per step (batch per replica {cfg.local_batch} / --microbatch-size "
+            f"{cfg.microbatch_size}) are fewer than the {needed} that --schedule {cfg.schedule} needs on {stages} "
+            "stages: raise --global-batch or lower --microbatch-size"
+        )
+    return problems

@@ -1,0 +1,109 @@
+"""Training data for the reference trainer: a byte-level tokenizer and a deterministic, resumable batch stream.
+
+What it is for: turning a text file (UTF-8, one byte = one token) or a token file into fixed-length training
+windows, the same on every rank, with a cursor that a checkpoint stores so `--resume` continues exactly.
+What it must not do: download anything, or depend on the rank layout (every rank computes the same global batch
+and takes its data-parallel slice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "kjv_genesis_exodus.txt"
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte: vocab 256, nothing to download, round-trips any text exactly."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> torch.Tensor:
+        """`text` -> int64 token ids `[N]`."""
+        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).to(torch.int64)
+
+    def decode(self, ids: torch.Tensor | list[int]) -> str:
+        data = bytes(int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids))
+        return data.decode("utf-8", errors="replace")
+
+
+def load_tokens(path: str | Path | None, *, vocab_size: int) -> torch.Tensor:
+    """Load a corpus as int64 token ids `[N]`.
+
+    Formats, by suffix: `.txt` (UTF-8 text, byte-level tokens), `.pt` (a 1-D integer tensor saved with
+    `torch.save`), `.bin` (little-endian uint16 ids, the nanoGPT convention). None means the embedded text.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: unknown suffix, empty corpus, or ids outside `[0, vocab_size)`.
+    """
+    path = Path(path) if path is not None else DEFAULT_TEXT
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file (give a .txt, .pt or .bin file)")
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        tokens = ByteTokenizer().encode(path.read_text(encoding="utf-8"))
+    elif suffix == ".pt":
+        tokens = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.is_floating_point():
+            raise ValueError(f"--data {path}: expected a 1-D integer tensor, got {type(tokens).__name__}")
+        tokens = tokens.to(torch.int64)
+    elif suffix == ".bin":
+        raw = path.read_bytes()
+        if len(raw) % 2:
+            raise ValueError(f"--data {path}: a .bin file holds uint16 ids, but its size {len(raw)} is odd")
+        tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint16).to(torch.int64)
+    else:
+        raise ValueError(f"--data {path}: unknown format {suffix!r}; use .txt, .pt (int tensor) or .bin (uint16)")
+    if tokens.numel() == 0:
+        raise ValueError(f"--data {path}: the corpus is empty")
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"--data {path}: token ids span [{low}, {high}] but the model's vocabulary has {vocab_size} entries; "
+            "re-tokenize the data or build the model with a larger vocab_size"
+        )
+    return tokens
+
+
+@dataclass
+class BatchStream:
+    """Deterministic stream of `[global_batch, seq_len + 1]` windows over a token corpus.
+
+    Window k starts at `(k * seq_len) % (N - seq_len - 1)`: consecutive, non-overlapping windows that wrap around
+    the corpus. `position` counts the windows consumed so far; it is all the state a resume needs.
+    """
+
+    tokens: torch.Tensor
+    seq_len: int
+    global_batch: int
+    position: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tokens.numel() < self.seq_len + 2:
+            raise ValueError(
+                f"the corpus has {self.tokens.numel()} tokens, too few for --seq-len {self.seq_len}; "
+                "use more data or a shorter sequence"
+            )
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next global batch: `(input_ids, labels)`, both int64 `[global_batch, seq_len]`; labels are shifted."""
+        span = self.tokens.numel() - self.seq_len - 1
+        starts = [((self.position + i) * self.seq_len) % span for i in range(self.global_batch)]
+        windows = torch.stack([self.tokens[s : s + self.seq_len + 1] for s in starts])
+        self.position += self.global_batch
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, "seq_len": self.seq_len, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if (state["seq_len"], state["global_batch"]) != (self.seq_len, self.global_batch):
+            raise ValueError(
+                f"the checkpoint was written with seq_len={state['seq_len']}, global_batch={state['global_batch']}; "
+                f"this run has seq_len={self.seq_len}, global_batch={self.global_batch}: resume with the same values"
+            )
+        self.position = int(state["position"])

@@ -1,0 +1,484 @@
+"""The reference training loop: validate, build, parallelize, train, checkpoint, report — top to bottom.
+
+What it is for: `run(cfg)` is the whole job, in the order a reader expects (torchtitan's train loop is the model):
+    1. validate everything that can be checked without a process group (arguments, data, checkpoint, and the mesh
+       against the model's capabilities through am-capabilities' MeshContext): ONE message, exit code 2
+    2. process group (gloo on the CPU, NCCL on GPUs) and one DeviceMesh ("pp", "dp", "cp")
+    3. model: fp32, seeded, identical on every rank -> attach_capabilities_and_validate(model, mesh)
+       -> precision (bf16 storage, fp32-pinned tensors kept) -> pipeline stages (pp > 1) -> FSDP2 over dp x cp
+    4. AdamW per model part, warm-up + cosine LR, global gradient-norm clipping across stages and shards
+    5. steps: the global batch is the same on every rank; each rank takes its dp slice, then its CP shard
+    6. checkpoints (atomic, exact resume), progress bar, loss curve and a one-line summary on rank 0
+What it must not do: hide a failure. Any exception ends this rank with a non-zero exit code; torchrun then stops the
+other ranks, and every collective has a timeout, so no run hangs.
+
+Loss: the GLOBAL token mean. Every rank divides the token SUM of its own tokens by the number of label tokens in the
+whole global batch (known on every rank, no collective); microbatch gradients add up (pipeline `scale_grads=False`,
+or the pp = 1 accumulation loop), FSDP2 sums over dp x cp, and the logged loss is the sum of the last stages'
+losses over all ranks. Hence every parallel layout computes exactly the single-process loss and gradient.
+
+Fault injection (tests only): AM_TRAIN_FAIL_AT_STEP=<step> AM_TRAIN_FAIL_RANK=<rank> AM_TRAIN_FAIL_MODE=raise|sigkill
+makes that rank raise (or SIGKILL itself) when the step starts. AM_TRAIN_FP32_REPORT=<folder> makes every rank write
+its fp32-pinned tensors after the FSDP2 wrap (`fp32_rank<r>.pt`), to check the fp32 contract.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from trainer import checkpoint as ckpt
+from trainer.config import RunConfig, find_problems
+from trainer.data import BatchStream, load_tokens
+from trainer.models import ModelSpec, build_model, folder_spec, preset_spec
+from trainer.parallel import (
+    DTYPES,
+    apply_fsdp,
+    apply_precision,
+    build_mesh,
+    init_distributed,
+    shard_batch_for_cp,
+    split_pipeline,
+)
+from trainer.progress import Progress, save_loss_curve
+
+EXIT_BAD_INPUT = 2
+
+
+class BadInput(Exception):
+    """Raised before any collective when the run cannot start; its message lists every problem."""
+
+
+class TokenSumLoss:
+    """`(logits [B, S, V], labels [B, S]) -> scalar`: fp32 cross-entropy SUM over non-ignored labels divided by
+    `denominator` (the label-token count of the whole global batch, set before each step)."""
+
+    def __init__(self) -> None:
+        self.denominator = 1.0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        total = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        return total / self.denominator
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Learning rate of optimizer step `step` (1-based): linear warm-up, then cosine decay to `min_lr`."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / max(cfg.warmup_steps, 1)
+    progress = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 1. Validation before any collective
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def model_spec(cfg: RunConfig, *, vocab_size: int | None = None) -> ModelSpec:
+    if cfg.model_path is not None:
+        return folder_spec(cfg.model_path)
+    return preset_spec(
+        cfg.model,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.layers,
+        mtp_depths=cfg.mtp_depths,
+        tie_embeddings=cfg.tie_embeddings,
+        vocab_size=vocab_size,
+    )
+
+
+def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, torch.Tensor, Path | None]:
+    """Everything checkable without a process group. Returns (spec, fp32 model, tokens, resume folder).
+
+    Raises:
+        BadInput: listing every problem found (arguments, mesh vs model capabilities, data, checkpoint).
+    """
+    from am_capabilities import MeshContext, validate_for_mesh
+
+    problems = find_problems(cfg, world_size=world_size)
+    spec = model = tokens = None
+    try:
+        spec = model_spec(cfg)
+        model = build_model(spec, seed=cfg.seed)
+    except Exception as exc:  # a broken --model-path folder or preset: report it with the rest
+        problems.append(f"cannot build the model: {type(exc).__name__}: {exc}")
+    if model is not None and min(cfg.pp, cfg.dp, cfg.cp) >= 1:
+        try:
+            validate_for_mesh(model, MeshContext(pp_size=cfg.pp, dp_size=cfg.dp, cp_size=cfg.cp))
+        except ValueError as exc:
+            problems.extend(line.strip().removeprefix("- ") for line in str(exc).splitlines()[1:] if line.strip())
+    try:
+        tokens = load_tokens(cfg.data, vocab_size=spec.vocab_size if spec is not None else 256)
+        if tokens.numel() < cfg.seq_len + 2:
+            problems.append(f"--data has {tokens.numel()} tokens, too few for --seq-len {cfg.seq_len}")
+    except (OSError, ValueError) as exc:
+        problems.append(str(exc))
+    resume_dir = None
+    if cfg.resume is not None:
+        try:
+            resume_dir = ckpt.resolve_resume_dir(cfg.resume, cfg.out)
+            found = ckpt.verify_checkpoint(resume_dir)
+            problems += found
+            if not found:
+                problems += _resume_mismatches(cfg, ckpt.read_trainer_state(resume_dir))
+        except FileNotFoundError as exc:
+            problems.append(str(exc))
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise BadInput(f"refusing to start ({len(problems)} problem{'s' * (len(problems) > 1)}):\n{listed}")
+    assert spec is not None
+    assert model is not None
+    assert tokens is not None
+    return spec, model, tokens, resume_dir
+
+
+_MUST_MATCH_ON_RESUME = (
+    "model", "model_path", "pp", "dp", "cp", "schedule", "stages_per_rank", "global_batch", "microbatch_size",
+    "seq_len", "dtype", "seed", "data", "tie_embeddings", "mtp_depths", "hidden_size", "layers",
+)  # fmt: skip
+
+
+def _resume_mismatches(cfg: RunConfig, state: dict[str, Any]) -> list[str]:
+    saved = state.get("args", {})
+    now = json.loads(json.dumps(asdict(cfg), default=str))
+    return [
+        f"--resume {cfg.resume}: the checkpoint was written with {key}={saved.get(key)!r}, this run has "
+        f"{key}={now[key]!r}; resume with the same value"
+        for key in _MUST_MATCH_ON_RESUME
+        if saved.get(key) != now[key]
+    ]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Gradient clipping over pipeline stages and FSDP2 shards
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def clip_grad_norm(parts: list[nn.Module], *, max_norm: float, pp_group: Any) -> torch.Tensor:
+    """Clip all gradients of this rank's parts by the GLOBAL norm (all stages, all shards); returns that norm.
+
+    The output copy of a tied embedding (a pipeline duplicate holding the same summed gradient) is left out of the
+    norm, so the norm equals the unsplit model's; it is still scaled like every other gradient.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from am_pipelining.tied import tied_embedding_copies
+
+    duplicates = {
+        id(dict(model.named_parameters())[copy.param_name])
+        for model, copy in tied_embedding_copies(parts)
+        if copy.role == "output"
+    }
+    params = [p for part in parts for p in part.parameters() if p.grad is not None]
+    grads = [p.grad for p in params if id(p) not in duplicates and p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    norm = norm.float()
+    if dist.get_world_size(pp_group) > 1:
+        squared = norm**2
+        dist.all_reduce(squared, group=pp_group)
+        norm = squared.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# HF-format export (gathers the full weights on rank 0)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _full_state_dict(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full: dict[str, torch.Tensor] = {}
+    for part in parts:
+        state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        full.update({k: v.detach().cpu() for k, v in state.items() if isinstance(v, torch.Tensor)})
+    return full
+
+
+def make_hf_exporter(spec: ModelSpec, parts: list[nn.Module], *, dtype: str, shard_rank: int) -> Any:
+    """`export(folder)`: collective; rank 0 writes the whole model as an HF-format folder.
+
+    Every rank gathers its parts' full weights (FSDP2 all-gather); one rank per pipeline stage (dp_cp rank 0) sends
+    them to rank 0, which loads them strictly into a fresh model of the same spec and calls its `save_pretrained`.
+    NOTE: this gathers the full model in CPU memory on rank 0 — right for the tiny models here; a large model would
+    write per-stage safetensors shards instead.
+    """
+
+    def export(folder: Path) -> None:
+        state = _full_state_dict(parts)
+        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+        dist.gather_object(state if shard_rank == 0 else {}, gathered if dist.get_rank() == 0 else None, dst=0)
+        if dist.get_rank() != 0:
+            return
+        merged: dict[str, torch.Tensor] = {}
+        for piece in gathered:
+            merged.update(piece)
+        fresh = spec.build()
+        apply_precision(fresh, dtype=dtype)
+        fresh.load_state_dict(merged, strict=True)
+        spec.save(fresh, folder)
+
+    return export
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The job
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _maybe_inject_fault(step: int, rank: int) -> None:
+    if os.environ.get("AM_TRAIN_FAIL_AT_STEP") != str(step) or os.environ.get("AM_TRAIN_FAIL_RANK", "0") != str(rank):
+        return
+    print(f"[rank {rank}] injecting a fault at step {step}, time {time.time():.3f}", file=sys.stderr, flush=True)
+    if os.environ.get("AM_TRAIN_FAIL_MODE", "raise") == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected fault on rank {rank} at step {step} (AM_TRAIN_FAIL_AT_STEP)")
+
+
+def _dump_fp32_tensors(parts: list[nn.Module], folder: str, rank: int, *, storage_dtype: torch.dtype) -> None:
+    """Write this rank's fp32-pinned tensors (full values, gathered from their FSDP2 shards), their dtypes, and the
+    fp32 contract's violations (am-precision's report, unpinned tensors checked against `storage_dtype`)."""
+    from torch.distributed.tensor import DTensor
+
+    from am_precision import fp32_report
+
+    facts: dict[str, Any] = {"_violations": []}
+    for part in parts:
+        report = fp32_report(part, storage_dtype=storage_dtype)
+        tensors = dict(part.named_parameters()) | dict(part.named_buffers())
+        for entry in report.entries:
+            if entry.rule is None:
+                continue
+            tensor = tensors[entry.name]
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            facts[entry.name] = {
+                "dtype": str(tensor.dtype),
+                "dtensor": isinstance(tensor, DTensor),
+                "value": full.detach().cpu().clone(),
+            }
+        facts["_violations"] += [str(v.name) for v in report.violations]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    torch.save(facts, Path(folder) / f"fp32_rank{rank}.pt")
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
+    """The training job (see the module docstring). Returns the summary on rank 0, {} elsewhere."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local_world))
+
+    # 1. Validate before any collective.
+    spec, model, tokens, resume_dir = validate(cfg, world_size=world_size)
+
+    # 2. Process group and mesh.
+    device = init_distributed(timeout_s=cfg.timeout)
+    rank = dist.get_rank()
+    mesh, dp_cp_mesh = build_mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, device=device)
+    dp_rank = mesh["dp"].get_local_rank()
+    shard_rank = dp_cp_mesh.get_local_rank()
+
+    # 3. Model -> capabilities -> precision -> pipeline -> FSDP2.
+    from am_capabilities import attach_capabilities_and_validate
+
+    attach_capabilities_and_validate(model, mesh)
+    model.to(device)
+    apply_precision(model, dtype=cfg.dtype)
+    loss_fn = TokenSumLoss()
+    from am_pipelining import PipelineCausalLMLoss, build_pipeline_schedule, sync_tied_embedding_grads
+
+    if cfg.pp > 1:
+        stages, parts = split_pipeline(model, mesh=mesh, cfg=cfg, device=device)
+        del model  # each rank keeps only its stages
+    else:
+        stages, parts = [], [model]
+    if cfg.dp * cfg.cp > 1:
+        parts = [apply_fsdp(part, shard_mesh=dp_cp_mesh, dtype=cfg.dtype) for part in parts]
+    if os.environ.get("AM_TRAIN_FP32_REPORT"):
+        _dump_fp32_tensors(parts, os.environ["AM_TRAIN_FP32_REPORT"], rank, storage_dtype=DTYPES[cfg.dtype])
+    # Every rank passes a loss: torch's schedules run backward only when they have one. Only the last stage calls it.
+    last_part = next((s.submod for s in stages if s.is_last), parts[-1])
+    pipeline_loss = PipelineCausalLMLoss(loss_fn, model=last_part)
+    schedule = None
+    if stages:
+        schedule = build_pipeline_schedule(
+            None, cfg.schedule, cfg.microbatch_size, cfg.local_batch, stages, loss_fn=pipeline_loss
+        )
+    has_first = not stages or any(s.is_first for s in stages)
+
+    # 4. Optimizer (one AdamW per part: identical math to one over all parameters), LR schedule.
+    optimizers = [
+        torch.optim.AdamW(
+            part.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        )
+        for part in parts
+    ]
+    stream = BatchStream(tokens, seq_len=cfg.seq_len, global_batch=cfg.global_batch)
+    start_step, history = 0, []
+    if resume_dir is not None:
+        state = ckpt.load_checkpoint(resume_dir, model_parts=parts, optimizers=optimizers)
+        start_step, history = int(state["step"]), [tuple(x) for x in state["losses"]]
+        stream.load_state_dict(state["data"])
+    export_hf = make_hf_exporter(spec, parts, dtype=cfg.dtype, shard_rank=shard_rank)
+    pp_group = mesh["pp"].get_group()
+    progress = Progress(
+        total_steps=cfg.steps,
+        start_step=start_step,
+        tokens_per_step=cfg.global_batch * cfg.seq_len,
+        enabled=cfg.progress and rank == 0,
+    )
+
+    def save(step: int) -> Path:
+        trainer_state = {
+            "args": json.loads(json.dumps(asdict(cfg), default=str)),
+            "data": stream.state_dict(),
+            "losses": history,
+        }
+        return ckpt.save_checkpoint(
+            cfg.out,
+            step=step,
+            model_parts=parts,
+            optimizers=optimizers,
+            trainer_state=trainer_state,
+            export_hf=export_hf,
+        )
+
+    # 5. Steps.
+    started = time.perf_counter()
+    last_ckpt = None
+    for step in range(start_step + 1, cfg.steps + 1):
+        _maybe_inject_fault(step, rank)
+        input_ids, labels = stream.next_batch()
+        loss_fn.denominator = float((labels != -100).sum())
+        rows = slice(dp_rank * cfg.local_batch, (dp_rank + 1) * cfg.local_batch)
+        input_ids, labels = input_ids[rows].to(device), labels[rows].to(device)
+        if schedule is not None:
+            losses: list[torch.Tensor] = []
+            if has_first:
+                schedule.step(input_ids, target=labels, losses=losses)
+            else:
+                schedule.step(target=labels, losses=losses)
+            sync_tied_embedding_grads(parts)
+            local = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=device)
+        else:
+            local = _forward_backward(parts[0], pipeline_loss, input_ids, labels, cfg=cfg, mesh=mesh)
+        dist.all_reduce(local)  # the sum of every rank's share is the global token mean
+        grad_norm = clip_grad_norm(parts, max_norm=cfg.grad_clip, pp_group=pp_group)
+        lr = lr_at(step, cfg)
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        history.append((step, float(local), float(grad_norm)))
+        progress.update(step=step, loss=float(local), lr=lr)
+        if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
+            last_ckpt = save(step)
+    progress.close()
+    wall = time.perf_counter() - started
+
+    # 6. Report.
+    summary: dict[str, Any] = {}
+    if rank == 0:
+        steps_run = cfg.steps - start_step
+        summary = {
+            "model": spec.family,
+            "mesh": {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp},
+            "schedule": cfg.schedule if cfg.pp > 1 else None,
+            "dtype": cfg.dtype,
+            "steps": cfg.steps,
+            "resumed_from": start_step or None,
+            "losses": [loss for _, loss, _ in history],
+            "grad_norms": [norm for _, _, norm in history],
+            "first_loss": history[0][1] if history else None,
+            "final_loss": history[-1][1] if history else None,
+            "tokens_per_s": steps_run * cfg.global_batch * cfg.seq_len / max(wall, 1e-9),
+            "wall_s": wall,
+            "checkpoint": str(last_ckpt) if last_ckpt else None,
+        }
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        curve = save_loss_curve(
+            [(s, loss) for s, loss, _ in history],
+            cfg.out / "loss_curve.png",
+            title=f"{spec.family}  pp={cfg.pp} dp={cfg.dp} cp={cfg.cp}  {cfg.dtype}",
+        )
+        summary["loss_curve"] = str(curve) if curve else None
+        (cfg.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(
+            f"done: {spec.family} pp={cfg.pp} dp={cfg.dp} cp={cfg.cp} {cfg.dtype}, {cfg.steps} steps, loss "
+            f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
+            f"{wall:.1f} s; curve {summary['loss_curve']}, checkpoint {summary['checkpoint']}",
+            flush=True,
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+def _forward_backward(
+    model: nn.Module,
+    loss_module: Any,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    cfg: RunConfig,
+    mesh: Any,
+) -> torch.Tensor:
+    """pp = 1: forward and backward over the microbatches of this rank's batch, each CP-sharded when cp > 1 (the
+    ring context describes one microbatch's shard); returns this rank's share of the global loss (detached)."""
+    import contextlib
+
+    n_micro = input_ids.shape[0] // cfg.microbatch_size
+    total = torch.zeros((), device=input_ids.device)
+    sync = getattr(model, "set_requires_gradient_sync", None)
+    for i in range(n_micro):
+        rows = slice(i * cfg.microbatch_size, (i + 1) * cfg.microbatch_size)
+        batch: dict[str, torch.Tensor] = {"input_ids": input_ids[rows], "labels": labels[rows]}
+        ctx: Any = contextlib.nullcontext
+        if cfg.cp > 1:
+            ctx, batch = shard_batch_for_cp(model, batch, mesh=mesh)
+        mb_labels = batch.pop("labels")
+        batch.pop("loss_mask", None)
+        if callable(sync):
+            sync(i == n_micro - 1)  # FSDP2: reduce gradients once, after the last microbatch
+        with ctx():
+            loss = loss_module(model(**batch), mb_labels)
+            loss.backward()
+        total += loss.detach().float()
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: run the job; bad input -> exit 2 on every rank with one message (printed by rank 0)."""
+    from trainer.config import parse_args
+
+    cfg = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        run(cfg)
+    except BadInput as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+__all__ = ["DTYPES", "BadInput", "TokenSumLoss", "clip_grad_norm", "lr_at", "main", "run", "validate"]

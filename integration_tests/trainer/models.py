@@ -1,0 +1,223 @@
+"""Models of the reference trainer: tiny presets of every model family we train, or an HF-format folder.
+
+What it is for: building the model the same way on every rank (fp32, seeded), and knowing how to write it back as an
+HF-format folder. Presets: `nemotron` (am-models-nemotron, hybrid Mamba2 / attention / MLP / MoE with multi-token
+prediction), `gemma4` and `gemma4-moe` (am-models-gemma4, sliding + full attention, tied head), `llama` (transformers'
+LlamaForCausalLM, optionally with tied embeddings).
+What it must not do: touch torch.distributed, or special-case a model anywhere else in the trainer; everything
+model-specific the trainer needs lives here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.config import MODELS
+from trainer.data import ByteTokenizer
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build one model and save it in HF format.
+
+    `build()` returns a fresh fp32 model with this spec's random init (seeded by the caller); `save(model, folder)`
+    writes config.json + safetensors; `family` names the preset (or the folder's architecture).
+    """
+
+    family: str
+    build: Callable[[], nn.Module]
+    save: Callable[[nn.Module, Path], None]
+    vocab_size: int
+
+
+def _nemotron_pattern(num_layers: int) -> str:
+    # Every block kind in the first four layers (Mamba2, attention, MLP, MoE), then repeated.
+    return ("M*-E" * math.ceil(num_layers / 4))[:num_layers]
+
+
+def nemotron_config(*, hidden_size: int, num_layers: int, mtp_depths: int, vocab_size: int) -> Any:
+    from transformers import NemotronHConfig
+
+    head_dim = 8 if hidden_size <= 64 else 16
+    # The pattern fields are accepted through NemotronHConfig's **kwargs (invisible to type checkers).
+    return NemotronHConfig(  # type: ignore[call-arg]
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        hybrid_override_pattern=_nemotron_pattern(num_layers),
+        num_attention_heads=hidden_size // head_dim,
+        num_key_value_heads=max(1, hidden_size // head_dim // 2),
+        head_dim=head_dim,
+        intermediate_size=2 * hidden_size,
+        mamba_num_heads=hidden_size // head_dim,
+        mamba_head_dim=head_dim,
+        ssm_state_size=16,
+        n_groups=2,
+        chunk_size=16,
+        conv_kernel=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=hidden_size,
+        moe_shared_expert_intermediate_size=hidden_size,
+        num_nextn_predict_layers=mtp_depths,
+        mtp_hybrid_override_pattern="*-",
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def gemma4_config(*, hidden_size: int, num_layers: int, moe: bool, vocab_size: int) -> Any:
+    from transformers import Gemma4TextConfig
+
+    head_dim = 8 if hidden_size <= 64 else 16
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // head_dim,
+        num_key_value_heads=max(1, hidden_size // head_dim // 2),
+        head_dim=head_dim,
+        global_head_dim=2 * head_dim,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        sliding_window=8,
+        layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)],
+        hidden_size_per_layer_input=0,  # no per-layer inputs: a pipeline stage needs only hidden states
+        vocab_size_per_layer_input=vocab_size,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+        },
+    )
+    if moe:
+        kwargs.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=hidden_size)
+    return Gemma4TextConfig(**kwargs)
+
+
+def llama_config(*, hidden_size: int, num_layers: int, tie_embeddings: bool, vocab_size: int) -> Any:
+    from transformers import LlamaConfig
+
+    head_dim = 8 if hidden_size <= 64 else 16
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // head_dim,
+        num_key_value_heads=max(1, hidden_size // head_dim // 2),
+        max_position_embeddings=4096,
+        tie_word_embeddings=tie_embeddings,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config._attn_implementation = "sdpa"  # the ring attention of am-context-parallel routes "sdpa" under CP
+    return config
+
+
+def _build_nemotron(config: Any) -> nn.Module:
+    from am_models_nemotron import NemotronHForCausalLM
+
+    return NemotronHForCausalLM(config)
+
+
+def _build_gemma4(config: Any) -> nn.Module:
+    from am_models_gemma4 import Gemma4ForCausalLM
+
+    model = Gemma4ForCausalLM(config)
+    init = getattr(model.model, "init_weights", None)
+    if callable(init):
+        init()
+    return model
+
+
+def _build_llama(config: Any) -> nn.Module:
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(config)
+
+
+def _save_own(model: nn.Module, folder: Path) -> None:
+    model.save_pretrained(folder)  # type: ignore[operator]
+
+
+def _save_hf(model: nn.Module, folder: Path) -> None:
+    model.save_pretrained(str(folder), safe_serialization=True)  # type: ignore[operator]
+
+
+def preset_spec(
+    name: str, *, hidden_size: int, num_layers: int, mtp_depths: int, tie_embeddings: bool, vocab_size: int | None
+) -> ModelSpec:
+    """The spec of a tiny preset (random init). `vocab_size` defaults to the byte tokenizer's 256."""
+    vocab = vocab_size or ByteTokenizer.vocab_size
+    if name == "nemotron":
+        config = nemotron_config(
+            hidden_size=hidden_size, num_layers=num_layers, mtp_depths=mtp_depths, vocab_size=vocab
+        )
+        return ModelSpec(name, lambda: _build_nemotron(config), _save_own, vocab)
+    if name in ("gemma4", "gemma4-moe"):
+        config = gemma4_config(
+            hidden_size=hidden_size, num_layers=num_layers, moe=name == "gemma4-moe", vocab_size=vocab
+        )
+        return ModelSpec(name, lambda: _build_gemma4(config), _save_own, vocab)
+    if name == "llama":
+        config = llama_config(
+            hidden_size=hidden_size, num_layers=num_layers, tie_embeddings=tie_embeddings, vocab_size=vocab
+        )
+        return ModelSpec(name, lambda: _build_llama(config), _save_hf, vocab)
+    raise ValueError(f"--model {name!r} is unknown; choose one of {', '.join(MODELS)}")
+
+
+def folder_spec(folder: str | Path) -> ModelSpec:
+    """The spec of an HF-format folder: our Nemotron-H / Gemma 4 classes for their architectures, else any
+    transformers causal LM (`AutoModelForCausalLM`)."""
+    folder = Path(folder)
+    config_dict = json.loads((folder / "config.json").read_text())
+    architectures = config_dict.get("architectures") or []
+    model_type = config_dict.get("model_type", "")
+    if "NemotronHForCausalLM" in architectures or model_type in ("nemotron_h", "nemotron_v3"):
+        from am_models_nemotron import NemotronHForCausalLM
+
+        def build() -> nn.Module:
+            return NemotronHForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+        return ModelSpec("nemotron", build, _save_own, int(config_dict["vocab_size"]))
+    if "Gemma4ForCausalLM" in architectures or model_type == "gemma4_text":
+        from am_models_gemma4 import Gemma4ForCausalLM
+
+        def build_gemma() -> nn.Module:
+            return Gemma4ForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+        return ModelSpec("gemma4", build_gemma, _save_own, int(config_dict["vocab_size"]))
+
+    def build_hf() -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="sdpa")
+        return model
+
+    return ModelSpec(model_type or "hf", build_hf, _save_hf, int(config_dict["vocab_size"]))
+
+
+def build_model(spec: ModelSpec, *, seed: int) -> nn.Module:
+    """A fresh fp32 model in training mode, identical on every rank (seeded init)."""
+    torch.manual_seed(seed)
+    model = spec.build()
+    model.float()
+    model.train()
+    return model

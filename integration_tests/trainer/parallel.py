@@ -1,0 +1,178 @@
+"""How the reference trainer parallelizes a model: process group, DeviceMesh, precision, pipeline, CP, FSDP2.
+
+What it is for: the functions the train loop applies to a model, in this fixed order:
+    init_distributed -> build_mesh -> apply_precision -> split_pipeline (pp > 1) -> apply_fsdp (dp x cp > 1)
+and `shard_batch_for_cp` on every batch when cp > 1. Everything model-specific is read from the model through the
+am-* protocols (keep-in-fp32 rules, pipeline hooks, the CP batch hook); nothing here names a model class.
+What it must not do: decide what is valid (config.py and am-capabilities do that, before any collective), or touch
+the data, the optimizer or the checkpoints.
+
+Gradient reduction, so that every parallel run computes the single-process gradient of the GLOBAL token-mean loss:
+each rank's loss is the token SUM of its own tokens divided by the token count of the whole global batch; the
+pipeline schedule sums microbatch gradients (`scale_grads=False`); FSDP2 reduces over the flattened `dp_cp` axis
+with divide factor 1 (a sum, not a mean); the ring attention of CP already sends dK/dV back to the ranks that own the
+keys. Summing every rank's contribution is therefore exactly the single-process gradient.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from am_precision import cast_model_to_dtype, fp32_keep_rules
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def init_distributed(*, timeout_s: float) -> torch.device:
+    """Start the default process group from torchrun's environment: NCCL on GPUs, gloo on the CPU.
+
+    A single process started without torchrun gets a one-rank group, so the same code path runs everywhere.
+    `timeout_s` bounds every collective: a rank that waits on a dead peer raises instead of hanging.
+    """
+    if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build_mesh(*, pp: int, dp: int, cp: int, device: torch.device) -> tuple[DeviceMesh, DeviceMesh]:
+    """One mesh with named axes ("pp", "dp", "cp"), and its flattened dp x cp axis ("dp_cp") that FSDP2 shards over
+    (torchtitan's layout: FSDP2 over dp x cp sums gradients over both)."""
+    mesh = init_device_mesh(device.type, (pp, dp, cp), mesh_dim_names=("pp", "dp", "cp"))
+    return mesh, mesh["dp", "cp"]._flatten("dp_cp")
+
+
+def apply_precision(model: nn.Module, *, dtype: str) -> None:
+    """bf16 storage with the model's fp32-pinned tensors kept bit-exactly (am-precision), or nothing for fp32."""
+    if DTYPES[dtype] != torch.float32:
+        cast_model_to_dtype(model, DTYPES[dtype])
+
+
+def split_pipeline(
+    model: nn.Module, *, mesh: DeviceMesh, cfg: Any, device: torch.device
+) -> tuple[list[Any], list[nn.Module]]:
+    """This rank's pipeline stages and their modules (am-pipelining), with static shapes for the microbatches.
+
+    `--stages-per-rank` decides the layers per stage when it differs from the schedule's default (1, or 2 for
+    multi-stage schedules); the model's hooks (e.g. Nemotron's `mtp` on the last stage) are honoured by
+    am-pipelining.
+    """
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    from am_pipelining import split_model_into_stages
+
+    single = issubclass(get_schedule_class(cfg.schedule), PipelineScheduleSingle)
+    default_spr = 1 if single else 2
+    layers_per_stage = None
+    if cfg.stages_per_rank != default_spr:
+        layers_per_stage = math.ceil(num_decoder_layers(model) / (cfg.pp * cfg.stages_per_rank))
+    return split_model_into_stages(
+        model,
+        mesh,
+        "pp",
+        cfg.schedule,
+        device,
+        layers_per_stage=layers_per_stage,
+        microbatch_size=cfg.microbatch_size,
+        seq_len=cfg.seq_len,
+        tensor_dtype=DTYPES[cfg.dtype],
+    )
+
+
+def num_decoder_layers(model: nn.Module) -> int:
+    """Decoder layers of `model` (the config's `num_hidden_layers`, else the first `layers` container's length)."""
+    config = getattr(model, "config", None)
+    count = getattr(getattr(config, "text_config", config), "num_hidden_layers", None)
+    if isinstance(count, int):
+        return count
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "layers" and isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            return len(module)
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def _strict_fp32_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules with parameters that a STRICT keep-in-fp32 rule pins (outermost matches only)."""
+    strict = [rule for rule in fp32_keep_rules(model) if rule.strict]
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not name or not any(rule.matches(name) for rule in strict):
+            continue
+        if any(name.startswith(prefix + ".") for prefix, _ in found):
+            continue
+        if any(True for _ in module.parameters()):
+            found.append((name, module))
+    return [module for _, module in found]
+
+
+def _layer_modules(model: nn.Module) -> list[nn.Module]:
+    """Every child of every `layers` container (decoder layers, MTP layers): one FSDP2 group each."""
+    layers: list[nn.Module] = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "layers" and isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            layers.extend(child for child in module.children())
+    return layers
+
+
+def apply_fsdp(model: nn.Module, *, shard_mesh: DeviceMesh, dtype: str) -> nn.Module:
+    """FSDP2 over the flattened "dp_cp" axis: fp32-pinned modules, then each layer, then the root.
+
+    Strict-fp32 modules get their own group with an fp32 policy (FSDP2 all-gathers a group in one dtype, so they
+    must not share a group with bf16 weights), kept unsharded from forward to backward; everything else computes in
+    `dtype` and reduces gradients in fp32.
+    Gradients are SUMMED over dp_cp (divide factor 1): the loss is already normalized by the global token count.
+    """
+    compute = DTYPES[dtype]
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for module in _strict_fp32_modules(model):
+        # reshard_after_forward=False: a holder such as Nemotron's `_fp32_params` RETURNS its parameters from forward
+        # and the caller computes with them afterwards; resharding at the end of its forward would free that storage.
+        fully_shard(module, mesh=shard_mesh, mp_policy=fp32_policy, reshard_after_forward=False)
+    for layer in _layer_modules(model):
+        fully_shard(layer, mesh=shard_mesh, mp_policy=policy)
+    fully_shard(model, mesh=shard_mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+    return model
+
+
+def shard_batch_for_cp(model: nn.Module, batch: dict[str, torch.Tensor], *, mesh: DeviceMesh) -> tuple[Any, dict]:
+    """This rank's CP shard of `batch` and the context to run forward and backward in (am-context-parallel).
+
+    A model that owns its CP (Gemma 4) attaches its own sharder through `prepare_model_inputs_for_cp`; other models
+    get the load-balanced layout with ring attention routed through transformers' attention registry.
+    """
+    from am_context_parallel import make_cp_batch_and_ctx
+
+    prepare = getattr(model, "prepare_model_inputs_for_cp", None)
+    if callable(prepare):
+        batch = prepare(batch) or batch
+    return make_cp_batch_and_ctx(mesh, batch)

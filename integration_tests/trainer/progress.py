@@ -1,0 +1,75 @@
+"""Progress for the reference trainer: a rank-0 progress bar, a loss-curve PNG and a one-line summary.
+
+What it must not do: print from ranks other than 0, or fail a run because matplotlib is missing (the curve is then
+skipped with a note).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+
+class Progress:
+    """Progress bar with step, loss, tokens/s and ETA on rank 0; a no-op elsewhere."""
+
+    def __init__(self, *, total_steps: int, start_step: int, tokens_per_step: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.tokens_per_step = tokens_per_step
+        self.start_time = time.perf_counter()
+        self.steps_done = 0
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            # A bar on a terminal; plain lines in CI logs (tqdm's mininterval keeps them few).
+            self._bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+                mininterval=1.0 if sys.stderr.isatty() else 10.0,
+            )
+
+    def update(self, *, step: int, loss: float, lr: float) -> None:
+        self.steps_done += 1
+        if self._bar is None:
+            return
+        elapsed = time.perf_counter() - self.start_time
+        tokens_per_s = self.steps_done * self.tokens_per_step / max(elapsed, 1e-9)
+        self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        self._bar.update(1)
+
+    def tokens_per_second(self) -> float:
+        return self.steps_done * self.tokens_per_step / max(time.perf_counter() - self.start_time, 1e-9)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def save_loss_curve(losses: list[tuple[int, float]], path: Path, *, title: str) -> Path | None:
+    """Plot `(step, loss)` pairs to a PNG; returns the path, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("loss curve skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return None
+    steps, values = zip(*losses, strict=True) if losses else ((), ())
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot(steps, values, lw=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
