@@ -151,8 +151,8 @@ def apply_fsdp(model: nn.Module, *, shard_mesh: DeviceMesh, dtype: str) -> nn.Mo
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for module in _strict_fp32_modules(model):
-        # reshard_after_forward=False: a holder such as Nemotron's `_fp32_params` RETURNS its parameters from forward
-        # and the caller computes with them afterwards; resharding at the end of its forward would free that storage.
+        # reshard_after_forward=False: a holder such as Nemotron's `_fp32_params` hands its parameters to the caller,
+        # which computes with them after the holder's forward; these modules are tiny, so staying unsharded is cheap.
         fully_shard(module, mesh=shard_mesh, mp_policy=fp32_policy, reshard_after_forward=False)
     for layer in _layer_modules(model):
         fully_shard(layer, mesh=shard_mesh, mp_policy=policy)

@@ -110,10 +110,15 @@ def test_fp32_holder_owns_the_ssm_parameters() -> None:
     assert {"_fp32_params.A_log", "_fp32_params.dt_bias", "_fp32_params.D"} <= names
     assert mixer.A_log is mixer._fp32_params.A_log
     mixer.to(torch.bfloat16)  # a plain .to() rounds them; cast_model_to_dtype is the supported cast (test_model)
-    a_log, dt_bias, d = mixer._fp32_params()
-    assert a_log is mixer.A_log
-    assert dt_bias is mixer.dt_bias
-    assert d is mixer.D
+    outputs = mixer._fp32_params()
+    params = (mixer.A_log, mixer.dt_bias, mixer.D)
+    for out, param in zip(outputs, params, strict=True):
+        # Equal values in their own storage (FSDP2 frees the parameters' unsharded storage after this forward),
+        # still connected to the parameter for autograd.
+        assert torch.equal(out, param)
+        assert out.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
+    sum(o.sum() for o in outputs).backward()
+    assert all(p.grad is not None and torch.equal(p.grad, torch.ones_like(p)) for p in params)
 
 
 # Triton / CUDA kernels accumulate in fp32 with TF32 tensor-core products: agree to ~1e-3 relative with fp32 torch.

@@ -56,6 +56,8 @@ class Mamba2FP32Params(nn.Module):
 
     A separate module so that casting and FSDP2 can treat it as its own unit (`skip_modules=("_fp32_params",)`,
     `_keep_in_fp32_modules_strict`); its forward returns the three tensors so FSDP2's pre-forward hook fires.
+    It returns copies, not the parameters themselves: FSDP2 frees the unsharded parameter storage right after this
+    forward (`reshard_after_forward=True`), and the mixer uses the values later.
     """
 
     def __init__(self, num_heads: int, *, device: torch.device | str | None = None) -> None:
@@ -69,7 +71,7 @@ class Mamba2FP32Params(nn.Module):
     def forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         full = [getattr(p, "full_tensor", None) for p in (self.A_log, self.dt_bias, self.D)]
         a_log, dt_bias, d = (
-            f() if callable(f) else p for f, p in zip(full, (self.A_log, self.dt_bias, self.D), strict=True)
+            f() if callable(f) else p.clone() for f, p in zip(full, (self.A_log, self.dt_bias, self.D), strict=True)
         )
         return a_log, dt_bias, d
 

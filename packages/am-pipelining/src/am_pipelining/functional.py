@@ -654,6 +654,10 @@ def build_pipeline_schedule(
     InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, case-insensitive) or a compute-only CSV file (one row per
     rank, actions like `0F1,1B0`). With `scale_grads=False` gradients are the sum over microbatches.
 
+    `loss_fn` must be the same kind on EVERY pipeline rank, including ranks that hold no last stage: a callable
+    gives a training schedule (forward + backward); None gives a forward-only (inference) schedule. Mixing the two
+    across ranks makes the ranks disagree about backward sends and deadlocks, so None logs a warning.
+
     Raises:
         FileNotFoundError: the CSV path is not a file.
         ValueError: batch not divisible by the microbatch size, too few microbatches for the schedule, wrong
@@ -696,6 +700,11 @@ def build_pipeline_schedule(
             n_microbatches,
             pp_size,
             pp_size,
+        )
+    if loss_fn is None:
+        logger.warning(
+            "build_pipeline_schedule(loss_fn=None) builds a forward-only schedule; every pipeline rank must pass "
+            "loss_fn=None too (pass the loss function on all ranks, not only the last stage's, to train)."
         )
     schedule = schedule_class(
         stages if multi else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads
