@@ -63,6 +63,38 @@ class SharedKVStates(MutableMapping[str, tuple[torch.Tensor, torch.Tensor]]):
         return len(self._data)
 
 
+class _RotaryEmbedding(torch.autograd.Function):
+    """transformers' `apply_rotary_pos_emb` (`x·cos + rotate_half(x)·sin`) on `[B, S, H, d]` with cos/sin
+    `[B or 1, S, d]`, in two passes and without `rotate_half`'s negated copy and concatenation; the backward
+    (the transposed rotation) saves only cos/sin, not x."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        half = x.shape[-1] // 2
+        out = x * cos
+        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1.0)
+        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        half = grad.shape[-1] // 2
+        out = grad * cos
+        out[..., :half].addcmul_(grad[..., half:], sin[..., half:])
+        out[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=-1.0)
+        return out, None, None
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of `[B, S, H, d]` queries/keys; transformers' op when cos/sin need a gradient (never in training)."""
+    if cos.requires_grad or sin.requires_grad or x.shape[-1] % 2:
+        return apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=2)
+    return _RotaryEmbedding.apply(x, cos, sin)
+
+
 def build_attention_mask(
     *,
     seq_len: int,
@@ -117,6 +149,7 @@ class AttentionInputs:
     _masks: dict[tuple[str, int | None], tuple[torch.Tensor | None, torch.Tensor | None]] = field(
         default_factory=dict, repr=False
     )
+    _block_masks: dict[tuple[str, str, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def mask_for(self, layer_type: str, sliding_window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The (mask, real rows) pair of a layer type, built on first use and reused by the other layers."""
@@ -131,6 +164,128 @@ class AttentionInputs:
             )
         return self._masks[key]
 
+    def window_block_mask_for(self, layer_type: str, sliding_window: int) -> torch.Tensor | None:
+        """The sliding-window path's per-block additive mask of a layer type (`_window_block_mask`), built once."""
+        mask, _ = self.mask_for(layer_type, sliding_window)
+        if mask is None or self.seq_len <= 2 * sliding_window:
+            return None
+        key = ("window_blocks", layer_type, sliding_window)
+        if key not in self._block_masks:
+            self._block_masks[key] = _window_block_mask(
+                mask, window=sliding_window, block=_window_block(sliding_window)
+            )
+        return self._block_masks[key]
+
+
+def _window_block(window: int) -> int:
+    """Queries per block of the sliding-window path (each block reads `_window_keys(window, block)` keys)."""
+    return max(min(window // 2, 32), 1)
+
+
+def _window_keys(window: int, block: int) -> int:
+    """Keys per query block: the `block + window - 1` it can see, rounded up to whole blocks (aligned windows)."""
+    return -(-(block + window - 1) // block) * block
+
+
+def _window_block_mask(mask: torch.Tensor, *, window: int, block: int) -> torch.Tensor:
+    """Additive float mask `[B·n, 1, block, keys]` of every query block against its key window.
+
+    `mask` is the boolean `[B or 1, 1, S, S]` mask; block n covers queries `[n·block, (n+1)·block)` and keys
+    `[(n+1)·block - keys, (n+1)·block)` with `keys = _window_keys(window, block)` (keys before 0 and past S are
+    masked out; the query rows past S, which are dropped afterwards, see every key so that their softmax stays
+    finite).
+    """
+    batch, seq = mask.shape[0], mask.shape[-1]
+    blocks = -(-seq // block)
+    padded_len = blocks * block
+    keys = _window_keys(window, block)
+    front = keys - block
+    full = F.pad(mask[:, 0], (front, padded_len - seq), value=False)
+    full = F.pad(full, (0, 0, 0, padded_len - seq), value=True).contiguous()  # [B, P, front + P]
+    row = full.shape[-1]
+    windows = full.as_strided(
+        (batch, blocks, block, keys), (full.stride(0), block * row + block, row, 1), full.storage_offset()
+    )
+    additive = torch.zeros(windows.shape, dtype=torch.float32, device=mask.device)
+    additive.masked_fill_(~windows, float("-inf"))
+    return additive.reshape(batch * blocks, 1, block, keys)
+
+
+class _KeyWindows(torch.autograd.Function):
+    """`[B, H, S, d]` → the overlapping block-aligned key windows `[B·n, H, keys, d]` (a strided view for B = 1).
+
+    Window n is rows `[n·block - front, (n+1)·block)` of the sequence padded with `front = keys - block` zero rows
+    in front (and to a whole number of blocks at the end). The backward adds each of the `keys / block` block
+    columns of the window gradients onto the padded gradient (one strided add each) instead of torch's generic
+    `unfold_backward`.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, keys: int, block: int) -> torch.Tensor:
+        batch, heads, seq, dim = t.shape
+        blocks = -(-seq // block)
+        front = keys - block
+        padded = F.pad(t, (0, 0, front, blocks * block - seq))  # [B, H, front + P, d]
+        windows = padded.unfold(2, keys, block)  # [B, H, n, d, keys]
+        ctx.shape = (batch, heads, seq, dim, blocks, front)
+        ctx.keys, ctx.block = keys, block
+        return windows.permute(0, 2, 1, 4, 3).reshape(batch * blocks, heads, keys, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        batch, heads, seq, dim, blocks, front = ctx.shape
+        keys, block = ctx.keys, ctx.block
+        columns = keys // block
+        grad = grad.reshape(batch, blocks, heads, columns, block, dim)
+        out = grad.new_zeros(batch, heads, blocks + columns - 1, block, dim)
+        for column in range(columns):
+            out[:, :, column : column + blocks] += grad[:, :, :, column].transpose(1, 2)
+        return out.view(batch, heads, -1, dim)[:, :, front : front + seq], None, None
+
+
+def _windowed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    block_mask: torch.Tensor,
+    scale: float,
+    dropout: float,
+) -> torch.Tensor:
+    """Sliding-window SDPA as ONE call over all query blocks: blocks become the batch, K/V windows are views.
+
+    q `[B, H, S, d]`, k/v `[B, H_kv, S, d]`, block_mask from `_window_block_mask` → `[B, H, S, d]`. The K/V windows
+    of the blocks overlap in memory (`_KeyWindows`: a strided view of the front-padded K/V, no copy for B = 1);
+    their backward sums the overlapping gradients once, instead of one zero-filled full-size gradient per block
+    and K/V tensor.
+    """
+    batch, heads, seq, dim = q.shape
+    block = block_mask.shape[-2]
+    keys = block_mask.shape[-1]
+    blocks = -(-seq // block)
+    padded_len = blocks * block
+
+    queries = F.pad(q, (0, 0, 0, padded_len - seq)) if padded_len != seq else q
+    queries = queries.view(batch, heads, blocks, block, dim).transpose(1, 2).reshape(batch * blocks, heads, block, dim)
+    keys_w = _KeyWindows.apply(k, keys, block)
+    values_w = keys_w if v is k else _KeyWindows.apply(v, keys, block)
+    mask = block_mask
+    if mask.shape[0] != batch * blocks:  # one mask for every sequence of the batch
+        mask = mask.repeat(batch, 1, 1, 1)
+    out = F.scaled_dot_product_attention(
+        queries,
+        keys_w,
+        values_w,
+        attn_mask=mask.to(q.dtype),
+        scale=scale,
+        dropout_p=dropout,
+        enable_gqa=k.shape[1] != heads,
+    )  # [B·n, H, block, d]
+    out = out.transpose(1, 2).reshape(batch, padded_len, heads, dim)
+    if padded_len != seq:
+        out = out[:, :seq]
+    return out.transpose(1, 2)
+
 
 def _local_attention(
     q: torch.Tensor,
@@ -141,38 +296,26 @@ def _local_attention(
     scale: float,
     dropout: float,
     window: int | None = None,
+    block_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA of `[B, H, S, d]` tensors (K/V with fewer heads for GQA); `mask` None means causal.
 
     With `window` (a causal sliding window whose mask has no look-ahead), queries are processed in blocks of
-    window/2 tokens against only the keys their window reaches (`[start - window + 1, end)`): about 1.5·window keys
-    per query instead of S, the same result.
+    `_window_block(window)` tokens against only the keys their window reaches (`[start - window + 1, end)`), all
+    blocks in one SDPA call (`_windowed_attention`): about block + window keys per query instead of S, the same
+    result. `block_mask` is that path's mask when the caller cached it (built from `mask` otherwise).
     """
     gqa = k.shape[1] != q.shape[1]  # SDPA broadcasts K/V heads itself: no repeated copies
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
     seq = q.shape[2]
-    if window is None or mask is None or seq <= 2 * window:
+    if window is None or mask is None or mask.dtype != torch.bool or seq <= 2 * window:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, dropout_p=dropout, enable_gqa=gqa
         )
-    block = max(window // 2, 1)  # S·(block + window) key visits instead of S²
-    blocks = []
-    for start in range(0, seq, block):
-        end = min(start + block, seq)
-        first_key = max(0, start - window + 1)
-        blocks.append(
-            F.scaled_dot_product_attention(
-                q[:, :, start:end],
-                k[:, :, first_key:end],
-                v[:, :, first_key:end],
-                attn_mask=mask[..., start:end, first_key:end],
-                scale=scale,
-                dropout_p=dropout,
-                enable_gqa=gqa,
-            )
-        )
-    return torch.cat(blocks, dim=2)
+    if block_mask is None:
+        block_mask = _window_block_mask(mask, window=window, block=_window_block(window))
+    return _windowed_attention(q, k, v, block_mask=block_mask, scale=scale, dropout=dropout)
 
 
 class Gemma4Attention(nn.Module):
@@ -232,7 +375,7 @@ class Gemma4Attention(nn.Module):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         keys = self.k_proj(hidden_states).view(shape)
         values = self.v_proj(hidden_states).view(shape) if self.v_proj is not None else keys
-        keys = apply_rotary_pos_emb(self.k_norm(keys), cos, sin, unsqueeze_dim=2).transpose(1, 2)
+        keys = _rotary(self.k_norm(keys), cos, sin).transpose(1, 2)
         values = self.v_norm(values).transpose(1, 2)
         if self.store_full_length_kv and shared is not None:
             shared[self.layer_type] = (keys, values)
@@ -255,7 +398,7 @@ class Gemma4Attention(nn.Module):
         cos, sin = position_embeddings
         batch, seq = hidden_states.shape[:2]
         queries = self.q_proj(hidden_states).view(batch, seq, -1, self.head_dim)
-        queries = apply_rotary_pos_emb(self.q_norm(queries), cos, sin, unsqueeze_dim=2).transpose(1, 2)
+        queries = _rotary(self.q_norm(queries), cos, sin).transpose(1, 2)
         keys, values = self._keys_and_values(hidden_states, cos, sin, shared_kv_states)
         dropout = self.attention_dropout if self.training else 0.0
 
@@ -272,7 +415,17 @@ class Gemma4Attention(nn.Module):
             mask, rows = attention_inputs.mask_for(self.layer_type, self.sliding_window)
             lookahead = attention_inputs.vision_group_ids is not None  # image tokens may see keys ahead
             window = None if lookahead else self.sliding_window
-            out = _local_attention(queries, keys, values, mask=mask, scale=self.scaling, dropout=dropout, window=window)
+            block_mask = None if window is None else attention_inputs.window_block_mask_for(self.layer_type, window)
+            out = _local_attention(
+                queries,
+                keys,
+                values,
+                mask=mask,
+                scale=self.scaling,
+                dropout=dropout,
+                window=window,
+                block_mask=block_mask,
+            )
             if rows is not None:
                 out = out * rows.to(out.dtype)
         else:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from am_models_gemma4.config import moe_intermediate_size
-from am_models_gemma4.layers import Gemma4RMSNorm
+from am_models_gemma4.layers import Gemma4RMSNorm, rms_norm
 
 __all__ = ["Gemma4Experts", "Gemma4MoE", "Gemma4Router"]
 
@@ -47,8 +47,8 @@ class Gemma4Router(nn.Module):
         self.per_expert_scale = nn.Parameter(torch.ones(self.num_experts))
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        normed = self.norm(hidden_states.float())
-        normed = normed * self.scale.float() * self.scalar_root_size
+        # scale · H^-0.5 folded into the norm's weight: one [H] multiply instead of two [T, H] passes (and backward)
+        normed = rms_norm(hidden_states.float(), self.scale.float() * self.scalar_root_size, self.norm.eps)
         scores = F.linear(normed, self.proj.weight.float())
         probabilities = torch.softmax(scores, dim=-1, dtype=torch.float32)
         weights, indices = torch.topk(probabilities, k=self.top_k, dim=-1)
