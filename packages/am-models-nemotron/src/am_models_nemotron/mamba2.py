@@ -51,6 +51,43 @@ def _kernels() -> tuple[Any, Any]:
     return causal_conv1d_fn, mamba_chunk_scan_combined
 
 
+class _CausalConv(torch.autograd.Function):
+    """Causal depthwise conv in the [B, S, C] layout: out[t] = bias + sum_k x[t - k] * weight[:, -1 - k].
+
+    x: [B, S, C]; weight: [C, K] with K <= S; bias: [C] or None. Same forward as the autograd shift-and-add; the
+    backward accumulates the input gradient in place on shifted views (no zero-filled per-tap slice gradients).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        taps, seqlen = weight.shape[1], x.shape[1]
+        padded = F.pad(x, (0, 0, taps - 1, 0))
+        out = x * weight[:, -1]
+        for shift in range(1, taps):
+            out = torch.addcmul(out, padded[:, taps - 1 - shift : taps - 1 - shift + seqlen], weight[:, -1 - shift])
+        if bias is not None:
+            out = out + bias
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        taps = weight.shape[1]
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad * weight[:, -1]
+            for shift in range(1, taps):
+                grad_x[:, :-shift].addcmul_(grad[:, shift:], weight[:, -1 - shift])
+        if ctx.needs_input_grad[1]:
+            columns = [(grad[:, shift:] * x[:, : x.shape[1] - shift]).sum(dim=(0, 1)) for shift in range(taps)]
+            grad_w = torch.stack(columns[::-1], dim=-1)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.sum(dim=(0, 1))
+        return grad_x, grad_w, grad_b
+
+
 class Mamba2FP32Params(nn.Module):
     """fp32 holder of the per-head SSM parameters `A_log`, `dt_bias`, `D` (each [heads], always fp32).
 
@@ -299,12 +336,18 @@ class Mamba2Mixer(nn.Module):
         # A K-tap shift-and-add in the [B, S, C] layout: no transposes, and its backward is K elementwise products
         # (the CPU depthwise-convolution backward is several times slower). Packed rows: tap k reads position t - k
         # only while it lies in the same document.
+        # The input is zero-padded once in front; each tap is a view of it, accumulated with one fused addcmul.
+        taps = min(self.conv_kernel, seqlen)
+        if seq_idx is None:
+            return F.silu(_CausalConv.apply(xbc, weight[:, -taps:], self.conv1d.bias))
+        padded = F.pad(xbc, (0, 0, taps - 1, 0))
         out = xbc * weight[:, -1]
-        for shift in range(1, min(self.conv_kernel, seqlen)):
-            tap = xbc[:, :-shift]
+        for shift in range(1, taps):
+            tap = padded[:, taps - 1 - shift : taps - 1 - shift + seqlen]
             if seq_idx is not None:
-                tap = tap * (seq_idx[:, shift:] == seq_idx[:, :-shift])[..., None].to(xbc.dtype)
-            out = out + F.pad(tap * weight[:, -1 - shift], (0, 0, shift, 0))
+                same = seq_idx[:, shift:] == seq_idx[:, :-shift]
+                tap = tap * F.pad(same, (shift, 0), value=False)[..., None].to(xbc.dtype)
+            out = torch.addcmul(out, tap, weight[:, -1 - shift])
         if self.conv1d.bias is not None:
             out = out + self.conv1d.bias
         return F.silu(out)

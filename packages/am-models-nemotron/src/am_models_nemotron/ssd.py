@@ -15,6 +15,8 @@ is one batched matmul without broadcast copies.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,51 @@ def segment_sum(a: torch.Tensor) -> torch.Tensor:
     strictly_lower = torch.ones(length, length, dtype=torch.bool, device=a.device).tril(-1)
     sums = expanded.masked_fill(~strictly_lower, 0).cumsum(dim=-2)
     return sums.masked_fill(~torch.ones_like(strictly_lower).tril(0), -torch.inf)
+
+
+class _IntraChunk(torch.autograd.Function):
+    """y = (exp(segsum(a_cum)) * scores) @ x within each chunk, with a hand-written backward.
+
+    a_cum: [b,c,h,Q] cumulative log-decays; scores: [b,c,g,Q,Q] (C_i · B_j per group); x: [b,c,h,Q,p] (dt-scaled).
+    Returns [b,c,h,Q,p]. The forward is the same sequence of ops as the plain autograd graph (same numbers); the
+    backward skips autograd's masked_fill / negation / broadcast-reduction passes over the [b,c,h,Q,Q] tensors: the
+    gradient of the decay exponent is grad_mixing * mixing, and that of a_cum its row sums minus its column sums.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, a_cum: torch.Tensor, scores: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        batch, chunks, heads, q = a_cum.shape
+        groups = scores.shape[2]
+        upper = torch.ones(q, q, dtype=torch.bool, device=a_cum.device).triu(1)
+        decay = torch.exp((a_cum[..., :, None] - a_cum[..., None, :]).masked_fill_(upper, -torch.inf))
+        mixing = (decay.view(batch, chunks, groups, heads // groups, q, q) * scores[:, :, :, None]).view(
+            batch, chunks, heads, q, q
+        )
+        x = x.contiguous()  # one copy, shared by the forward and the backward matmuls
+        ctx.save_for_backward(scores, x, decay, mixing)
+        return mixing @ x
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        scores, x, decay, mixing = ctx.saved_tensors
+        batch, chunks, heads, q, _ = decay.shape
+        groups = scores.shape[2]
+        grad_a = grad_scores = grad_x = None
+        grad_y = grad_y.contiguous()
+        if ctx.needs_input_grad[2]:
+            grad_x = mixing.transpose(-1, -2) @ grad_y
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            return None, None, grad_x
+        grad_mixing = grad_y @ x.transpose(-1, -2)  # [b,c,h,Q,Q]
+        if ctx.needs_input_grad[1]:
+            per_head = grad_mixing.view(batch, chunks, groups, heads // groups, q, q) * decay.view(
+                batch, chunks, groups, heads // groups, q, q
+            )
+            grad_scores = per_head.sum(dim=3)
+        if ctx.needs_input_grad[0]:
+            grad_exponent = grad_mixing.mul_(mixing)  # masked entries: mixing = 0
+            grad_a = grad_exponent.sum(dim=-1) - grad_exponent.sum(dim=-2)
+        return grad_a, grad_scores, grad_x
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -81,8 +128,10 @@ def ssd_chunked_scan(
         c32 = F.pad(c32, (0, 0, 0, 0, 0, pad))
     x_dt = (x32 * dt32[..., None]).view(batch, chunks, q, heads, head_dim)  # natural layout [b,c,Q,h,p]
     a_cum = (dt32 * A.to(dtype)).view(batch, chunks, q, heads).permute(0, 1, 3, 2).cumsum(dim=-1)  # [b,c,h,Q]
-    b_c = b32.view(batch, chunks, q, groups, state).permute(0, 1, 3, 2, 4)  # [b,c,g,Q,n]
-    c_c = c32.view(batch, chunks, q, groups, state).permute(0, 1, 3, 2, 4)  # [b,c,g,Q,n]
+    # B and C are small; made contiguous they keep every batched matmul below off its slow strided path (with both
+    # operands permuted views, CPU bmm is several times slower).
+    b_c = b32.view(batch, chunks, q, groups, state).permute(0, 1, 3, 2, 4).contiguous()  # [b,c,g,Q,n]
+    c_c = c32.view(batch, chunks, q, groups, state).permute(0, 1, 3, 2, 4).contiguous()  # [b,c,g,Q,n]
 
     same_doc = start_ok = keep_chunk = None
     if seq_idx is not None:
@@ -98,22 +147,17 @@ def ssd_chunked_scan(
 
     # 1. Within each chunk: y_i += sum_{j<=i} (C_i · B_j) exp(cum_i - cum_j) dt_j x_j. Like mamba_ssm's kernels the
     # exponent is a difference of cumulative sums (one subtraction instead of a Q x Q cumulative sum).
-    upper = torch.ones(q, q, dtype=torch.bool, device=x.device).triu(1)
-    decay = torch.exp((a_cum[..., :, None] - a_cum[..., None, :]).masked_fill(upper, -torch.inf))  # [b,c,h,Q,Q]
     scores = c_c @ b_c.transpose(-1, -2)  # [b,c,g,Q,Q], per group: never repeated per head
     if same_doc is not None:
         scores = scores * same_doc
-    mixing = (decay.view(batch, chunks, groups, per_group, q, q) * scores[:, :, :, None]).view(
-        batch, chunks, heads, q, q
-    )
-    y = (mixing @ x_dt.permute(0, 1, 3, 2, 4)).permute(0, 1, 3, 2, 4)  # [b,c,Q,h,p]
+    y = _IntraChunk.apply(a_cum, scores, x_dt.permute(0, 1, 3, 2, 4)).permute(0, 1, 3, 2, 4)  # [b,c,Q,h,p]
 
     # 2. Each chunk's own end state, per group as [n, (r p)]: sum_j B_j ⊗ exp(cum_last - cum_j) dt_j x_j.
     to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b,c,h,Q]
     if same_doc is not None:
         to_end = to_end * same_doc[:, :, :, -1, :]
     weighted = (x_dt * to_end.permute(0, 1, 3, 2)[..., None]).view(batch, chunks, q, groups, per_group * head_dim)
-    chunk_states = b_c.transpose(-1, -2) @ weighted.permute(0, 1, 3, 2, 4)  # [b,c,g,n,(r p)]
+    chunk_states = b_c.transpose(-1, -2) @ weighted.permute(0, 1, 3, 2, 4).contiguous()  # [b,c,g,n,(r p)]
 
     # 3. State passing over chunks (one short step per chunk).
     chunk_decay = torch.exp(a_cum[..., -1])  # [b,c,h]
@@ -126,9 +170,11 @@ def ssd_chunked_scan(
     else:
         running = x32.new_zeros(batch, groups, state, per_group, head_dim)
     entering = []
-    for chunk in range(chunks):
+    # unbind, not chunk_states[:, chunk]: the backward is one stack instead of a zero-filled full-size gradient
+    # per indexing op.
+    for decay_c, state_c in zip(chunk_decay.unbind(1), chunk_states.unbind(1), strict=True):
         entering.append(running)
-        running = running * chunk_decay[:, chunk] + chunk_states[:, chunk]
+        running = running * decay_c + state_c
     entering_states = torch.stack(entering, dim=1).view(batch, chunks, groups, state, per_group * head_dim)
 
     # 4. Contribution of the entering state: exp(cum_i) C_i · H_c.
