@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationConfig, GenerationMixin
@@ -27,6 +26,7 @@ from am_models_nemotron.attention import build_attention_mask
 from am_models_nemotron.blocks import NemotronV3Block
 from am_models_nemotron.cache import NemotronHybridCache
 from am_models_nemotron.config import NemotronConfig, as_hf_config
+from am_models_nemotron.loss import cross_entropy
 from am_models_nemotron.mtp import MTPConfig, MTPModule, mtp_loss, roll_tensor, shift_labels
 from am_precision import BackendConfig, initialize_linear_module, initialize_rms_norm_module, yield_fp32_model
 
@@ -469,7 +469,7 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
         loss = None
         if labels is not None:
             targets = shift_labels(labels, 1, seq_idx=seq_idx)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+            loss = cross_entropy(logits, targets, ignore_index=-100)
 
         mtp_hidden: list[torch.Tensor] | None = None
         mtp_term = None

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from am_models_nemotron._init import reset_linear_
 from am_models_nemotron.blocks import NemotronV3Block
 from am_models_nemotron.config import NemotronConfig
+from am_models_nemotron.loss import cross_entropy
 from am_precision import BackendConfig, initialize_linear_module, initialize_rms_norm_module
 
 __all__ = ["MTPConfig", "MTPModule", "MTPSublayer", "mtp_loss", "roll_tensor", "shift_labels"]
@@ -88,11 +88,8 @@ def shift_labels(
 
 
 def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    total = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index, reduction="sum"
-    )
-    count = (targets != ignore_index).sum().clamp(min=1)
-    return total / count
+    """Mean over the non-ignored targets; 0 (not NaN) when a depth has none (short rows at deep depths)."""
+    return cross_entropy(logits, targets, ignore_index=ignore_index, empty_is_zero=True)
 
 
 def mtp_loss(
