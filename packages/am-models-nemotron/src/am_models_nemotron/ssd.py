@@ -40,9 +40,11 @@ class _IntraChunk(torch.autograd.Function):
     """y = (exp(segsum(a_cum)) * scores) @ x within each chunk, with a hand-written backward.
 
     a_cum: [b,c,h,Q] cumulative log-decays; scores: [b,c,g,Q,Q] (C_i · B_j per group); x: [b,c,h,Q,p] (dt-scaled).
-    Returns [b,c,h,Q,p]. The forward is the same sequence of ops as the plain autograd graph (same numbers); the
-    backward skips autograd's masked_fill / negation / broadcast-reduction passes over the [b,c,h,Q,Q] tensors: the
-    gradient of the decay exponent is grad_mixing * mixing, and that of a_cum its row sums minus its column sums.
+    Returns [b,c,h,Q,p]. The causal mask is applied to the per-group scores (8x smaller than the per-head decays),
+    and the decay exponent above the diagonal is set to 0, not -inf (exp of -inf is the slow path of the vectorised
+    exp; the zeroed scores mask those entries anyway). The backward works in place on one [b,c,h,Q,Q] buffer:
+    grad_mixing * decay gives the scores' gradient (summed over a group's heads), times the scores the exponent's,
+    whose row sums minus column sums are the gradient of a_cum.
     """
 
     @staticmethod
@@ -50,33 +52,35 @@ class _IntraChunk(torch.autograd.Function):
         batch, chunks, heads, q = a_cum.shape
         groups = scores.shape[2]
         upper = torch.ones(q, q, dtype=torch.bool, device=a_cum.device).triu(1)
-        decay = torch.exp((a_cum[..., :, None] - a_cum[..., None, :]).masked_fill_(upper, -torch.inf))
-        mixing = (decay.view(batch, chunks, groups, heads // groups, q, q) * scores[:, :, :, None]).view(
+        causal_scores = scores.masked_fill(upper, 0.0)
+        # a_cum is non-increasing along a chunk (dt >= 0, A < 0), so the kept exponents are <= 0: no overflow.
+        decay = (a_cum[..., :, None] - a_cum[..., None, :]).masked_fill_(upper, 0.0).exp_()
+        mixing = (decay.view(batch, chunks, groups, heads // groups, q, q) * causal_scores[:, :, :, None]).view(
             batch, chunks, heads, q, q
         )
         x = x.contiguous()  # one copy, shared by the forward and the backward matmuls
-        ctx.save_for_backward(scores, x, decay, mixing)
+        ctx.save_for_backward(causal_scores, x, decay, mixing)
+        ctx.upper = upper
         return mixing @ x
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        scores, x, decay, mixing = ctx.saved_tensors
+        causal_scores, x, decay, mixing = ctx.saved_tensors
         batch, chunks, heads, q, _ = decay.shape
-        groups = scores.shape[2]
+        groups = causal_scores.shape[2]
         grad_a = grad_scores = grad_x = None
         grad_y = grad_y.contiguous()
         if ctx.needs_input_grad[2]:
             grad_x = mixing.transpose(-1, -2) @ grad_y
         if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
             return None, None, grad_x
-        grad_mixing = grad_y @ x.transpose(-1, -2)  # [b,c,h,Q,Q]
+        # grad_mixing, then in place: * decay (-> the scores' gradient per head), * scores (-> the exponent's).
+        buffer = (grad_y @ x.transpose(-1, -2)).mul_(decay)  # [b,c,h,Q,Q]
+        per_group = buffer.view(batch, chunks, groups, heads // groups, q, q)
         if ctx.needs_input_grad[1]:
-            per_head = grad_mixing.view(batch, chunks, groups, heads // groups, q, q) * decay.view(
-                batch, chunks, groups, heads // groups, q, q
-            )
-            grad_scores = per_head.sum(dim=3)
+            grad_scores = per_group.sum(dim=3).masked_fill_(ctx.upper, 0.0)
         if ctx.needs_input_grad[0]:
-            grad_exponent = grad_mixing.mul_(mixing)  # masked entries: mixing = 0
+            grad_exponent = per_group.mul_(causal_scores[:, :, :, None]).view(batch, chunks, heads, q, q)
             grad_a = grad_exponent.sum(dim=-1) - grad_exponent.sum(dim=-2)
         return grad_a, grad_scores, grad_x
 
@@ -182,12 +186,16 @@ def ssd_chunked_scan(
     if start_ok is not None:
         out_decay = out_decay * start_ok
     from_state = (c_c @ entering_states).view(batch, chunks, groups, q, per_group, head_dim)  # [b,c,g,Q,r,p]
-    from_state = from_state * out_decay.view(batch, chunks, groups, per_group, q).transpose(-1, -2)[..., None]
-    y = y + from_state.permute(0, 1, 3, 2, 4, 5).reshape(batch, chunks, q, heads, head_dim)
-
+    out_decay = out_decay.view(batch, chunks, groups, per_group, q).transpose(-1, -2)[..., None]  # [b,c,g,Q,r,1]
+    # One fused pass: y + from_state * out_decay, in y's [b,c,Q,h,p] order (the permutes are views).
+    y = torch.addcmul(
+        y.view(batch, chunks, q, groups, per_group, head_dim),
+        from_state.permute(0, 1, 3, 2, 4, 5),
+        out_decay.permute(0, 1, 3, 2, 4, 5),
+    )
     y = y.reshape(batch, total, heads, head_dim)
     if D is not None:
-        y = y + x32 * D.to(dtype)[:, None]
+        y = torch.addcmul(y, x32, D.to(dtype)[:, None])
     if pad:
         y = y[:, :seqlen]
     if return_final_state:
