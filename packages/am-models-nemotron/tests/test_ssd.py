@@ -1,5 +1,7 @@
 """The chunked SSD scan equals the token-by-token recurrence (fp64), across chunk boundaries, ragged lengths, packed
-documents and cached initial states; and matches transformers' reference scan in fp32."""
+documents and cached initial states; and matches transformers' reference scan in fp32. Every test runs both forms of
+the within-chunk step: factored (decay scaled out of the Q x Q matrices, the default while decay ranges allow) and
+direct (explicit per-head decay matrices, the fallback for strong decay)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,28 @@ import torch
 from am_nemotron_helpers import assert_close_rel
 
 from am_models_nemotron import segment_sum, ssd_chunked_scan, ssd_sequential_scan
+from am_models_nemotron import ssd as ssd_module
 
 # fp64 on both sides: only summation order differs.
 FP64_TOL = 1e-10
+
+
+@pytest.fixture(autouse=True, params=["factored", "direct"])
+def within_chunk_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Force one form: a range bound of +inf always allows the factored form, -1 never does."""
+    bound = float("inf") if request.param == "factored" else -1.0
+    monkeypatch.setattr(ssd_module, "_FACTORED_HALF_RANGE", dict.fromkeys(ssd_module._FACTORED_HALF_RANGE, bound))
+    calls: list[str] = []
+    for name in ("_factored_intra_and_states", "_direct_intra_and_states"):
+        real = getattr(ssd_module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(ssd_module, name, spy)
+    yield request.param
+    assert all(request.param in call for call in calls), f"expected only the {request.param} form, ran {calls}"
 
 
 def _inputs(
@@ -115,3 +136,24 @@ def test_fp32_inputs_compute_in_fp32_and_match_transformers_reference_scan() -> 
     assert y.dtype == torch.float32
     assert_close_rel(y, y_hf, rtol=1e-5, what="y vs transformers")
     assert_close_rel(final, final_hf, rtol=1e-5, what="state vs transformers")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_strong_decay_falls_back_to_the_direct_form_and_stays_exact(monkeypatch: pytest.MonkeyPatch, dtype) -> None:
+    monkeypatch.undo()  # the real bounds, not the fixture's
+    x, dt, A, B, C, D = _inputs(1, 32, seed=6)
+    dt = dt * 400.0  # decay ranges of thousands within an 8-token chunk: exp of them overflows even in fp64
+    ran: list[str] = []
+    for name in ("_factored_intra_and_states", "_direct_intra_and_states"):
+        real = getattr(ssd_module, name)
+        monkeypatch.setattr(
+            ssd_module, name, lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k)
+        )
+    y = ssd_chunked_scan(x.to(dtype), dt.to(dtype), A.to(dtype), B.to(dtype), C.to(dtype), chunk_size=8, D=D.to(dtype))
+    y_ref, _ = ssd_sequential_scan(x, dt, A, B, C, D=D)
+    assert ran == ["_direct_intra_and_states"]
+    assert torch.isfinite(y).all()
+    assert_close_rel(y.double(), y_ref, rtol=FP64_TOL if dtype == torch.float64 else 1e-5, what="y")
+    weak = ssd_chunked_scan(x.to(dtype), (dt / 4000).to(dtype), A.to(dtype), B.to(dtype), C.to(dtype), chunk_size=8)
+    assert torch.isfinite(weak).all()
+    assert ran[-1] == "_factored_intra_and_states"
