@@ -159,11 +159,13 @@ class GroupedExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         routed = x[order // top_k]  # [T*K, D], grouped by expert
         outputs = []
-        for expert, part in enumerate(routed.split(counts)):
+        # unbind, not up_proj[expert]: the weight gradient is then one stack, not a zero-filled [E, I, D] tensor
+        # accumulated per expert.
+        experts = zip(routed.split(counts), self.up_proj.unbind(0), self.down_proj.unbind(0), strict=True)
+        for part, up, down in experts:
             if part.shape[0] == 0:
                 continue
-            hidden = relu2(F.linear(part, self.up_proj[expert]))
-            outputs.append(F.linear(hidden, self.down_proj[expert]))
+            outputs.append(F.linear(relu2(F.linear(part, up)), down))
         if not outputs:
             return x.new_zeros(tokens, x.shape[-1])
         sorted_out = torch.cat(outputs)
