@@ -75,31 +75,103 @@ def test_leading_dimensions_and_shape_errors() -> None:
         cross_entropy(logits, targets[:-1])
 
 
-def test_every_row_ignored() -> None:
+def test_every_row_ignored_gives_the_references_loss_and_a_zero_gradient() -> None:
     logits = torch.randn(4, 10, requires_grad=True)
     targets = torch.full((4,), IGN)
-    assert torch.isnan(cross_entropy(logits, targets))
+    ours = cross_entropy(logits, targets)
+    assert torch.isnan(ours)
     assert torch.isnan(_reference(logits, targets))
+    ours.backward()
+    assert logits.grad is not None
+    assert torch.count_nonzero(logits.grad) == 0  # as F.cross_entropy's: one all-padding batch poisons nothing
+    logits.grad = None
     zero = cross_entropy(logits, targets, empty_is_zero=True)
     assert zero.item() == 0.0
     zero.backward()
     assert logits.grad is not None
     assert torch.count_nonzero(logits.grad) == 0
+    assert torch.isnan(cross_entropy(torch.randn(0, 10), torch.zeros(0, dtype=torch.long)))  # no rows: NaN as in F
+
+
+def test_non_finite_logits_in_ignored_rows_are_ignored() -> None:
+    logits, targets = _case(40, 30, torch.float32, seed=5)
+    logits[0] = float("nan")  # rows 0, 5, 10, ... are ignored
+    logits[5, 3] = float("inf")
+    ours_in = logits.clone().requires_grad_()
+    ref_in = logits.clone().requires_grad_()
+    ours = cross_entropy(ours_in, targets)
+    ref = _reference(ref_in, targets, ignore_index=IGN)
+    torch.testing.assert_close(ours, ref)
+    ours.backward()
+    ref.backward()
+    assert ours_in.grad is not None
+    assert ref_in.grad is not None
+    torch.testing.assert_close(ours_in.grad[targets != IGN], ref_in.grad[targets != IGN])
+    assert torch.count_nonzero(ours_in.grad[targets == IGN]) == 0  # F's gradient is NaN on the NaN row
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale"), [(torch.float16, 65536.0), (torch.float16, 1024.0), (torch.bfloat16, 1 / 3)]
+)
+def test_loss_scale_is_applied_before_rounding_to_the_logits_dtype(dtype, scale) -> None:
+    """fp16 loss scaling (GradScaler starts at 2**16, above fp16's range) and bf16 gradient accumulation (loss / 3)
+    must round the scaled fp32 gradient once, like F.cross_entropy(logits.float())."""
+    logits, targets = _case(300, 200, dtype, seed=6)
+    ours_in = logits.clone().requires_grad_()
+    ref_in = logits.clone().requires_grad_()
+    (cross_entropy(ours_in, targets) * scale).backward()
+    (_reference(ref_in, targets, ignore_index=IGN) * scale).backward()
+    assert ours_in.grad is not None
+    assert ref_in.grad is not None
+    assert torch.isfinite(ours_in.grad).all()
+    # Equal up to one rounding step of the low-precision dtype (fp32 summation order differs), and no gradient
+    # entry that the reference keeps is flushed to zero.
+    torch.testing.assert_close(ours_in.grad, ref_in.grad)
+    assert torch.count_nonzero(ours_in.grad) == torch.count_nonzero(ref_in.grad)
+
+
+def test_second_derivatives_equal_the_reference() -> None:
+    """A gradient penalty through a linear head: needs d(grad_logits)/d(logits), which the buffer alone lacks."""
+    gen = torch.Generator().manual_seed(7)
+    features = torch.randn(20, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 10, (20,), generator=gen)
+    targets[::4] = IGN
+    penalties = []
+    for loss_fn in (cross_entropy, lambda logits, t: _reference(logits, t, ignore_index=IGN)):
+        weight = torch.randn(10, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(8)).requires_grad_()
+        loss = loss_fn(features @ weight.t(), targets)
+        (grad_features,) = torch.autograd.grad(loss, features, create_graph=True)
+        penalties.append(torch.autograd.grad(grad_features.square().sum(), weight)[0])
+    torch.testing.assert_close(penalties[0], penalties[1], rtol=1e-12, atol=1e-14)
+
+
+def test_retained_graph_on_leaf_logits_accumulates_like_the_reference() -> None:
+    logits, targets = _case(50, 20, torch.float32, seed=8)
+    ours_in = logits.clone().requires_grad_()
+    ref_in = logits.clone().requires_grad_()
+    ours = cross_entropy(ours_in, targets)
+    ref = _reference(ref_in, targets, ignore_index=IGN)
+    for _ in range(3):  # the first pass may hand its buffer to ours_in.grad; later passes rebuild the gradient
+        ours.backward(retain_graph=True)
+        ref.backward(retain_graph=True)
+        torch.testing.assert_close(ours_in.grad, ref_in.grad, rtol=1e-6, atol=1e-8)
 
 
 def test_no_gradient_buffer_without_grad(monkeypatch: pytest.MonkeyPatch) -> None:
     logits, targets = _case(40, 30, torch.float32, seed=3)
-    allocations: list[torch.Size] = []
-    real_empty_like = torch.empty_like
+    buffers: list[torch.Size] = []
+    real_empty = torch.empty
 
-    def counting_empty_like(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        allocations.append(tensor.shape)
-        return real_empty_like(tensor, *args, **kwargs)
+    def counting_empty(*args, **kwargs) -> torch.Tensor:
+        out = real_empty(*args, **kwargs)
+        if out.shape == logits.shape:
+            buffers.append(out.shape)
+        return out
 
-    monkeypatch.setattr(loss_module.torch, "empty_like", counting_empty_like)
+    monkeypatch.setattr(loss_module.torch, "empty", counting_empty)
     with torch.no_grad():
-        value = cross_entropy(logits, targets)
+        value = cross_entropy(logits.clone().requires_grad_(), targets)  # requires grad, but grad mode is off
     torch.testing.assert_close(value, _reference(logits, targets, ignore_index=IGN))
-    assert allocations == []
+    assert buffers == []
     cross_entropy(logits.clone().requires_grad_(), targets)
-    assert allocations == [logits.shape]
+    assert buffers == [logits.shape]

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from am_models_nemotron._init import reset_linear_, weight_of
 from am_models_nemotron.config import NemotronConfig
@@ -72,6 +73,7 @@ class _CausalConv(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # second derivatives raise instead of silently missing terms
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         taps = weight.shape[1]
