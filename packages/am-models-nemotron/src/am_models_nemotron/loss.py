@@ -19,15 +19,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from am_models_nemotron.ssd import _compute_dtype
+
 __all__ = ["cross_entropy"]
 
 # Rows per block: 256 rows of a 4k-256k vocabulary are 4-256 MiB of fp32; the block's softmax is read right after
 # it is written, so smaller blocks keep it in cache for the common vocabularies.
 _BLOCK_ROWS = 256
-
-
-def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 def _blockwise(
