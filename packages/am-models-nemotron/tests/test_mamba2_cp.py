@@ -4,8 +4,9 @@ The first tests simulate ranks in one process (the sequence split into blocks, t
 order) against the token-by-token recurrence in fp64. The rest run on one 4-rank gloo group launched for the whole
 module: the mixer with CP = 4 (the whole group) and CP = 2 (two independent pairs of ranks), with and without packed
 documents (a document spanning every rank, boundaries inside blocks and exactly at rank edges), padding, blocks that
-are and are not multiples of the scan's chunk, both forms of the within-chunk SSD step; the scan alone in fp64; the
-bytes sent against `mamba_cp_bytes_per_layer`; and the refusals. The reference is the same mixer run on the whole
+are and are not multiples of the scan's chunk, both forms of the within-chunk SSD step, under activation
+checkpointing, in bf16; the scan alone in fp64 at CP = 2, 3 (ranks 0-2) and 4; the bytes sent against
+`mamba_cp_bytes_per_layer`; a group of one rank; and the refusals. The reference is the same mixer run on the whole
 sequence in the same process; parameter gradients are summed over the CP group.
 """
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from am_nemotron_dist import case_result, run_cases, run_group
 from am_nemotron_helpers import assert_close_rel, randomize_, tiny_hf_config
+from torch.utils.checkpoint import checkpoint
 
 from am_models_nemotron import (
     Mamba2CPContext,
@@ -62,9 +64,9 @@ def _ssd_inputs(seqlen: int, *, seed: int, heads: int = 4, head_dim: int = 3, gr
 
 
 def _document_ids(seqlen: int, block: int) -> torch.Tensor:
-    """[2, S] global ids. Row 0: starts inside the first block (3) and exactly at the first rank edge; the document
-    from the edge spans the next block(s). Row 1: one document spans every rank up to one token before the first edge
-    end, a new one starts there and runs to 2 tokens before the end."""
+    """[2, S] global ids. Row 0: documents start inside the first block (3), exactly at the first rank edge, and 5
+    tokens into the block after next (or on the last token), so one document spans a rank edge. Row 1: a document
+    starts one token before the first rank edge and runs through every later rank to 2 tokens before the end."""
     starts = torch.zeros(2, seqlen, dtype=torch.long)
     starts[0, [3, block, min(block + 5 + block, seqlen - 1)]] = 1
     starts[1, [block - 1, seqlen - 2]] = 1
@@ -198,9 +200,18 @@ def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _mixer_case(
-    cp: Mamba2CPContext, *, block: int, layout: str, form: str, dtype: torch.dtype = torch.float32
+    cp: Mamba2CPContext,
+    *,
+    block: int,
+    layout: str,
+    form: str,
+    dtype: torch.dtype = torch.float32,
+    checkpointed: bool = False,
 ) -> dict[str, float]:
-    """Relative errors of the CP block's output and of every gradient against the single-process run."""
+    """Relative errors of the CP block's output and of every gradient against the single-process run.
+
+    checkpointed: the CP forward runs under activation checkpointing, so its transfers run again inside the backward.
+    """
     mixer = _mixer(dtype)
     seqlen = block * cp.size
     gen = torch.Generator().manual_seed(block + len(layout))
@@ -216,12 +227,13 @@ def _mixer_case(
         mixer.zero_grad(set_to_none=True)
 
         x_local = x[:, part].clone().requires_grad_()
-        out = mixer(
-            x_local,
+        run = functools.partial(
+            mixer,
             seq_idx=None if seq_idx is None else seq_idx[:, part],
             attention_mask=None if mask is None else mask[:, part],
             cp=cp,
         )
+        out = checkpoint(run, x_local, use_reentrant=False) if checkpointed else run(x_local)
         (out.float() * weights[:, part].float()).sum().backward()
     if not ran or not all(form in name for name in ran):
         raise AssertionError(f"expected only the {form} form, ran {set(ran)}")
@@ -331,6 +343,9 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
         cases[f"bf16 cp={size}"] = functools.partial(
             _mixer_case, cp, block=11, layout="packed", form="factored", dtype=torch.bfloat16
         )
+        cases[f"checkpointed cp={size}"] = functools.partial(
+            _mixer_case, cp, block=11, layout="packed", form="factored", checkpointed=True
+        )
         cases[f"refusal cp={size}"] = functools.partial(_refusal_case, cp)
     for packed in (False, True):
         cases[f"scan cp=3 block=11 packed={packed}"] = (
@@ -368,6 +383,11 @@ def test_scan_across_ranks_equals_the_recurrence_in_fp64(
     results: list[dict[str, Any]], size: int, block: int, packed: bool
 ) -> None:
     _check_errors(results, f"scan cp={size} block={block} packed={packed}", FP64_RTOL)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_activation_checkpointing_recomputes_the_transfers_in_step(results: list[dict[str, Any]], size: int) -> None:
+    _check_errors(results, f"checkpointed cp={size}", FP32_RTOL)
 
 
 @pytest.mark.parametrize("size", [2, 4])
