@@ -79,8 +79,7 @@ def _cp_step(
     model: torch.nn.Module, mesh: Any, batch: dict[str, torch.Tensor]
 ) -> tuple[float, dict[str, torch.Tensor], int]:
     group = mesh["cp"].get_group()
-    batch = model.prepare_model_inputs_for_cp(dict(batch))
-    ctx, batch = make_cp_batch_and_ctx(mesh, batch)
+    ctx, batch = make_cp_batch_and_ctx(mesh, dict(batch), model=model)
     with ctx(), count_ring_bytes() as stats:
         out = model(**batch)
         out.loss.backward()
@@ -131,8 +130,7 @@ def _pipeline_layers_case(mesh: Any, *, seed: int) -> float:
     model = Gemma4ForCausalLM(text_config())
     perturb_(model, seed=seed)
     text = model.model
-    batch = model.prepare_model_inputs_for_cp(_text_batch(seed))
-    ctx, batch = make_cp_batch_and_ctx(mesh, batch)
+    ctx, batch = make_cp_batch_and_ctx(mesh, _text_batch(seed), model=model)
     positions = batch["position_ids"]
     with ctx(), torch.no_grad():
         expected = text(
@@ -161,8 +159,7 @@ def _pipeline_layers_case(mesh: Any, *, seed: int) -> float:
 def _expect_error(make: Any, mesh: Any, batch: dict[str, torch.Tensor]) -> str:
     """The error every rank raises for an unsupported CP configuration (all ranks raise: no hang)."""
     model = make()
-    batch = model.prepare_model_inputs_for_cp(dict(batch))
-    ctx, batch = make_cp_batch_and_ctx(mesh, batch)
+    ctx, batch = make_cp_batch_and_ctx(mesh, dict(batch), model=model)
     try:
         with ctx():
             model(**batch)

@@ -1,8 +1,9 @@
 """Shard a training batch over the CP group: padding semantics, layouts, and the attention context.
 
-What it is for: the upstream entry points `make_cp_batch_and_ctx` (model hook > THD > identity > load-balanced) and
-`make_contiguous_shard_cp_batch_and_ctx` (the model-owned contiguous shard), plus `make_cp_batch_for_te` and
-`_synthesize_single_document_seq_ids`. Every input problem is reported at once, before anything is changed.
+What it is for: the upstream entry points `make_cp_batch_and_ctx` (contiguous for a model that declares it > THD >
+identity > load-balanced) and `make_contiguous_shard_cp_batch_and_ctx` (the contiguous shard and its
+`RingAttentionContext`), plus `make_cp_batch_for_te` and `_synthesize_single_document_seq_ids`. Every input problem
+is reported at once, before anything is changed. What a model declares is read by `model_protocol.py`.
 What it must not do: shard in place (torch's experimental `context_parallel` resizes buffers in place and rejects
 tensors that need grad; we build new tensors and put them in the batch dict), or communicate (the CP rank comes
 from the mesh).
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from am_context_parallel.context import RingAttentionContext
 from am_context_parallel.layouts import ContiguousLayout, Layout, LoadBalancedLayout, PackedLayout
+from am_context_parallel.model_protocol import ContiguousCPOptions, model_cp_options
 from am_context_parallel.thd import split_batch_into_thd_chunks
 
 __all__ = [
@@ -114,6 +116,7 @@ def _validate(
     *,
     needs_labels: bool,
     extra_missing: list[str],
+    primary_keys: tuple[str, ...] = _PRIMARY_KEYS,
 ) -> None:
     """Raise one ValueError listing every problem with the batch (nothing has been modified yet)."""
     problems = []
@@ -122,6 +125,12 @@ def _validate(
         what = "both" if present else "neither"
         problems.append(
             f"context parallelism requires exactly one of 'input_ids' or 'inputs_embeds' in the batch; got {what}"
+        )
+    elif present[0] not in primary_keys:
+        problems.append(
+            f"the model accepts only {list(primary_keys)} under context parallelism (its "
+            f"ContiguousCPOptions.primary_keys), got '{present[0]}': a model that embeds its own shard needs the "
+            "token ids"
         )
     if needs_labels and batch.get("labels") is None:
         problems.append(
@@ -183,6 +192,20 @@ def _doc_ids_for_ring(batch: dict[str, Any], padding_mask: torch.Tensor | None) 
     return None
 
 
+_REMOVED_BATCH_HOOK = "_cp_make_batch_fn"
+
+
+def _refuse_function_in_batch(batch: dict[str, Any]) -> None:
+    if _REMOVED_BATCH_HOOK in batch:
+        raise ValueError(
+            f"batch[{_REMOVED_BATCH_HOOK!r}] is no longer read (am-context-parallel 0.2: no function travels inside a "
+            "batch). A model that shards contiguously declares it on its class instead — `_cp_layout = "
+            '"contiguous"` and optionally `get_cp_options()` returning a ContiguousCPOptions — and the caller '
+            "passes the model: `make_cp_batch_and_ctx(mesh, batch, model=model)`. Remove the key from the batch "
+            "(Gemma 4 >= 0.2 no longer adds it)."
+        )
+
+
 def make_cp_batch_and_ctx(
     device_mesh: Any,
     batch: dict[str, Any],
@@ -192,12 +215,16 @@ def make_cp_batch_and_ctx(
     num_chunks: int = 1,
     seq_lens_padding_value: int = -1000,
     extra_seq_buffers: list[str] | None = None,
+    *,
+    model: Any = None,
 ) -> tuple[ContextFactory, dict[str, Any]]:
     """Shard `batch` along the sequence for the `cp` dim of `device_mesh`; return `(context_factory, batch)`.
 
-    Resolution order: a model-owned sharder (`batch["_cp_make_batch_fn"]`, popped, called even at C = 1) > THD for
-    Transformer Engine (`use_te`) > identity when C ≤ 1 or there is no `cp` dim (same batch object, unchanged) >
-    the load-balanced head-tail layout.
+    Resolution order: a `model` that declares `_cp_layout = "contiguous"` (see `model_protocol.py`) gets the
+    contiguous shard and its `RingAttentionContext` (`make_contiguous_shard_cp_batch_and_ctx` with the model's
+    `get_cp_options()`; run even at C = 1, where it only adds position ids, document ids and padding_mask) > THD
+    for Transformer Engine (`use_te`) > identity when C ≤ 1 or there is no `cp` dim (same batch object, unchanged)
+    > the load-balanced head-tail layout.
 
     Load-balanced path: `attention_mask` is popped (its padding becomes document id 0 for the ring); position_ids
     are synthesized as `arange(S)` when missing; input_ids/inputs_embeds `[B, S, ...]`, labels, position_ids
@@ -212,12 +239,21 @@ def make_cp_batch_and_ctx(
 
     Raises:
         ValueError: listing every problem (missing labels, both/neither of input_ids/inputs_embeds, sequence tensors
-            of different lengths or with a sequence dim they do not have, missing extra buffers).
+            of different lengths or with a sequence dim they do not have, missing extra buffers); for a batch that
+            still carries the removed `_cp_make_batch_fn` hook.
     """
+    _refuse_function_in_batch(batch)
     cp_mesh, tp_mesh = _sub_mesh(device_mesh, "cp"), _sub_mesh(device_mesh, "tp")
-    model_fn = batch.pop("_cp_make_batch_fn", None)
-    if model_fn is not None:
-        return model_fn(cp_mesh, tp_mesh, batch, loss_mask=loss_mask, padding_token_id=padding_token_id)
+    options = model_cp_options(model) if model is not None else None
+    if options is not None:
+        if use_te:
+            raise ValueError(
+                f"use_te=True asks for the THD path, but {type(model).__name__} declares `_cp_layout = "
+                "\"contiguous\"` (it runs its own ring attention on contiguous shards); drop use_te"
+            )
+        return make_contiguous_shard_cp_batch_and_ctx(
+            cp_mesh, tp_mesh, batch, loss_mask, padding_token_id, options=options, extra_seq_buffers=extra_seq_buffers
+        )
     if use_te:
         if extra_seq_buffers:
             raise ValueError(
@@ -293,20 +329,33 @@ def make_contiguous_shard_cp_batch_and_ctx(
     batch: dict[str, Any],
     loss_mask: torch.Tensor | None = None,
     padding_token_id: int = 0,
+    *,
+    options: ContiguousCPOptions | None = None,
+    extra_seq_buffers: list[str] | None = None,
 ) -> tuple[ContextFactory, dict[str, Any]]:
-    """Model-owned contiguous shard: rank r keeps tokens `[r·P/C, (r+1)·P/C)` of every sequence tensor.
+    """Contiguous shard: rank r keeps tokens `[r·P/C, (r+1)·P/C)` of every sequence tensor; returns `(ctx, batch)`.
 
-    For models that run their own CP attention (they attach this as `batch["_cp_make_batch_fn"]`). Pops
-    `attention_mask` (deriving `padding_mask` from it when missing); synthesizes position_ids and `_packed_seq_ids`
+    The generic path of models that declare `_cp_layout = "contiguous"` (`make_cp_batch_and_ctx(..., model=)`
+    calls this with their `get_cp_options()`), and upstream's seed function. Pops `attention_mask` (deriving
+    `padding_mask` from it when missing); synthesizes position_ids and `_packed_seq_ids`
     (`_synthesize_single_document_seq_ids`); labels come from the batch, else `loss_mask` is promoted to labels.
     Keys sharded: input_ids, inputs_embeds, labels, position_ids (continuing), padding_mask, `_packed_seq_ids`,
-    mm_token_type_ids, per_layer_inputs (`[B, S, L, H]`), loss_mask, and the model's own keys from
-    `batch["_cp_metadata_seq_dims"]` / `batch["_cp_metadata_pad_values"]` (popped; pad default 0). Padded to a
-    multiple of 2C. No collective. Returns `(contextlib.nullcontext, batch)` — the same dict, updated.
+    mm_token_type_ids, per_layer_inputs (`[B, S, L, H]`), loss_mask, the model's `options.extra_seq_keys` (when
+    present in the batch), and — required when named — upstream's `batch["_cp_metadata_seq_dims"]` /
+    `batch["_cp_metadata_pad_values"]` (popped; pad default 0) and `extra_seq_buffers` (seq dim 1, padded like
+    `make_cp_batch_and_ctx` pads them). Padded to a multiple of `options.pad_multiple · C` (2C by default). No
+    collective.
+
+    Returns:
+        For C > 1 a `RingAttentionContext` (contiguous layout, the global positions of the local tokens, the local
+        `_packed_seq_ids` as document ids, the lengths; kernel and HF routing from `options`) and the same dict,
+        updated; run forward AND backward inside `with ctx():`. For C ≤ 1, `(contextlib.nullcontext, batch)`.
 
     Raises:
         ValueError: listing every problem with the batch.
     """
+    _refuse_function_in_batch(batch)
+    options = options if options is not None else ContiguousCPOptions()
     seq_dims: dict[str, int] = dict(batch.pop("_cp_metadata_seq_dims", None) or {})
     pad_values: dict[str, Any] = dict(batch.pop("_cp_metadata_pad_values", None) or {})
     attention_mask = batch.get("attention_mask")
@@ -326,11 +375,23 @@ def make_contiguous_shard_cp_batch_and_ctx(
     if isinstance(batch.get("position_ids"), torch.Tensor):
         seq_dim = _position_seq_dim(batch["position_ids"])
         keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
+    for key, (dim, pad_value) in options.extra_seq_keys.items():
+        keys[key] = _SeqKey(dim, 0, pad_value)
     for key, dim in seq_dims.items():
         keys[key] = _SeqKey(dim, 0, pad_values.get(key, 0))
+    for key in extra_seq_buffers or []:
+        if isinstance(batch.get(key), torch.Tensor):
+            keys.setdefault(key, _SeqKey(1, 0, _default_pad(key, batch[key], padding_token_id)))
+    required = [*seq_dims, *(extra_seq_buffers or [])]
     if attention_mask is not None and attention_mask.dim() == 2:
         keys["attention_mask"] = _SeqKey(1, 0, False)
-    _validate(batch, keys, needs_labels=True, extra_missing=[k for k in seq_dims if k not in batch])
+    _validate(
+        batch,
+        keys,
+        needs_labels=True,
+        extra_missing=[k for k in required if k not in batch],
+        primary_keys=options.primary_keys,
+    )
     keys.pop("attention_mask", None)
 
     attention_mask = batch.pop("attention_mask", None)
@@ -345,9 +406,23 @@ def make_contiguous_shard_cp_batch_and_ctx(
     keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
     _synthesize_single_document_seq_ids(batch)
     cp_size = cp_mesh.size() if cp_mesh is not None else 1
-    layout = ContiguousLayout(cp_size=cp_size, cp_rank=_cp_rank(cp_mesh) if cp_size > 1 else 0)
-    _shard_keys(batch, keys, layout)
-    return contextlib.nullcontext, batch
+    layout = ContiguousLayout(
+        cp_size=cp_size, cp_rank=_cp_rank(cp_mesh) if cp_size > 1 else 0, pad_multiple=options.pad_multiple
+    )
+    seq_len, padded_len = _shard_keys(batch, keys, layout)
+    if cp_size <= 1:
+        return contextlib.nullcontext, batch
+    ctx = RingAttentionContext(
+        group=cp_mesh.get_group(),
+        layout=layout,
+        positions=layout.local_indices(padded_len, device=primary.device),
+        doc_ids=batch["_packed_seq_ids"].long(),
+        seq_len=seq_len,
+        padded_len=padded_len,
+        route_hf_attention=options.route_hf_attention,
+        kernel=options.kernel_for(primary.device),
+    )
+    return ctx, batch
 
 
 def make_cp_batch_for_te(
