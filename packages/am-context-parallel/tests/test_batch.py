@@ -424,7 +424,7 @@ def test_model_declarations_are_checked() -> None:
         model_cp_options(WrongOptions())
     with pytest.raises(ValueError, match="drop use_te"):
         make_cp_batch_and_ctx(None, _full_batch(), use_te=True, model=Plain())
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(ValueError, match="invalid ContiguousCPOptions") as error:
         ContiguousCPOptions(kernel=3, pad_multiple=0, primary_keys=("tokens",), extra_seq_keys={"x": 1})  # type: ignore[arg-type]
     for needle in ("kernel must be", "pad_multiple", "primary_keys", "extra_seq_keys['x']"):
         assert needle in str(error.value)

@@ -38,7 +38,9 @@ from am_context_parallel.layouts import (
     pad_sequence_dim,
 )
 from am_context_parallel.model_protocol import CP_LAYOUTS, ContiguousCPOptions, model_cp_options
-from am_context_parallel.ring import RingCommStats, count_ring_bytes, ring_attention, ring_plan
+from am_context_parallel.ring import ring_attention
+from am_context_parallel.ring_setup import ring_plan
+from am_context_parallel.ring_stats import RingCommStats, count_ring_bytes
 from am_context_parallel.thd import process_input_for_thd, split_batch_into_thd_chunks
 from am_context_parallel.training import all_reduce_cp_gradients, cp_token_mean_loss
 

@@ -249,7 +249,7 @@ def make_cp_batch_and_ctx(
         if use_te:
             raise ValueError(
                 f"use_te=True asks for the THD path, but {type(model).__name__} declares `_cp_layout = "
-                "\"contiguous\"` (it runs its own ring attention on contiguous shards); drop use_te"
+                '"contiguous"` (it runs its own ring attention on contiguous shards); drop use_te'
             )
         return make_contiguous_shard_cp_batch_and_ctx(
             cp_mesh, tp_mesh, batch, loss_mask, padding_token_id, options=options, extra_seq_buffers=extra_seq_buffers
