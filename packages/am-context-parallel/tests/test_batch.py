@@ -200,6 +200,22 @@ def _declared_model_case(mesh: Any) -> dict[str, Any]:
     }
 
 
+def _tp_case() -> dict[str, Any]:
+    """C = 1 with a real TP mesh of 2 ranks: upstream synthesizes position ids (C > 1 or TP > 1); without TP it
+    does not. The upstream positional call `(cp_mesh, tp_mesh, batch, loss_mask, padding_token_id)` works."""
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("cp", "tp"))
+    batch = {"input_ids": torch.tensor([[4, 5, 6]]), "labels": torch.tensor([[5, 6, -100]])}
+    ctx, with_tp = make_contiguous_shard_cp_batch_and_ctx(mesh["cp"], mesh["tp"], dict(batch), None, PAD_ID)
+    _, without_tp = make_contiguous_shard_cp_batch_and_ctx(mesh["cp"], None, dict(batch), None, PAD_ID)
+    _, declared = make_cp_batch_and_ctx(mesh, dict(batch), model=_DeclaredModel())
+    return {
+        "ctx": ctx,
+        "with_tp": with_tp.get("position_ids"),
+        "without_tp": "position_ids" in without_tp,
+        "declared": declared.get("position_ids"),
+    }
+
+
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     ids = torch.ones(2, 7, dtype=torch.long)
@@ -212,6 +228,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
             "te_chunks": lambda: _te_chunks_case(mesh),
             "contiguous": lambda: _contiguous_case(mesh),
             "declared_model": lambda: _declared_model_case(mesh),
+            "tp": _tp_case,
             "err_contiguous_labels": lambda: _contiguous_error_case(mesh),
             "err_labels": lambda: _error_case(mesh, {"input_ids": ids}),
             "err_both": lambda: _error_case(
@@ -376,6 +393,38 @@ def test_declared_model_gets_the_contiguous_shard_and_its_context(results: list[
         assert local["input_ids"].tolist() == [[p + 1 if p < 7 else 0 for p in keep]]
         assert local["mtp_labels"].tolist() == [[p + 3 if p < 5 else -100 for p in keep]]
         assert local["token_weights"].tolist() == [[0.5 if p < 7 else 0.0 for p in keep]]
+
+
+def test_tp_mesh_makes_the_contiguous_shard_synthesize_position_ids(results: list[dict[str, Any]]) -> None:
+    for rank in range(2):
+        got = case_result(results, "tp", rank)
+        assert got["ctx"] is contextlib.nullcontext  # C = 1: nothing to ring over
+        # 3 tokens padded to a multiple of 2C = 2 (as upstream does at C = 1), positions continuing into the pad
+        assert got["with_tp"].tolist() == [[0, 1, 2, 3]]
+        assert got["without_tp"] is False
+        # make_cp_batch_and_ctx hands the mesh's tp dim over (that model pads to a multiple of 3C = 3)
+        assert got["declared"].tolist() == [[0, 1, 2]]
+
+
+def test_thd_options_without_use_te_are_refused() -> None:
+    """num_chunks / seq_lens_padding_value configure only the THD path: elsewhere they would be ignored."""
+    for kwargs in ({"num_chunks": 2}, {"seq_lens_padding_value": -1}):
+        with pytest.raises(ValueError, match="configure the THD path only"):
+            make_cp_batch_and_ctx(None, _full_batch(), **kwargs)
+    _, out = make_cp_batch_and_ctx(None, _full_batch(), None, False, 0, 1, -1000)  # upstream positional defaults
+    assert "attention_mask" in out
+
+
+def test_context_lengths_must_match_the_positions() -> None:
+    layout = LoadBalancedLayout(cp_size=2, cp_rank=0)
+    with pytest.raises(ValueError, match="keep 4 tokens per rank, but the positions hold 3"):
+        RingAttentionContext(
+            group=None, layout=layout, positions=torch.arange(3), doc_ids=None, seq_len=7, padded_len=8
+        )
+    with pytest.raises(ValueError, match="seq_len=9, padded_len=8"):
+        RingAttentionContext(
+            group=None, layout=layout, positions=torch.arange(4), doc_ids=None, seq_len=9, padded_len=8
+        )
 
 
 def test_a_function_in_the_batch_is_refused_with_the_new_way() -> None:

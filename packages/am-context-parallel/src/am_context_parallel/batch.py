@@ -101,11 +101,14 @@ def _synthesize_single_document_seq_ids(batch: dict[str, Any]) -> None:
     batch["_packed_seq_ids"] = torch.ones(primary.shape[:2], dtype=torch.long, device=primary.device)
 
 
-def _ensure_position_ids(batch: dict[str, Any], primary: torch.Tensor) -> None:
+def _ensure_position_ids(batch: dict[str, Any], primary: torch.Tensor, *, synthesize: bool = True) -> None:
+    """Expand `[1, S]` position ids to `[B, S]`; when missing, add `arange(S)` if `synthesize` (never overrides:
+    packed sequences carry their own)."""
     b, s = primary.shape[0], primary.shape[1]
     position_ids = batch.get("position_ids")
     if position_ids is None:
-        batch["position_ids"] = torch.arange(s, device=primary.device).unsqueeze(0).expand(b, s).contiguous()
+        if synthesize:
+            batch["position_ids"] = torch.arange(s, device=primary.device).unsqueeze(0).expand(b, s).contiguous()
     elif position_ids.dim() == 2 and position_ids.shape[0] == 1 and b > 1:
         batch["position_ids"] = position_ids.expand(b, -1).contiguous()
 
@@ -237,12 +240,21 @@ def make_cp_batch_and_ctx(
     it (`cp_token_mean_loss`, `all_reduce_cp_gradients`); labels must be ALREADY shifted (label t = token t+1),
     since a shard cannot see its neighbour's next token; pop `loss_mask` before `model(**batch)`.
 
+    `num_chunks` and `seq_lens_padding_value` configure the THD path (`use_te=True`) only. At C ≤ 1 nothing is
+    sharded: the batch (and a `loss_mask`) are already this rank's.
+
     Raises:
         ValueError: listing every problem (missing labels, both/neither of input_ids/inputs_embeds, sequence tensors
             of different lengths or with a sequence dim they do not have, missing extra buffers); for a batch that
-            still carries the removed `_cp_make_batch_fn` hook.
+            still carries the removed `_cp_make_batch_fn` hook; for THD options without `use_te`, or `use_te` with a
+            model that declares the contiguous layout.
     """
     _refuse_function_in_batch(batch)
+    if not use_te and (num_chunks != 1 or seq_lens_padding_value != -1000):
+        raise ValueError(
+            f"num_chunks={num_chunks} and seq_lens_padding_value={seq_lens_padding_value} configure the THD path "
+            "only; pass use_te=True to use it, or leave them at their defaults (1, -1000)"
+        )
     cp_mesh, tp_mesh = _sub_mesh(device_mesh, "cp"), _sub_mesh(device_mesh, "tp")
     options = model_cp_options(model) if model is not None else None
     if options is not None:
@@ -337,8 +349,9 @@ def make_contiguous_shard_cp_batch_and_ctx(
 
     The generic path of models that declare `_cp_layout = "contiguous"` (`make_cp_batch_and_ctx(..., model=)`
     calls this with their `get_cp_options()`), and upstream's seed function. Pops `attention_mask` (deriving
-    `padding_mask` from it when missing); synthesizes position_ids and `_packed_seq_ids`
-    (`_synthesize_single_document_seq_ids`); labels come from the batch, else `loss_mask` is promoted to labels.
+    `padding_mask` from it when missing); synthesizes `_packed_seq_ids` (`_synthesize_single_document_seq_ids`),
+    and position_ids `arange(S)` when missing and C > 1 or `tp_mesh` has more than one rank (upstream's rule; a
+    `[1, S]` tensor is expanded to B); labels come from the batch, else `loss_mask` is promoted to labels.
     Keys sharded: input_ids, inputs_embeds, labels, position_ids (continuing), padding_mask, `_packed_seq_ids`,
     mm_token_type_ids, per_layer_inputs (`[B, S, L, H]`), loss_mask, the model's `options.extra_seq_keys` (when
     present in the batch), and — required when named — upstream's `batch["_cp_metadata_seq_dims"]` /
@@ -401,11 +414,15 @@ def make_contiguous_shard_cp_batch_and_ctx(
         batch["loss_mask"] = loss_mask
     primary = batch.get("input_ids", batch.get("inputs_embeds"))
     assert primary is not None
-    _ensure_position_ids(batch, primary)
-    seq_dim = _position_seq_dim(batch["position_ids"])
-    keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
-    _synthesize_single_document_seq_ids(batch)
     cp_size = cp_mesh.size() if cp_mesh is not None else 1
+    tp_size = tp_mesh.size() if tp_mesh is not None else 1
+    # Upstream's rule: position ids are synthesized when the sequence is sharded (C > 1) or tensor parallel
+    # (TP > 1, whose sequence-parallel regions need explicit positions); at C = TP = 1 the model makes its own.
+    _ensure_position_ids(batch, primary, synthesize=cp_size > 1 or tp_size > 1)
+    if batch.get("position_ids") is not None:
+        seq_dim = _position_seq_dim(batch["position_ids"])
+        keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
+    _synthesize_single_document_seq_ids(batch)
     layout = ContiguousLayout(
         cp_size=cp_size, cp_rank=_cp_rank(cp_mesh) if cp_size > 1 else 0, pad_multiple=options.pad_multiple
     )

@@ -41,7 +41,12 @@ class RingAttentionContext:
 
     positions: `[S_local]` (or `[B, S_local]`) global positions of the local tokens; doc_ids: `[B, S_local]`
     document ids (0 = padding, never attended to) or None when every token is real and in one document.
-    seq_len / padded_len: the batch's sequence length before and after CP padding (for `unshard`).
+    seq_len / padded_len: the batch's sequence length before and after CP padding (`unshard` trims to seq_len);
+    checked against the layout and the positions (the layout keeps `len(layout.local_indices(padded_len))` tokens
+    per rank), so a context is never built from another batch's positions.
+
+    Raises:
+        ValueError: when padded_len < seq_len, or the positions do not hold the layout's number of local tokens.
     """
 
     def __init__(
@@ -56,6 +61,13 @@ class RingAttentionContext:
         route_hf_attention: bool = True,
         kernel: AttentionKernel | None = None,
     ) -> None:
+        local_tokens = layout.local_indices(padded_len).numel()
+        if padded_len < seq_len or positions.shape[-1] != local_tokens:
+            raise ValueError(
+                f"RingAttentionContext: seq_len={seq_len}, padded_len={padded_len} and {layout!r} keep "
+                f"{local_tokens} tokens per rank, but the positions hold {positions.shape[-1]}; pass this batch's "
+                "lengths and positions (layout.local_indices(padded_len))"
+            )
         self.group = group
         self.layout = layout
         self.seq_len = seq_len
