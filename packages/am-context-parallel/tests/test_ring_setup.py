@@ -175,6 +175,30 @@ def _standalone_case(group: Any) -> dict[str, Any]:
     return {"calls": calls, "setup_gathers": stats.setup_gathers}
 
 
+def _bad_positions_case(kind: str, group: Any) -> str:
+    """Positions that are not global positions of one layout: every rank must raise the same error (no hang)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    q = torch.randn(2, 2, 4, 8)
+    if kind == "local":  # each rank counts its own 4 tokens from 0
+        positions = torch.arange(4)
+    elif kind == "rope_restarting":  # position ids of two packed 8-token documents over 4 contiguous shards
+        positions = torch.arange(8).repeat(2)[4 * rank : 4 * rank + 4]
+    else:  # "gaps": distinct, but rank r's tokens start at 8r: the ranks do not tile one sequence
+        positions = torch.arange(4) + 8 * rank
+    try:
+        if kind == "rope_restarting":  # through a context: checked at its first attention call
+            layout = ContiguousLayout(cp_size=cp, cp_rank=rank)
+            ctx = RingAttentionContext(
+                group=group, layout=layout, positions=positions, doc_ids=None, seq_len=4 * cp, padded_len=4 * cp
+            )
+            ctx.attention(q, q, q)
+        else:
+            ring_attention(q, q, q, group=group, positions=positions)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     return run_cases(
@@ -182,6 +206,11 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
             "load_balanced_cp4": lambda: _context_case("load_balanced", 29, dist.group.WORLD),
             "contiguous_cp2": lambda: _context_case("contiguous", 13, pairs[rank // 2]),
             "standalone_cp2": lambda: _standalone_case(pairs[rank // 2]),
+            "local_positions_cp2": lambda: _bad_positions_case("local", pairs[rank // 2]),
+            "rope_positions_cp4": lambda: _bad_positions_case("rope_restarting", dist.group.WORLD),
+            "gaps_cp2": lambda: _bad_positions_case("gaps", pairs[rank // 2]),
+            # the group still works after every rank raised together
+            "after_errors_cp4": lambda: _context_case("load_balanced", 29, dist.group.WORLD)["setup_gathers"],
         }
     )
 
@@ -250,3 +279,57 @@ def test_standalone_ring_attention_sets_up_per_call(results: list[dict[str, Any]
         got = case_result(results, "standalone_cp2", rank)
         assert all(call.get("collective:all_gather", 0) >= 2 for call in got["calls"]), got
         assert got["setup_gathers"] == 2
+
+
+@pytest.mark.parametrize(
+    ("case", "needles"),
+    [
+        ("local_positions_cp2", ["not the GLOBAL positions", "row 0: position 0 is held by ranks [0, 1]"]),
+        ("rope_positions_cp4", ["row 0: position 0 is held by ranks [0, 2]", "restart at every packed document"]),
+        ("gaps_cp2", ["row 0: 8 positions span 0..11, leaving gaps"]),
+    ],
+)
+def test_positions_that_are_not_global_raise_on_every_rank(
+    results: list[dict[str, Any]], case: str, needles: list[str]
+) -> None:
+    """Per-rank positions (each rank counting from 0) would silently give wrong attention; every rank refuses them
+    with the same message, and the group stays usable."""
+    for rank in range(4):
+        message = case_result(results, case, rank)
+        for needle in needles:
+            assert needle in message, (rank, message)
+        assert case_result(results, "after_errors_cp4", rank) == 1
+
+
+def test_one_process_positions_are_checked_too() -> None:
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="position 1 is held 2 times by rank 0"):
+        ring_attention(q, q, q, group=None, positions=torch.tensor([0, 1, 1, 2]))
+    with pytest.raises(ValueError, match=r"span 0\.\.5, leaving gaps"):
+        ring_attention(q, q, q, group=None, positions=torch.tensor([0, 1, 2, 5]))
+    # Any contiguous range is a valid global sequence: masks compare differences only.
+    torch.testing.assert_close(
+        ring_attention(q, q, q, group=None, positions=torch.arange(4) + 10),
+        ring_attention(q, q, q, group=None, positions=torch.arange(4)),
+        rtol=0,
+        atol=0,
+    )
+
+
+def test_a_bool_sliding_window_raises_the_librarys_message() -> None:
+    """True is an int in Python: it must not pass as a window of 1."""
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(
+        ValueError, match=r"sliding_window must be a positive int \(a window length\) or None; got True"
+    ):
+        ring_attention(q, q, q, group=None, positions=torch.arange(4), sliding_window=True)
+    ctx = RingAttentionContext(
+        group=None,
+        layout=ContiguousLayout(cp_size=1, cp_rank=0),
+        positions=torch.arange(4),
+        doc_ids=None,
+        seq_len=4,
+        padded_len=4,
+    )
+    with pytest.raises(ValueError, match="got False"):
+        ctx.attention(q, q, q, sliding_window=False)

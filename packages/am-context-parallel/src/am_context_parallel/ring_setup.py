@@ -10,6 +10,9 @@ What it is for: before any K/V moves, the ranks of the CP group must agree on
 `RingState` computes 1–2 at the first attention call and 3 at the first call of each (causal, window, kernel), and
 caches them: every later call of every layer, forward and backward, issues only the K/V point-to-point transfers —
 no collective and no host synchronisation (`.tolist()`, `bool(tensor)`) on the attention path.
+Checked once, on the gathered positions (`position_problems`): within every batch row they must be distinct and fill
+one contiguous range — the global positions of some layout. Per-rank (local) positions, which would silently give
+wrong attention, are refused on every rank.
 What it must not do: move K/V or compute attention (ring.py does), or outlive its batch (a new
 `RingAttentionContext` builds a new state). Later calls are checked LOCALLY (this rank's shapes against the cached
 geometry): the layers must be called in the same order with the same options on every rank, as any SPMD model does.
@@ -126,9 +129,50 @@ def input_problems(
             problems.append(f"positions batch dim {positions.shape[0]} must be 1 or B={b}")
         if doc_ids is not None and (doc_ids.dtype.is_floating_point or tuple(doc_ids.shape) != (b, s)):
             problems.append(f"doc_ids must be integer [B={b}, S_local={s}]; got {doc_ids.dtype} {tuple(doc_ids.shape)}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        problems.append(f"sliding_window must be a positive int or None; got {sliding_window!r}")
+    # bool is an int subclass: True would silently mean a window of 1 (each token sees only itself).
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+    ):
+        problems.append(f"sliding_window must be a positive int (a window length) or None; got {sliding_window!r}")
     return problems
+
+
+def position_problems(all_positions: torch.Tensor) -> list[str]:
+    """Problems with the gathered positions `[C, Bp, S_local]` (empty when they are global positions of one layout).
+
+    Within every batch row the positions of all C ranks together must be distinct and fill one contiguous range
+    p0 … p0 + C·S_local − 1: every layout (load-balanced, contiguous, packed, identity at C = 1) hands each rank a
+    disjoint part of the padded sequence `[0, P)`. Per-rank positions counting from 0 repeat across ranks (and
+    cannot fill the range); RoPE position ids of packed documents restart at every document and repeat too.
+    """
+    world, rows, seq = all_positions.shape
+    per_row = all_positions.permute(1, 0, 2).reshape(rows, world * seq)
+    ordered = per_row.sort(dim=-1).values
+    steps = ordered[:, 1:] - ordered[:, :-1]
+    problems = []
+    for row in (steps != 1).any(dim=-1).nonzero().flatten().tolist():
+        repeats = (steps[row] == 0).nonzero().flatten()
+        if repeats.numel():
+            value = int(ordered[row, int(repeats[0])])
+            holders = (all_positions[:, row] == value).sum(dim=-1)
+            ranks = [r for r, count in enumerate(holders.tolist()) if count]
+            where = f"by ranks {ranks}" if len(ranks) > 1 else f"{int(holders[ranks[0]])} times by rank {ranks[0]}"
+            problems.append(f"row {row}: position {value} is held {where}")
+        else:
+            low, high = int(ordered[row, 0]), int(ordered[row, -1])
+            problems.append(f"row {row}: {world * seq} positions span {low}..{high}, leaving gaps")
+    return problems
+
+
+def _position_error(problems: list[str], world: int, seq: int) -> ValueError:
+    return ValueError(
+        "ring_attention: the positions are not the GLOBAL positions of one sharded sequence. Within every batch "
+        f"row, the positions of the {world} rank(s) together must be distinct and fill one range "
+        f"p0 … p0+{world * seq - 1} ({world} ranks x S_local={seq} tokens); per-rank positions counting from 0, or "
+        "RoPE position ids that restart at every packed document, break this. Pass the layout's "
+        "`local_indices(padded_len)` (what make_cp_batch_and_ctx puts in its context) and give documents as "
+        "doc_ids:\n  - " + "\n  - ".join(problems)
+    )
 
 
 def invalid_input_error(problems: list[str]) -> ValueError:
@@ -281,6 +325,9 @@ class RingState:
             if docs is not None:
                 all_docs = _all_gather(docs, group, world)
                 record(metadata_bytes=nbytes(docs))
+        problems = position_problems(all_pos)
+        if problems:  # every rank computes the same from the same gathered positions: all raise together
+            raise _position_error(problems, world, pos.shape[-1])
         return _Geometry(
             group=group,
             world=world,
