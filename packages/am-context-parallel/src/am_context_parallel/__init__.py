@@ -44,7 +44,7 @@ from am_context_parallel.ring_stats import RingCommStats, count_ring_bytes
 from am_context_parallel.thd import process_input_for_thd, split_batch_into_thd_chunks
 from am_context_parallel.training import all_reduce_cp_gradients, cp_token_mean_loss
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # layouts

@@ -32,7 +32,7 @@ from am_models_gemma4.moe import Gemma4Experts, Gemma4MoE, Gemma4Router
 from am_models_gemma4.state_dict_adapter import Gemma4StateDictAdapter
 from am_models_gemma4.vlm import Gemma4ForConditionalGeneration, Gemma4Model
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # models
