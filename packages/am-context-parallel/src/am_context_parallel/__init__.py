@@ -13,7 +13,6 @@ from am_context_parallel.batch import (
     _synthesize_single_document_seq_ids,
     make_contiguous_shard_cp_batch_and_ctx,
     make_cp_batch_and_ctx,
-    make_cp_batch_for_te,
 )
 from am_context_parallel.context import RingAttentionContext, current_ring_context
 from am_context_parallel.hf import (
@@ -41,7 +40,7 @@ from am_context_parallel.model_protocol import CP_LAYOUTS, ContiguousCPOptions, 
 from am_context_parallel.ring import ring_attention
 from am_context_parallel.ring_setup import ring_plan
 from am_context_parallel.ring_stats import RingCommStats, count_ring_bytes
-from am_context_parallel.thd import process_input_for_thd, split_batch_into_thd_chunks
+from am_context_parallel.thd import make_cp_batch_for_te, process_input_for_thd, split_batch_into_thd_chunks
 from am_context_parallel.training import all_reduce_cp_gradients, cp_token_mean_loss
 
 __version__ = "0.2.0"

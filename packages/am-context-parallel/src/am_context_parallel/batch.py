@@ -2,8 +2,9 @@
 
 What it is for: the upstream entry points `make_cp_batch_and_ctx` (contiguous for a model that declares it > THD >
 identity > load-balanced) and `make_contiguous_shard_cp_batch_and_ctx` (the contiguous shard and its
-`RingAttentionContext`), plus `make_cp_batch_for_te` and `_synthesize_single_document_seq_ids`. Every input problem
-is reported at once, before anything is changed. What a model declares is read by `model_protocol.py`.
+`RingAttentionContext`), plus `_synthesize_single_document_seq_ids`; the THD path is `thd.make_cp_batch_for_te`.
+Every input problem is reported at once, before anything is changed. What a model declares is read by
+`model_protocol.py`.
 What it must not do: shard in place (torch's experimental `context_parallel` resizes buffers in place and rejects
 tensors that need grad; we build new tensors and put them in the batch dict), or communicate (the CP rank comes
 from the mesh).
@@ -21,18 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from am_context_parallel.context import RingAttentionContext
-from am_context_parallel.layouts import ContiguousLayout, Layout, LoadBalancedLayout, PackedLayout
+from am_context_parallel.layouts import ContiguousLayout, Layout, LoadBalancedLayout
+from am_context_parallel.mesh import cp_rank, sub_mesh
 from am_context_parallel.model_protocol import ContiguousCPOptions, model_cp_options
-from am_context_parallel.thd import split_batch_into_thd_chunks
+from am_context_parallel.thd import make_cp_batch_for_te
 
-__all__ = [
-    "make_contiguous_shard_cp_batch_and_ctx",
-    "make_cp_batch_and_ctx",
-    "make_cp_batch_for_te",
-]
+__all__ = ["make_contiguous_shard_cp_batch_and_ctx", "make_cp_batch_and_ctx"]
 
 ContextFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 
@@ -44,18 +41,6 @@ class _SeqKey:
     seq_dim: int
     batch_dim: int
     pad_value: Any
-
-
-def _sub_mesh(device_mesh: Any, name: str) -> Any:
-    names = getattr(device_mesh, "mesh_dim_names", None) or ()
-    return device_mesh[name] if device_mesh is not None and name in names else None
-
-
-def _cp_rank(cp_mesh: Any) -> int:
-    # The rank INSIDE the CP group, never the global or HSDP coordinate.
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group=cp_mesh.get_group())
-    return int(cp_mesh.get_local_rank())
 
 
 def _default_pad(key: str, tensor: torch.Tensor, padding_token_id: int) -> Any:
@@ -74,6 +59,33 @@ def _default_pad(key: str, tensor: torch.Tensor, padding_token_id: int) -> Any:
 
 def _position_seq_dim(position_ids: torch.Tensor) -> int:
     return 2 if position_ids.dim() == 3 else 1
+
+
+def _sequence_keys(
+    batch: dict[str, Any], padding_token_id: int, extra_seq_buffers: list[str] | None, *model_keys: str
+) -> dict[str, _SeqKey]:
+    """The keys both paths pad and shard (with upstream's pad values), `model_keys` (pad 0), the batch's position
+    ids (continuing, `[3, B, S]` mRoPE on dim 2) and every present `extra_seq_buffers` key."""
+    keys = {
+        "input_ids": _SeqKey(1, 0, padding_token_id),
+        "inputs_embeds": _SeqKey(1, 0, 0),
+        "labels": _SeqKey(1, 0, -100),
+        "padding_mask": _SeqKey(1, 0, True),
+        "_packed_seq_ids": _SeqKey(1, 0, 0),
+        "loss_mask": _SeqKey(1, 0, 0),
+        **{key: _SeqKey(1, 0, 0) for key in model_keys},
+    }
+    _add_position_key(batch, keys)
+    for key in extra_seq_buffers or []:
+        if isinstance(batch.get(key), torch.Tensor):
+            keys.setdefault(key, _SeqKey(1, 0, _default_pad(key, batch[key], padding_token_id)))
+    return keys
+
+
+def _add_position_key(batch: dict[str, Any], keys: dict[str, _SeqKey]) -> None:
+    if isinstance(batch.get("position_ids"), torch.Tensor):
+        seq_dim = _position_seq_dim(batch["position_ids"])
+        keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
 
 
 def _padding_mask_from_attention_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -255,7 +267,7 @@ def make_cp_batch_and_ctx(
             f"num_chunks={num_chunks} and seq_lens_padding_value={seq_lens_padding_value} configure the THD path "
             "only; pass use_te=True to use it, or leave them at their defaults (1, -1000)"
         )
-    cp_mesh, tp_mesh = _sub_mesh(device_mesh, "cp"), _sub_mesh(device_mesh, "tp")
+    cp_mesh, tp_mesh = sub_mesh(device_mesh, "cp"), sub_mesh(device_mesh, "tp")
     options = model_cp_options(model) if model is not None else None
     if options is not None:
         if use_te:
@@ -284,42 +296,27 @@ def make_cp_batch_and_ctx(
     if cp_size <= 1:
         return contextlib.nullcontext, batch
 
-    keys = {
-        "input_ids": _SeqKey(1, 0, padding_token_id),
-        "inputs_embeds": _SeqKey(1, 0, 0),
-        "labels": _SeqKey(1, 0, -100),
-        "padding_mask": _SeqKey(1, 0, True),
-        "_packed_seq_ids": _SeqKey(1, 0, 0),
-        "loss_mask": _SeqKey(1, 0, 0),
-        "attention_mask": _SeqKey(1, 0, False),
-    }
-    if isinstance(batch.get("position_ids"), torch.Tensor):
-        seq_dim = _position_seq_dim(batch["position_ids"])
-        keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
+    keys = _sequence_keys(batch, padding_token_id, extra_seq_buffers)
     extra = list(extra_seq_buffers or [])
-    for key in extra:
-        if isinstance(batch.get(key), torch.Tensor):
-            keys.setdefault(key, _SeqKey(1, 0, _default_pad(key, batch[key], padding_token_id)))
     if loss_mask is not None:
         batch["loss_mask"] = loss_mask
     attention_mask = batch.get("attention_mask")
-    if attention_mask is not None and attention_mask.dim() != 2:
-        keys.pop("attention_mask")  # a 4-D mask is only read for its diagonal below
+    if attention_mask is not None and attention_mask.dim() == 2:  # a 4-D mask is only read for its diagonal below
+        keys["attention_mask"] = _SeqKey(1, 0, False)
     _validate(batch, keys, needs_labels=True, extra_missing=[k for k in extra if k not in batch])
 
     attention_mask = batch.pop("attention_mask", None)
-    keys.pop("attention_mask")
+    keys.pop("attention_mask", None)
     primary = batch.get("input_ids", batch.get("inputs_embeds"))
     assert primary is not None
     _ensure_position_ids(batch, primary)
-    seq_dim = _position_seq_dim(batch["position_ids"])
-    keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
+    _add_position_key(batch, keys)
     padding_mask = batch.get("padding_mask")
     if padding_mask is None and attention_mask is not None:
         padding_mask = _padding_mask_from_attention_mask(attention_mask)
     doc_ids = _doc_ids_for_ring(batch, padding_mask)
 
-    layout = LoadBalancedLayout(cp_size=cp_size, cp_rank=_cp_rank(cp_mesh))
+    layout = LoadBalancedLayout(cp_size=cp_size, cp_rank=cp_rank(cp_mesh))
     seq_len, padded_len = _shard_keys(batch, keys, layout)
     if doc_ids is None and padded_len != seq_len:
         doc_ids = torch.ones(primary.shape[:2], dtype=torch.long, device=primary.device)
@@ -375,26 +372,12 @@ def make_contiguous_shard_cp_batch_and_ctx(
     if batch.get("labels") is None and loss_mask is not None:
         batch["labels"] = loss_mask
         loss_mask = None
-    keys = {
-        "input_ids": _SeqKey(1, 0, padding_token_id),
-        "inputs_embeds": _SeqKey(1, 0, 0),
-        "labels": _SeqKey(1, 0, -100),
-        "padding_mask": _SeqKey(1, 0, True),
-        "_packed_seq_ids": _SeqKey(1, 0, 0),
-        "mm_token_type_ids": _SeqKey(1, 0, 0),
-        "per_layer_inputs": _SeqKey(1, 0, 0),
-        "loss_mask": _SeqKey(1, 0, 0),
-    }
-    if isinstance(batch.get("position_ids"), torch.Tensor):
-        seq_dim = _position_seq_dim(batch["position_ids"])
-        keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
+    # upstream's contiguous shard also carries the VLM / per-layer-input keys (per_layer_inputs is [B, S, L, H])
+    keys = _sequence_keys(batch, padding_token_id, extra_seq_buffers, "mm_token_type_ids", "per_layer_inputs")
     for key, (dim, pad_value) in options.extra_seq_keys.items():
         keys[key] = _SeqKey(dim, 0, pad_value)
     for key, dim in seq_dims.items():
         keys[key] = _SeqKey(dim, 0, pad_values.get(key, 0))
-    for key in extra_seq_buffers or []:
-        if isinstance(batch.get(key), torch.Tensor):
-            keys.setdefault(key, _SeqKey(1, 0, _default_pad(key, batch[key], padding_token_id)))
     required = [*seq_dims, *(extra_seq_buffers or [])]
     if attention_mask is not None and attention_mask.dim() == 2:
         keys["attention_mask"] = _SeqKey(1, 0, False)
@@ -419,12 +402,10 @@ def make_contiguous_shard_cp_batch_and_ctx(
     # Upstream's rule: position ids are synthesized when the sequence is sharded (C > 1) or tensor parallel
     # (TP > 1, whose sequence-parallel regions need explicit positions); at C = TP = 1 the model makes its own.
     _ensure_position_ids(batch, primary, synthesize=cp_size > 1 or tp_size > 1)
-    if batch.get("position_ids") is not None:
-        seq_dim = _position_seq_dim(batch["position_ids"])
-        keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
+    _add_position_key(batch, keys)
     _synthesize_single_document_seq_ids(batch)
     layout = ContiguousLayout(
-        cp_size=cp_size, cp_rank=_cp_rank(cp_mesh) if cp_size > 1 else 0, pad_multiple=options.pad_multiple
+        cp_size=cp_size, cp_rank=cp_rank(cp_mesh) if cp_size > 1 else 0, pad_multiple=options.pad_multiple
     )
     seq_len, padded_len = _shard_keys(batch, keys, layout)
     if cp_size <= 1:
@@ -440,76 +421,3 @@ def make_contiguous_shard_cp_batch_and_ctx(
         kernel=options.kernel_for(primary.device),
     )
     return ctx, batch
-
-
-def make_cp_batch_for_te(
-    cp_mesh: Any,
-    batch: dict[str, Any],
-    qkv_format: str = "thd",
-    padding_token_id: int = 0,
-    num_chunks: int = 1,
-    seq_lens_padding_value: int = -1000,
-) -> dict[str, Any]:
-    """THD batch for Transformer Engine's CP attention: convert to THD, then keep this rank's per-sequence head-tail.
-
-    The partition is `PackedLayout` (TE's `thd_get_partitioned_indices`, in torch). Output: int64 input_ids, labels,
-    position_ids; `cu_seqlens` = the GLOBAL padded cumulative lengths (int32; TE divides by C itself), `max_seqlen`
-    (int32), `padding_mask = input_ids == padding_token_id`, `qkv_format`, `cp_size`, `cp_rank`. For
-    `num_chunks > 1` the per-chunk results are stacked on a leading dim.
-
-    Raises:
-        ValueError: for a format other than "thd", or padded sequence lengths not divisible by 2C.
-    """
-    if qkv_format != "thd":
-        raise ValueError(f"Currently only 'thd' format is supported, got: {qkv_format}")
-    thd = split_batch_into_thd_chunks(batch, num_chunks, seq_lens_padding_value, padding_token_id)
-    cp_size = cp_mesh.size() if cp_mesh is not None else 1
-    if cp_size <= 1:
-        return thd
-    rank = _cp_rank(cp_mesh)
-    if num_chunks <= 1:
-        return _shard_thd_chunk(thd, cp_size, rank, padding_token_id, seq_lens_padding_value)
-    chunks = []
-    for index in range(num_chunks):
-        chunk = {k: (v[index] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in thd.items()}
-        chunks.append(_shard_thd_chunk(chunk, cp_size, rank, padding_token_id, seq_lens_padding_value))
-    out = dict(chunks[0])
-    for key in ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "padding_mask"):
-        if key in chunks[0]:
-            out[key] = _stack_ragged([c[key] for c in chunks], seq_lens_padding_value)
-    return out
-
-
-def _stack_ragged(values: list[torch.Tensor], fill: int) -> torch.Tensor:
-    if values[0].dim() == 0 or all(v.shape == values[0].shape for v in values):
-        return torch.stack(values)
-    width = max(v.shape[-1] for v in values)
-    return torch.stack([torch.cat([v, v.new_full((width - v.shape[-1],), fill)]) for v in values])
-
-
-def _shard_thd_chunk(
-    thd: dict[str, Any], cp_size: int, rank: int, padding_token_id: int, sentinel: int
-) -> dict[str, Any]:
-    cu = thd.get("cu_seqlens_padded", thd.get("cu_seqlens"))
-    if cu is None:
-        raise ValueError(
-            "BSHD format is not supported by the THD CP path: 'cu_seqlens' (and 'cu_seqlens_padded' when sequences "
-            "are padded) must be present; convert the batch with process_input_for_thd first"
-        )
-    cu = cu[cu != sentinel].to(torch.int64)
-    layout = PackedLayout(cp_size=cp_size, cp_rank=rank, cu_seqlens_padded=cu)
-    out = {k: v for k, v in thd.items() if k != "cu_seqlens_padded"}
-    for key in ("input_ids", "labels", "position_ids", "padding_mask"):
-        value = thd.get(key)
-        if isinstance(value, torch.Tensor):
-            out[key] = layout.shard(value, seq_dim=-1)
-            if key != "padding_mask":
-                out[key] = out[key].long()
-    if isinstance(out.get("input_ids"), torch.Tensor):
-        out["padding_mask"] = out["input_ids"] == padding_token_id
-    out["cu_seqlens"] = cu.to(torch.int32)
-    out["max_seqlen"] = (cu[1:] - cu[:-1]).max().to(torch.int32)
-    out["qkv_format"] = "thd"
-    out["cp_size"] = cp_size
-    out["cp_rank"] = rank
-    return out
