@@ -113,7 +113,7 @@ def combine_pairs(
     combine_dtype: the dtype of the weighted sum (fp32 keeps bf16 expert outputs from rounding the routing weights);
     None multiplies and sums in the expert outputs' dtype. The result is cast to `out_dtype`.
     """
-    pairs = sorted_out[state.inverse_order].view(state.num_tokens, state.top_k, -1)
+    pairs = sorted_out[state.inverse_order].view(state.num_tokens, state.top_k, sorted_out.shape[-1])
     dtype = combine_dtype if combine_dtype is not None else pairs.dtype
     weighted = pairs.to(dtype) * top_k_weights.to(dtype).unsqueeze(-1)
     return weighted.sum(dim=1).to(out_dtype)
@@ -170,7 +170,7 @@ class _AllToAll(torch.autograd.Function):
     """`all_to_all_single` with uneven splits whose backward is the reverse all-to-all."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         x: torch.Tensor,
         output_splits: list[int],
@@ -183,7 +183,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(x, output_splits, input_splits, group)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         out_splits, in_splits, group = ctx.input_splits, ctx.output_splits, ctx.group  # type: ignore[attr-defined]
         _record(backward_bytes=_remote_bytes(grad, in_splits, group))
         return _all_to_all(grad, out_splits, in_splits, group), None, None, None, None
@@ -199,7 +199,9 @@ def _all_to_all(
 
 def _remote_bytes(x: torch.Tensor, splits: list[int], group: dist.ProcessGroup) -> int:
     me = dist.get_rank(group)
-    row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    row = x.element_size()
+    for size in x.shape[1:]:
+        row *= size
     return sum(n for rank, n in enumerate(splits) if rank != me) * row
 
 

@@ -99,7 +99,9 @@ class GroupedExperts(nn.Module):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name} must be a positive int, got {value!r}")
         if isinstance(activation, str) and activation not in EXPERT_ACTIVATIONS:
-            problems.append(f"activation {activation!r} is unknown; use one of {sorted(EXPERT_ACTIVATIONS)} or a callable")
+            problems.append(
+                f"activation {activation!r} is unknown; use one of {sorted(EXPERT_ACTIVATIONS)} or a callable"
+            )
         elif not isinstance(activation, str) and not callable(activation):
             problems.append(f"activation must be a name or a callable, got {activation!r}")
         if grouped_mm not in ("auto", "grouped_mm", "loop"):

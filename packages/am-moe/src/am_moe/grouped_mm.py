@@ -74,7 +74,7 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _select(
     device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype, sizes: tuple[int, ...], requested: str
 ) -> GroupedMMChoice:
@@ -112,17 +112,15 @@ class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward hands on a contiguous gradient (`_grouped_mm`'s backward rejects stride-0 ones)."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
 
 
-def grouped_linear(
-    x: torch.Tensor, weight: torch.Tensor, layout: GroupLayout, *, backend: str
-) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, layout: GroupLayout, *, backend: str) -> torch.Tensor:
     """`out[rows of group g] = x[rows of group g] @ weight[g].T` for every group. x: `[N, in]`, weight: `[G, out, in]`
     -> `[N, out]` in x's dtype. Rows outside every group (`layout.valid_rows` False) give 0 and pass no gradient.
 

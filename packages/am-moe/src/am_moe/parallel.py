@@ -153,12 +153,12 @@ def fully_shard_experts(
     """
     from torch.distributed.fsdp import fully_shard
 
-    sharded = []
+    sharded: list[nn.Module] = []
     for _, experts in expert_modules(module):
         fsdp_module = fully_shard(experts, mesh=mesh, **fully_shard_kwargs)
         if gradient_divide_factor is not None:
             fsdp_module.set_gradient_divide_factor(gradient_divide_factor)
-        sharded.append(fsdp_module)
+        sharded.append(experts)  # the same object, now also an FSDPModule
     return sharded
 
 
