@@ -77,7 +77,9 @@ def run_group(
     # forkserver: torch is imported once by the server and each rank forks from it (spawning costs ~5-10 s of
     # imports per rank on a busy 2-core machine); forking pytest itself is unsafe once it has run OpenMP kernels.
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "am_moe"])
+    context.set_forkserver_preload(
+        ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", "pytest", "am_moe"]
+    )
     procs = [context.Process(target=_entry, args=(worker, rank, world_size, folder)) for rank in range(world_size)]
     for proc in procs:
         proc.start()

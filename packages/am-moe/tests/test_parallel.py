@@ -38,6 +38,8 @@ from am_moe import (
 # fp32: EP computes the same products as the single process; only reductions are reordered (expert-weight
 # gradients summed over ranks, FSDP reduce-scatter), a few ulps at these magnitudes.
 TOL = 1e-5
+# bf16 (8 mantissa bits): the expert-weight gradients are summed over ranks in bf16, a few bf16 ulps.
+BF16_TOL = 3e-2
 H, INTER, E = 16, 8, 8
 
 
@@ -52,6 +54,7 @@ class EPSpec:
     padding: bool = False
     skew: bool = False  # rank 1's tokens only pick experts 0..3 (ep rank 1 owns 4..7)
     checkpointed: bool = False
+    dtype: torch.dtype = torch.float32
 
 
 EP_SPECS = [
@@ -61,6 +64,7 @@ EP_SPECS = [
     EPSpec("empty_rank", tokens=(19, 0), backend="loop"),
     EPSpec("top_k_all_experts", top_k=E, tokens=(5, 6)),
     EPSpec("activation_checkpointing", checkpointed=True, padding=True),
+    EPSpec("bf16", dtype=torch.bfloat16, padding=True),
 ]
 
 
@@ -68,7 +72,7 @@ def _experts(spec: EPSpec) -> GroupedExperts:
     torch.manual_seed(123)
     experts = GroupedExperts(E, H, INTER, gated=spec.gated, activation=spec.activation, grouped_mm=spec.backend)
     experts.init_weights(std=0.3)
-    return experts
+    return experts.to(spec.dtype)
 
 
 def _pair_inputs(spec: EPSpec, pair: int) -> dict[str, torch.Tensor]:
@@ -83,7 +87,8 @@ def _pair_inputs(spec: EPSpec, pair: int) -> dict[str, torch.Tensor]:
     weights = torch.rand(total, spec.top_k, generator=gen) + 0.1
     mask = torch.rand(total, generator=gen) > 0.25 if spec.padding else torch.ones(total, dtype=torch.bool)
     grad = torch.randn(total, H, generator=gen)
-    return {"x": x, "index": index, "weights": weights, "mask": mask, "grad": grad}
+    # routing weights stay fp32 (routers compute in fp32); tokens and their gradient in the layer's dtype
+    return {"x": x.to(spec.dtype), "index": index, "weights": weights, "mask": mask, "grad": grad.to(spec.dtype)}
 
 
 def _forward_backward(experts: nn.Module, inputs: dict[str, torch.Tensor], spec: EPSpec) -> dict[str, torch.Tensor]:
@@ -267,6 +272,7 @@ def group_results() -> tuple[list[dict[str, Any]], str]:
 @pytest.mark.parametrize("spec", EP_SPECS, ids=[s.name for s in EP_SPECS])
 def test_ep2_equals_single_process_layer(group_results: Any, spec: EPSpec) -> None:
     results, _ = group_results
+    tol = TOL if spec.dtype == torch.float32 else BF16_TOL
     for pair in (0, 1):
         inputs = _pair_inputs(spec, pair)
         reference = _experts(spec)
@@ -274,11 +280,11 @@ def test_ep2_equals_single_process_layer(group_results: Any, spec: EPSpec) -> No
         ranks = [case_result(results, f"ep2/{spec.name}", 2 * pair + r) for r in (0, 1)]
         for key in ("out", "x_grad", "weights_grad"):
             got = torch.cat([ranks[0][key], ranks[1][key]])
-            torch.testing.assert_close(got, expected[key], rtol=TOL, atol=TOL, msg=f"pair {pair} {key}")
+            torch.testing.assert_close(got, expected[key], rtol=tol, atol=tol, msg=f"pair {pair} {key}")
         for rank in ranks:
             assert rank["local_experts"] == E // 2
-            torch.testing.assert_close(rank["first_grad"], reference.first_proj.grad, rtol=TOL, atol=TOL)
-            torch.testing.assert_close(rank["down_grad"], reference.down_proj.grad, rtol=TOL, atol=TOL)
+            torch.testing.assert_close(rank["first_grad"], reference.first_proj.grad, rtol=tol, atol=tol)
+            torch.testing.assert_close(rank["down_grad"], reference.down_proj.grad, rtol=tol, atol=tol)
             # load summed over the ep group = the single-process layer's counts (padding excluded, counted once)
             assert torch.equal(rank["load"], reference.tokens_per_expert)
 
