@@ -8,6 +8,7 @@ Importing this package never imports transformers, transformer_engine or flash_a
 
 from __future__ import annotations
 
+from am_context_parallel._version import __version__
 from am_context_parallel.batch import (
     _synthesize_single_document_seq_ids,
     make_contiguous_shard_cp_batch_and_ctx,
@@ -39,8 +40,6 @@ from am_context_parallel.layouts import (
 from am_context_parallel.ring import RingCommStats, count_ring_bytes, ring_attention, ring_plan
 from am_context_parallel.thd import process_input_for_thd, split_batch_into_thd_chunks
 from am_context_parallel.training import all_reduce_cp_gradients, cp_token_mean_loss
-
-__version__ = "0.1.0"
 
 __all__ = [
     # layouts
@@ -77,4 +76,5 @@ __all__ = [
     # training step
     "all_reduce_cp_gradients",
     "cp_token_mean_loss",
+    "__version__",
 ]
