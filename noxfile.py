@@ -14,15 +14,11 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import sys
+import shutil
+import tomllib
 from pathlib import Path
 
 import nox
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - nox runs on the workspace interpreter (>= 3.11 in uv.lock's dev group)
-    import tomli as tomllib
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = False
@@ -139,15 +135,43 @@ def _expected_requires_dist(pyproject: dict) -> list[str]:
 
 @nox.session
 def wheels(session: nox.Session) -> None:
-    """Build every package's wheel and check it lists exactly the declared runtime dependencies and extras."""
+    """Build every package's wheel and sdist into `dist/`, check their metadata, then install each package from
+    `dist/` alone into a fresh venv, the way the README shows (`pip install --find-links dist <package>`).
+
+    Checks: each wheel declares exactly its pyproject's runtime dependencies and extras and ships `py.typed` and
+    LICENSE (so does each sdist); each package installs from `dist/` with its workspace siblings resolved from there
+    too (real installs, never editable; third-party versions pinned to uv.lock), imports from the venv's
+    site-packages and reports its pyproject version.
+    """
     _uv_sync(session, "--only-group", "dev")
-    out = Path(session.create_tmp()) / "dist"
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
     for package in PACKAGES:
-        session.run("uv", "build", "--wheel", "--package", package, "--out-dir", str(out), "--quiet", external=True)
+        session.run("uv", "build", "--package", package, "--out-dir", str(dist), "--quiet", external=True)
         normalized = package.replace("-", "_")
-        (wheel,) = out.glob(f"{normalized}-*.whl")
+        version = _read_pyproject(package)["project"]["version"]
+        (wheel,) = dist.glob(f"{normalized}-{version}-*.whl")
+        (sdist,) = dist.glob(f"{normalized}-{version}.tar.gz")
         expected = _expected_requires_dist(_read_pyproject(package))
-        session.run("python", "tools/check_wheel.py", str(wheel), json.dumps(expected))
+        session.run("python", "tools/check_wheel.py", str(wheel), str(sdist), json.dumps(expected))
+    # Third-party versions come from uv.lock; the workspace packages only from dist/.
+    tmp = Path(session.create_tmp())
+    constraints = tmp / "constraints.txt"
+    session.run(
+        "uv", "export", "--locked", "--all-packages", "--no-default-groups", "--no-emit-workspace", "--no-hashes",
+        "--format", "requirements-txt", "--output-file", str(constraints), "--quiet", external=True,
+    )  # fmt: skip
+    for package in PACKAGES:
+        venv = tmp / f"install-{package}"
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run("uv", "venv", "--quiet", str(venv), external=True)
+        python = str(venv / "bin" / "python")
+        session.run(
+            "uv", "pip", "install", "--quiet", "--python", python, "--find-links", str(dist),
+            "--constraints", str(constraints), package, external=True,
+        )  # fmt: skip
+        versions = {name: _read_pyproject(name)["project"]["version"] for name in _workspace_closure(package)}
+        session.run(python, "tools/check_install.py", package, json.dumps(versions), external=True)
 
 
 @nox.session

@@ -18,6 +18,15 @@ from am_models_nemotron.checkpoint import (
 )
 from am_models_nemotron.config import BLOCK_KINDS, NemotronConfig, as_hf_config, normalize_block_types
 from am_models_nemotron.mamba2 import Mamba2FP32Params, Mamba2Mixer, MambaRMSNormGated, mamba_kernels_available
+from am_models_nemotron.mamba2_cp import (
+    Mamba2CPContext,
+    MambaCPCommStats,
+    conv_halo_width,
+    count_mamba_cp_bytes,
+    mamba_cp_bytes_per_layer,
+    prepend_conv_halo,
+    ssd_chunked_scan_cp,
+)
 from am_models_nemotron.model import (
     ModelClass,
     NemotronHCausalLMOutputWithPast,
@@ -59,6 +68,14 @@ __all__ = [
     "ssd_chunked_scan",
     "ssd_sequential_scan",
     "segment_sum",
+    # context parallelism across Mamba2 (contiguous shards, exact state passing)
+    "Mamba2CPContext",
+    "ssd_chunked_scan_cp",
+    "prepend_conv_halo",
+    "conv_halo_width",
+    "MambaCPCommStats",
+    "count_mamba_cp_bytes",
+    "mamba_cp_bytes_per_layer",
     # MTP
     "MTPConfig",
     "MTPModule",
