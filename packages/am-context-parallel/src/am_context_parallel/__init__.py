@@ -9,6 +9,7 @@ Importing this package never imports transformers, transformer_engine or flash_a
 
 from __future__ import annotations
 
+from am_context_parallel._version import __version__
 from am_context_parallel.batch import (
     _synthesize_single_document_seq_ids,
     make_contiguous_shard_cp_batch_and_ctx,
@@ -42,8 +43,6 @@ from am_context_parallel.ring_setup import ring_plan
 from am_context_parallel.ring_stats import RingCommStats, count_ring_bytes
 from am_context_parallel.thd import make_cp_batch_for_te, process_input_for_thd, split_batch_into_thd_chunks
 from am_context_parallel.training import all_reduce_cp_gradients, cp_token_mean_loss
-
-__version__ = "0.2.0"
 
 __all__ = [
     # layouts
@@ -84,4 +83,5 @@ __all__ = [
     # training step
     "all_reduce_cp_gradients",
     "cp_token_mean_loss",
+    "__version__",
 ]

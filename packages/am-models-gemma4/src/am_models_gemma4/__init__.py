@@ -7,6 +7,7 @@ Text decoder and causal LM (`model`), the vision-language model around HF's visi
 
 from __future__ import annotations
 
+from am_models_gemma4._version import __version__
 from am_models_gemma4.attention import AttentionInputs, Gemma4Attention, SharedKVStates, build_attention_mask
 from am_models_gemma4.checkpoint import load_pretrained, read_safetensors_folder, save_pretrained
 from am_models_gemma4.config import (
@@ -31,8 +32,6 @@ from am_models_gemma4.model import (
 from am_models_gemma4.moe import Gemma4Experts, Gemma4MoE, Gemma4Router
 from am_models_gemma4.state_dict_adapter import Gemma4StateDictAdapter
 from am_models_gemma4.vlm import Gemma4ForConditionalGeneration, Gemma4Model
-
-__version__ = "0.2.0"
 
 __all__ = [
     # models
@@ -70,4 +69,5 @@ __all__ = [
     "softcap_logits",
     "text_config_of",
     "validate_text_config",
+    "__version__",
 ]

@@ -251,8 +251,10 @@ class Gemma4ForCausalLM(ContextParallelHooks, nn.Module):
     Checkpoints: `from_pretrained` / `save_pretrained` read and write transformers' `Gemma4ForCausalLM` folders.
     """
 
-    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["router"]  # router proj, scale and per-expert scale stay fp32
-    _keep_in_fp32_modules: ClassVar[list[str]] = ["rotary_emb"]  # RoPE inv_freq buffers
+    # The fp32-pinned tensors, listed once for the package (the VLM class reuses these lists; casting and checkpoint
+    # loading derive from them): the MoE router's proj, scale and per-expert scale, and the RoPE inv_freq buffers.
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["router"]
+    _keep_in_fp32_modules: ClassVar[list[str]] = ["rotary_emb"]
     _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
     supports_gradient_checkpointing = False
 

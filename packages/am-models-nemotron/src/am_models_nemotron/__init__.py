@@ -6,6 +6,7 @@ Importing this package never imports mamba_ssm, causal_conv1d, am-pipelining or 
 
 from __future__ import annotations
 
+from am_models_nemotron._version import __version__
 from am_models_nemotron.attention import NemotronAttention, build_attention_mask
 from am_models_nemotron.blocks import NemotronV3Block
 from am_models_nemotron.cache import NemotronHybridCache
@@ -37,8 +38,6 @@ from am_models_nemotron.moe import GroupedExperts, NemotronMLP, NemotronMoE, Nem
 from am_models_nemotron.mtp import MTPConfig, MTPModule, MTPSublayer, mtp_loss, roll_tensor, shift_labels
 from am_models_nemotron.ssd import segment_sum, ssd_chunked_scan, ssd_sequential_scan
 from am_models_nemotron.state_dict_adapter import NemotronV3StateDictAdapter
-
-__version__ = "0.1.0"
 
 __all__ = [
     # config
