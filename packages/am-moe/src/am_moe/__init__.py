@@ -9,6 +9,7 @@ Depends on torch only; never imports a model package.
 
 from __future__ import annotations
 
+from am_moe._version import __version__
 from am_moe.dispatch import (
     AllToAllDispatcher,
     AllToAllStats,
@@ -36,9 +37,8 @@ from am_moe.parallel import (
 )
 from am_moe.routing import RoutingError, routing_problems
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "__version__",
     # experts
     "EXPERT_ACTIVATIONS",
     "GroupedExperts",
