@@ -33,6 +33,14 @@ def _read_pyproject(package: str) -> dict:
         return tomllib.load(f)
 
 
+def _package_version(package: str) -> str:
+    """The version written in the package's `_version.py` (the file `[tool.hatch.version]` points at)."""
+    path = PACKAGES_DIR / package / _read_pyproject(package)["tool"]["hatch"]["version"]["path"]
+    match = re.search(r'^__version__ = "([^"]+)"$', path.read_text(), re.MULTILINE)
+    assert match is not None, f"no __version__ line in {path}"
+    return match[1]
+
+
 def _discover_packages() -> list[str]:
     return sorted(p.name for p in PACKAGES_DIR.iterdir() if (p / "pyproject.toml").is_file())
 
@@ -149,7 +157,7 @@ def wheels(session: nox.Session) -> None:
     for package in PACKAGES:
         session.run("uv", "build", "--package", package, "--out-dir", str(dist), "--quiet", external=True)
         normalized = package.replace("-", "_")
-        version = _read_pyproject(package)["project"]["version"]
+        version = _package_version(package)
         (wheel,) = dist.glob(f"{normalized}-{version}-*.whl")
         (sdist,) = dist.glob(f"{normalized}-{version}.tar.gz")
         expected = _expected_requires_dist(_read_pyproject(package))
@@ -170,7 +178,7 @@ def wheels(session: nox.Session) -> None:
             "uv", "pip", "install", "--quiet", "--python", python, "--find-links", str(dist),
             "--constraints", str(constraints), package, external=True,
         )  # fmt: skip
-        versions = {name: _read_pyproject(name)["project"]["version"] for name in _workspace_closure(package)}
+        versions = {name: _package_version(name) for name in _workspace_closure(package)}
         session.run(python, "tools/check_install.py", package, json.dumps(versions), external=True)
 
 

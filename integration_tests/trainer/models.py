@@ -184,34 +184,31 @@ def preset_spec(
 
 
 def folder_spec(folder: str | Path) -> ModelSpec:
-    """The spec of an HF-format folder: our Nemotron-H / Gemma 4 classes for their architectures, else any
-    transformers causal LM (`AutoModelForCausalLM`)."""
+    """The spec of an HF-format folder: the model class registered for its `architectures` / `model_type` in the
+    am-capabilities registry (our model packages register theirs through the `am_capabilities.models` entry
+    points), else any transformers causal LM (`AutoModelForCausalLM`). `family` is the config's `model_type`."""
+    from am_capabilities import find_model_class
+
     folder = Path(folder)
     config_dict = json.loads((folder / "config.json").read_text())
-    architectures = config_dict.get("architectures") or []
-    model_type = config_dict.get("model_type", "")
-    if "NemotronHForCausalLM" in architectures or model_type in ("nemotron_h", "nemotron_v3"):
-        from am_models_nemotron import NemotronHForCausalLM
+    model_type = config_dict.get("model_type") or None
+    # A composite (e.g. vision-language) config keeps the text settings in `text_config`.
+    vocab_size = int(config_dict.get("vocab_size") or config_dict.get("text_config", {})["vocab_size"])
+    registered = find_model_class(config_dict.get("architectures"), model_type)
+    if registered is not None:
+        model_class: Any = registered
 
-        def build() -> nn.Module:
-            return NemotronHForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        def build_registered() -> nn.Module:
+            return model_class.from_pretrained(folder, dtype=torch.float32)
 
-        return ModelSpec("nemotron", build, _save_own, int(config_dict["vocab_size"]))
-    if "Gemma4ForCausalLM" in architectures or model_type == "gemma4_text":
-        from am_models_gemma4 import Gemma4ForCausalLM
-
-        def build_gemma() -> nn.Module:
-            return Gemma4ForCausalLM.from_pretrained(folder, dtype=torch.float32)
-
-        return ModelSpec("gemma4", build_gemma, _save_own, int(config_dict["vocab_size"]))
+        return ModelSpec(model_type or registered.__name__, build_registered, _save_own, vocab_size)
 
     def build_hf() -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="sdpa")
-        return model
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="sdpa")
 
-    return ModelSpec(model_type or "hf", build_hf, _save_hf, int(config_dict["vocab_size"]))
+    return ModelSpec(model_type or "hf", build_hf, _save_hf, vocab_size)
 
 
 def build_model(spec: ModelSpec, *, seed: int) -> nn.Module:

@@ -138,10 +138,12 @@ def test_closest_declaration_in_the_mro_wins():
 
 
 def test_runtime_wrapper_subclass_inherits_the_declaration():
+    """A class swapped in at run time (as FSDP2's ``fully_shard`` does) still finds the declaration in its MRO."""
     model = attach_capabilities_and_validate(StaticModel())
-    assert type(model) is not StaticModel
-    assert isinstance(model, StaticModel)
+    assert type(model) is StaticModel  # attaching itself does not re-class the model
+    model.__class__ = type("FSDPStaticModel", (type("FSDPModuleStandIn", (nn.Module,), {}), StaticModel), {})
     assert query_capabilities(model) == query_capabilities(StaticModel)
+    assert model.supports.declared_capabilities == query_capabilities(StaticModel)
 
 
 def test_both_declarations_on_one_class_is_a_type_error():

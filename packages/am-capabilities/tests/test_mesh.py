@@ -1,5 +1,6 @@
 """MeshContext and mesh reading: attribute meshes in-process, and real ``DeviceMesh`` objects on a 4-rank gloo
-group spawned once for this module (every distributed case runs inside that one launch)."""
+group spawned once for this module (every distributed case runs inside that one launch, including attached models
+under FSDP2's ``fully_shard``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -107,6 +109,41 @@ class _PlainModule(nn.Module):
         self.linear = nn.Linear(4, 4)
 
 
+class _LinearModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def _fsdp2_attached(mesh: Any, *, attach_first: bool) -> dict[str, Any]:
+    """Attach before or after ``fully_shard``; FSDP2's own class sits directly over ours and training still matches
+    the unsharded model."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    torch.manual_seed(0)
+    reference = _LinearModel()
+    model = copy.deepcopy(reference)
+    if attach_first:
+        attach_capabilities_and_validate(model, mesh)
+    fully_shard(model, mesh=mesh)
+    if not attach_first:
+        attach_capabilities_and_validate(model, mesh)
+    x = torch.randn(3, 4)
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    grad = model.linear.weight.grad.full_tensor()  # type: ignore[union-attr]
+    return {
+        "bases_are_fsdp_and_original": type(model).__bases__ == (FSDPModule, _LinearModel),
+        "describes": model.supports.describes(model),
+        "dp_size": model.supports.mesh.dp_size,
+        "supports_tp": model.supports_tp,
+        "grad_matches": torch.allclose(grad, reference.linear.weight.grad, rtol=1e-6, atol=1e-6),
+    }
+
+
 def _mesh_fields(context: MeshContext) -> dict[str, int]:
     return {
         "tp": context.tp_size,
@@ -165,6 +202,9 @@ def _distributed_cases() -> dict[str, Any]:
         }
 
     case("attach_and_copy", attach_and_copy)
+    dp = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("dp",))
+    case("fsdp2_attach_then_shard", lambda: _fsdp2_attached(dp, attach_first=True))
+    case("fsdp2_shard_then_attach", lambda: _fsdp2_attached(dp, attach_first=False))
     return results
 
 
@@ -280,3 +320,16 @@ def test_validate_for_mesh_reads_a_device_mesh(device_mesh_results):
 
 def test_attached_model_on_device_mesh_survives_deepcopy(device_mesh_results):
     assert _case(device_mesh_results, "attach_and_copy") == {"pp_size": 2, "dp_size": 2, "describes_clone": True}
+
+
+@pytest.mark.parametrize("name", ["fsdp2_attach_then_shard", "fsdp2_shard_then_attach"])
+def test_attached_model_under_fsdp2(device_mesh_results, name):
+    """FSDP2 re-classes the model as ``FSDP<Class>(FSDPModule, <Class>)``: nothing of ours sits in between, the
+    capabilities still describe the model, and sharded gradients equal the unsharded ones."""
+    assert _case(device_mesh_results, name) == {
+        "bases_are_fsdp_and_original": True,
+        "describes": True,
+        "dp_size": WORLD_SIZE,
+        "supports_tp": False,
+        "grad_matches": True,
+    }

@@ -17,6 +17,7 @@ from am_capabilities import (
     ModelRegistryError,
     ModelSupports,
     clear_registry_cache,
+    find_model_class,
     get_model_class,
     is_registered_model_class,
     query_capabilities,
@@ -228,3 +229,33 @@ def test_clear_registry_cache_forgets_uninstalled_entry_points(installed_fake_mo
     assert "TinyCustomForCausalLM" in registered_architectures()  # cached until cleared
     clear_registry_cache()
     assert "TinyCustomForCausalLM" not in registered_architectures()
+
+
+# ---- find_model_class: a checkpoint config.json's architectures / model_type --------------------------------------
+
+
+def test_find_model_class_takes_the_first_registered_architecture(installed_fake_models):
+    assert find_model_class(["SomethingElse", "TinyCustomForCausalLM", "BrokenImportArch"]).__module__ == GOOD_MODULE
+    assert MISSING_MODULE not in sys.modules  # a later, broken entry point is never imported
+    assert find_model_class(["SomethingElse"]) is None
+    assert find_model_class([]) is None
+    assert find_model_class(None) is None
+
+
+def test_find_model_class_raises_for_a_broken_matching_entry_point(installed_fake_models):
+    with pytest.raises(ModelRegistryError, match="BrokenImportArch"):
+        find_model_class(["BrokenImportArch"])
+
+
+def test_find_model_class_resolves_a_bare_model_type_through_transformers(installed_fake_models, hf):
+    """Without architectures, transformers' causal-LM mapping names the architecture ("llama" ->
+    "LlamaForCausalLM"), which the fake package registers; an unregistered or unknown type gives None."""
+    assert find_model_class(None, "llama").__module__ == GOOD_MODULE
+    assert find_model_class([], "mistral") is None  # MistralForCausalLM is not registered
+    assert find_model_class([], "no_such_model_type") is None
+
+
+def test_find_model_class_prefers_architectures_over_model_type(installed_fake_models, hf, explicit_registration):
+    # The architectures name the exact head: a registered class for the model_type is not substituted.
+    assert find_model_class(["LlamaForSequenceClassification"], "llama") is None
+    assert find_model_class(["ExplicitModel"], "llama") is ExplicitModel

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from am_models_gemma4 import Gemma4ForCausalLM, read_safetensors_folder
+from am_precision import fp32_keep_rules, match_keep_rule
 
 
 def _saved(tmp_path: Path, *, moe: bool = True) -> tuple[Gemma4ForCausalLM, Path]:
@@ -94,6 +95,25 @@ def test_bf16_load_keeps_router_fp32(tmp_path: Path) -> None:
     model = Gemma4ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     assert model.model.layers["1"].moe.router.proj.weight.dtype == torch.float32
     assert model.model.layers["1"].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+
+def test_bf16_load_pins_exactly_what_the_keep_lists_name(tmp_path: Path) -> None:
+    """Every tensor the class's keep lists match stays fp32 (router parameters, RoPE buffers); nothing else does,
+    even when the checkpoint itself was stored in bf16."""
+    model, folder = _saved(tmp_path)
+    bf16 = {k: v.to(torch.bfloat16) for k, v in read_safetensors_folder(folder).items()}
+    save_file(bf16, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    loaded = Gemma4ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    rules = fp32_keep_rules(Gemma4ForCausalLM)
+    tensors = dict([*loaded.named_parameters(), *loaded.named_buffers()])
+    pinned = {name for name in tensors if match_keep_rule(name, rules) is not None}
+    assert any(".router." in name for name in pinned)
+    assert any("rotary_emb" in name for name in pinned)
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point():
+            assert tensor.dtype == (torch.float32 if name in pinned else torch.bfloat16), name
+    router = "model.layers.1.moe.router.proj.weight"
+    assert torch.equal(tensors[router], model.state_dict()[router].to(torch.bfloat16).float())
 
 
 def test_missing_folder_contents_are_reported(tmp_path: Path) -> None:

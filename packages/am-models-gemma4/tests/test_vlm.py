@@ -123,3 +123,15 @@ def test_audio_config_is_rejected() -> None:
     config.audio_config = Gemma4AudioConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
     with pytest.raises(NotImplementedError, match="audio_config"):
         Gemma4ForConditionalGeneration(config)
+
+
+def test_keep_lists_are_the_text_models() -> None:
+    """One list per package: the VLM pins what the text model pins, found under `model.language_model.`."""
+    from am_models_gemma4 import Gemma4ForCausalLM
+    from am_precision import fp32_keep_rules, match_keep_rule
+
+    for name in ("_keep_in_fp32_modules_strict", "_keep_in_fp32_modules"):
+        assert getattr(Gemma4ForConditionalGeneration, name) is getattr(Gemma4ForCausalLM, name)
+    rules = fp32_keep_rules(Gemma4ForConditionalGeneration)
+    assert match_keep_rule("model.language_model.layers.1.moe.router.proj.weight", rules) is not None
+    assert match_keep_rule("model.language_model.layers.1.self_attn.q_proj.weight", rules) is None

@@ -12,6 +12,7 @@ from am_nemotron_helpers import assert_close_rel, hf_model, save_hf, tiny_hf_con
 from safetensors.torch import save_file
 
 from am_models_nemotron import NemotronHForCausalLM, NemotronV3StateDictAdapter, read_safetensors_folder
+from am_precision import fp32_keep_rules, match_keep_rule
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +116,22 @@ def test_saved_pinned_tensors_are_f32_even_from_a_bf16_model(tmp_path: Path) -> 
     reloaded = NemotronHForCausalLM.from_pretrained(tmp_path)
     assert reloaded.model.layers["0"].mixer.A_log.dtype == torch.float32
     assert torch.equal(reloaded.model.layers["0"].mixer.A_log, model.model.layers["0"].mixer.A_log)
+
+
+def test_pinned_tensors_stored_in_bf16_elsewhere_load_as_fp32(tmp_path: Path) -> None:
+    """A checkpoint written by another tool with every tensor in bf16: the tensors the model's keep list pins come
+    back fp32 (holding the bf16 values), the others keep the checkpoint's dtype."""
+    model = NemotronHForCausalLM(tiny_hf_config("ME", mtp_depths=1))
+    model.save_pretrained(tmp_path)
+    bf16 = {k: v.to(torch.bfloat16) for k, v in read_safetensors_folder(tmp_path).items()}
+    save_file(bf16, str(tmp_path / "model.safetensors"))
+    loaded = NemotronHForCausalLM.from_pretrained(tmp_path)
+    rules = fp32_keep_rules(loaded)
+    tensors = dict([*loaded.named_parameters(), *loaded.named_buffers()])
+    pinned = {name for name in tensors if match_keep_rule(name, rules) is not None}
+    assert {n.rsplit(".", 1)[-1] for n in pinned} == {"A_log", "dt_bias", "D", "e_score_correction_bias"}
+    assert any(n.startswith("mtp.") for n in pinned)
+    for name, tensor in tensors.items():
+        assert tensor.dtype == (torch.float32 if name in pinned else torch.bfloat16), name
+    expected = model.model.layers["0"].mixer.A_log.to(torch.bfloat16).float()
+    assert torch.equal(loaded.model.layers["0"].mixer.A_log, expected)

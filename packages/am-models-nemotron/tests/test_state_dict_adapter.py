@@ -41,3 +41,17 @@ def test_only_mamba_layers_get_the_fp32_holder_and_forced_dtypes() -> None:
     assert adapter.forced_fp32("backbone.layers.0.mixer.dt_bias")
     assert adapter.forced_fp32("mtp.layers.1.mixer.gate.e_score_correction_bias")
     assert not adapter.forced_fp32("backbone.layers.0.mixer.in_proj.weight")
+
+
+def test_forced_fp32_follows_the_model_classes_keep_list(monkeypatch) -> None:
+    """The adapter lists no names of its own: it reads `_keep_in_fp32_modules_strict` from the model class."""
+    from am_models_nemotron import NemotronHForCausalLM, NemotronV3Model
+
+    assert NemotronHForCausalLM._keep_in_fp32_modules_strict is NemotronV3Model._keep_in_fp32_modules_strict
+    config = tiny_hf_config("M*E")
+    assert NemotronV3StateDictAdapter(config).forced_fp32("backbone.layers.2.mixer.gate.e_score_correction_bias")
+    monkeypatch.setattr(NemotronHForCausalLM, "_keep_in_fp32_modules_strict", ["_fp32_params", "in_proj"])
+    adapter = NemotronV3StateDictAdapter(config)
+    assert not adapter.forced_fp32("backbone.layers.2.mixer.gate.e_score_correction_bias")
+    assert adapter.forced_fp32("backbone.layers.0.mixer.in_proj.weight")
+    assert adapter.forced_fp32("backbone.layers.0.mixer.A_log")

@@ -15,6 +15,7 @@ from am_precision import (
     LINEAR_BACKENDS,
     BackendConfig,
     TEFp8Config,
+    backend,
     flags,
 )
 
@@ -58,7 +59,7 @@ def test_defaults_without_te_or_cuda():
 def test_defaults_with_te_and_cuda():
     cfg = BackendConfig()
     assert (cfg.attn, cfg.linear, cfg.rms_norm) == ("te", "te", "torch_fp32")
-    assert cfg.rope_fusion is True
+    assert cfg.rope_fusion is False  # nothing fuses RoPE (upstream forces it off as well)
     assert (cfg.experts, cfg.dispatcher) == ("torch_mm", "torch")
 
 
@@ -72,14 +73,53 @@ def test_dispatcher_default_prefers_deepep_then_uccl_on_cuda(te_and_cuda, monkey
 
 
 @pytest.mark.usefixtures("te_and_cuda")
-def test_rope_fusion_auto_is_off_for_quack_rope_and_explicit_values_are_kept():
-    assert BackendConfig(rope="quack").rope_fusion is False
+def test_rope_fusion_auto_resolves_off_and_explicit_true_is_refused_not_disabled():
+    assert BackendConfig(rope="torch").rope_fusion is False
     assert BackendConfig(rope_fusion=False).rope_fusion is False
+    with pytest.raises(ValueError, match=r"rope_fusion=True is not implemented by any am-\* package"):
+        BackendConfig(rope_fusion=True)
+
+
+# A value of every field no am-* package implements, the same one the README table lists.
+_UNIMPLEMENTED_VALUES = {
+    "rope": "quack",
+    "rope_fusion": True,
+    "dispatcher_num_sms": 32,
+    "dispatcher_share_token_dispatcher": False,
+    "dispatcher_async_dispatch": True,
+    "fake_balanced_gate": True,
+    "fake_gate_noise": 0.1,
+    "enable_hf_state_dict_adapter": False,
+    "enable_fsdp_optimizations": True,
+    "te_fp8": TEFp8Config(),
+    "compile_attn": True,
+}
+
+
+def test_every_unimplemented_field_is_listed():
+    """The table in backend.py is what the tests check: no field is silently missing from either."""
+    assert set(backend._NOT_IMPLEMENTED) == set(_UNIMPLEMENTED_VALUES)
+    assert set(_UNIMPLEMENTED_VALUES) <= {f.name for f in dataclasses.fields(BackendConfig)}
 
 
 @pytest.mark.usefixtures("no_te_no_cuda")
-def test_explicit_rope_fusion_is_never_silently_disabled():
-    assert BackendConfig(rope_fusion=True).rope_fusion is True
+@pytest.mark.parametrize(("name", "value"), list(_UNIMPLEMENTED_VALUES.items()))
+def test_a_value_nothing_honours_is_refused_with_the_fix(name, value):
+    extra = {"linear": "te"} if name == "te_fp8" else {}  # otherwise te_fp8 is also an invalid combination
+    with pytest.raises(ValueError, match=r"\(1 problem\)") as err:
+        BackendConfig(**{name: value}, **extra)
+    message = str(err.value)
+    assert f"{name}={value!r} is not implemented by any am-* package: " in message
+    assert "leave" in message or "use rope='torch'" in message  # every refusal says what to do instead
+    # The upstream default of the same field is accepted.
+    default = {f.name: f.default for f in dataclasses.fields(BackendConfig)}[name]
+    BackendConfig(**{name: default}, **extra)
+
+
+@pytest.mark.usefixtures("no_te_no_cuda")
+def test_all_unimplemented_values_are_refused_at_once():
+    with pytest.raises(ValueError, match=f"\\({len(_UNIMPLEMENTED_VALUES)} problems\\)"):
+        BackendConfig(linear="te", **_UNIMPLEMENTED_VALUES)
 
 
 @pytest.mark.parametrize(
@@ -139,18 +179,30 @@ def test_gate_precision_rejects_integer_dtype():
 
 
 @pytest.mark.usefixtures("no_te_no_cuda")
-def test_te_fp8_dict_becomes_tefp8config_when_a_te_backend_is_selected():
-    cfg = BackendConfig(linear="te", te_fp8={"recipe": "block"})
-    assert cfg.te_fp8 == TEFp8Config(recipe="block")
-    assert BackendConfig(experts="te", dispatcher="deepep", te_fp8={}).te_fp8 == TEFp8Config()
+def test_te_fp8_dict_is_normalised_then_refused_as_unimplemented():
+    with pytest.raises(ValueError, match=r"\(1 problem\)") as err:
+        BackendConfig(linear="te", te_fp8={"recipe": "block"})
+    assert "te_fp8=TEFp8Config(recipe='block') is not implemented" in str(err.value)
+    assert "maybe_te_autocast()" in str(err.value)
 
 
 @pytest.mark.usefixtures("no_te_no_cuda")
-def test_te_fp8_without_any_te_backend_raises():
+def test_te_fp8_once_implemented_becomes_a_tefp8config_and_needs_a_te_backend(monkeypatch):
+    """The upstream rules, for when a package implements FP8 and its `_NOT_IMPLEMENTED` entry goes."""
+    monkeypatch.delitem(backend._NOT_IMPLEMENTED, "te_fp8")
+    assert BackendConfig(linear="te", te_fp8={"recipe": "block"}).te_fp8 == TEFp8Config(recipe="block")
+    assert BackendConfig(experts="te", dispatcher="deepep", te_fp8={}).te_fp8 == TEFp8Config()
     with pytest.raises(ValueError, match="te_fp8 requires at least one TE backend") as err:
         BackendConfig(te_fp8=TEFp8Config())
     assert "linear='torch'" in str(err.value)
     assert "experts='torch'" in str(err.value)
+
+
+@pytest.mark.usefixtures("no_te_no_cuda")
+def test_unimplemented_te_fp8_is_reported_once():
+    with pytest.raises(ValueError, match=r"\(1 problem\)") as err:
+        BackendConfig(te_fp8=TEFp8Config())
+    assert "te_fp8=TEFp8Config(recipe='current') is not implemented" in str(err.value)
 
 
 def test_te_fp8_bad_dict_lists_the_fields():

@@ -5,6 +5,7 @@ declarations) and a registry that model packages fill through entry points; neve
 a trainer, or (at import time) transformers.
 """
 
+from am_capabilities._version import __version__
 from am_capabilities.declarative import ModelCapabilities, declared_capabilities, query_capabilities
 from am_capabilities.introspection import ModelSupports, is_hybrid_model
 from am_capabilities.mesh import MODEL_AXES, MeshContext, read_mesh_sizes
@@ -12,6 +13,7 @@ from am_capabilities.registry import (
     ENTRY_POINT_GROUP,
     ModelRegistryError,
     clear_registry_cache,
+    find_model_class,
     get_model_class,
     is_registered_model_class,
     register_model,
@@ -41,9 +43,9 @@ __all__ = [
     "register_model",
     "unregister_model",
     "get_model_class",
+    "find_model_class",
     "registered_architectures",
     "is_registered_model_class",
     "clear_registry_cache",
+    "__version__",
 ]
-
-__version__ = "0.1.0"

@@ -13,7 +13,7 @@ A model class declares its capabilities in one of two duck-typed ways (neither n
   ``get_capabilities(cls, config)`` returning such an object (or a mapping of ``supports_*`` → bool).
 
 The first class in the MRO whose own ``__dict__`` holds either declaration decides, so runtime wrapper
-subclasses (``attach_capabilities_and_validate``, FSDP) inherit it. This module never imports transformers at
+subclasses (FSDP2's ``fully_shard``) inherit it. This module never imports transformers at
 import time; ``query_capabilities`` on a HuggingFace model id imports it lazily.
 """
 

@@ -470,13 +470,14 @@ class ModelSupports:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ModelSupports:
         # A weak reference cannot be deep-copied meaningfully: the copy still describes the same model.
-        # Copies of an attached model rebuild their own ModelSupports (see validation.attach...).
+        # An attached model's copies describe themselves: `model.supports` is built per access from the copied mesh
+        # (see validation.attach_capabilities_and_validate).
         return self._clone()
 
     def __reduce__(self) -> Any:
         raise TypeError(
             "ModelSupports holds a weak reference to its model and cannot be pickled; pickle the model "
-            "(an attached model rebuilds its ModelSupports after unpickling)."
+            "(an attached model carries its mesh and describes itself after unpickling)."
         )
 
     def _clone(self) -> ModelSupports:

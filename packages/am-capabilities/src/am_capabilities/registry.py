@@ -19,6 +19,7 @@ import importlib
 import importlib.metadata
 import threading
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -27,6 +28,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "ModelRegistryError",
     "clear_registry_cache",
+    "find_model_class",
     "get_model_class",
     "is_registered_model_class",
     "register_model",
@@ -132,6 +134,41 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         cls = _load(record)
         _loaded[architecture] = cls
         return cls
+
+
+def find_model_class(architectures: Iterable[str] | None, model_type: str | None = None) -> type[nn.Module] | None:
+    """The registered class for a checkpoint's ``config.json``, or ``None`` when none is registered for it.
+
+    The first entry of ``architectures`` that is registered wins (only its entry point is imported). A config
+    without architectures is resolved by ``model_type``: transformers' causal-LM auto mapping names its
+    architecture (e.g. ``"llama"`` -> ``"LlamaForCausalLM"``), which is then looked up here; without transformers
+    installed a bare ``model_type`` resolves to ``None``. When architectures are given, ``model_type`` is not
+    consulted: they name the exact head (a classification checkpoint never resolves to a causal LM).
+
+    ``None`` means "not ours": fall back to transformers (e.g. ``AutoModelForCausalLM.from_pretrained``).
+
+    Raises:
+        ModelRegistryError: the matching entry point fails to import or does not name a model class.
+    """
+    names = [str(name) for name in architectures or ()]
+    if not names and model_type:
+        names = _causal_lm_architectures(model_type)
+    with _lock:
+        known = set(_explicit) | set(_scan_entry_points())
+    for name in names:
+        if name in known:
+            return get_model_class(name)
+    return None
+
+
+def _causal_lm_architectures(model_type: str) -> list[str]:
+    """Architecture names transformers maps ``model_type`` to for causal LMs ([] without transformers)."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return []
+    names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ())
+    return [names] if isinstance(names, str) else list(names)
 
 
 def is_registered_model_class(cls: type) -> bool:

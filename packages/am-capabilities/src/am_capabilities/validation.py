@@ -2,14 +2,16 @@
 ``attach_capabilities_and_validate``.
 
 ``validate_for_mesh`` reports *every* problem at once (bad sizes and unsupported axes), one line each naming
-the axis, the size, the reason and the fix. ``attach_capabilities_and_validate`` gives a model a ``supports``
-attribute by swapping its class for a cached dynamic subclass with the same ``__name__``, ``__qualname__`` and
-``__module__``; the subclass pickles and deep-copies as the original class and re-attaches on the copy, so PP
-stages (deep copies) keep working. This module never imports a model package, a trainer or transformers.
+the axis, the size, the reason and the fix. ``attach_capabilities_and_validate`` records the mesh on the model
+instance (one plain ``MeshContext`` attribute) and answers ``model.supports`` / ``model.supports_*`` through
+read-only non-data descriptors on the model's class: the instance keeps its own class, so FSDP2's
+``fully_shard`` (which swaps classes itself), ``pickle``, ``copy.deepcopy`` and ``type(model)`` stay ordinary.
+This module never imports a model package, a trainer or transformers.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any
 
@@ -21,11 +23,9 @@ from am_capabilities.mesh import MODEL_AXES, MeshContext, read_mesh_sizes
 
 __all__ = ["attach_capabilities_and_validate", "validate_for_mesh"]
 
-# Instance attributes used by attached models; prefixed so they cannot collide with a model's own names.
+# The one instance attribute an attached model carries (a MeshContext, or None for no mesh); prefixed so it cannot
+# collide with a model's own names. Plain data: it pickles, deep-copies and survives FSDP2's class swap as is.
 _MESH_ATTR = "_am_capabilities_mesh"
-_SUPPORTS_ATTR = "_am_capabilities_supports"
-# Class attribute marking the dynamic subclass; its value is the original class.
-_ORIGINAL_ATTR = "_am_capabilities_original_class"
 
 
 def validate_for_mesh(model: nn.Module, mesh: Any) -> None:
@@ -66,16 +66,16 @@ def validate_for_mesh(model: nn.Module, mesh: Any) -> None:
 
 
 def attach_capabilities_and_validate(model: nn.Module, mesh: Any = None) -> nn.Module:
-    """Give ``model`` a ``supports`` attribute (a ``ModelSupports``) and validate it for ``mesh``.
+    """Validate ``model`` for ``mesh``, then give it ``model.supports`` (a ``ModelSupports`` for that mesh).
 
-    The model's class is swapped (once; repeated calls only update the mesh) for a subclass with the same
-    ``__name__``, ``__qualname__`` and ``__module__`` that adds:
-
-    - ``supports``: the model's ``ModelSupports``, rebuilt lazily when missing or when it describes another
-      object (a deep copy carries its original's weak reference);
-    - one forwarding property per ``ModelSupports`` flag (``supports_*``, ``is_custom_model``) that the original
-      class does not already define — a model's own attributes (e.g. HuggingFace's
-      ``supports_gradient_checkpointing``) are never shadowed; ``model.supports.<flag>`` is always ours.
+    The model keeps its class. The instance gets one attribute (the mesh as a ``MeshContext``); its class gets,
+    once, read-only *non-data* descriptors for ``supports`` and for each ``ModelSupports`` flag (``supports_*``,
+    ``is_custom_model``) that the class does not already define. They answer only on attached instances (other
+    instances see the usual ``AttributeError``), never shadow a model's own class or instance attributes (e.g.
+    HuggingFace's ``supports_gradient_checkpointing``: ``model.supports.<flag>`` is always ours), and compute on
+    access, so they follow live changes (``backend.attn``, ``mtp_config.enabled``). Copies (``copy.deepcopy``,
+    e.g. pipeline stages; ``pickle``) carry the mesh and describe themselves; so does a model that FSDP2's
+    ``fully_shard`` re-classes before or after this call. Calling again only replaces the mesh.
 
     Validation happens first, so a rejected model is left untouched.
 
@@ -88,91 +88,57 @@ def attach_capabilities_and_validate(model: nn.Module, mesh: Any = None) -> nn.M
 
     Raises:
         ValueError: from ``validate_for_mesh``.
-        TypeError: the model class already defines its own ``supports`` attribute.
+        TypeError: the model's class defines its own ``supports``, or the instance holds a ``supports`` attribute.
     """
     validate_for_mesh(model, mesh)
-    mesh_context = None if mesh is None else MeshContext.from_mesh(mesh)
-    if _original_class(type(model)) is None:
-        if "supports" in dir(type(model)):
-            raise TypeError(
-                f"{type(model).__qualname__} already defines 'supports', so capabilities cannot be attached "
-                "without shadowing it; rename the model's attribute or use ModelSupports(model, mesh) directly."
-            )
-        model.__class__ = _attached_subclass(type(model))
-    model.__dict__[_MESH_ATTR] = mesh_context
-    model.__dict__.pop(_SUPPORTS_ATTR, None)  # rebuilt lazily for the new mesh
+    cls = type(model)
+    own = inspect.getattr_static(cls, "supports", None)
+    if own is not None and not isinstance(own, _Forward):
+        raise TypeError(
+            f"{cls.__qualname__} already defines 'supports', so capabilities cannot be attached without shadowing "
+            "it; rename the model's attribute or use ModelSupports(model, mesh) directly."
+        )
+    if "supports" in vars(model):
+        raise TypeError(
+            f"This {cls.__qualname__} instance holds its own 'supports' attribute, which would hide the attached "
+            "capabilities; delete or rename it, or use ModelSupports(model, mesh) directly."
+        )
+    _install_descriptors(cls)
+    vars(model)[_MESH_ATTR] = None if mesh is None else MeshContext.from_mesh(mesh)
     return model
 
 
-def _original_class(cls: type) -> type | None:
-    """The un-attached class if ``cls`` is (or derives from, e.g. via FSDP) an attached subclass."""
-    return getattr(cls, _ORIGINAL_ATTR, None)
+class _Forward:
+    """Non-data descriptor: ``model.supports`` (``flag=None``) or ``model.supports.<flag>`` on attached instances.
 
-
-_subclass_cache: dict[type, type] = {}
-_subclass_lock = threading.Lock()
-
-
-def _attached_subclass(cls: type[nn.Module]) -> type[nn.Module]:
-    """The cached dynamic subclass of ``cls`` that carries ``supports`` (one per original class)."""
-    with _subclass_lock:
-        subclass = _subclass_cache.get(cls)
-        if subclass is None:
-            namespace = _class_namespace(cls)
-            namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__)
-            subclass = type(cls.__name__, (cls,), namespace)
-            _subclass_cache[cls] = subclass
-        return subclass
-
-
-def _class_namespace(cls: type) -> dict[str, Any]:
-    namespace: dict[str, Any] = {
-        _ORIGINAL_ATTR: cls,
-        "supports": property(_get_supports, doc="This model's ModelSupports (rebuilt for copies)."),
-        "__reduce_ex__": _reduce_ex,
-    }
-    existing = set(dir(cls))
-    for flag in FORWARDED_FLAGS:
-        if flag not in existing:
-            namespace[flag] = _forwarding_property(flag)
-    return namespace
-
-
-def _get_supports(self: nn.Module) -> ModelSupports:
-    supports = self.__dict__.get(_SUPPORTS_ATTR)
-    if supports is None or not supports.describes(self):
-        supports = ModelSupports(self, self.__dict__.get(_MESH_ATTR))
-        self.__dict__[_SUPPORTS_ATTR] = supports
-    return supports
-
-
-def _forwarding_property(flag: str) -> property:
-    def forward(self: nn.Module) -> Any:
-        return getattr(_get_supports(self), flag)
-
-    forward.__name__ = flag
-    return property(forward, doc=f"Forwards to ``self.supports.{flag}``.")
-
-
-def _reduce_ex(self: nn.Module, protocol: Any) -> str | tuple[Any, ...]:
-    """Pickle / deep-copy as the original class (the dynamic subclass is not importable by name), minus the
-    weakly-referencing ``ModelSupports``; the copy is re-attached by ``_new_attached``.
-
-    The object is created before its state is copied (like the default reduction), so reference cycles
-    inside the model survive ``copy.deepcopy``.
+    An instance that was never attached raises ``AttributeError`` here, and Python then falls back to
+    ``nn.Module.__getattr__``, whose error is the usual "object has no attribute". Having no ``__set__``, it never
+    hides an instance attribute of the same name nor blocks assigning one.
     """
-    original = _original_class(type(self))
-    if original is None or _subclass_cache.get(original) is not type(self):
-        # A further wrapper (e.g. FSDP's dynamic class) sits on top: keep the default reduction; a deep copy
-        # then carries a stale ModelSupports, which ``supports`` notices and rebuilds.
-        return object.__reduce_ex__(self, protocol)
-    # Start from the class's own __getstate__ (nn.Module's drops `_compiled_call_impl`, whose closure is bound to
-    # *this* instance: a copy carrying it would run the original model's forward).
-    state = {key: value for key, value in self.__getstate__().items() if key != _SUPPORTS_ATTR}
-    return (_new_attached, (original,), state)
+
+    __slots__ = ("flag",)
+
+    def __init__(self, flag: str | None) -> None:
+        self.flag = flag
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        attributes = vars(instance)
+        if _MESH_ATTR not in attributes:
+            raise AttributeError(self.flag or "supports")
+        # Built per access (a weak reference and the mesh): nothing that refers back to the model is stored on it,
+        # so copies never describe their original and the model is freed by reference counting alone.
+        supports = ModelSupports(instance, attributes[_MESH_ATTR])
+        return supports if self.flag is None else getattr(supports, self.flag)
 
 
-def _new_attached(original: type[nn.Module]) -> nn.Module:
-    """Unpickling / copy hook: a blank instance of ``original``'s attached subclass (state is set after)."""
-    subclass = _attached_subclass(original)
-    return subclass.__new__(subclass)
+_install_lock = threading.Lock()
+
+
+def _install_descriptors(cls: type) -> None:
+    """Give ``cls`` the ``supports`` and flag descriptors it lacks (own or inherited); idempotent."""
+    with _install_lock:
+        for name in ("supports", *FORWARDED_FLAGS):
+            if inspect.getattr_static(cls, name, None) is None:
+                setattr(cls, name, _Forward(None if name == "supports" else name))

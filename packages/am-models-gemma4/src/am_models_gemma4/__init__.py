@@ -1,12 +1,13 @@
 """Gemma 4 (dense and MoE, sliding + full attention) in PyTorch with model-owned context parallelism.
 
 Text decoder and causal LM (`model`), the vision-language model around HF's vision tower (`vlm`), the MoE block
-(`moe`), attention with ring CP (`attention`, `cp`, `cp_batch`), HF checkpoint conversion (`state_dict_adapter`,
+(`moe`), attention with ring CP (`attention`, `cp`, `kernels`), HF checkpoint conversion (`state_dict_adapter`,
 `checkpoint`). Importing this package never imports am-pipelining, am-capabilities or transformer_engine.
 """
 
 from __future__ import annotations
 
+from am_models_gemma4._version import __version__
 from am_models_gemma4.attention import AttentionInputs, Gemma4Attention, SharedKVStates, build_attention_mask
 from am_models_gemma4.checkpoint import load_pretrained, read_safetensors_folder, save_pretrained
 from am_models_gemma4.config import (
@@ -18,7 +19,6 @@ from am_models_gemma4.config import (
     validate_text_config,
 )
 from am_models_gemma4.cp import ContextParallelHooks, active_ring_context
-from am_models_gemma4.cp_batch import make_contiguous_shard_cp_batch_and_ctx, make_gemma4_cp_batch_and_ctx
 from am_models_gemma4.decoder import Gemma4DecoderLayer
 from am_models_gemma4.kernels import BlockSparseAttentionKernel, default_ring_kernel
 from am_models_gemma4.layers import Gemma4RMSNorm
@@ -32,8 +32,6 @@ from am_models_gemma4.model import (
 from am_models_gemma4.moe import Gemma4Experts, Gemma4MoE, Gemma4Router
 from am_models_gemma4.state_dict_adapter import Gemma4StateDictAdapter
 from am_models_gemma4.vlm import Gemma4ForConditionalGeneration, Gemma4Model
-
-__version__ = "0.1.0"
 
 __all__ = [
     # models
@@ -54,8 +52,6 @@ __all__ = [
     # context parallelism
     "ContextParallelHooks",
     "active_ring_context",
-    "make_contiguous_shard_cp_batch_and_ctx",
-    "make_gemma4_cp_batch_and_ctx",
     "BlockSparseAttentionKernel",
     "default_ring_kernel",
     # checkpoints
@@ -73,4 +69,5 @@ __all__ = [
     "softcap_logits",
     "text_config_of",
     "validate_text_config",
+    "__version__",
 ]

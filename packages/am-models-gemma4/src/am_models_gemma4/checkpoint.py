@@ -126,8 +126,9 @@ def load_pretrained(
 ) -> ModelT:
     """Build `cls` from `folder/config.json` and load every tensor; `dtype` casts with the fp32 contract kept.
 
-    The model is built in fp32 (default `dtype`); with `dtype=torch.bfloat16` everything except the
-    `_keep_in_fp32_modules(_strict)` tensors (router, RoPE frequencies) is cast after loading.
+    The model is built in fp32 and the checkpoint copied into it, so tensors stored in bf16 elsewhere load as fp32;
+    with `dtype=torch.bfloat16` everything except the tensors `cls._keep_in_fp32_modules(_strict)` pins is cast
+    after loading (`cast_model_to_dtype`).
 
     Raises:
         ValueError: missing/unexpected keys or shape mismatches (all listed), an unreadable file (named).

@@ -32,7 +32,13 @@ from transformers.models.gemma4.modeling_gemma4 import (
 from am_context_parallel import cp_token_mean_loss
 from am_models_gemma4.config import normalize_text_config
 from am_models_gemma4.cp import ContextParallelHooks, active_ring_context, tokens_before_this_rank
-from am_models_gemma4.model import Gemma4TextModel, causal_lm_loss, gemma4_capabilities, softcap_logits
+from am_models_gemma4.model import (
+    Gemma4ForCausalLM,
+    Gemma4TextModel,
+    causal_lm_loss,
+    gemma4_capabilities,
+    softcap_logits,
+)
 
 __all__ = ["Gemma4ForConditionalGeneration", "Gemma4Model"]
 
@@ -103,8 +109,9 @@ class Gemma4Model(nn.Module):
 class Gemma4ForConditionalGeneration(ContextParallelHooks, nn.Module):
     """Gemma 4 vision-language model: logits `[B, S, V]` for text-only or image+text inputs."""
 
-    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["router"]
-    _keep_in_fp32_modules: ClassVar[list[str]] = ["rotary_emb"]
+    # The text model's keep lists (substrings of names, so they match under `model.language_model.` too).
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = Gemma4ForCausalLM._keep_in_fp32_modules_strict
+    _keep_in_fp32_modules: ClassVar[list[str]] = Gemma4ForCausalLM._keep_in_fp32_modules
     _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
     supports_gradient_checkpointing = False
 

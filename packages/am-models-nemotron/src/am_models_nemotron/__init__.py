@@ -6,6 +6,7 @@ Importing this package never imports mamba_ssm, causal_conv1d, am-pipelining or 
 
 from __future__ import annotations
 
+from am_models_nemotron._version import __version__
 from am_models_nemotron.attention import NemotronAttention, build_attention_mask
 from am_models_nemotron.blocks import NemotronV3Block
 from am_models_nemotron.cache import NemotronHybridCache
@@ -17,6 +18,15 @@ from am_models_nemotron.checkpoint import (
 )
 from am_models_nemotron.config import BLOCK_KINDS, NemotronConfig, as_hf_config, normalize_block_types
 from am_models_nemotron.mamba2 import Mamba2FP32Params, Mamba2Mixer, MambaRMSNormGated, mamba_kernels_available
+from am_models_nemotron.mamba2_cp import (
+    Mamba2CPContext,
+    MambaCPCommStats,
+    conv_halo_width,
+    count_mamba_cp_bytes,
+    mamba_cp_bytes_per_layer,
+    prepend_conv_halo,
+    ssd_chunked_scan_cp,
+)
 from am_models_nemotron.model import (
     ModelClass,
     NemotronHCausalLMOutputWithPast,
@@ -28,8 +38,6 @@ from am_models_nemotron.moe import GroupedExperts, NemotronMLP, NemotronMoE, Nem
 from am_models_nemotron.mtp import MTPConfig, MTPModule, MTPSublayer, mtp_loss, roll_tensor, shift_labels
 from am_models_nemotron.ssd import segment_sum, ssd_chunked_scan, ssd_sequential_scan
 from am_models_nemotron.state_dict_adapter import NemotronV3StateDictAdapter
-
-__version__ = "0.1.0"
 
 __all__ = [
     # config
@@ -60,6 +68,14 @@ __all__ = [
     "ssd_chunked_scan",
     "ssd_sequential_scan",
     "segment_sum",
+    # context parallelism across Mamba2 (contiguous shards, exact state passing)
+    "Mamba2CPContext",
+    "ssd_chunked_scan_cp",
+    "prepend_conv_halo",
+    "conv_halo_width",
+    "MambaCPCommStats",
+    "count_mamba_cp_bytes",
+    "mamba_cp_bytes_per_layer",
     # MTP
     "MTPConfig",
     "MTPModule",

@@ -1,8 +1,9 @@
 """HF-format checkpoint folders: config.json plus safetensors, single file or sharded with an index.
 
 What it is for: `load_pretrained` (read the config, build the model on the meta device, read every tensor, convert
-names with `NemotronV3StateDictAdapter`, load strictly) and `save_pretrained` (NVIDIA naming, fp32-pinned tensors as
-F32, shards + `model.safetensors.index.json` above `max_shard_size` bytes).
+names with `NemotronV3StateDictAdapter`, load strictly) and `save_pretrained` (NVIDIA naming, shards +
+`model.safetensors.index.json` above `max_shard_size` bytes). Tensors pinned by the model's
+`_keep_in_fp32_modules_strict` (the adapter's `forced_fp32`) are loaded as fp32 and stored as F32.
 What it must not do: load partially. Missing or unexpected keys and shape mismatches raise one error listing all of
 them; an unreadable, truncated or corrupt file raises an error naming the file.
 """
@@ -135,6 +136,10 @@ def load_pretrained(
     config = _load_config(folder)
     adapter = NemotronV3StateDictAdapter(config)
     state_dict = adapter.from_hf(read_safetensors_folder(folder))
+    # A checkpoint written elsewhere may hold pinned tensors in bf16; they are loaded (assigned) as fp32.
+    state_dict = {
+        k: (v.float() if v.is_floating_point() and adapter.forced_fp32(k) else v) for k, v in state_dict.items()
+    }
     model = cls(config, backend, device="meta", **model_kwargs)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state_dict))
@@ -158,18 +163,14 @@ def load_pretrained(
         )
     target = torch.device(device) if device is not None else torch.device("cpu")
     model.load_state_dict({k: v.to(target) for k, v in state_dict.items()}, strict=True, assign=True)
-    for pinned in ("A_log", "dt_bias", "D", "e_score_correction_bias"):
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("." + pinned) and tensor.dtype != torch.float32:
-                tensor.data = tensor.data.float()
     if dtype is not None:
         cast_model_to_dtype(model, dtype)
     return model
 
 
 def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_size: int | None = None) -> None:
-    """Write config.json (transformers' NemotronHConfig) and the weights in NVIDIA's naming; A_log, dt_bias, D and
-    e_score_correction_bias are stored as F32."""
+    """Write config.json (transformers' NemotronHConfig) and the weights in NVIDIA's naming; fp32-pinned tensors
+    (`_keep_in_fp32_modules_strict`) are stored as F32 even from a model cast with a plain `.to(bfloat16)`."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     config = as_hf_config(model.config)

@@ -4,7 +4,9 @@ out-projection.
 What it is for: one module with three paths that compute the same function —
   - full sequence (training / eval without a cache): conv + chunked scan, packed-sequence resets via `seq_idx`;
   - prefill (a cache is given): the same, and the final conv window and SSM state are written to the cache;
-  - decode (the cache holds a previous state and one token arrives): one recurrence step.
+  - decode (the cache holds a previous state and one token arrives): one recurrence step;
+  - context parallel (`cp=Mamba2CPContext(group)`): this rank's contiguous block of the sequence, exactly equal to
+    the full-sequence path's rows — conv halo and state passing across ranks live in `mamba2_cp`.
 Plain PyTorch by default on every device. When `mamba_ssm` and `causal_conv1d` are installed and the tensors live on
 CUDA, the full-sequence path uses their kernels instead (same numbers within kernel tolerance).
 What it must not do: import mamba_ssm / causal_conv1d at import time (they are looked up with `find_spec` and
@@ -25,6 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from am_models_nemotron._init import reset_linear_, weight_of
 from am_models_nemotron.config import NemotronConfig
+from am_models_nemotron.mamba2_cp import Mamba2CPContext, conv_halo_width, prepend_conv_halo, ssd_chunked_scan_cp
 from am_models_nemotron.ssd import ssd_chunked_scan
 from am_precision import BackendConfig, initialize_linear_module
 
@@ -248,11 +251,20 @@ class Mamba2Mixer(nn.Module):
         cache: Any | None = None,
         attention_mask: torch.Tensor | None = None,
         seq_idx: torch.Tensor | None = None,
+        cp: Mamba2CPContext | None = None,
     ) -> torch.Tensor:
         """hidden_states: [B, S, H]; attention_mask: [B, S] (1 keep, 0 pad) zeroes padded positions;
-        seq_idx: [B, S] document ids of packed rows; cache: a `NemotronHybridCache` (prefill or decode)."""
+        seq_idx: [B, S] document ids of packed rows; cache: a `NemotronHybridCache` (prefill or decode).
+
+        cp: context parallelism — this rank holds one contiguous block of every row (S = S_local) and the result
+        equals those rows of the single-process forward of the whole sequence (`mamba2_cp`); seq_idx must then hold
+        GLOBAL document ids. A group of size 1 runs the single-process path. Collective over the CP group."""
         batch, seqlen, _ = hidden_states.shape
         dtype = hidden_states.dtype
+        if cp is not None and cp.size == 1:
+            cp = None
+        if cp is not None:
+            self._check_cp_inputs(hidden_states, cache=cache, seq_idx=seq_idx)
         if attention_mask is not None:
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(dtype)
         projected = self.in_proj(hidden_states)
@@ -274,8 +286,13 @@ class Mamba2Mixer(nn.Module):
                     initial_state = cache.ssm_states[self.layer_idx]
                 window = F.pad(xbc.transpose(1, 2), (max(self.conv_kernel - xbc.shape[1], 0), 0))
                 conv_state.copy_(window[..., -self.conv_kernel :])
-            use_kernels = mamba_kernels_available(xbc) and cache is None
-            xbc = self._conv(xbc, seq_idx=seq_idx, use_kernels=use_kernels)[:, history:]
+            conv_seq_idx = seq_idx
+            if cp is not None:  # the conv reads the previous rank's last inputs first (zeros on rank 0)
+                history = conv_halo_width(self.conv_kernel)
+                xbc, conv_seq_idx = prepend_conv_halo(xbc, width=history, cp=cp, seq_idx=seq_idx)
+            # Under CP the plain-PyTorch conv and scan run on every device (the fused kernels take no entering state).
+            use_kernels = mamba_kernels_available(xbc) and cache is None and cp is None
+            xbc = self._conv(xbc, seq_idx=conv_seq_idx, use_kernels=use_kernels)[:, history:]
             if attention_mask is not None:
                 xbc = (xbc * attention_mask[:, :, None]).to(dtype)
             x, b_mat, c_mat = xbc.split(
@@ -287,6 +304,19 @@ class Mamba2Mixer(nn.Module):
             c_mat = c_mat.view(batch, seqlen, self.n_groups, self.ssm_state_size)
             if use_kernels:
                 y = self._kernel_scan(x, dt, A, b_mat, c_mat, dt_bias, d_skip, seq_idx=seq_idx)
+            elif cp is not None:
+                y = ssd_chunked_scan_cp(
+                    x,
+                    self._discretize(dt, dt_bias),
+                    A,
+                    b_mat,
+                    c_mat,
+                    chunk_size=self.scan_chunk_size(x),
+                    cp=cp,
+                    D=d_skip,
+                    seq_idx=seq_idx,
+                    previous_seq_idx=None if conv_seq_idx is None else conv_seq_idx[:, history - 1],
+                )
             else:
                 dt_full = self._discretize(dt, dt_bias)
                 scanned = ssd_chunked_scan(
@@ -309,6 +339,20 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y.reshape(batch, seqlen, self.intermediate_size), gate)
         out: torch.Tensor = self.out_proj(y.to(dtype))
         return out
+
+    def _check_cp_inputs(self, hidden_states: torch.Tensor, *, cache: Any | None, seq_idx: torch.Tensor | None) -> None:
+        """Refuse, before any transfer, what context parallelism cannot run (every problem at once)."""
+        batch, seqlen, _ = hidden_states.shape
+        problems = []
+        if cache is not None:
+            problems.append("a generation cache was given (generate without context parallelism)")
+        width = conv_halo_width(self.conv_kernel)
+        if seqlen < width:
+            problems.append(f"S_local={seqlen} is shorter than the conv halo ({width} tokens; use fewer CP ranks)")
+        if seq_idx is not None and tuple(seq_idx.shape) != (batch, seqlen):
+            problems.append(f"seq_idx has shape {tuple(seq_idx.shape)}, expected [B, S_local] = {(batch, seqlen)}")
+        if problems:
+            raise ValueError(f"Mamba2Mixer layer {self.layer_idx} under context parallelism: " + "; ".join(problems))
 
     def scan_chunk_size(self, x: torch.Tensor) -> int:
         """Chunk length of the plain-PyTorch scan for tensors like `x` (see `CPU_SCAN_CHUNK_SIZE`)."""

@@ -73,6 +73,9 @@ class NemotronV3Model(nn.Module):
     Any of the three may be None / partial on a pipeline stage. forward(...) -> hidden states [B, S, H].
     """
 
+    # The fp32-pinned tensors, listed once for the package: the router's `e_score_correction_bias` and each Mamba
+    # mixer's `_fp32_params` holder (A_log, dt_bias, D). Casting (am-precision), checkpoints and the state dict
+    # adapter all derive from it.
     _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["e_score_correction_bias", "_fp32_params"]
 
     def __init__(
@@ -223,7 +226,8 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
         ValueError: invalid config or unsupported backend choices (all listed).
     """
 
-    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["e_score_correction_bias", "_fp32_params"]
+    # The same list as the backbone's (one source: the keep list is defined once, on NemotronV3Model).
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = NemotronV3Model._keep_in_fp32_modules_strict
     _pp_keep_self_forward: ClassVar[bool] = True
     _pp_plan: ClassVar[dict[str, tuple[list[str], list[str]]]] = {
         "model.embed_tokens": (["input_ids"], ["inputs_embeds"]),

@@ -6,6 +6,8 @@ and transformers' in-memory naming (`model.` prefix, stacked `mixer.experts.up_p
 `transformers.NemotronHForCausalLM.state_dict()` returns; `to_hf` writes NVIDIA's naming (what
 `transformers.save_pretrained` writes too). Internal names: `model.embed_tokens`, `model.layers.{i}`, `model.norm`,
 `mixer._fp32_params.{A_log,dt_bias,D}`, stacked experts `mixer.experts.up_proj` [E, I, D] / `down_proj` [E, D, I].
+Which tensors are fp32-pinned (`forced_fp32`) is not listed here: it is the model class's
+`_keep_in_fp32_modules_strict` matched against the internal name, as the casts match it.
 What it must not do: guess. A key it cannot place is returned unchanged, so the loader's strict key check reports it;
 an incomplete expert set is reported with every missing expert.
 """
@@ -19,10 +21,10 @@ from typing import Any
 import torch
 
 from am_models_nemotron.config import NemotronConfig
+from am_models_nemotron.model import NemotronHForCausalLM
+from am_precision import fp32_keep_rules, match_keep_rule
 
-__all__ = ["FP32_PINNED_SUFFIXES", "NemotronV3StateDictAdapter"]
-
-FP32_PINNED_SUFFIXES: tuple[str, ...] = (".A_log", ".dt_bias", ".D", ".e_score_correction_bias")
+__all__ = ["NemotronV3StateDictAdapter"]
 
 _PEFT_PREFIX = "base_model.model."
 _PER_EXPERT = re.compile(r"^(?P<owner>.*\.mixer\.experts)\.(?P<expert>\d+)\.(?P<proj>up_proj|down_proj)\.weight$")
@@ -34,6 +36,7 @@ class NemotronV3StateDictAdapter:
 
     def __init__(self, config: Any) -> None:
         self.config = NemotronConfig.from_any(config)
+        self._fp32_rules = fp32_keep_rules(NemotronHForCausalLM)
 
     # ------------------------------------------------------------------------------------------------------------
     def from_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -114,7 +117,10 @@ class NemotronV3StateDictAdapter:
             out[name] = tensor
         return out
 
-    @staticmethod
-    def forced_fp32(name: str) -> bool:
-        """Whether a checkpoint tensor must be stored as F32 (A_log, dt_bias, D, e_score_correction_bias)."""
-        return name.endswith(FP32_PINNED_SUFFIXES) and ".mixer." in name
+    def forced_fp32(self, name: str) -> bool:
+        """Whether tensor `name` (checkpoint or internal naming) is fp32-pinned, so it is loaded and stored as F32.
+
+        Decided by `NemotronHForCausalLM._keep_in_fp32_modules_strict` on the internal name (e.g. checkpoint
+        `backbone.layers.0.mixer.A_log` is `model.layers.0.mixer._fp32_params.A_log`, pinned by `_fp32_params`).
+        """
+        return match_keep_rule(self._internal_name(name), self._fp32_rules) is not None

@@ -5,6 +5,7 @@ run any torch schedule, compute the pipeline loss (with multi-token prediction),
 and draw the schedule with its bubble fraction.
 """
 
+from am_pipelining._version import __version__
 from am_pipelining.autopipeline import AutoPipeline, PipelineConfig, PipelineInfo
 from am_pipelining.functional import (
     build_pipeline_schedule,
@@ -48,8 +49,6 @@ from am_pipelining.schedule_picture import (
     textbook_bubble_fraction,
 )
 from am_pipelining.tied import sync_tied_embedding_grads, sync_tied_embedding_weights
-
-__version__ = "0.1.0"
 
 __all__ = [
     # facade
@@ -96,4 +95,5 @@ __all__ = [
     "render_text",
     "render_svg",
     "save_schedule_picture",
+    "__version__",
 ]

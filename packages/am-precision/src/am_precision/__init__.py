@@ -10,6 +10,7 @@ imported only by the functions that need them.
 
 from __future__ import annotations
 
+from am_precision._version import __version__
 from am_precision.backend import (
     ATTN_BACKENDS,
     DISPATCHER_BACKENDS,
@@ -47,8 +48,6 @@ from am_precision.te_patch import (
     patch_te_modules,
     patch_unallocated_short_circuit,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     # backend selection

@@ -2,17 +2,19 @@
 
 What it is for: one validated, immutable description of which kernels a model uses (attention, linear, RMSNorm,
 RoPE, MoE experts and token dispatcher, FP8). Every literal is checked at construction and all problems are
-reported in one `ValueError`.
+reported in one `ValueError`. It keeps every field NeMo AutoModel documents, so configs written for it parse; a
+value that asks for something no am-* package implements (`_NOT_IMPLEMENTED`) is refused there, and the models
+refuse the values of the fields they read but do not support.
 What it must not do: import transformer_engine at import time or while validating (a config may be built on a
-machine without CUDA), silently rewrite a field the user set, or be mutated after construction: the dataclasses are
-frozen; derive a variant with `config.replace(field=value)`.
+machine without CUDA), silently rewrite a field the user set, accept an option nothing honours, or be mutated after
+construction: the dataclasses are frozen; derive a variant with `config.replace(field=value)`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,6 +159,44 @@ _BOOL_FIELDS = (
     "compile_attn",
 )
 
+_A2A_KNOB = (
+    "it tunes an all-to-all token dispatcher kernel (deepep, hybridep, uccl_ep, mok), which no am-* package runs"
+)
+
+# Values of upstream fields that no am-* package honours: field -> (does this value ask for it?, why and the fix).
+# Refused at construction instead of being accepted and ignored. A package that implements one deletes its entry
+# here and updates the README table "Who honours each field".
+_NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "rope": (lambda v: v == "quack", "no am-* model has a QuACK RoPE kernel; use rope='torch'"),
+    "rope_fusion": (
+        lambda v: v is True,
+        "no am-* model fuses RoPE with Transformer Engine; leave rope_fusion=None (resolves to False)",
+    ),
+    "dispatcher_num_sms": (lambda v: v != 20, f"{_A2A_KNOB}; leave it at 20"),
+    "dispatcher_share_token_dispatcher": (lambda v: v is False, f"{_A2A_KNOB}; leave it True"),
+    "dispatcher_async_dispatch": (lambda v: v is True, f"{_A2A_KNOB}; leave it False"),
+    "fake_balanced_gate": (lambda v: v is True, "no am-* MoE router has a fake balanced gate; leave it False"),
+    "fake_gate_noise": (
+        lambda v: v != 0,
+        "it perturbs the fake balanced gate, which no am-* MoE router has; leave it 0.0",
+    ),
+    "enable_hf_state_dict_adapter": (
+        lambda v: v is False,
+        "am-* models always read and write the HF checkpoint layout in from_pretrained / save_pretrained "
+        "(model.state_dict() holds the native names); leave it True",
+    ),
+    "enable_fsdp_optimizations": (lambda v: v is True, "no am-* model has model-specific FSDP tweaks; leave it False"),
+    "te_fp8": (
+        lambda v: v is not None,
+        "no am-* model enters Transformer Engine's FP8 autocast itself; run forward and backward inside "
+        "TEFp8Config(...).maybe_te_autocast() and leave te_fp8=None",
+    ),
+    "compile_attn": (
+        lambda v: v is True,
+        "no am-* model compiles its attention kernel on its own; apply torch.compile to the model and leave it False",
+    ),
+}
+
 
 @dataclass(frozen=True, kw_only=True)
 class BackendConfig:
@@ -171,8 +211,8 @@ class BackendConfig:
         linear: linear layers, one of `LINEAR_BACKENDS`.
         rms_norm: RMSNorm, one of `RMS_NORM_BACKENDS` ("torch_fp32" computes in fp32 whatever the storage dtype).
         rope: rotary embedding kernel, one of `ROPE_BACKENDS`.
-        rope_fusion: use TE's fused RoPE. None (default) resolves to True when TE is usable and rope="torch";
-            after construction it is always a bool.
+        rope_fusion: use TE's fused RoPE. None (default) resolves to False (what upstream does too: it forces the
+            fusion off); after construction it is always a bool.
         experts: MoE expert computation, one of `EXPERTS_BACKENDS`; "te" and "gmm" need an all-to-all dispatcher.
         dispatcher: MoE token dispatcher, one of `DISPATCHER_BACKENDS`.
         dispatcher_num_sms: streaming multiprocessors reserved for the dispatcher's communication kernels.
@@ -186,8 +226,15 @@ class BackendConfig:
         gate_precision: dtype of MoE router math (a dtype or a name such as "float32" / "torch.float32").
         compile_attn: wrap the attention kernel in torch.compile.
 
+    Fields no am-* package implements (README, "Who honours each field") keep their upstream defaults and accept
+    only them: `rope="quack"`, `rope_fusion=True`, the `dispatcher_*` knobs, `fake_balanced_gate`,
+    `fake_gate_noise`, `enable_hf_state_dict_adapter=False`, `enable_fsdp_optimizations`, `te_fp8` and
+    `compile_attn` are refused with the reason and the fix. Models refuse what they do not support of the fields
+    they read (`attn`, `experts`, `dispatcher`, ...).
+
     Raises:
-        ValueError: one or more fields are invalid; the message lists every problem with the allowed values.
+        ValueError: one or more fields are invalid or ask for something no am-* package implements; the message
+            lists every problem with the allowed values or the fix.
     """
 
     attn: str = field(default_factory=_default_attn)
@@ -233,9 +280,10 @@ class BackendConfig:
 
         self._normalize_te_fp8(problems)
         self._normalize_gate_precision(problems)
-        if self.rope_fusion is None and self.rope in ROPE_BACKENDS:
-            object.__setattr__(self, "rope_fusion", flags.te_usable() and self.rope == "torch")
-        self._check_combinations(problems)
+        if self.rope_fusion is None:
+            object.__setattr__(self, "rope_fusion", False)
+        refused = self._check_implemented(problems)
+        self._check_combinations(problems, refused=refused)
         _raise_if_problems("BackendConfig", problems)
 
     def _normalize_te_fp8(self, problems: list[str]) -> None:
@@ -271,13 +319,9 @@ class BackendConfig:
             return
         problems.append(f"gate_precision={value!r} must be a torch.dtype, a dtype name, or None")
 
-    def _check_combinations(self, problems: list[str]) -> None:
-        # Each rule runs only when the fields it reads are individually valid, so messages never compound.
-        if self.rope_fusion is True and self.rope in ROPE_BACKENDS and self.rope != "torch":
-            problems.append(
-                f"rope_fusion=True uses TE's fused RoPE, which replaces rope='torch'; with rope={self.rope!r} "
-                "set rope_fusion=False"
-            )
+    def _check_combinations(self, problems: list[str], *, refused: set[str]) -> None:
+        # Each rule runs only when the fields it reads are individually valid and not refused as unimplemented, so
+        # messages never compound.
         if (
             self.experts in _EXPERTS_NEEDING_A2A
             and self.dispatcher in DISPATCHER_BACKENDS
@@ -289,11 +333,23 @@ class BackendConfig:
                 "dispatchers or experts='torch_mm' / 'torch'"
             )
         backends_known = self.linear in LINEAR_BACKENDS and self.experts in EXPERTS_BACKENDS
-        if isinstance(self.te_fp8, TEFp8Config) and backends_known and "te" not in (self.linear, self.experts):
+        te_fp8_usable = isinstance(self.te_fp8, TEFp8Config) and "te_fp8" not in refused
+        if te_fp8_usable and backends_known and "te" not in (self.linear, self.experts):
             problems.append(
                 "te_fp8 requires at least one TE backend (linear='te' or experts='te'), "
                 f"but got linear={self.linear!r}, experts={self.experts!r}"
             )
+
+    def _check_implemented(self, problems: list[str]) -> set[str]:
+        """Report each valid field whose value asks for something no am-* package implements; return their names."""
+        invalid = {problem.split("=", 1)[0] for problem in problems}  # reported once, as invalid
+        refused = set()
+        for name, (asks_for_it, why) in _NOT_IMPLEMENTED.items():
+            value = getattr(self, name)
+            if name not in invalid and asks_for_it(value):
+                problems.append(f"{name}={value!r} is not implemented by any am-* package: {why}")
+                refused.add(name)
+        return refused
 
     def replace(self, **changes: Any) -> BackendConfig:
         """A validated copy with `changes` applied; the original is left untouched.

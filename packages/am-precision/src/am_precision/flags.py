@@ -86,11 +86,10 @@ def get_is_optim_step() -> bool:
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:
-    # Asking a FakeTensor for its data pointer warns (and will raise in a future torch); recognise it first.
-    try:
-        from torch._subclasses.fake_tensor import FakeTensor
-    except ImportError:
-        return False
+    # Asking a FakeTensor for its data pointer warns (and will raise in a future torch); recognise it first. Imported
+    # here, not at module level: the module is heavy and only this check needs it.
+    from torch._subclasses.fake_tensor import FakeTensor
+
     return isinstance(tensor, FakeTensor)
 
 

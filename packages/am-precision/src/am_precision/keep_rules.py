@@ -47,32 +47,32 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def _keywords(model: nn.Module, attribute: str) -> list[str]:
+def _keywords(model: nn.Module | type[nn.Module], attribute: str) -> list[str]:
     value = getattr(model, attribute, None)
     if value is None:
         return []
+    owner = model.__name__ if isinstance(model, type) else type(model).__name__
     if isinstance(value, (set, frozenset)):
         entries: Iterable[object] = sorted(value, key=repr)  # sets have no order; make the result deterministic
     elif isinstance(value, (list, tuple)):
         entries = value
     else:
         raise TypeError(
-            f"{type(model).__name__}.{attribute} must be a list, tuple or set of name substrings, got "
+            f"{owner}.{attribute} must be a list, tuple or set of name substrings, got "
             f"{type(value).__name__} {value!r}" + (f"; write [{value!r}]" if isinstance(value, str) else "")
         )
     bad = [e for e in entries if not isinstance(e, str) or not e]
     if bad:
-        raise TypeError(
-            f"{type(model).__name__}.{attribute} must hold non-empty strings (name substrings); invalid entries: "
-            f"{bad!r}"
-        )
+        raise TypeError(f"{owner}.{attribute} must hold non-empty strings (name substrings); invalid entries: {bad!r}")
     return [e for e in entries if isinstance(e, str)]
 
 
-def fp32_keep_rules(model: nn.Module) -> tuple[KeepRule, ...]:
-    """The model's fp32 keep rules: strict keywords first, then non-strict ones, deduplicated in order.
+def fp32_keep_rules(model: nn.Module | type[nn.Module]) -> tuple[KeepRule, ...]:
+    """The fp32 keep rules of a model (or model class): strict keywords first, then non-strict ones, deduplicated in
+    order.
 
-    A keyword listed in both attributes is strict. `None` attributes mean "no rules".
+    A keyword listed in both attributes is strict. `None` attributes mean "no rules". Passing the class lets code
+    without an instance (a checkpoint converter) apply the same rules as the casts.
 
     Raises:
         TypeError: an attribute is not a list/tuple/set of non-empty strings (e.g. a bare string).

@@ -1,0 +1,72 @@
+"""Dropless mixture-of-experts building blocks shared by the am-* model packages.
+
+Grouped expert MLPs with one grouped GEMM per projection (`GroupedExperts`, `grouped_mm`), token dispatch and
+combine — local, or expert parallel over all-to-all (`dispatch`) — expert weights sharded over an `ep` mesh
+dimension and composed with FSDP2 (`parallel`), and per-step expert load statistics (`load`). Routers stay in the
+model packages: the experts take `(hidden [T, H], top_k_index [T, K], top_k_weights [T, K])`.
+Depends on torch only; never imports a model package.
+"""
+
+from __future__ import annotations
+
+from am_moe._version import __version__
+from am_moe.dispatch import (
+    AllToAllDispatcher,
+    AllToAllStats,
+    DispatchState,
+    LocalDispatcher,
+    count_all_to_all_bytes,
+)
+from am_moe.experts import EXPERT_ACTIVATIONS, GroupedExperts
+from am_moe.grouped_mm import (
+    GROUPED_MM_BACKENDS,
+    GroupedMMChoice,
+    GroupLayout,
+    grouped_linear,
+    select_grouped_mm_backend,
+)
+from am_moe.load import ExpertLoad, expert_load, reset_expert_load
+from am_moe.parallel import (
+    ExpertParallelPlan,
+    apply_expert_parallel,
+    build_expert_meshes,
+    expert_modules,
+    fully_shard_experts,
+    gather_expert_state_dict,
+    plan_expert_parallel,
+)
+from am_moe.routing import RoutingError, routing_problems
+
+__all__ = [
+    "__version__",
+    # experts
+    "EXPERT_ACTIVATIONS",
+    "GroupedExperts",
+    # grouped GEMM
+    "GROUPED_MM_BACKENDS",
+    "GroupLayout",
+    "GroupedMMChoice",
+    "grouped_linear",
+    "select_grouped_mm_backend",
+    # dispatch / combine
+    "AllToAllDispatcher",
+    "AllToAllStats",
+    "DispatchState",
+    "LocalDispatcher",
+    "count_all_to_all_bytes",
+    # router outputs
+    "RoutingError",
+    "routing_problems",
+    # expert parallelism
+    "ExpertParallelPlan",
+    "apply_expert_parallel",
+    "build_expert_meshes",
+    "expert_modules",
+    "fully_shard_experts",
+    "gather_expert_state_dict",
+    "plan_expert_parallel",
+    # load statistics
+    "ExpertLoad",
+    "expert_load",
+    "reset_expert_load",
+]

@@ -1,0 +1,241 @@
+"""`GroupedExperts`: E expert MLPs (gated or plain) computed with one grouped GEMM per projection, dropless.
+
+What it is for: the routed experts of a mixture-of-experts layer. The model's router gives
+`(top_k_index [T, K], top_k_weights [T, K])`; this module sorts the (token, k) pairs by expert, runs
+    gated:  down( act(x @ gate^T) * (x @ up^T) )    (SwiGLU with act="silu", GeGLU with act="gelu_tanh")
+    plain:  down( act(x @ up^T) )                    (Nemotron-H: act="relu2")
+for every expert over its contiguous rows, and returns `sum_k weight[t, k] * expert_{index[t, k]}(x[t])` in `[T, H]`.
+Tokens with `token_mask` False (padding) reach no expert and get 0. After `apply_expert_parallel` the same module
+sends rows to the experts' owners with all-to-all (dispatch.py); nothing else changes for the caller.
+What it must not do: route (routers, their scores, biases and balancing terms stay in the model packages), drop a
+token, or sync the host per layer for its load statistics.
+
+Parameter layout (transformers' in-memory layout, `[E, out, in]`, i.e. a stack of `nn.Linear` weights):
+    gated: gate_up_proj [E, 2I, H] (gate rows first, then up), down_proj [E, H, I]
+    plain: up_proj      [E, I, H],                             down_proj [E, H, I]
+so an HF checkpoint's per-expert key `experts.{e}.up_proj.weight` is `up_proj[e]` and its stacked `gate_up_proj` is
+the tensor itself; `torch._grouped_mm` reads `weight.transpose(-2, -1)` (column-major) without a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from am_moe.dispatch import AllToAllDispatcher, LocalDispatcher, combine_pairs
+from am_moe.grouped_mm import GroupedMMChoice, GroupLayout, grouped_linear, select_grouped_mm_backend
+from am_moe.routing import routing_problems
+
+__all__ = ["EXPERT_ACTIVATIONS", "GroupedExperts"]
+
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+EXPERT_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu2": _relu2,
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": _gelu_tanh,
+}
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a weight sharded over the ep mesh (a DTensor, Shard(0)); a plain tensor as it is."""
+    to_local = getattr(weight, "to_local", None)
+    return to_local() if callable(to_local) else weight
+
+
+class GroupedExperts(nn.Module):
+    """E experts of width `hidden_size` -> `intermediate_size` -> `hidden_size`, stacked `[E, out, in]`.
+
+    Args:
+        num_experts: E (all experts, also after expert parallelism shards them).
+        hidden_size: H, the width of the tokens the experts see (the latent size for latent MoE).
+        intermediate_size: I, each expert's inner width (the gate and up halves each have I rows when gated).
+        gated: gate+up projection (`gate_up_proj`) vs a single up projection (`up_proj`).
+        activation: a name in `EXPERT_ACTIVATIONS` or a callable applied elementwise.
+        grouped_mm: "auto" (torch._grouped_mm where it runs, else one matmul per expert), "grouped_mm" (refused
+            where it cannot run) or "loop". The choice is made once per device and dtype and reported by
+            `grouped_mm_choice`.
+        combine_dtype: dtype of the weighted sum over the top-k experts (fp32 default: the routing weights are not
+            rounded to bf16); None sums in the experts' output dtype.
+
+    Parameters are allocated uninitialized; call `init_weights(std=...)` or load a checkpoint.
+    `tokens_per_expert` ([E] int64, not saved) accumulates this rank's routed (token, k) pairs per expert; see
+    `am_moe.expert_load`.
+    """
+
+    tokens_per_expert: torch.Tensor
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        gated: bool,
+        activation: str | Callable[[torch.Tensor], torch.Tensor],
+        grouped_mm: str = "auto",
+        combine_dtype: torch.dtype | None = torch.float32,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        problems = []
+        for name, value in (
+            ("num_experts", num_experts),
+            ("hidden_size", hidden_size),
+            ("intermediate_size", intermediate_size),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be a positive int, got {value!r}")
+        if isinstance(activation, str) and activation not in EXPERT_ACTIVATIONS:
+            problems.append(
+                f"activation {activation!r} is unknown; use one of {sorted(EXPERT_ACTIVATIONS)} or a callable"
+            )
+        elif not isinstance(activation, str) and not callable(activation):
+            problems.append(f"activation must be a name or a callable, got {activation!r}")
+        if grouped_mm not in ("auto", "grouped_mm", "loop"):
+            problems.append(f"grouped_mm must be 'auto', 'grouped_mm' or 'loop', got {grouped_mm!r}")
+        if combine_dtype is not None and not combine_dtype.is_floating_point:
+            problems.append(f"combine_dtype must be a floating dtype or None, got {combine_dtype}")
+        if problems:
+            raise ValueError("GroupedExperts: " + "; ".join(problems))
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.gated = gated
+        self.activation_name = activation if isinstance(activation, str) else getattr(activation, "__name__", "fn")
+        self.activation = EXPERT_ACTIVATIONS[activation] if isinstance(activation, str) else activation
+        self.grouped_mm = grouped_mm
+        self.combine_dtype = combine_dtype
+        factory = {"device": device, "dtype": dtype}
+        first = 2 * intermediate_size if gated else intermediate_size
+        first_weight = nn.Parameter(torch.empty(num_experts, first, hidden_size, **factory))  # type: ignore[arg-type]
+        if gated:
+            self.gate_up_proj = first_weight
+        else:
+            self.up_proj = first_weight
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))  # type: ignore[arg-type]
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(num_experts, dtype=torch.long, device=device), persistent=False
+        )
+        self.dispatcher: LocalDispatcher | AllToAllDispatcher = LocalDispatcher()
+        self._choices: dict[tuple[str, torch.dtype], GroupedMMChoice] = {}
+        self._last_choice: GroupedMMChoice | None = None
+
+    @property
+    def first_proj(self) -> torch.Tensor:
+        """`gate_up_proj` (gated) or `up_proj` (plain)."""
+        return self.gate_up_proj if self.gated else self.up_proj
+
+    @property
+    def ep_size(self) -> int:
+        return self.dispatcher.ep_size if isinstance(self.dispatcher, AllToAllDispatcher) else 1
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.ep_size
+
+    @property
+    def grouped_mm_choice(self) -> GroupedMMChoice | None:
+        """The grouped-GEMM backend of the most recent forward (None before the first one)."""
+        return self._last_choice
+
+    def choose_grouped_mm(self, device: torch.device, dtype: torch.dtype) -> GroupedMMChoice:
+        """The backend for inputs on `device` in `dtype` (decided once per pair, then reused)."""
+        key = (str(device), dtype)
+        if key not in self._choices:
+            sizes = (self.hidden_size, self.intermediate_size, 2 * self.intermediate_size if self.gated else 0)
+            self._choices[key] = select_grouped_mm_backend(
+                device=device, dtype=dtype, sizes=tuple(s for s in sizes if s), requested=self.grouped_mm
+            )
+        self._last_choice = self._choices[key]
+        return self._last_choice
+
+    @torch.no_grad()
+    def init_weights(self, *, std: float, down_std: float | None = None) -> None:
+        """Normal(0, std) weights (`down_std` for `down_proj` when given); zero the load counters."""
+        nn.init.normal_(self.first_proj, mean=0.0, std=std)
+        nn.init.normal_(self.down_proj, mean=0.0, std=std if down_std is None else down_std)
+        self.tokens_per_expert.zero_()
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        *,
+        token_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """hidden_states `[T, H]`, top_k_index `[T, K]` int (expert ids in [0, E)), top_k_weights `[T, K]` float,
+        token_mask `[T]` bool (True = route; False = padding, output 0) -> `[T, H]` in hidden_states' dtype.
+
+        Raises `RoutingError` listing every problem of the inputs; under expert parallelism every rank raises (the
+        ranks exchange a validity flag before any token moves).
+        """
+        problems = routing_problems(
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            token_mask,
+            num_experts=self.num_experts,
+            hidden_size=self.hidden_size,
+        )
+        first, down = _local(self.first_proj), _local(self.down_proj)
+        if not problems and first.dtype != hidden_states.dtype:
+            problems.append(
+                f"hidden_states are {hidden_states.dtype} but the expert weights are {first.dtype}; cast one of them"
+            )
+        choice = self.choose_grouped_mm(hidden_states.device, hidden_states.dtype)
+        host_sizes = choice.backend == "loop" or hidden_states.device.type == "cpu"
+        rows, layout, state = self.dispatcher.dispatch(
+            hidden_states,
+            top_k_index,
+            token_mask,
+            num_experts=self.num_experts,
+            problems=problems,
+            host_sizes=host_sizes,
+        )
+        self._record_load(state.counts)
+        out = self._experts(rows, layout, first, down, choice.backend)
+        sorted_out = self.dispatcher.undispatch(out, state)
+        return combine_pairs(
+            sorted_out, state, top_k_weights, out_dtype=hidden_states.dtype, combine_dtype=self.combine_dtype
+        )
+
+    def _experts(
+        self, rows: torch.Tensor, layout: GroupLayout, first: torch.Tensor, down: torch.Tensor, backend: str
+    ) -> torch.Tensor:
+        """`[N, H]` rows grouped by local expert -> `[N, H]` expert outputs (unweighted)."""
+        h = grouped_linear(rows, first, layout, backend=backend)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.activation(gate) * up
+        else:
+            h = self.activation(h)
+        return grouped_linear(h, down, layout, backend=backend)
+
+    @torch.no_grad()
+    def _record_load(self, counts: torch.Tensor) -> None:
+        # Activation checkpointing re-runs the forward inside backward (a graph task is running then): count once.
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.device))
+
+    def extra_repr(self) -> str:
+        kind = "gated" if self.gated else "plain"
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, {kind}, activation={self.activation_name}, "
+            f"ep_size={self.ep_size}"
+        )

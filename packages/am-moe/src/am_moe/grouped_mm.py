@@ -1,0 +1,152 @@
+"""Grouped GEMM over expert-sorted rows: `torch._grouped_mm` where it runs, per-group matmuls elsewhere.
+
+What it is for: `select_grouped_mm_backend` decides ONCE per (device, dtype, matrix sizes) which kernel multiplies
+the row groups — by rules on the device, dtype and strides, never by trying a call and catching its failure — and
+says why (`GroupedMMChoice.reason`). `grouped_linear` then computes `out[g] = x[g] @ weight[g].T` for every group g
+of consecutive rows, forward and backward, with either backend; both are numerically the per-expert matmul.
+What it must not do: fall back silently. A backend asked for by name that cannot run here is refused with the reason;
+an automatic choice is recorded and reported by the caller.
+
+Weights are stacked `[G, out, in]`, the `nn.Linear` layout of every expert, so `weight[g]` is the expert's
+HF-format `*.weight` tensor and `weight.transpose(-2, -1)` is the column-major right operand that the CUDA grouped
+kernels read without a copy.
+
+`torch._grouped_mm` constraints (torch 2.15, ATen `GroupedMMUtils.h`): fp32 / bf16 / fp16; every matrix's leading
+stride a multiple of 16 bytes (so hidden and intermediate sizes must be multiples of 16 / element size); its backward
+rejects a stride-0 (expanded) incoming gradient; rows past the last group end come back UNINITIALIZED (forward and
+input gradient). On CUDA the fused kernel runs for bf16 on sm90/sm100; other CUDA dtypes/GPUs run torch's own
+per-group loop inside the op; on the CPU the op is a per-group loop too.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["GROUPED_MM_BACKENDS", "GroupLayout", "GroupedMMChoice", "grouped_linear", "select_grouped_mm_backend"]
+
+GROUPED_MM_BACKENDS: tuple[str, ...] = ("auto", "grouped_mm", "loop")
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class GroupedMMChoice:
+    """Which kernel multiplies the expert groups, and why (`backend` is "grouped_mm" or "loop")."""
+
+    backend: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Rows `[N, ...]` grouped by expert: group g is rows `[ends[g-1], ends[g])`.
+
+    ends: `[G]` int32 cumulative row counts on the rows' device (what `torch._grouped_mm` reads).
+    sizes: the same counts on the host when the caller already has them (the loop backend needs them).
+    valid_rows: `[N]` bool, True for rows inside a group, when rows past `ends[-1]` exist (padding pairs kept in
+        place to avoid a device-to-host sync); their outputs and gradients are forced to 0.
+    """
+
+    ends: torch.Tensor
+    sizes: list[int] | None = None
+    valid_rows: torch.Tensor | None = None
+
+
+def select_grouped_mm_backend(
+    *, device: torch.device | str, dtype: torch.dtype, sizes: tuple[int, ...], requested: str = "auto"
+) -> GroupedMMChoice:
+    """The grouped-GEMM backend for experts on `device` in `dtype` whose matrices have the inner `sizes`.
+
+    sizes: every contraction and output width the experts multiply (hidden size, intermediate size, 2 x intermediate
+        for gated experts). requested: "auto" (the fastest that runs), "grouped_mm" (refused with the reason when it
+        cannot run) or "loop".
+    """
+    device = torch.device(device)
+    return _select(device.type, _capability(device), dtype, tuple(int(s) for s in sizes), requested)
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.cache
+def _select(
+    device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype, sizes: tuple[int, ...], requested: str
+) -> GroupedMMChoice:
+    if requested not in GROUPED_MM_BACKENDS:
+        raise ValueError(f"grouped GEMM backend {requested!r} is unknown; choose one of {GROUPED_MM_BACKENDS}")
+    if requested == "loop":
+        return GroupedMMChoice("loop", "requested: one matmul per expert over split views")
+    refusals = []
+    if not hasattr(torch, "_grouped_mm"):
+        refusals.append(f"torch {torch.__version__} has no torch._grouped_mm")
+    if device_type not in ("cpu", "cuda"):
+        refusals.append(f"torch._grouped_mm is only used on cpu and cuda, not {device_type!r}")
+    if dtype not in _GROUPED_MM_DTYPES:
+        refusals.append(f"torch._grouped_mm takes fp32/bf16/fp16, not {dtype}")
+    else:
+        alignment = 16 // torch.empty((), dtype=dtype).element_size()
+        misaligned = sorted({s for s in sizes if s % alignment})
+        if misaligned:
+            refusals.append(
+                f"torch._grouped_mm needs row strides that are multiples of 16 bytes: sizes {misaligned} are not "
+                f"multiples of {alignment} in {dtype}"
+            )
+    if refusals:
+        if requested == "grouped_mm":
+            raise ValueError("grouped GEMM backend 'grouped_mm' cannot run here: " + "; ".join(refusals))
+        return GroupedMMChoice("loop", "; ".join(refusals) + " -> one matmul per expert over split views")
+    if device_type == "cuda":
+        fused = dtype == torch.bfloat16 and capability is not None and capability[0] in (9, 10)
+        kernel = "fused grouped kernel (bf16, sm90/sm100)" if fused else "torch's per-group loop inside the op"
+        return GroupedMMChoice("grouped_mm", f"torch._grouped_mm on cuda {capability}, {dtype}: {kernel}")
+    return GroupedMMChoice("grouped_mm", f"torch._grouped_mm on cpu, {dtype} (a per-group loop inside the op)")
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (`_grouped_mm`'s backward rejects stride-0 ones)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, layout: GroupLayout, *, backend: str) -> torch.Tensor:
+    """`out[rows of group g] = x[rows of group g] @ weight[g].T` for every group. x: `[N, in]`, weight: `[G, out, in]`
+    -> `[N, out]` in x's dtype. Rows outside every group (`layout.valid_rows` False) give 0 and pass no gradient.
+
+    backend: a `GroupedMMChoice.backend` ("grouped_mm" or "loop"); the loop needs `layout.sizes`.
+    """
+    valid = None if layout.valid_rows is None else layout.valid_rows.unsqueeze(-1)
+    if valid is not None:
+        # torch.where, not a multiply: rows past the last group are uninitialized (NaN/inf possible) in the output and
+        # in the input gradient of torch._grouped_mm; masking the input here zeroes that gradient on its way back.
+        x = torch.where(valid, x, x.new_zeros(()))
+    if backend == "grouped_mm":
+        out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=layout.ends)
+        out = _ContiguousGrad.apply(out)
+    elif backend == "loop":
+        if layout.sizes is None:
+            raise ValueError("the loop backend needs the group sizes on the host (GroupLayout.sizes)")
+        total = sum(layout.sizes)
+        parts = x[:total].split(layout.sizes)
+        # unbind, not weight[g]: the weight gradient is one stack, not a zero-filled [G, out, in] tensor per group.
+        # Empty groups are kept so every expert's weight gets a (zero) gradient even when no row reaches it.
+        outs = [F.linear(part, w) for part, w in zip(parts, weight.unbind(0), strict=True)]
+        if total < x.shape[0]:
+            outs.append(x.new_zeros(x.shape[0] - total, weight.shape[1]))
+        out = torch.cat(outs)
+    else:
+        raise ValueError(f"grouped_linear backend must be 'grouped_mm' or 'loop', not {backend!r}")
+    if valid is not None:
+        out = torch.where(valid, out, out.new_zeros(()))
+    return out
