@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_examples import ExampleBlock, extract_blocks, run_block  # noqa: E402
+from readme_examples import ExampleBlock, extract_blocks, run_block
 
 _ROOT = Path(__file__).resolve().parents[1]
 _README = os.environ.get("AM_README")
