@@ -96,14 +96,36 @@ def _compare(
     assert checked > 0, "no parameters on this rank"
 
 
-def parity_case(name: str, schedule: str, *, layers: int, batch_size: int = 4, microbatch: int = 1) -> None:
+def parity_case(
+    name: str,
+    schedule: str,
+    *,
+    layers: int,
+    batch_size: int = 4,
+    microbatch: int = 1,
+    stages_per_rank: int | None = None,
+    expected_layers: dict[int, list[list[int]]] | None = None,
+) -> None:
+    """Pipelined loss and gradients equal the unsplit model's; with `expected_layers` ({rank: layers per local
+    stage}) the split is checked too."""
     ref_model = M.FACTORIES[name](layers)
     model = copy.deepcopy(ref_model)
     data = M.batch(name, batch_size)
     ref_losses = _reference(ref_model, name, data, microbatch)
     stages, parts = split_model_into_stages(
-        model, _mesh(), "pp", schedule, "cpu", microbatch_size=microbatch, seq_len=M.SEQ
+        model,
+        _mesh(),
+        "pp",
+        schedule,
+        "cpu",
+        stages_per_rank=stages_per_rank,
+        microbatch_size=microbatch,
+        seq_len=M.SEQ,
     )
+    if expected_layers is not None:
+        got = [[int(k) for k in part.model.layers] for part in parts]
+        want = expected_layers[dist.get_rank()]
+        assert got == want, f"rank {dist.get_rank()} runs layers {got}, expected {want}"
     sched = build_pipeline_schedule(None, schedule, microbatch, batch_size, stages, M.mean_ce)
     has_first = any(s.is_first for s in stages)
     has_last = any(s.is_last for s in stages)
@@ -300,6 +322,13 @@ def too_few_microbatches_case() -> None:
     stages, _ = split_model_into_stages(M.llama(4), _mesh(), "pp", "1F1B", "cpu")
     with pytest.raises(ValueError, match=r"needs at least \d+ microbatches"):
         build_pipeline_schedule(None, "1F1B", 1, world - 1, stages, M.mean_ce)
+    with pytest.raises(ValueError, match=r"local_batch_size=5 is not divisible by microbatch_size=2"):
+        build_pipeline_schedule(None, "1F1B", 2, 5, stages, M.mean_ce)
+    with pytest.raises(ValueError, match=r"Single stage schedule .* requires exactly 1 stage per rank"):
+        split_model_into_stages(M.llama(4), _mesh(), "pp", "1F1B", "cpu", stages_per_rank=2)
+    # A schedule of another kind than the split's is refused before it runs.
+    with pytest.raises(ValueError, match=r"at least 2 stages per rank"):
+        build_pipeline_schedule(None, "Interleaved1F1B", 1, 2 * world, stages, M.mean_ce)
 
 
 def cases_2ranks() -> dict[str, Callable[[], None]]:
@@ -307,6 +336,18 @@ def cases_2ranks() -> dict[str, Callable[[], None]]:
     for model in MODELS:
         for schedule in ALL_SCHEDULES:
             cases[f"parity-{model}-{schedule}"] = functools.partial(parity_case, model, schedule, layers=4)
+    # 8 layers, 2 ranks, 3 stages per rank: exactly 6 stages (2, 2, 1, 1, 1, 1 layers), placed in a loop.
+    cases["parity-llama-Interleaved1F1B-3-stages-per-rank"] = functools.partial(
+        parity_case,
+        "llama",
+        "Interleaved1F1B",
+        layers=8,
+        stages_per_rank=3,
+        expected_layers={0: [[0, 1], [4], [6]], 1: [[2, 3], [5], [7]]},
+    )
+    cases["parity-qwen3-1F1B-uneven-5-layers"] = functools.partial(
+        parity_case, "qwen3", "1F1B", layers=5, expected_layers={0: [[0, 1, 2]], 1: [[3, 4]]}
+    )
     cases["csv-schedule"] = csv_case
     cases["mask-cache-no-mask"] = functools.partial(mask_cache_case, with_mask=False)
     cases["mask-cache-with-mask"] = functools.partial(mask_cache_case, with_mask=True)

@@ -18,7 +18,13 @@ from am_pipelining import (
     stage_ids_this_rank,
 )
 from am_pipelining._compat import get_schedule_class
-from am_pipelining.functional import _default_module_names, schedule_placement_style, stage_metas
+from am_pipelining.functional import _default_module_names, _layout, schedule_placement_style, stage_metas
+from am_pipelining.planning import split_layers
+
+
+def _names(model, num_stages):
+    """Module names per stage for an even split of the model's layers into `num_stages`."""
+    return _default_module_names(model, split_layers(_layout(model)["num_layers"], num_stages))
 
 
 def test_stage_ids_loop_and_v():
@@ -110,7 +116,7 @@ def _param_bytes(module: nn.Module) -> int:
 def test_stage_modules_hold_only_their_parameters():
     model = M.llama(4)
     full = dict(model.named_parameters())
-    names, _ = _default_module_names(model, 2)
+    names, _ = _names(model, 2)
     first, last = build_stage_modules(model, names, [0, 1])
     assert list(first.model.layers.keys()) == ["0", "1"]
     assert list(last.model.layers.keys()) == ["2", "3"]
@@ -134,7 +140,7 @@ def test_stage_modules_hold_only_their_parameters():
 def test_stage_building_copies_only_kept_modules(monkeypatch):
     """The deep copy sees only the kept parts: peak extra memory is one stage, not one model per stage."""
     model = M.llama(4)
-    names, _ = _default_module_names(model, 4)
+    names, _ = _names(model, 4)
     copied_bytes = []
     real_deepcopy = copy.deepcopy
 
@@ -152,7 +158,7 @@ def test_stage_building_copies_only_kept_modules(monkeypatch):
 def test_meta_model_allocates_nothing():
     with torch.device("meta"):
         model = M.llama(4)
-    names, _ = _default_module_names(model, 2)
+    names, _ = _names(model, 2)
     stages = build_stage_modules(model, names, [0, 1])
     assert all(p.is_meta for stage in stages for p in stage.parameters())
     assert all(b.is_meta for stage in stages for b in stage.buffers())
@@ -160,10 +166,10 @@ def test_meta_model_allocates_nothing():
 
 def test_tied_weights_stay_tied_on_one_stage_and_are_copied_across_stages():
     model = M.llama(2, tied=True)
-    names, _ = _default_module_names(model, 1)
+    names, _ = _names(model, 1)
     (single,) = build_stage_modules(model, names, [0])
     assert single.lm_head.weight is single.model.embed_tokens.weight
-    names, _ = _default_module_names(model, 2)
+    names, _ = _names(model, 2)
     first, last = build_stage_modules(model, names, [0, 1])
     assert last.model.embed_tokens is None
     assert first.lm_head is None
@@ -173,7 +179,7 @@ def test_tied_weights_stay_tied_on_one_stage_and_are_copied_across_stages():
 
 def test_vlm_stage_lists_put_encoders_on_stage_zero():
     model = M.mistral3_vlm(4)
-    names, layout = _default_module_names(model, 2)
+    names, layout = _names(model, 2)
     assert layout["layers_prefix"] == "model.language_model."
     assert "model.vision_tower" in names[0]
     assert "model.multi_modal_projector" in names[0]
@@ -211,7 +217,7 @@ def test_reentrant_checkpointing_is_rejected_with_the_fix():
 
     model = M.llama(2)
     model.model.layers[0] = checkpoint_wrapper(model.model.layers[0], checkpoint_impl=CheckpointImpl.REENTRANT)
-    names, _ = _default_module_names(model, 2)
+    names, _ = _names(model, 2)
     with pytest.raises(ValueError, match="use_reentrant=False"):
         build_stage_modules(model, names, [0])
     hf = M.llama(2)
@@ -225,7 +231,7 @@ def test_reentrant_checkpointing_is_rejected_with_the_fix():
 
 def test_stage_metas_shapes_and_model_hook():
     model = M.llama(2)
-    names, _ = _default_module_names(model, 2)
+    names, _ = _names(model, 2)
     first, last = build_stage_modules(model, names, [0, 1])
     (inp,), (out,) = stage_metas(first, is_first=True, is_last=False, microbatch_size=2, seq_len=8)
     assert inp.shape == (2, 8)
@@ -243,12 +249,11 @@ def test_stage_metas_shapes_and_model_hook():
 
 
 def test_schedule_errors_before_any_collective():
-    """Indivisible batches and missing stages are ValueErrors naming the fix, raised before a schedule exists."""
+    """Missing stages and a missing CSV file are errors naming the fix, raised before a schedule exists (the batch
+    rules are `plan_pipeline`'s, tested in test_planning.py and on real stages in the 2-rank cases)."""
     from am_pipelining import build_pipeline_schedule
 
-    with pytest.raises(ValueError, match=r"Batch size 8 must be divisible by the microbatch size 3"):
-        build_pipeline_schedule(None, "1F1B", 3, 8, [], None)
-    with pytest.raises(ValueError, match=r"microbatch size 0"):
-        build_pipeline_schedule(None, "1F1B", 0, 8, [], None)
     with pytest.raises(ValueError, match="No pipeline stages on this rank"):
         build_pipeline_schedule(None, "1F1B", 1, 8, [], None)
+    with pytest.raises(FileNotFoundError, match="does not exist or is not a file"):
+        build_pipeline_schedule("/no/such/schedule.csv", None, 1, 8, [], None)

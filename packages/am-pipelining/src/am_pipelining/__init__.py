@@ -39,6 +39,7 @@ from am_pipelining.loss import (
     roll_tensor,
     shift_packed_tensor,
 )
+from am_pipelining.planning import PipelinePlan, PipelinePlanError, plan_pipeline
 from am_pipelining.schedule_picture import (
     ScheduleTimeline,
     render_svg,
@@ -56,6 +57,10 @@ __all__ = [
     "AutoPipeline",
     "PipelineConfig",
     "PipelineInfo",
+    # planning
+    "plan_pipeline",
+    "PipelinePlan",
+    "PipelinePlanError",
     # splitting and schedules
     "stage_ids_this_rank",
     "generate_hf_model_fqn_per_model_part",

@@ -20,6 +20,7 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from am_pipelining import _compat
 from am_pipelining.functional import pipeline_model, stage_metas
 from am_pipelining.hf_utils import statically_defines, validate_hf_model_for_pipeline_support
+from am_pipelining.planning import plan_pipeline
 from am_pipelining.tied import sync_tied_embedding_grads
 
 __all__ = ["AutoPipeline", "PipelineConfig", "PipelineInfo"]
@@ -45,6 +46,8 @@ class PipelineConfig:
     scale_grads_in_schedule: bool = False
     loss_fn: Callable[..., torch.Tensor] | None = None
     pp_seq_len: int | None = None
+    stages_per_rank: int | None = field(default=None, kw_only=True)
+    """Run exactly this many stages per rank (instead of `layers_per_stage`); see `plan_pipeline`."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,16 +102,32 @@ class AutoPipeline:
         dtype: torch.dtype | None = None,
         scale_grads_in_schedule: bool = False,
         pp_seq_len: int | None = None,
+        *,
+        stages_per_rank: int | None = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
     ) -> None:
-        if pp_schedule is None and pp_schedule_csv is None:
-            raise ValueError("Either pipeline_parallel_schedule or pipeline_parallel_schedule_csv must be provided")
-        if pp_microbatch_size < 1 or pp_batch_size % pp_microbatch_size != 0:
-            raise ValueError(
-                f"local_batch_size must be divisible by microbatch_size: pp_batch_size={pp_batch_size}, "
-                f"pp_microbatch_size={pp_microbatch_size}. Pick a batch size that is a multiple of the microbatch size."
-            )
         if world_mesh is None:
             raise ValueError("world_mesh must be provided (DeviceMesh with 'pp' axis)")
+        names = getattr(world_mesh, "mesh_dim_names", None)
+        self.pp_mesh = world_mesh[pp_axis_name] if names is not None and len(names) > 1 else world_mesh
+        # Everything that can be checked without the model is checked now; layers_per_stage needs the model's
+        # layer count and is planned in build().
+        plan_pipeline(
+            None,
+            self.pp_mesh.size(),
+            pp_schedule,
+            csv=pp_schedule_csv,
+            stages_per_rank=stages_per_rank,
+            num_stages=len(module_fqns_per_model_part) if module_fqns_per_model_part is not None else None,
+            local_batch_size=pp_batch_size,
+            microbatch_size=pp_microbatch_size,
+            option_labels={
+                "local_batch_size": f"pp_batch_size={pp_batch_size}",
+                "microbatch_size": f"pp_microbatch_size={pp_microbatch_size}",
+                "schedule": f"pp_schedule={pp_schedule!r}",
+                "num_stages": "module_fqns_per_model_part",
+            },
+        )
         self.world_mesh = world_mesh
         self.moe_mesh = moe_mesh
         self.pp_axis_name = pp_axis_name
@@ -132,16 +151,14 @@ class AutoPipeline:
         self.dtype = dtype
         self.scale_grads_in_schedule = scale_grads_in_schedule
         self.pp_seq_len = pp_seq_len
-        names = getattr(world_mesh, "mesh_dim_names", None)
-        self.pp_mesh = world_mesh[pp_axis_name] if names is not None and len(names) > 1 else world_mesh
+        self.stages_per_rank = stages_per_rank
+        self.loss_fn = loss_fn
         self._info = PipelineInfo()
         self._model_config: Any = None
 
     @classmethod
     def from_config(cls, config: PipelineConfig, *, world_mesh: Any, **kwargs: Any) -> AutoPipeline:
-        options = config.to_dict()
-        options.pop("loss_fn")
-        return cls(world_mesh=world_mesh, **options, **kwargs)
+        return cls(world_mesh=world_mesh, **config.to_dict(), **kwargs)
 
     # ---------------------------------------------------------------------------------------------------------
 
@@ -152,7 +169,16 @@ class AutoPipeline:
         loss_fn: Callable[..., torch.Tensor] | None = None,
         parallelize_fn: Callable[..., Any] | None = None,
     ) -> AutoPipeline:
-        """Validate, split, parallelize each part and build the schedule; returns self."""
+        """Validate, plan, split, parallelize each part and build the schedule; returns self.
+
+        `loss_fn` defaults to the one given to the constructor (or `PipelineConfig.loss_fn`); giving both is an
+        error unless they are the same object.
+        """
+        if loss_fn is not None and self.loss_fn is not None and loss_fn is not self.loss_fn:
+            raise ValueError(
+                "build(loss_fn=...) and the AutoPipeline / PipelineConfig loss_fn differ: give the loss function once."
+            )
+        loss_fn = loss_fn if loss_fn is not None else self.loss_fn
         if loss_fn is None:
             raise ValueError("loss_fn must be provided: the last stage computes loss_fn(output, target).")
         if not isinstance(model, nn.Module):
@@ -183,6 +209,7 @@ class AutoPipeline:
             round_to_pp_multiple=self.round_virtual_stages_to_pp_multiple,
             seq_len=self.pp_seq_len,
             tensor_dtype=self.dtype,
+            stages_per_rank=self.stages_per_rank,
         )
         self._info = PipelineInfo(True, schedule, has_first, has_last, parts, stages)
         self._model_config = getattr(model, "config", None)

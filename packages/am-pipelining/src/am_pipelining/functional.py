@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -34,6 +33,16 @@ from am_pipelining.hf_utils import (
     model_keeps_self_forward,
     patch_hf_model_for_pp,
     statically_defines,
+)
+from am_pipelining.planning import (
+    PipelinePlan,
+    calculate_virtual_stages,
+    csv_problems,
+    min_microbatches,
+    plan_pipeline,
+    schedule_placement_style,
+    split_layers,
+    stage_ids_this_rank,
 )
 from am_pipelining.tied import TiedEmbeddingCopy, pair_group
 
@@ -53,8 +62,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_V_SHAPED_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-
 
 class ParallelizeFnProtocol(Protocol):
     """What `pipeline_model` calls on each stage module (e.g. to apply FSDP2); may return a new module."""
@@ -65,39 +72,6 @@ class ParallelizeFnProtocol(Protocol):
 # ------------------------------------------------------------------------------------------------------------
 # Placement and stage lists
 # ------------------------------------------------------------------------------------------------------------
-
-
-def schedule_placement_style(schedule_class: type) -> str:
-    """ "v" for V-shaped schedules (ZBVZeroBubble, DualPipeV): rank r owns stages r and n-1-r; else "loop"."""
-    names = {cls.__name__ for cls in schedule_class.__mro__}
-    return "v" if names & set(_V_SHAPED_SCHEDULES) else "loop"
-
-
-def stage_ids_this_rank(pp_rank: int, pp_size: int, num_stages: int, style: str = "loop") -> tuple[int, ...]:
-    """Global stage indices owned by `pp_rank`.
-
-    "loop": r, r+p, r+2p, ... (p=4, n=8: rank 1 -> (1, 5)). "v": exactly two stages per rank, (r, n-1-r)
-    (p=4, n=8: rank 0 -> (0, 7), rank 3 -> (3, 4)).
-
-    Raises:
-        ValueError: stages not divisible by ranks, "v" without exactly 2 stages per rank, unknown style.
-    """
-    if num_stages % pp_size != 0:
-        raise ValueError(
-            f"num_stages {num_stages} must be evenly divisible by pp_size {pp_size}: every rank needs the same "
-            "number of stages. Change layers_per_stage or the number of stages."
-        )
-    stages_per_rank = num_stages // pp_size
-    if style == "loop":
-        return tuple(pp_rank + s * pp_size for s in range(stages_per_rank))
-    if style == "v":
-        if stages_per_rank != 2:
-            raise ValueError(
-                f"V-shaped placement needs exactly 2 stages per rank, got {stages_per_rank} "
-                f"({num_stages} stages on {pp_size} ranks). Use {2 * pp_size} stages."
-            )
-        return (pp_rank, num_stages - 1 - pp_rank)
-    raise ValueError(f"Unknown stage placement style {style!r}; use 'loop' or 'v'.")
 
 
 def generate_hf_model_fqn_per_model_part(
@@ -119,18 +93,32 @@ def generate_hf_model_fqn_per_model_part(
     Raises:
         ValueError: fewer than 1 stage or more stages than layers.
     """
-    if num_stages < 1:
-        raise ValueError(f"Number of stages must be at least 1, got {num_stages}.")
-    if num_stages > num_layers:
-        raise ValueError(
-            f"Number of stages ({num_stages}) cannot exceed number of layers ({num_layers}): every stage needs at "
-            "least one decoder layer. Use fewer pipeline ranks, fewer stages per rank, or a larger layers_per_stage."
-        )
-    base, extra = divmod(num_layers, num_stages)
+    return _module_names_for_layers(
+        split_layers(num_layers, num_stages),
+        include_embeddings=include_embeddings,
+        include_lm_head=include_lm_head,
+        include_rotary_emb=include_rotary_emb,
+        include_multimodal_encoders=include_multimodal_encoders,
+        extra_module_fqns=extra_module_fqns,
+        fqn_prefix=fqn_prefix,
+        lm_head_fqn=lm_head_fqn,
+    )
+
+
+def _module_names_for_layers(
+    stage_layers: Sequence[Sequence[int]],
+    *,
+    include_embeddings: bool,
+    include_lm_head: bool,
+    include_rotary_emb: bool,
+    include_multimodal_encoders: bool,
+    extra_module_fqns: Sequence[str] | None,
+    fqn_prefix: str,
+    lm_head_fqn: str,
+) -> list[list[str]]:
     names_per_stage: list[list[str]] = []
-    start = 0
-    for stage in range(num_stages):
-        count = base + (1 if stage < extra else 0)
+    last = len(stage_layers) - 1
+    for stage, layers in enumerate(stage_layers):
         names: list[str] = []
         if stage == 0:
             if include_embeddings:
@@ -138,9 +126,8 @@ def generate_hf_model_fqn_per_model_part(
             if include_multimodal_encoders:
                 names.extend(f"{fqn_prefix}{suffix}" for suffix in MULTIMODAL_SUFFIXES)
             names.extend(extra_module_fqns or ())
-        names.extend(f"{fqn_prefix}layers.{i}" for i in range(start, start + count))
-        start += count
-        if stage == num_stages - 1:
+        names.extend(f"{fqn_prefix}layers.{i}" for i in layers)
+        if stage == last:
             names.append(f"{fqn_prefix}norm")
             if include_lm_head:
                 names.append(lm_head_fqn)
@@ -148,56 +135,6 @@ def generate_hf_model_fqn_per_model_part(
             names.append(f"{fqn_prefix}rotary_emb")
         names_per_stage.append(names)
     return names_per_stage
-
-
-def calculate_virtual_stages(
-    num_layers: int,
-    layers_per_stage: int | None,
-    pp_size: int,
-    is_single_stage_schedule: bool,
-    round_to_pp_multiple: str | None = None,
-) -> tuple[int, int]:
-    """(number of stages, stages per rank) for a schedule kind and an optional layers-per-stage target.
-
-    Without `layers_per_stage`: 1 stage per rank for single-stage schedules, 2 for multi-stage ones. With it:
-    `ceil(L / layers_per_stage)` stages, rounded "up"/"down" to a multiple of `pp_size` when asked.
-
-    Raises:
-        ValueError: the count is not a multiple of `pp_size` (and no rounding), an invalid rounding mode, or a
-            per-rank count the schedule kind cannot run.
-    """
-    if layers_per_stage is None:
-        stages_per_rank = 1 if is_single_stage_schedule else 2
-        return pp_size * stages_per_rank, stages_per_rank
-    if layers_per_stage < 1:
-        raise ValueError(f"layers_per_stage must be >= 1, got {layers_per_stage}.")
-    num_virtual = math.ceil(num_layers / layers_per_stage)
-    if num_virtual % pp_size != 0:
-        if round_to_pp_multiple == "up":
-            num_virtual = math.ceil(num_virtual / pp_size) * pp_size
-        elif round_to_pp_multiple == "down":
-            num_virtual = max(pp_size, num_virtual // pp_size * pp_size)
-        elif round_to_pp_multiple is not None:
-            raise ValueError(f"Invalid value for round_to_pp_multiple: {round_to_pp_multiple!r}. Use 'up' or 'down'.")
-        else:
-            raise ValueError(
-                f"Number of virtual stages ({num_virtual}) must be divisible by pipeline parallel size ({pp_size}). "
-                f"Model has {num_layers} layers with layers_per_stage={layers_per_stage}. Please adjust "
-                "layers_per_stage or set round_to_pp_multiple='up' or 'down'."
-            )
-    stages_per_rank = num_virtual // pp_size
-    if is_single_stage_schedule and stages_per_rank != 1:
-        raise ValueError(
-            f"Single stage schedule requires exactly 1 stage per rank, but got {stages_per_rank} stages per rank "
-            f"({num_virtual} stages / {pp_size} ranks). Increase layers_per_stage to {num_layers // pp_size} or "
-            "higher, or pick a multi-stage schedule (Interleaved1F1B, ...)."
-        )
-    if not is_single_stage_schedule and stages_per_rank < 2:
-        raise ValueError(
-            f"Multi-stage schedule requires at least 2 stages per rank, but got {stages_per_rank} stage per rank. "
-            f"Decrease layers_per_stage to {num_layers // (2 * pp_size)} or lower, or pick 1F1B/GPipe."
-        )
-    return num_virtual, stages_per_rank
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -259,11 +196,14 @@ def _layout(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def _default_module_names(model: Any, num_stages: int) -> tuple[list[list[str]], dict[str, Any]]:
-    layout = _layout(model)
-    names = generate_hf_model_fqn_per_model_part(
-        num_stages,
-        layout["num_layers"],
+def _default_module_names(
+    model: Any, stage_layers: Sequence[Sequence[int]], layout: dict[str, Any] | None = None
+) -> tuple[list[list[str]], dict[str, Any]]:
+    """Module names per stage for a plan's layer split, passed through the model's
+    `customize_pipeline_stage_modules` hook."""
+    layout = layout if layout is not None else _layout(model)
+    names = _module_names_for_layers(
+        stage_layers,
         include_embeddings=True,
         include_lm_head=layout["lm_head_fqn"] is not None,
         include_rotary_emb=layout["has_rotary_emb"],
@@ -279,6 +219,22 @@ def _default_module_names(model: Any, num_stages: int) -> tuple[list[list[str]],
         if customized is not None:
             names = [list(stage) for stage in customized]
     return names, layout
+
+
+def _stage_layers_from_names(names_per_stage: Sequence[Sequence[str]], layout: dict[str, Any]) -> list[list[int]]:
+    """The decoder layer indices each explicit stage list keeps (`<prefix>layers` keeps them all)."""
+    container = f"{layout['layers_prefix']}layers"
+    all_layers = list(range(layout["num_layers"]))
+    stage_layers = []
+    for names in names_per_stage:
+        layers: list[int] = []
+        for name in names:
+            if name == container:
+                layers.extend(all_layers)
+            elif name.startswith(container + ".") and name[len(container) + 1 :].isdigit():
+                layers.append(int(name[len(container) + 1 :]))
+        stage_layers.append(layers)
+    return stage_layers
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -506,11 +462,13 @@ def split_model_into_stages(
     patch_causal_lm_model: bool = True,
     round_to_pp_multiple: str | None = None,
     *,
+    stages_per_rank: int | None = None,
+    plan: PipelinePlan | None = None,
     microbatch_size: int | None = None,
     seq_len: int | None = None,
     tensor_dtype: torch.dtype | None = None,
 ) -> tuple[list[PipelineStage], list[nn.Module]]:
-    """Build this rank's `PipelineStage`s and their modules, in stage order.
+    """Build this rank's `PipelineStage`s and their modules, in stage order, as `plan_pipeline` plans them.
 
     Args:
         model: the full model (meta device is fine; it is left unchanged).
@@ -519,52 +477,56 @@ def split_model_into_stages(
         pp_schedule: schedule name (decides stages per rank and loop/V placement); None means a CSV runtime
             schedule with loop placement.
         device: device the stages compute on.
-        module_names_per_stage: explicit FQN lists per global stage (default: generated, then passed through
-            the model's `customize_pipeline_stage_modules` hook).
-        microbatch_size / seq_len / tensor_dtype: when `seq_len` is given, stages get static shapes.
+        module_names_per_stage: explicit FQN lists per global stage (default: generated from the plan's layer
+            split, then passed through the model's `customize_pipeline_stage_modules` hook).
+        layers_per_stage / round_to_pp_multiple: upstream's stage-count request (see `plan_pipeline`).
+        stages_per_rank: run exactly this many stages per rank (layers split as evenly as possible).
+        plan: an already computed `PipelinePlan` (then give none of the stage requests above).
+        microbatch_size / seq_len / tensor_dtype: with `seq_len`, stages get static shapes
+            `[microbatch_size (default 1), seq_len, ...]` in `tensor_dtype` (default: the stage's parameter dtype).
 
     Returns:
         (stages, models) for this rank.
 
     Raises:
-        ValueError: more stages than layers, stages not divisible by ranks, reentrant checkpointing.
+        PipelinePlanError (ValueError): every planning problem (see `plan_pipeline`).
+        ValueError: a plan for another pipeline size or layer count, shape options without `seq_len`,
+            reentrant checkpointing.
 
     NOTE: call it on every rank of the default process group (SPMD). When tied input/output embeddings land on
     different ranks, the first/last-stage pair groups of all pipeline replicas are created here, collectively.
     """
     pp_rank, pp_size, group = _pp_rank_size_group(pp_mesh, pp_axis_name)
-    schedule_class = (
-        _compat.get_schedule_class(pp_schedule) if pp_schedule is not None else _compat.runtime_schedule_class()
-    )
-    is_single = not _compat.is_multi_stage_schedule(schedule_class)
-    if module_names_per_stage is None:
-        num_layers = _layout(model)["num_layers"]
-        num_stages, _ = calculate_virtual_stages(num_layers, layers_per_stage, pp_size, is_single, round_to_pp_multiple)
-        module_names_per_stage, layout = _default_module_names(model, num_stages)
+    if seq_len is None and (microbatch_size is not None or tensor_dtype is not None):
+        raise ValueError(
+            "microbatch_size and tensor_dtype describe static stage shapes and need seq_len; give seq_len too, or "
+            "drop them (shapes are then inferred at the first step)."
+        )
+    layout = _layout(model)
+    explicit = None if module_names_per_stage is None else [list(stage) for stage in module_names_per_stage]
+    if plan is None:
+        plan = plan_pipeline(
+            layout["num_layers"],
+            pp_size,
+            pp_schedule,
+            stages_per_rank=stages_per_rank,
+            layers_per_stage=layers_per_stage,
+            round_to_pp_multiple=round_to_pp_multiple,
+            stage_layers=None if explicit is None else _stage_layers_from_names(explicit, layout),
+            option_labels={"stage_layers": "module_names_per_stage"},
+        )
     else:
-        module_names_per_stage = [list(stage) for stage in module_names_per_stage]
-        layout = _layout(model)
-    num_stages = len(module_names_per_stage)
-    if num_stages % pp_size != 0:
-        raise ValueError(
-            f"Total stages {num_stages} must be divisible by PP size {pp_size}: give every rank the same number of "
-            "stages."
-        )
-    if is_single and num_stages != pp_size:
-        raise ValueError(
-            f"{schedule_class.__name__} runs exactly one stage per rank, but {num_stages} stages were requested for "
-            f"{pp_size} ranks. Use {pp_size} stages or a multi-stage schedule (Interleaved1F1B, ...)."
-        )
-    style = schedule_placement_style(schedule_class)
-    stage_ids = stage_ids_this_rank(pp_rank, pp_size, num_stages, style)
+        _check_given_plan(plan, pp_size, layout["num_layers"], stages_per_rank, layers_per_stage, round_to_pp_multiple)
+    names = explicit if explicit is not None else _default_module_names(model, plan.stage_layers or (), layout)[0]
+    stage_ids = plan.stage_ids(pp_rank)
     models = build_stage_modules(
         model,
-        module_names_per_stage,
+        names,
         stage_ids,
         patch_inner_model=patch_inner_model,
         patch_causal_lm_model=patch_causal_lm_model,
     )
-    _attach_tied_embedding_copies(model, layout, module_names_per_stage, stage_ids, models, pp_size, style, group)
+    _attach_tied_embedding_copies(model, layout, names, stage_ids, models, plan, group)
     device = torch.device(device)
     stages = []
     for stage_id, stage_model in zip(stage_ids, models, strict=True):
@@ -573,16 +535,45 @@ def split_model_into_stages(
             inputs, outputs = stage_metas(
                 stage_model,
                 is_first=stage_id == 0,
-                is_last=stage_id == num_stages - 1,
+                is_last=stage_id == plan.num_stages - 1,
                 microbatch_size=microbatch_size or 1,
                 seq_len=seq_len,
                 dtype=tensor_dtype,
             )
             static = {"input_args": inputs, "output_args": outputs}
-        stage = PipelineStage(stage_model, stage_id, num_stages, device, group=group, **static)
+        stage = PipelineStage(stage_model, stage_id, plan.num_stages, device, group=group, **static)
         _compat.preserve_grads_across_stage_reinit(stage)
+        stage._am_pipeline_plan = plan  # type: ignore[attr-defined]  # build_pipeline_schedule reads it back
         stages.append(stage)
     return stages, models
+
+
+def _check_given_plan(
+    plan: PipelinePlan,
+    pp_size: int,
+    num_layers: int,
+    stages_per_rank: int | None,
+    layers_per_stage: int | None,
+    round_to_pp_multiple: str | None,
+) -> None:
+    problems = []
+    if plan.pp_size != pp_size:
+        problems.append(f"the plan is for {plan.pp_size} pipeline ranks but the pipeline group has {pp_size}")
+    if plan.num_layers != num_layers:
+        problems.append(f"the plan is for {plan.num_layers} layers but the model has {num_layers}")
+    extra = [
+        name
+        for name, value in (
+            ("stages_per_rank", stages_per_rank),
+            ("layers_per_stage", layers_per_stage),
+            ("round_to_pp_multiple", round_to_pp_multiple),
+        )
+        if value is not None
+    ]
+    if extra:
+        problems.append(f"{', '.join(extra)} given together with a plan: the plan already fixes the stages")
+    if problems:
+        raise ValueError("split_model_into_stages(plan=...): " + "; ".join(problems) + ".")
 
 
 def _attach_tied_embedding_copies(
@@ -591,8 +582,7 @@ def _attach_tied_embedding_copies(
     names_per_stage: Sequence[Sequence[str]],
     stage_ids: Sequence[int],
     models: Sequence[nn.Module],
-    pp_size: int,
-    style: str,
+    plan: PipelinePlan,
     group: Any,
 ) -> None:
     """Mark the two copies of a tied embedding that landed on different stages and create their pair group."""
@@ -612,7 +602,7 @@ def _attach_tied_embedding_copies(
         return  # one stage holds both (deepcopy kept them tied) or one end is absent
 
     def rank_of(stage: int) -> int:
-        local = stage % pp_size if style == "loop" else (stage if stage < pp_size else len(names_per_stage) - 1 - stage)
+        local = plan.rank_of_stage(stage)
         return dist.get_global_rank(group, local) if dist.is_initialized() else local
 
     first_rank, last_rank = rank_of(first_stage), rank_of(last_stage)
@@ -629,16 +619,6 @@ def _attach_tied_embedding_copies(
 # ------------------------------------------------------------------------------------------------------------
 
 
-def min_microbatches(schedule_class: type, *, pp_size: int, num_stages: int) -> int:
-    """Fewest microbatches the schedule can run without erroring or stalling (1 when any count works)."""
-    name = schedule_class.__name__
-    if name == "Schedule1F1B":
-        return num_stages
-    if name == "ScheduleDualPipeV":
-        return num_stages
-    return 1
-
-
 def build_pipeline_schedule(
     csv: str | os.PathLike[str] | None,
     schedule_name: str | None,
@@ -647,12 +627,15 @@ def build_pipeline_schedule(
     stages: list[PipelineStage],
     loss_fn: Callable[..., torch.Tensor] | None,
     scale_grads: bool = False,
+    *,
+    plan: PipelinePlan | None = None,
 ) -> Any:
     """Build the schedule that runs `stages` with `local_batch_size // microbatch_size` microbatches.
 
     Accepts every schedule name the installed torch knows (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
     InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, case-insensitive) or a compute-only CSV file (one row per
-    rank, actions like `0F1,1B0`). With `scale_grads=False` gradients are the sum over microbatches.
+    rank, actions like `0F1,1B0`). With `scale_grads=False` gradients are the sum over microbatches. The batch
+    rules come from `plan_pipeline`, applied to the plan the stages were split with (or to `plan`).
 
     `loss_fn` must be the same kind on EVERY pipeline rank, including ranks that hold no last stage: a callable
     gives a training schedule (forward + backward); None gives a forward-only (inference) schedule. Mixing the two
@@ -660,54 +643,59 @@ def build_pipeline_schedule(
 
     Raises:
         FileNotFoundError: the CSV path is not a file.
-        ValueError: batch not divisible by the microbatch size, too few microbatches for the schedule, wrong
-            number of local stages for the schedule kind.
+        PipelinePlanError (ValueError): batch not divisible by the microbatch size, too few microbatches for the
+            schedule, a schedule that cannot run the stages' layout.
+        ValueError: no stages, or a wrong number of local stages for the plan.
     """
-    if microbatch_size < 1 or local_batch_size % microbatch_size != 0:
-        raise ValueError(
-            f"Batch size {local_batch_size} must be divisible by the microbatch size {microbatch_size}. Update "
-            "the config arguments for either batch_size or pipeline_parallel_microbatch_size."
-        )
-    n_microbatches = local_batch_size // microbatch_size
+    problems = csv_problems(csv)
+    if problems:
+        raise FileNotFoundError(problems[0])
     if not stages:
         raise ValueError("No pipeline stages on this rank; split the model first.")
-    num_stages = stages[0].num_stages
-    pp_size = stages[0].group_size
-    if csv is not None:
-        if not os.path.isfile(csv):
-            raise FileNotFoundError(f"The specified path {csv} does not exist or is not a file.")
-        schedule_class = _compat.runtime_schedule_class()
-    else:
-        if schedule_name is None:
-            raise ValueError("Either a schedule name or a CSV schedule path must be provided.")
-        schedule_class = _compat.get_schedule_class(schedule_name)
-    multi = _compat.is_multi_stage_schedule(schedule_class)
-    if not multi and len(stages) != 1:
-        raise ValueError(
-            f"{schedule_class.__name__} runs one stage per rank but this rank has {len(stages)}; use a multi-stage "
-            "schedule or split into one stage per rank."
+    split_plan = plan if plan is not None else getattr(stages[0], "_am_pipeline_plan", None)
+    if split_plan is not None:
+        plan = plan_pipeline(
+            split_plan.num_layers,
+            split_plan.pp_size,
+            schedule_name,
+            csv=csv,
+            stage_layers=split_plan.stage_layers,
+            num_stages=None if split_plan.stage_layers is not None else split_plan.num_stages,
+            local_batch_size=local_batch_size,
+            microbatch_size=microbatch_size,
         )
-    needed = min_microbatches(schedule_class, pp_size=pp_size, num_stages=num_stages)
-    if n_microbatches < needed:
-        raise ValueError(
-            f"{schedule_class.__name__} needs at least {needed} microbatches for {num_stages} stages, but batch "
-            f"{local_batch_size} / microbatch size {microbatch_size} gives {n_microbatches}. Fix: raise the local "
-            f"batch size to >= {needed * microbatch_size} or lower the microbatch size."
+    else:  # stages built elsewhere: plan from what they say about themselves
+        plan = plan_pipeline(
+            None,
+            stages[0].group_size,
+            schedule_name,
+            csv=csv,
+            num_stages=stages[0].num_stages,
+            local_batch_size=local_batch_size,
+            microbatch_size=microbatch_size,
         )
-    if n_microbatches < pp_size:
+    if len(stages) != plan.stages_per_rank:
+        raise ValueError(
+            f"{plan.schedule} runs {plan.stages_per_rank} stage(s) per rank but this rank has {len(stages)}; split "
+            "the model with the same schedule and stage request."
+        )
+    assert plan.n_microbatches is not None
+    if plan.n_microbatches < plan.pp_size:
         logger.warning(
             "%d microbatches for %d pipeline ranks: most of each step is bubble. Use >= %d microbatches.",
-            n_microbatches,
-            pp_size,
-            pp_size,
+            plan.n_microbatches,
+            plan.pp_size,
+            plan.pp_size,
         )
     if loss_fn is None:
         logger.warning(
             "build_pipeline_schedule(loss_fn=None) builds a forward-only schedule; every pipeline rank must pass "
             "loss_fn=None too (pass the loss function on all ranks, not only the last stage's, to train)."
         )
+    schedule_class = _compat.runtime_schedule_class() if csv is not None else plan.schedule_class
+    multi = _compat.is_multi_stage_schedule(schedule_class)
     schedule = schedule_class(
-        stages if multi else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads
+        stages if multi else stages[0], n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads
     )
     if csv is not None:
         _compat.load_schedule_csv(schedule, os.fspath(csv))
@@ -740,8 +728,12 @@ def pipeline_model(
     round_to_pp_multiple: str | None = None,
     seq_len: int | None = None,
     tensor_dtype: torch.dtype | None = None,
+    stages_per_rank: int | None = None,
 ) -> tuple[Any, list[nn.Module], bool, bool, list[PipelineStage]]:
-    """Split, parallelize each stage module (e.g. FSDP2 over the dp axes), and build the schedule.
+    """Plan, split, parallelize each stage module (e.g. FSDP2 over the dp axes), and build the schedule.
+
+    The whole layout is planned first (`plan_pipeline`: stages, layers, placement, microbatches), so a request
+    that cannot run is refused before any collective. `stages_per_rank` runs exactly that many stages per rank.
 
     Returns:
         (schedule, model_parts, has_first_stage, has_last_stage, stages) for this rank.
@@ -757,20 +749,34 @@ def pipeline_model(
         raise ValueError(f"Pipeline parallelism is not enabled: the {pp_axis_name!r} mesh axis has size {pp_size}.")
     # With a CSV, the schedule name (if any) still decides stages per rank and placement; without one, the CSV
     # runtime's defaults apply (2 stages per rank, loop placement).
+    layout = _layout(model)
+    explicit = None if module_fqns_per_model_part is None else [list(s) for s in module_fqns_per_model_part]
+    plan = plan_pipeline(
+        layout["num_layers"],
+        pp_size,
+        pipeline_parallel_schedule,
+        csv=pipeline_parallel_schedule_csv,
+        stages_per_rank=stages_per_rank,
+        layers_per_stage=layers_per_stage,
+        round_to_pp_multiple=round_to_pp_multiple,
+        stage_layers=None if explicit is None else _stage_layers_from_names(explicit, layout),
+        local_batch_size=local_batch_size,
+        microbatch_size=microbatch_size,
+        option_labels={"stage_layers": "module_fqns_per_model_part"},
+    )
     stages, model_parts = split_model_into_stages(
         model,
         pp_mesh,
         pp_axis_name,
         pipeline_parallel_schedule,
         device,
-        module_names_per_stage=module_fqns_per_model_part,
-        layers_per_stage=layers_per_stage,
+        module_names_per_stage=explicit,
         patch_inner_model=patch_inner_model,
         patch_causal_lm_model=patch_causal_lm_model,
-        round_to_pp_multiple=round_to_pp_multiple,
-        microbatch_size=microbatch_size,
+        plan=plan,
+        microbatch_size=microbatch_size if seq_len is not None else None,
         seq_len=seq_len,
-        tensor_dtype=tensor_dtype,
+        tensor_dtype=tensor_dtype if seq_len is not None else None,
     )
     if parallelize_fn is not None:
         for i, part in enumerate(model_parts):
@@ -798,6 +804,7 @@ def pipeline_model(
         stages,
         loss_fn,
         scale_grads=scale_grads,
+        plan=plan,
     )
     has_first = any(stage.is_first for stage in stages)
     has_last = any(stage.is_last for stage in stages)
