@@ -12,7 +12,7 @@ import pytest
 
 from am_pipelining import PipelinePlan, PipelinePlanError, plan_pipeline
 from am_pipelining._compat import get_schedule_class, runtime_schedule_class
-from am_pipelining.planning import calculate_virtual_stages, split_layers, stage_ids_this_rank
+from am_pipelining.planning import calculate_virtual_stages, schedule_placement_style, split_layers, stage_ids_this_rank
 
 
 def test_explicit_stages_per_rank_runs_exactly_that_many_stages():
@@ -173,3 +173,54 @@ def test_upstream_wrappers_answer_from_the_plan():
     assert stage_ids_this_rank(3, 4, 8, "v") == (3, 4)
     with pytest.raises(ValueError, match="Unknown stage placement style"):
         stage_ids_this_rank(0, 2, 4, "zigzag")
+
+
+def test_stage_ids_loop_and_v():
+    assert stage_ids_this_rank(1, 4, 8, "loop") == (1, 5)
+    assert stage_ids_this_rank(0, 2, 2) == (0,)
+    assert stage_ids_this_rank(0, 4, 8, "v") == (0, 7)
+    assert stage_ids_this_rank(3, 4, 8, "v") == (3, 4)
+    with pytest.raises(ValueError, match="evenly divisible"):
+        stage_ids_this_rank(0, 4, 5)
+    with pytest.raises(ValueError, match="exactly 2 stages per rank"):
+        stage_ids_this_rank(0, 2, 6, "v")
+
+
+@pytest.mark.parametrize(
+    ("name", "style"),
+    [
+        ("ZBVZeroBubble", "v"),
+        ("DualPipeV", "v"),
+        ("1F1B", "loop"),
+        ("Interleaved1F1B", "loop"),
+        ("InterleavedZeroBubble", "loop"),
+    ],
+)
+def test_v_placement_for_every_v_shaped_schedule(name, style):
+    assert schedule_placement_style(get_schedule_class(name)) == style
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((32, 32, 4, True, "up"), (4, 1)),
+        ((32, 4, 4, False, None), (8, 2)),
+        ((32, 5, 4, False, "up"), (8, 2)),
+        ((32, 3, 4, False, "down"), (8, 2)),
+        ((32, None, 4, True, None), (4, 1)),
+        ((32, None, 4, False, None), (8, 2)),
+    ],
+)
+def test_virtual_stages(args, expected):
+    assert calculate_virtual_stages(*args) == expected
+
+
+def test_virtual_stage_errors():
+    with pytest.raises(ValueError, match="exactly 1 stage per rank"):
+        calculate_virtual_stages(32, 6, 4, True, "up")
+    with pytest.raises(ValueError, match="at least 2 stages per rank"):
+        calculate_virtual_stages(32, 16, 2, False)
+    with pytest.raises(ValueError, match="must be divisible by pipeline parallel size"):
+        calculate_virtual_stages(32, 5, 4, False)
+    with pytest.raises(ValueError, match="Use 'up' or 'down'"):
+        calculate_virtual_stages(32, 5, 4, False, "sideways")

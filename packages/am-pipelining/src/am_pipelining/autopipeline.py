@@ -18,9 +18,10 @@ from torch import nn
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
 from am_pipelining import _compat
-from am_pipelining.functional import pipeline_model, stage_metas
 from am_pipelining.hf_utils import statically_defines, validate_hf_model_for_pipeline_support
 from am_pipelining.planning import plan_pipeline
+from am_pipelining.schedules import pipeline_model
+from am_pipelining.stage_modules import stage_metas
 from am_pipelining.tied import sync_tied_embedding_grads
 
 __all__ = ["AutoPipeline", "PipelineConfig", "PipelineInfo"]

@@ -14,13 +14,26 @@ What it must not do: touch torch.distributed, a model or a stage. Schedule class
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from am_pipelining import _compat
+from am_pipelining._plan_rules import (
+    Say,
+    batch_problems,
+    csv_problems,
+    explicit_layer_problems,
+    min_microbatches_for,
+    per_rank_problems,
+    place_stages,
+    resolve_schedule,
+    schedule_placement_style,
+    split_layer_ranges,
+    stage_count,
+    stage_count_fix,
+)
 
 __all__ = [
     "PipelinePlan",
@@ -31,11 +44,8 @@ __all__ = [
     "calculate_virtual_stages",
     "stage_ids_this_rank",
     "min_microbatches",
+    "csv_problems",
 ]
-
-_V_SHAPED_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-_STAGES_PER_RANK_MICROBATCHES = ("Schedule1F1B", "ScheduleDualPipeV")
-"""Schedules that need at least as many microbatches as stages (torch raises or stalls with fewer)."""
 
 
 class PipelinePlanError(ValueError):
@@ -116,245 +126,8 @@ class PipelinePlan:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Rules (each used by plan_pipeline; the public wrappers below call plan_pipeline)
-# ------------------------------------------------------------------------------------------------------------
-
-
-def schedule_placement_style(schedule_class: type) -> str:
-    """ "v" for V-shaped schedules (ZBVZeroBubble, DualPipeV): rank r owns stages r and n-1-r; else "loop"."""
-    names = {cls.__name__ for cls in schedule_class.__mro__}
-    return "v" if names & set(_V_SHAPED_SCHEDULES) else "loop"
-
-
-def _min_microbatches(schedule_class: type, num_stages: int) -> int:
-    return num_stages if schedule_class.__name__ in _STAGES_PER_RANK_MICROBATCHES else 1
-
-
-def _placement(pp_size: int, num_stages: int, style: str) -> tuple[tuple[int, ...], ...]:
-    per_rank = num_stages // pp_size
-    if style == "v":
-        return tuple((rank, num_stages - 1 - rank) for rank in range(pp_size))
-    return tuple(tuple(rank + s * pp_size for s in range(per_rank)) for rank in range(pp_size))
-
-
-def _split_layers(num_layers: int, num_stages: int, problems: list[str]) -> tuple[tuple[int, ...], ...] | None:
-    """Contiguous layer ranges, the first `L % n` stages one layer longer (10 layers / 3 stages -> 4, 3, 3)."""
-    if num_stages < 1:
-        problems.append(f"Number of stages must be at least 1, got {num_stages}.")
-        return None
-    if num_stages > num_layers:
-        problems.append(
-            f"Number of stages ({num_stages}) cannot exceed number of layers ({num_layers}): every stage needs at "
-            "least one decoder layer. Use fewer pipeline ranks or fewer stages per rank (or a larger "
-            "layers_per_stage), or give a model with more layers."
-        )
-        return None
-    base, extra = divmod(num_layers, num_stages)
-    ranges, start = [], 0
-    for stage in range(num_stages):
-        count = base + (1 if stage < extra else 0)
-        ranges.append(tuple(range(start, start + count)))
-        start += count
-    return tuple(ranges)
-
-
-def split_layers(num_layers: int, num_stages: int) -> tuple[tuple[int, ...], ...]:
-    """The layer indices of each of `num_stages` stages (the split every plan uses).
-
-    Raises:
-        ValueError: fewer than 1 stage, or more stages than layers.
-    """
-    problems: list[str] = []
-    ranges = _split_layers(num_layers, num_stages, problems)
-    if ranges is None:
-        raise ValueError(problems[0])
-    return ranges
-
-
-def _explicit_layer_problems(stage_layers: Sequence[Sequence[int]], num_layers: int, say: _Say) -> list[str]:
-    """Every layer exactly once, known indices, and stage order = layer order."""
-    problems = []
-    owners: dict[int, list[int]] = {}
-    for stage, layers in enumerate(stage_layers):
-        for layer in layers:
-            owners.setdefault(int(layer), []).append(stage)
-    unknown = sorted(layer for layer in owners if not 0 <= layer < num_layers)
-    if unknown:
-        problems.append(
-            f"{say('stage_layers')} names layers {unknown} but the model has layers 0..{num_layers - 1}: fix the "
-            "layer names."
-        )
-    missing = [layer for layer in range(num_layers) if layer not in owners]
-    if missing:
-        problems.append(
-            f"{say('stage_layers')} leaves out layers {missing}: every decoder layer must be in exactly one stage "
-            "(a left-out layer would silently not run). Add them to the stage that should run them."
-        )
-    repeated = {layer: stages for layer, stages in sorted(owners.items()) if len(stages) > 1}
-    if repeated:
-        shown = ", ".join(f"layer {layer} in stages {stages}" for layer, stages in repeated.items())
-        problems.append(
-            f"{say('stage_layers')} puts a layer in more than one stage ({shown}): keep each layer in exactly one "
-            "stage."
-        )
-    flat = [layer for layers in stage_layers for layer in sorted(int(x) for x in layers)]
-    if not unknown and not missing and not repeated and flat != sorted(flat):
-        problems.append(
-            f"{say('stage_layers')} runs the layers out of order ({[sorted(s) for s in stage_layers]}): stage k+1 "
-            "must hold the layers that follow stage k's. List contiguous layer ranges in stage order."
-        )
-    return problems
-
-
-class _Say:
-    """Names a request value the caller's way (`option_labels`, e.g. "--stages-per-rank 3"), else `name=value`."""
-
-    def __init__(self, values: Mapping[str, Any], labels: Mapping[str, str] | None) -> None:
-        self.values = values
-        self.labels = dict(labels or {})
-
-    def __call__(self, name: str) -> str:
-        if name in self.labels:
-            return self.labels[name]
-        return f"{name}={self.values.get(name)!r}"
-
-
-# ------------------------------------------------------------------------------------------------------------
 # The plan
 # ------------------------------------------------------------------------------------------------------------
-
-
-def _resolve_schedule(schedule: str | type | None, csv: Any, problems: list[str], say: _Say) -> type | None:
-    if schedule is None and csv is None:
-        problems.append(
-            "Either pipeline_parallel_schedule or pipeline_parallel_schedule_csv must be provided: name a schedule "
-            f"({', '.join(_compat.SCHEDULE_NAMES)}) or give a CSV schedule file."
-        )
-        return None
-    if schedule is None:
-        return _compat.runtime_schedule_class()
-    if isinstance(schedule, type):
-        if not _compat.is_schedule_class(schedule):
-            problems.append(f"{say('schedule')} is not a torch pipeline schedule class.")
-            return None
-        return schedule
-    try:
-        return _compat.get_schedule_class(schedule)
-    except ValueError:
-        problems.append(
-            f"{say('schedule')} is unknown: use one of {', '.join(_compat.SCHEDULE_NAMES)} (case-insensitive)."
-        )
-        return None
-
-
-def _stage_count(
-    *,
-    num_layers: int | None,
-    pp_size: int,
-    multi: bool | None,
-    stages_per_rank: int | None,
-    layers_per_stage: int | None,
-    round_to_pp_multiple: str | None,
-    num_stages: int | None,
-    stage_layers: Sequence[Sequence[int]] | None,
-    problems: list[str],
-    say: _Say,
-) -> int | None:
-    """The requested number of stages (None when it cannot be known); conflicting requests are problems."""
-    if round_to_pp_multiple is not None and round_to_pp_multiple not in ("up", "down"):
-        problems.append(f"Invalid value for round_to_pp_multiple: {round_to_pp_multiple!r}. Use 'up' or 'down'.")
-    requests = [
-        name
-        for name, value in (
-            ("stages_per_rank", stages_per_rank),
-            ("layers_per_stage", layers_per_stage),
-            ("num_stages", num_stages),
-            ("stage_layers", stage_layers),
-        )
-        if value is not None
-    ]
-    if len(requests) > 1:
-        problems.append(
-            f"{' and '.join(say(name) for name in requests)} each fix the number of stages: give only one of them."
-        )
-        return None
-    if round_to_pp_multiple is not None and layers_per_stage is None:
-        problems.append(
-            f"{say('round_to_pp_multiple')} only rounds the stage count derived from layers_per_stage; drop it or "
-            "give layers_per_stage."
-        )
-    if stage_layers is not None:
-        return len(stage_layers)
-    if num_stages is not None:
-        if num_stages < 1:
-            problems.append(f"{say('num_stages')}: need at least 1 stage.")
-            return None
-        return num_stages
-    if stages_per_rank is not None:
-        if stages_per_rank < 1:
-            problems.append(f"{say('stages_per_rank')}: every rank needs at least 1 stage.")
-            return None
-        return stages_per_rank * pp_size
-    if layers_per_stage is None:
-        return None if multi is None else pp_size * (2 if multi else 1)
-    if layers_per_stage < 1:
-        problems.append(f"{say('layers_per_stage')}: must be >= 1.")
-        return None
-    if num_layers is None:
-        problems.append(f"{say('layers_per_stage')} needs the model's number of layers (num_layers).")
-        return None
-    count = math.ceil(num_layers / layers_per_stage)
-    if count % pp_size != 0:
-        if round_to_pp_multiple == "up":
-            count = math.ceil(count / pp_size) * pp_size
-        elif round_to_pp_multiple == "down":
-            count = max(pp_size, count // pp_size * pp_size)
-        elif round_to_pp_multiple is None:
-            problems.append(
-                f"Number of virtual stages ({count}) must be divisible by pipeline parallel size ({pp_size}). "
-                f"Model has {num_layers} layers with {say('layers_per_stage')}. Please adjust layers_per_stage or "
-                "set round_to_pp_multiple='up' or 'down' (or give stages_per_rank instead)."
-            )
-            return None
-        else:
-            return None  # invalid rounding mode, reported above
-    return count
-
-
-def _per_rank_problems(
-    schedule_class: type, *, multi: bool, style: str, stages_per_rank: int, num_stages: int, fix: str, say: _Say
-) -> list[str]:
-    name = schedule_class.__name__
-    got = f"{stages_per_rank} stage{'s' * (stages_per_rank != 1)} per rank ({num_stages} stages / {say('pp_size')})"
-    problems = []
-    if not multi and stages_per_rank != 1:
-        problems.append(
-            f"Single stage schedule {name} requires exactly 1 stage per rank, but got {got}. {fix} Or pick a "
-            "multi-stage schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)."
-        )
-    elif multi and stages_per_rank < 2:
-        problems.append(
-            f"Multi-stage schedule {name} requires at least 2 stages per rank, but got {got}. {fix} Or pick 1F1B "
-            "or GPipe."
-        )
-    elif style == "v" and stages_per_rank != 2:
-        problems.append(
-            f"V-shaped schedule {name} needs exactly 2 stages per rank (rank r runs stages r and n-1-r), but got "
-            f"{got}. Use {2 * num_stages // stages_per_rank} stages (stages_per_rank=2)."
-        )
-    return problems
-
-
-def _stage_count_fix(
-    *, stages_per_rank: int | None, layers_per_stage: int | None, num_layers: int | None, pp_size: int, multi: bool
-) -> str:
-    if layers_per_stage is not None and num_layers is not None:
-        if multi:
-            return f"Decrease layers_per_stage to {max(1, num_layers // (2 * pp_size))} or lower."
-        return f"Increase layers_per_stage to {math.ceil(num_layers / pp_size)} or higher."
-    if stages_per_rank is not None:
-        return f"Use stages_per_rank={2 if multi else 1}."
-    return "Change the number of stages."
 
 
 def plan_pipeline(
@@ -413,9 +186,9 @@ def plan_pipeline(
         "local_batch_size": local_batch_size,
         "microbatch_size": microbatch_size,
     }
-    say = _Say(values, option_labels)
+    say = Say(values, option_labels)
     problems: list[str] = []
-    schedule_class = _resolve_schedule(schedule, csv, problems, say)
+    schedule_class = resolve_schedule(schedule, csv, problems, say)
     problems += csv_problems(csv)
     if pp_size < 1:
         problems.append(f"{say('pp_size')}: need at least 1 pipeline rank.")
@@ -425,7 +198,7 @@ def plan_pipeline(
     style = schedule_placement_style(schedule_class) if schedule_class is not None else "loop"
     count = None
     if pp_size >= 1:
-        count = _stage_count(
+        count = stage_count(
             num_layers=num_layers,
             pp_size=pp_size,
             multi=multi,
@@ -447,14 +220,14 @@ def plan_pipeline(
         else:
             per_rank = count // pp_size
             if schedule_class is not None and multi is not None:
-                fix = _stage_count_fix(
+                fix = stage_count_fix(
                     stages_per_rank=stages_per_rank,
                     layers_per_stage=layers_per_stage,
                     num_layers=num_layers,
                     pp_size=pp_size,
                     multi=multi,
                 )
-                problems += _per_rank_problems(
+                problems += per_rank_problems(
                     schedule_class,
                     multi=multi,
                     style=style,
@@ -466,14 +239,14 @@ def plan_pipeline(
     ranges: tuple[tuple[int, ...], ...] | None = None
     if num_layers is not None and num_layers >= 1 and count is not None:
         if stage_layers is not None:
-            found = _explicit_layer_problems(stage_layers, num_layers, say)
+            found = explicit_layer_problems(stage_layers, num_layers, say)
             problems += found
             if not found:
                 ranges = tuple(tuple(sorted(int(x) for x in layers)) for layers in stage_layers)
         else:
-            ranges = _split_layers(num_layers, count, problems)
-    minimum = _min_microbatches(schedule_class, count) if schedule_class is not None and count is not None else 1
-    n_microbatches = _batch_problems(local_batch_size, microbatch_size, minimum, schedule_class, count, problems, say)
+            ranges = split_layer_ranges(num_layers, count, problems)
+    minimum = min_microbatches_for(schedule_class, count) if schedule_class is not None and count is not None else 1
+    n_microbatches = batch_problems(local_batch_size, microbatch_size, minimum, schedule_class, count, problems, say)
     if problems:
         raise PipelinePlanError(problems)
     assert schedule_class is not None
@@ -492,7 +265,7 @@ def plan_pipeline(
         stages_per_rank=per_rank,
         layers_per_stage=tuple(len(r) for r in ranges) if ranges is not None else None,
         stage_layers=ranges,
-        rank_stages=_placement(pp_size, count, style),
+        rank_stages=place_stages(pp_size, count, style),
         local_batch_size=local_batch_size,
         microbatch_size=microbatch_size,
         n_microbatches=n_microbatches,
@@ -500,45 +273,17 @@ def plan_pipeline(
     )
 
 
-def csv_problems(csv: str | os.PathLike[str] | None) -> list[str]:
-    """The CSV schedule file must exist (empty list when it does or when there is none)."""
-    if csv is None or os.path.isfile(csv):
-        return []
-    return [f"The specified path {os.fspath(csv)} does not exist or is not a file (pipeline_parallel_schedule_csv)."]
+def split_layers(num_layers: int, num_stages: int) -> tuple[tuple[int, ...], ...]:
+    """The layer indices of each of `num_stages` stages (the split every plan uses).
 
-
-def _batch_problems(
-    local_batch_size: int | None,
-    microbatch_size: int | None,
-    minimum: int,
-    schedule_class: type | None,
-    num_stages: int | None,
-    problems: list[str],
-    say: _Say,
-) -> int | None:
-    if local_batch_size is None and microbatch_size is None:
-        return None
-    if local_batch_size is None or microbatch_size is None:
-        given = "local_batch_size" if local_batch_size is not None else "microbatch_size"
-        problems.append(f"{say(given)} was given alone: give local_batch_size and microbatch_size together.")
-        return None
-    if local_batch_size < 1 or microbatch_size < 1:
-        problems.append(f"{say('local_batch_size')} and {say('microbatch_size')}: both must be >= 1.")
-        return None
-    if local_batch_size % microbatch_size:
-        problems.append(
-            f"{say('local_batch_size')} is not divisible by {say('microbatch_size')}: local_batch_size must be "
-            "divisible by microbatch_size (every microbatch has the same size). Change either."
-        )
-        return None
-    n_microbatches = local_batch_size // microbatch_size
-    if schedule_class is not None and num_stages is not None and n_microbatches < minimum:
-        problems.append(
-            f"{schedule_class.__name__} needs at least {minimum} microbatches for {num_stages} stages, but "
-            f"{say('local_batch_size')} / {say('microbatch_size')} gives {n_microbatches}. Fix: raise the batch "
-            f"to >= {minimum * microbatch_size} sequences or lower the microbatch size."
-        )
-    return n_microbatches
+    Raises:
+        ValueError: fewer than 1 stage, or more stages than layers.
+    """
+    problems: list[str] = []
+    ranges = split_layer_ranges(num_layers, num_stages, problems)
+    if ranges is None:
+        raise ValueError(problems[0])
+    return ranges
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -588,4 +333,4 @@ def stage_ids_this_rank(pp_rank: int, pp_size: int, num_stages: int, style: str 
 
 def min_microbatches(schedule_class: type, *, num_stages: int) -> int:
     """Fewest microbatches the schedule runs on `num_stages` stages without erroring or stalling (1: any count)."""
-    return _min_microbatches(schedule_class, num_stages)
+    return min_microbatches_for(schedule_class, num_stages)
