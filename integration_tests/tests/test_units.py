@@ -30,6 +30,22 @@ def test_trainer_loss_equals_the_models_own_loss(family: str) -> None:
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0.0)
 
 
+def test_fsdp_groups_every_decoder_and_mtp_layer() -> None:
+    """One FSDP2 group per decoder layer (am-pipelining's find_layers) and per MTP depth layer."""
+    from trainer.parallel import _layer_modules
+
+    from am_pipelining import find_layers
+
+    spec = preset_spec("nemotron", hidden_size=32, num_layers=4, mtp_depths=1, tie_embeddings=False, vocab_size=None)
+    model = build_model(spec, seed=0)
+    decoder = find_layers(model)
+    assert decoder.num_layers == 4
+    groups = _layer_modules(model)
+    mtp_layers = list(model.mtp.layers)
+    assert mtp_layers, "the preset has MTP layers"
+    assert groups == decoder.layers + mtp_layers
+
+
 def test_lr_warms_up_then_decays_to_min_lr() -> None:
     cfg = parse_args(["--steps", "100", "--warmup-steps", "10", "--lr", "1e-3", "--min-lr", "1e-4"])
     assert lr_at(1, cfg) == pytest.approx(1e-4)

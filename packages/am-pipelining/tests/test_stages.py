@@ -15,14 +15,15 @@ from am_pipelining import (
     build_stage_modules,
     generate_hf_model_fqn_per_model_part,
 )
+from am_pipelining.layers import find_layers
 from am_pipelining.planning import split_layers
 from am_pipelining.stage_modules import stage_metas
-from am_pipelining.stages import _default_module_names, _layout
+from am_pipelining.stages import _default_module_names
 
 
 def _names(model, num_stages):
     """Module names per stage for an even split of the model's layers into `num_stages`."""
-    return _default_module_names(model, split_layers(_layout(model)["num_layers"], num_stages))
+    return _default_module_names(model, split_layers(find_layers(model).num_layers, num_stages))
 
 
 def test_fqn_generation_uneven_split_and_extras():
@@ -127,7 +128,7 @@ def test_tied_weights_stay_tied_on_one_stage_and_are_copied_across_stages():
 def test_vlm_stage_lists_put_encoders_on_stage_zero():
     model = M.mistral3_vlm(4)
     names, layout = _names(model, 2)
-    assert layout["layers_prefix"] == "model.language_model."
+    assert layout.layers_prefix == "model.language_model."
     assert "model.vision_tower" in names[0]
     assert "model.multi_modal_projector" in names[0]
     assert "model.language_model.embed_tokens" in names[0]

@@ -22,6 +22,7 @@ from am_pipelining.hf_utils import (
     register_pipeline_forward,
     validate_hf_model_for_pipeline_support,
 )
+from am_pipelining.layers import DecoderLayers, find_layers
 from am_pipelining.loss import (
     MTPLossConfig,
     MTPLossOutput,
@@ -71,6 +72,9 @@ __all__ = [
     "stage_metas",
     "build_pipeline_schedule",
     "pipeline_model",
+    # where the layers live
+    "find_layers",
+    "DecoderLayers",
     # HF forwards
     "TEXT_MODULE_ATTRS",
     "MULTIMODAL_SUFFIXES",

@@ -21,8 +21,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from am_pipelining import _compat
+from am_pipelining.layers import find_layers
 from am_pipelining.planning import PipelinePlan, csv_problems, plan_pipeline
-from am_pipelining.stages import _layout, _stage_layers_from_names, split_model_into_stages
+from am_pipelining.stages import _stage_layers_from_names, split_model_into_stages
 
 __all__ = ["ParallelizeFnProtocol", "build_pipeline_schedule", "pipeline_model"]
 
@@ -170,10 +171,10 @@ def pipeline_model(
         raise ValueError(f"Pipeline parallelism is not enabled: the {pp_axis_name!r} mesh axis has size {pp_size}.")
     # With a CSV, the schedule name (if any) still decides stages per rank and placement; without one, the CSV
     # runtime's defaults apply (2 stages per rank, loop placement).
-    layout = _layout(model)
+    layout = find_layers(model)
     explicit = None if module_fqns_per_model_part is None else [list(s) for s in module_fqns_per_model_part]
     plan = plan_pipeline(
-        layout["num_layers"],
+        layout.num_layers,
         pp_size,
         pipeline_parallel_schedule,
         csv=pipeline_parallel_schedule_csv,

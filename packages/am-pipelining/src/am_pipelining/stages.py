@@ -21,6 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from am_pipelining import _compat
 from am_pipelining.hf_utils import MULTIMODAL_SUFFIXES, statically_defines
+from am_pipelining.layers import DecoderLayers, find_layers, module_at
 from am_pipelining.planning import PipelinePlan, plan_pipeline, split_layers
 from am_pipelining.stage_modules import build_stage_modules, stage_metas
 from am_pipelining.tied import TiedEmbeddingCopy, pair_group
@@ -96,94 +97,35 @@ def _module_names_for_layers(
     return names_per_stage
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Model layout
-# ------------------------------------------------------------------------------------------------------------
-
-_LAYER_PREFIX_CANDIDATES = (
-    "model.language_model.model.",
-    "model.language_model.",
-    "model.text_model.",
-    "model.text_decoder.",
-    "model.",
-    "language_model.model.",
-    "language_model.",
-    "backbone.",
-    "",
-)
-
-
-def _module_at(model: nn.Module, prefix: str) -> nn.Module | None:
-    module: Any = model
-    for part in prefix.rstrip(".").split(".") if prefix else []:
-        module = getattr(module, part, None)
-        if not isinstance(module, nn.Module):
-            return None
-    return module
-
-
-def _layout(model: nn.Module) -> dict[str, Any]:
-    """Where the layers, the LM head and the multimodal encoders of `model` live (FQN prefixes)."""
-    text_model: Any = None
-    for prefix in _LAYER_PREFIX_CANDIDATES:
-        text_model = _module_at(model, prefix)
-        if text_model is not None and isinstance(getattr(text_model, "layers", None), (nn.ModuleList, nn.ModuleDict)):
-            break
-    else:
-        raise ValueError(
-            f"Cannot find the decoder layers of {type(model).__name__}: looked for a ModuleList/ModuleDict `layers` "
-            f"under {[p or '<root>' for p in _LAYER_PREFIX_CANDIDATES]}. Pass module_names_per_stage explicitly."
-        )
-    base = "model." if isinstance(getattr(model, "model", None), nn.Module) else ""
-    if isinstance(getattr(model, "lm_head", None), nn.Module):
-        lm_head_fqn: str | None = "lm_head"
-    elif isinstance(getattr(text_model, "lm_head", None), nn.Module):
-        lm_head_fqn = f"{prefix}lm_head"
-    else:
-        lm_head_fqn = None
-    nested = prefix != base
-    owner = base if nested else prefix
-    extra = [f"{owner}{suffix}" for suffix in MULTIMODAL_SUFFIXES] if nested else []
-    return {
-        "layers_prefix": prefix,
-        "text_model": text_model,
-        "num_layers": len(text_model.layers),
-        "lm_head_fqn": lm_head_fqn,
-        "nested": nested,
-        "extra_module_fqns": extra,
-        "has_rotary_emb": hasattr(text_model, "rotary_emb"),
-    }
-
-
 def _default_module_names(
-    model: Any, stage_layers: Sequence[Sequence[int]], layout: dict[str, Any] | None = None
-) -> tuple[list[list[str]], dict[str, Any]]:
+    model: Any, stage_layers: Sequence[Sequence[int]], layout: DecoderLayers | None = None
+) -> tuple[list[list[str]], DecoderLayers]:
     """Module names per stage for a plan's layer split, passed through the model's
     `customize_pipeline_stage_modules` hook."""
-    layout = layout if layout is not None else _layout(model)
+    layout = layout if layout is not None else find_layers(model)
     names = _module_names_for_layers(
         stage_layers,
         include_embeddings=True,
-        include_lm_head=layout["lm_head_fqn"] is not None,
-        include_rotary_emb=layout["has_rotary_emb"],
-        include_multimodal_encoders=not layout["nested"],
-        extra_module_fqns=layout["extra_module_fqns"],
-        fqn_prefix=layout["layers_prefix"],
-        lm_head_fqn=layout["lm_head_fqn"] or "lm_head",
+        include_lm_head=layout.lm_head_fqn is not None,
+        include_rotary_emb=layout.has_rotary_emb,
+        include_multimodal_encoders=not layout.nested,
+        extra_module_fqns=layout.extra_module_fqns,
+        fqn_prefix=layout.layers_prefix,
+        lm_head_fqn=layout.lm_head_fqn or "lm_head",
     )
     if statically_defines(model, "customize_pipeline_stage_modules"):
         customized = model.customize_pipeline_stage_modules(
-            names, layers_prefix=layout["layers_prefix"], text_model=layout["text_model"]
+            names, layers_prefix=layout.layers_prefix, text_model=layout.text_model
         )
         if customized is not None:
             names = [list(stage) for stage in customized]
     return names, layout
 
 
-def _stage_layers_from_names(names_per_stage: Sequence[Sequence[str]], layout: dict[str, Any]) -> list[list[int]]:
+def _stage_layers_from_names(names_per_stage: Sequence[Sequence[str]], layout: DecoderLayers) -> list[list[int]]:
     """The decoder layer indices each explicit stage list keeps (`<prefix>layers` keeps them all)."""
-    container = f"{layout['layers_prefix']}layers"
-    all_layers = list(range(layout["num_layers"]))
+    container = layout.container_fqn
+    all_layers = list(range(layout.num_layers))
     stage_layers = []
     for names in names_per_stage:
         layers: list[int] = []
@@ -196,17 +138,17 @@ def _stage_layers_from_names(names_per_stage: Sequence[Sequence[str]], layout: d
     return stage_layers
 
 
-def _find_tied_embedding(model: nn.Module, layout: dict[str, Any]) -> tuple[str, str] | None:
+def _find_tied_embedding(model: nn.Module, layout: DecoderLayers) -> tuple[str, str] | None:
     """(embedding weight FQN, lm_head weight FQN) when they share storage by identity, else None."""
-    lm_head_fqn = layout.get("lm_head_fqn")
+    lm_head_fqn = layout.lm_head_fqn
     if lm_head_fqn is None:
         return None
-    embed = _module_at(model, layout["layers_prefix"] + "embed_tokens")
-    head = _module_at(model, lm_head_fqn)
+    embed = module_at(model, layout.layers_prefix + "embed_tokens")
+    head = module_at(model, lm_head_fqn)
     embed_weight = getattr(embed, "weight", None)
     if embed_weight is None or getattr(head, "weight", None) is not embed_weight:
         return None
-    return f"{layout['layers_prefix']}embed_tokens.weight", f"{lm_head_fqn}.weight"
+    return f"{layout.layers_prefix}embed_tokens.weight", f"{lm_head_fqn}.weight"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -278,11 +220,11 @@ def split_model_into_stages(
             "microbatch_size and tensor_dtype describe static stage shapes and need seq_len; give seq_len too, or "
             "drop them (shapes are then inferred at the first step)."
         )
-    layout = _layout(model)
+    layout = find_layers(model)
     explicit = None if module_names_per_stage is None else [list(stage) for stage in module_names_per_stage]
     if plan is None:
         plan = plan_pipeline(
-            layout["num_layers"],
+            layout.num_layers,
             pp_size,
             pp_schedule,
             stages_per_rank=stages_per_rank,
@@ -292,7 +234,7 @@ def split_model_into_stages(
             option_labels={"stage_layers": "module_names_per_stage"},
         )
     else:
-        _check_given_plan(plan, pp_size, layout["num_layers"], stages_per_rank, layers_per_stage, round_to_pp_multiple)
+        _check_given_plan(plan, pp_size, layout.num_layers, stages_per_rank, layers_per_stage, round_to_pp_multiple)
     names = explicit if explicit is not None else _default_module_names(model, plan.stage_layers or (), layout)[0]
     stage_ids = plan.stage_ids(pp_rank)
     models = build_stage_modules(
@@ -354,7 +296,7 @@ def _check_given_plan(
 
 def _attach_tied_embedding_copies(
     model: nn.Module,
-    layout: dict[str, Any],
+    layout: DecoderLayers,
     names_per_stage: Sequence[Sequence[str]],
     stage_ids: Sequence[int],
     models: Sequence[nn.Module],
