@@ -78,3 +78,36 @@ def test_param_count_deduplicates_tied_weights():
     model.c.requires_grad_(False)
     assert AutoPipeline._count_parameters(model) == 16 + 6
     assert AutoPipeline._count_parameters(model, trainable_only=True) == 16
+
+
+def test_options_torch_decides_are_refused_not_ignored():
+    with pytest.raises(ValueError, match="patch_stage_backward_maybe_with_nosync=True is not supported"):
+        AutoPipeline(world_mesh=_FakeMesh(), pp_batch_size=2, patch_stage_backward_maybe_with_nosync=True)
+    with pytest.raises(ValueError, match="defer_fsdp_grad_sync=False is not supported"):
+        AutoPipeline(world_mesh=_FakeMesh(), pp_batch_size=2, defer_fsdp_grad_sync=False)
+    config = PipelineConfig(pp_batch_size=2, patch_stage_backward_maybe_with_nosync=True)
+    with pytest.raises(ValueError, match="patch_stage_backward_maybe_with_nosync"):
+        AutoPipeline.from_config(config, world_mesh=_FakeMesh())
+
+
+def test_config_loss_fn_is_used_by_build():
+    """PipelineConfig.loss_fn reaches build() (it used to be dropped); two different loss functions are an error."""
+
+    def loss_a(output, target):
+        return output.sum()
+
+    def loss_b(output, target):
+        return output.sum()
+
+    pipe = AutoPipeline.from_config(PipelineConfig(pp_batch_size=2, loss_fn=loss_a), world_mesh=_FakeMesh())
+    assert pipe.loss_fn is loss_a
+    with pytest.raises(ValueError, match="differ: give the loss function once"):
+        pipe.build(nn.Linear(2, 2), loss_fn=loss_b)
+
+
+def test_mesh_options_without_parallelize_fn_are_refused():
+    """moe_mesh / cp / tp / ep axis names only reach parallelize_fn: without one they would be ignored."""
+    from am_pipelining import pipeline_model
+
+    with pytest.raises(ValueError, match=r"cp_axis_name, ep_axis_name given without a parallelize_fn"):
+        pipeline_model(nn.Linear(2, 2), _FakeMesh(), cp_axis_name="cp", ep_axis_name="ep")

@@ -183,3 +183,20 @@ def test_pipeline_loss_reads_int32_seq_idx_tail():
         _sum_ce, mtp_per_depth_h=[h1], labels=labels, model=model, scaling_factor=0.5, seq_idx=seq_idx
     )
     torch.testing.assert_close(got, expected)
+
+
+def test_grad_reduce_group_is_refused_not_ignored():
+    """Upstream's grad_reduce_group stays in the signatures, but a value we cannot honour is an error."""
+    labels = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="grad_reduce_group is not supported"):
+        calculate_mtp_loss(
+            lambda logits, target: logits.sum(),
+            mtp_per_depth_logits=[torch.zeros(1, 4, 8)],
+            labels=labels,
+            grad_reduce_group=object(),
+        )
+    with pytest.raises(ValueError, match="grad_reduce_group is not supported"):
+        PipelineCausalLMLoss(lambda logits, target: logits.sum(), None, grad_reduce_group=object())
+    with pytest.raises(ValueError, match="grad_reduce_group is not supported"):
+        MTPLossConfig().build(lambda logits, target: logits.sum(), None, grad_reduce_group=object())
+    assert isinstance(MTPLossConfig().build(lambda logits, target: logits.sum(), None), PipelineCausalLMLoss)

@@ -205,3 +205,12 @@ def test_schedule_errors_before_any_collective():
         build_pipeline_schedule(None, "1F1B", 1, 8, [], None)
     with pytest.raises(FileNotFoundError, match="does not exist or is not a file"):
         build_pipeline_schedule("/no/such/schedule.csv", None, 1, 8, [], None)
+
+
+def test_static_shape_options_without_seq_len_are_refused():
+    """microbatch_size / tensor_dtype only describe static shapes: without seq_len they would be ignored."""
+    from am_pipelining import split_model_into_stages
+
+    for option in ({"microbatch_size": 2}, {"tensor_dtype": torch.bfloat16}):
+        with pytest.raises(ValueError, match="need seq_len"):
+            split_model_into_stages(M.llama(2), None, "pp", "1F1B", "cpu", **option)

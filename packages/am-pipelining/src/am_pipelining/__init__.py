@@ -52,7 +52,7 @@ from am_pipelining.stage_modules import build_stage_modules, stage_metas
 from am_pipelining.stages import generate_hf_model_fqn_per_model_part, split_model_into_stages
 from am_pipelining.tied import sync_tied_embedding_grads, sync_tied_embedding_weights
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # facade

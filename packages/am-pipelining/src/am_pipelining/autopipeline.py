@@ -29,6 +29,26 @@ __all__ = ["AutoPipeline", "PipelineConfig", "PipelineInfo"]
 logger = logging.getLogger(__name__)
 
 
+def _refuse_unsupported_backward_options(patch_stage_backward: bool, defer_fsdp_grad_sync: bool) -> None:
+    """Upstream's stage-backward options that torch.distributed.pipelining decides itself (kept in the signature,
+    refused when set to what we cannot honour)."""
+    problems = []
+    if patch_stage_backward:
+        problems.append(
+            "patch_stage_backward_maybe_with_nosync=True is not supported: torch's PipelineStage already runs every "
+            "microbatch's backward without FSDP gradient sync and reduces once after the last one; there is no "
+            "MoE-specific replacement to install. Leave it False."
+        )
+    if not defer_fsdp_grad_sync:
+        problems.append(
+            "defer_fsdp_grad_sync=False is not supported: torch's pipeline schedules always defer the FSDP gradient "
+            "reduce-scatter to after the last microbatch (one reduction per step), and cannot reduce per microbatch. "
+            "Leave it True."
+        )
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
 @dataclass
 class PipelineConfig:
     """Pipeline options as one dataclass (the mesh is passed separately)."""
@@ -43,6 +63,7 @@ class PipelineConfig:
     patch_inner_model: bool = True
     patch_causal_lm_model: bool = True
     patch_stage_backward_maybe_with_nosync: bool = False
+    """Must stay False (torch already defers FSDP gradient sync to the last microbatch); True is refused."""
     dtype: torch.dtype | None = None
     scale_grads_in_schedule: bool = False
     loss_fn: Callable[..., torch.Tensor] | None = None
@@ -109,6 +130,7 @@ class AutoPipeline:
     ) -> None:
         if world_mesh is None:
             raise ValueError("world_mesh must be provided (DeviceMesh with 'pp' axis)")
+        _refuse_unsupported_backward_options(patch_stage_backward_maybe_with_nosync, defer_fsdp_grad_sync)
         names = getattr(world_mesh, "mesh_dim_names", None)
         self.pp_mesh = world_mesh[pp_axis_name] if names is not None and len(names) > 1 else world_mesh
         # Everything that can be checked without the model is checked now; layers_per_stage needs the model's

@@ -42,10 +42,8 @@ def _gemma4_layer_type(config: Any, index: int, layer: nn.Module) -> str:
 
 
 def _shared_kv_store() -> Any:
-    try:
-        from transformers.cache_utils import KVSharingDict
-    except ImportError:  # older transformers: a plain dict is what the layers expect
-        return {}
+    from transformers.cache_utils import KVSharingDict  # transformers >= 5.23 (the declared floor)
+
     return KVSharingDict()
 
 

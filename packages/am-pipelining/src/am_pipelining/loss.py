@@ -148,6 +148,15 @@ def _resolve_seq_idx(
     return seq_idx
 
 
+def _refuse_grad_reduce_group(group: Any) -> None:
+    if group is not None:
+        raise ValueError(
+            "grad_reduce_group is not supported: this loss runs locally on the last pipeline stage and never "
+            "materializes a sharded LM-head weight, so there are no gradients to reduce over a group (FSDP2 reduces "
+            "parameter gradients itself). Leave it None."
+        )
+
+
 def calculate_mtp_loss(
     loss_fn: Callable[..., torch.Tensor],
     *,
@@ -181,7 +190,7 @@ def calculate_mtp_loss(
         ValueError: both or neither per-depth inputs, bad target count/shape, targets with seq metadata,
             seq_idx shape mismatch, no lm_head for hidden states.
     """
-    del grad_reduce_group  # reserved: the loss is computed locally on the last stage
+    _refuse_grad_reduce_group(grad_reduce_group)
     if (mtp_per_depth_h is None) == (mtp_per_depth_logits is None):
         raise ValueError("Provide exactly one of mtp_per_depth_h or mtp_per_depth_logits")
     outputs = list(mtp_per_depth_h if mtp_per_depth_h is not None else mtp_per_depth_logits or [])
@@ -248,7 +257,7 @@ class PipelineCausalLMLoss(nn.Module):
         self.__dict__["model"] = model
         self.scaling_factor = scaling_factor
         self.ignore_index = ignore_index
-        self.grad_reduce_group = grad_reduce_group
+        _refuse_grad_reduce_group(grad_reduce_group)
         self.cu_seqlens: torch.Tensor | None = None
 
     @staticmethod
@@ -313,6 +322,5 @@ class MTPLossConfig:
     def build(
         self, loss_fn: Callable[..., torch.Tensor], model: Any, *, grad_reduce_group: Any = None
     ) -> PipelineCausalLMLoss:
-        return PipelineCausalLMLoss(
-            loss_fn, model, self.scaling_factor, ignore_index=self.ignore_index, grad_reduce_group=grad_reduce_group
-        )
+        _refuse_grad_reduce_group(grad_reduce_group)
+        return PipelineCausalLMLoss(loss_fn, model, self.scaling_factor, ignore_index=self.ignore_index)

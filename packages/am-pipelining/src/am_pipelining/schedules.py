@@ -124,6 +124,21 @@ def build_pipeline_schedule(
     return schedule
 
 
+def _refuse_options_without_parallelize_fn(**options: Any) -> None:
+    """The mesh / axis options only reach `parallelize_fn`; without one they would be accepted and ignored."""
+    given = [
+        name
+        for name, value in options.items()
+        if value is not None and not (name == "dp_axis_names" and tuple(value) == ("dp",))
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} given without a parallelize_fn: these options are only passed to parallelize_fn "
+            "(which applies FSDP2 / TP / EP / CP to each stage), so nothing would use them. Pass parallelize_fn, or "
+            "drop them."
+        )
+
+
 def pipeline_model(
     model: nn.Module,
     world_mesh: Any,
@@ -164,6 +179,15 @@ def pipeline_model(
         ValueError: the pipeline axis has size 1, or any error of `split_model_into_stages` /
             `build_pipeline_schedule`.
     """
+    if parallelize_fn is None:
+        _refuse_options_without_parallelize_fn(
+            moe_mesh=moe_mesh,
+            dp_axis_names=dp_axis_names,
+            cp_axis_name=cp_axis_name,
+            tp_axis_name=tp_axis_name,
+            ep_axis_name=ep_axis_name,
+            ep_shard_axis_names=ep_shard_axis_names,
+        )
     names = getattr(world_mesh, "mesh_dim_names", None)
     pp_mesh = world_mesh[pp_axis_name] if names is not None and len(names) > 1 else world_mesh
     pp_size = pp_mesh.size() if hasattr(pp_mesh, "size") else dist.get_world_size(pp_mesh)

@@ -214,12 +214,12 @@ def split_model_into_stages(
     NOTE: call it on every rank of the default process group (SPMD). When tied input/output embeddings land on
     different ranks, the first/last-stage pair groups of all pipeline replicas are created here, collectively.
     """
-    pp_rank, pp_size, group = _pp_rank_size_group(pp_mesh, pp_axis_name)
     if seq_len is None and (microbatch_size is not None or tensor_dtype is not None):
         raise ValueError(
             "microbatch_size and tensor_dtype describe static stage shapes and need seq_len; give seq_len too, or "
             "drop them (shapes are then inferred at the first step)."
         )
+    pp_rank, pp_size, group = _pp_rank_size_group(pp_mesh, pp_axis_name)
     layout = find_layers(model)
     explicit = None if module_names_per_stage is None else [list(stage) for stage in module_names_per_stage]
     if plan is None:
