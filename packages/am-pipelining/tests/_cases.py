@@ -203,10 +203,11 @@ def tied_training_case() -> None:
             assert _rel(param.detach(), ref_params[param_name].detach()) <= REL_TOL, f"{param_name} diverged"
 
 
-def hooked_mtp_case() -> None:
+def hooked_mtp_case(model_class: type = M.HookedMTPModel) -> None:
     """A non-HF model's hooks are honoured (stage list, stage metas, kwargs chunk dims, own forward), and the
-    MTP loss through PipelineCausalLMLoss matches the single-process loss and gradients."""
-    ref_model = M.HookedMTPModel(4)
+    MTP loss through PipelineCausalLMLoss matches the single-process loss and gradients (with a declared
+    `pipeline_output_names` tuple, its seq_idx travels to the loss by name)."""
+    ref_model = model_class(4)
     model = copy.deepcopy(ref_model)
     batch_size, seq = 4, M.SEQ
     generator = torch.Generator().manual_seed(5)
@@ -353,6 +354,7 @@ def cases_2ranks() -> dict[str, Callable[[], None]]:
     cases["mask-cache-with-mask"] = functools.partial(mask_cache_case, with_mask=True)
     cases["tied-training"] = tied_training_case
     cases["hooked-mtp"] = hooked_mtp_case
+    cases["hooked-mtp-declared-outputs"] = functools.partial(hooked_mtp_case, M.DeclaredMTPModel)
     cases["autopipeline"] = autopipeline_case
     cases["split-materialized"] = functools.partial(split_names_case, meta=False)
     cases["split-meta"] = functools.partial(split_names_case, meta=True)

@@ -160,6 +160,27 @@ def test_non_tensor_stage_output_is_a_clear_error():
         stage(torch.zeros(1, 3, dtype=torch.long))
 
 
+def test_named_tuple_stage_output_is_refused_with_the_declaration_fix():
+    """torch treats only a plain tuple as several outputs (a NamedTuple would reach the last stage's backward as one
+    non-tensor and fail there): the stage wrapper refuses it and names `pipeline_output_names`."""
+    from am_pipelining import StageOutput
+
+    class NamedOut(nn.Module):
+        _pp_keep_self_forward = True
+
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.layers = nn.ModuleList([nn.Linear(4, 4)])
+
+        def forward(self, x):
+            return StageOutput(self.model.layers["0"](x))
+
+    (stage,) = build_stage_modules(NamedOut(), [["model.layers.0"]], [0])
+    with pytest.raises(ValueError, match=r"StageOutput \(a tuple subclass\).*pipeline_output_names"):
+        stage(torch.zeros(1, 2, 4))
+
+
 def test_reentrant_checkpointing_is_rejected_with_the_fix():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 

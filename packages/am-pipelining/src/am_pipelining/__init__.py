@@ -32,6 +32,7 @@ from am_pipelining.loss import (
     roll_tensor,
     shift_packed_tensor,
 )
+from am_pipelining.outputs import StageOutput, read_stage_output
 from am_pipelining.planning import (
     PipelinePlan,
     PipelinePlanError,
@@ -98,6 +99,9 @@ __all__ = [
     "get_mtp_loss_scaling_factor",
     "roll_tensor",
     "shift_packed_tensor",
+    # what the last stage returns
+    "StageOutput",
+    "read_stage_output",
     # tied embeddings
     "sync_tied_embedding_grads",
     "sync_tied_embedding_weights",

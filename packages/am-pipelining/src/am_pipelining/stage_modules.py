@@ -26,6 +26,7 @@ from am_pipelining.hf_utils import (
     patch_hf_model_for_pp,
     statically_defines,
 )
+from am_pipelining.outputs import pipeline_output_names, read_stage_output
 
 __all__ = ["build_stage_modules", "stage_metas"]
 
@@ -102,6 +103,13 @@ def _wrap_stage_forward_to_emit_tensor(stage_model: nn.Module, *, stage_index: i
         logits = getattr(output, "logits", None)
         if logits is not None and not isinstance(output, tuple) and hasattr(output, "keys"):
             return logits
+        if isinstance(output, tuple) and type(output) is not tuple:
+            raise ValueError(
+                f"Pipeline stage {stage_index} returned a {type(output).__name__} (a tuple subclass): torch's pipeline "
+                "treats only a plain tuple as several outputs, so this would travel as ONE non-tensor value and "
+                "the last stage's backward would fail. Fix: return a plain tuple and declare what each position is "
+                "in `pipeline_output_names` (see am_pipelining.outputs)."
+            )
         if isinstance(output, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in output):
             return tuple(output)
         described = (
@@ -186,7 +194,8 @@ def stage_metas(
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Meta tensors describing a stage's input and output, so torch skips its shape-inference round trip.
 
-    A model's `get_pipeline_stage_metas(*, is_first, microbatch_size, seq_len, dtype)` wins when defined.
+    A model's `get_pipeline_stage_metas(*, is_first, microbatch_size, seq_len, dtype)` wins when defined (on the
+    last stage, its outputs must fit the model's `pipeline_output_names` when it declares them).
     Otherwise: first stage input `[mb, S]` int64, others `[mb, S, H]`; output `[mb, S, V]` when the stage has
     an `lm_head` (and does not return hidden states), else `[mb, S, H]`.
     """
@@ -197,6 +206,9 @@ def stage_metas(
         hook_inputs, hook_outputs = stage_model.get_pipeline_stage_metas(
             is_first=is_first, microbatch_size=microbatch_size, seq_len=seq_len, dtype=dtype
         )
+        names = pipeline_output_names(stage_model)
+        if is_last and names is not None:
+            read_stage_output(tuple(hook_outputs), names=names)  # the declaration must fit the declared shapes
         return tuple(hook_inputs), tuple(hook_outputs)
     hidden, vocab = _get_hidden_and_vocab_size(stage_model.config)
     meta = torch.device("meta")

@@ -22,6 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 from am_pipelining import _compat
 from am_pipelining.hf_utils import MULTIMODAL_SUFFIXES, statically_defines
 from am_pipelining.layers import DecoderLayers, find_layers, module_at
+from am_pipelining.outputs import output_names_problems, pipeline_output_names
 from am_pipelining.planning import PipelinePlan, plan_pipeline, split_layers
 from am_pipelining.stage_modules import build_stage_modules, stage_metas
 from am_pipelining.tied import TiedEmbeddingCopy, pair_group
@@ -245,6 +246,11 @@ def split_model_into_stages(
         patch_causal_lm_model=patch_causal_lm_model,
     )
     _attach_tied_embedding_copies(model, layout, names, stage_ids, models, plan, group)
+    declared = pipeline_output_names(model)
+    if declared is not None and output_names_problems(declared):
+        raise ValueError(
+            f"{type(model).__name__}.pipeline_output_names is invalid: " + "; ".join(output_names_problems(declared))
+        )
     device = torch.device(device)
     stages = []
     for stage_id, stage_model in zip(stage_ids, models, strict=True):
