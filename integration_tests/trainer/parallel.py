@@ -16,7 +16,6 @@ keys. Summing every rank's contribution is therefore exactly the single-process 
 
 from __future__ import annotations
 
-import math
 import os
 from datetime import timedelta
 from typing import Any
@@ -75,30 +74,20 @@ def apply_precision(model: nn.Module, *, dtype: str) -> None:
 
 
 def split_pipeline(
-    model: nn.Module, *, mesh: DeviceMesh, cfg: Any, device: torch.device
+    model: nn.Module, *, mesh: DeviceMesh, plan: Any, cfg: Any, device: torch.device
 ) -> tuple[list[Any], list[nn.Module]]:
-    """This rank's pipeline stages and their modules (am-pipelining), with static shapes for the microbatches.
-
-    `--stages-per-rank` decides the layers per stage when it differs from the schedule's default (1, or 2 for
-    multi-stage schedules); the model's hooks (e.g. Nemotron's `mtp` on the last stage) are honoured by
-    am-pipelining.
-    """
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-
+    """This rank's pipeline stages and their modules (am-pipelining), exactly as `plan` (validated before any
+    collective) lays them out, with static shapes for the microbatches. The model's hooks (e.g. Nemotron's `mtp` on
+    the last stage) are honoured by am-pipelining."""
     from am_pipelining import split_model_into_stages
 
-    single = issubclass(get_schedule_class(cfg.schedule), PipelineScheduleSingle)
-    default_spr = 1 if single else 2
-    layers_per_stage = None
-    if cfg.stages_per_rank != default_spr:
-        layers_per_stage = math.ceil(find_layers(model).num_layers / (cfg.pp * cfg.stages_per_rank))
     return split_model_into_stages(
         model,
         mesh,
         "pp",
         cfg.schedule,
         device,
-        layers_per_stage=layers_per_stage,
+        plan=plan,
         microbatch_size=cfg.microbatch_size,
         seq_len=cfg.seq_len,
         tensor_dtype=DTYPES[cfg.dtype],
