@@ -332,6 +332,36 @@ def too_few_microbatches_case() -> None:
         build_pipeline_schedule(None, "Interleaved1F1B", 1, 2 * world, stages, M.mean_ce)
 
 
+def static_shape_mismatch_case() -> None:
+    """Static-shape stages fed another sequence length or batch: every rank refuses the step before any send
+    (it used to wait on a message of the wrong size, then time out or abort); the schedule stays usable, and
+    AutoPipeline.update_seq_len makes the new length run."""
+    import time
+
+    started = time.perf_counter()
+    stages, _ = split_model_into_stages(M.llama(4), _mesh(), "pp", "1F1B", "cpu", microbatch_size=1, seq_len=M.SEQ)
+    sched = build_pipeline_schedule(None, "1F1B", 1, 4, stages, M.mean_ce)
+    data = M.batch("llama", 4)
+    first = stages[0].is_first
+
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        sched.step(*((batch["input_ids"],) if first else ()), target=batch["labels"])
+
+    short = {k: v[:, :6] for k, v in data.items()}
+    with pytest.raises(ValueError, match=r"seq_len 8 .*update_seq_len\(6\)"):
+        step(short)
+    with pytest.raises(ValueError, match=r"shape \[3, 8\] .*give 4 rows per step"):
+        step({k: v[:3] for k, v in data.items()})
+    step(data)  # nothing was sent by the refused steps: the pipeline is intact
+    pipe = AutoPipeline(world_mesh=_mesh(), pp_schedule="1f1b", pp_microbatch_size=1, pp_batch_size=4, pp_seq_len=8)
+    pipe.build(M.llama(4), loss_fn=M.mean_ce)
+    with pytest.raises(ValueError, match=r"update_seq_len\(6\)"):
+        pipe.step(short["input_ids"])  # the model input is checked on every rank, even without a target
+    pipe.update_seq_len(6)
+    pipe.step(short["input_ids"], target=short["labels"])
+    assert time.perf_counter() - started < 60, "refusals must not wait on a peer"
+
+
 def cases_2ranks() -> dict[str, Callable[[], None]]:
     cases: dict[str, Callable[[], None]] = {}
     for model in MODELS:
@@ -359,6 +389,7 @@ def cases_2ranks() -> dict[str, Callable[[], None]]:
     cases["split-materialized"] = functools.partial(split_names_case, meta=False)
     cases["split-meta"] = functools.partial(split_names_case, meta=True)
     cases["too-few-microbatches"] = too_few_microbatches_case
+    cases["static-shape-mismatch-refused-on-every-rank"] = static_shape_mismatch_case
     return cases
 
 

@@ -18,7 +18,7 @@ from am_pipelining import (
 from am_pipelining.layers import find_layers
 from am_pipelining.planning import split_layers
 from am_pipelining.stage_modules import stage_metas
-from am_pipelining.stages import _default_module_names
+from am_pipelining.stage_names import _default_module_names
 
 
 def _names(model, num_stages):

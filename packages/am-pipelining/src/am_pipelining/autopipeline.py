@@ -20,7 +20,7 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from am_pipelining import _compat
 from am_pipelining.hf_utils import statically_defines, validate_hf_model_for_pipeline_support
 from am_pipelining.planning import plan_pipeline
-from am_pipelining.schedules import pipeline_model
+from am_pipelining.schedules import check_step_shapes, pipeline_model
 from am_pipelining.stage_modules import stage_metas
 from am_pipelining.tied import sync_tied_embedding_grads
 
@@ -284,11 +284,15 @@ class AutoPipeline:
 
         `model_input` goes only to ranks holding the first stage; `kwargs` (attention_mask, position_ids, pixel
         values, ...) reach every local stage, chunked along dim 0 unless the model's
-        `get_pipeline_kwargs_chunk_dims(kwargs) -> {name: dim}` says otherwise.
+        `get_pipeline_kwargs_chunk_dims(kwargs) -> {name: dim}` says otherwise. Pass `model_input` (and `target`) on
+        every rank: with static shapes every rank checks them first and refuses another sequence length or batch
+        (call `update_seq_len` first) instead of waiting on a send of the wrong size.
         """
         schedule = self._info.schedule
         if schedule is None:
             raise RuntimeError("AutoPipeline.build() must be called before running a PP schedule step")
+        stages = self._info.stages or []
+        check_step_shapes(stages, self.pp_batch_size // self.pp_microbatch_size, [model_input], target)
         args = (model_input,) if self._info.has_first_stage and model_input is not None else ()
         spec = self._kwargs_chunk_spec(kwargs)
         with _compat.kwargs_chunk_spec_override(schedule, spec):
@@ -315,6 +319,8 @@ class AutoPipeline:
             for stage in stages
         ]
         _compat.reset_stage_shapes(self._info.schedule, stages, metas)
+        for stage in stages:
+            stage._am_static_shape = (self.pp_microbatch_size, seq_len)
         self.pp_seq_len = seq_len
 
     # ---------------------------------------------------------------------------------------------------------

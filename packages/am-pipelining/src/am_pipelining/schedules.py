@@ -10,6 +10,7 @@ through `am_pipelining._compat`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -23,9 +24,10 @@ from torch.distributed.pipelining import PipelineStage
 from am_pipelining import _compat
 from am_pipelining.layers import find_layers
 from am_pipelining.planning import PipelinePlan, csv_problems, plan_pipeline
-from am_pipelining.stages import _stage_layers_from_names, split_model_into_stages
+from am_pipelining.stage_names import plan_for_module_names
+from am_pipelining.stages import split_model_into_stages
 
-__all__ = ["ParallelizeFnProtocol", "build_pipeline_schedule", "pipeline_model"]
+__all__ = ["ParallelizeFnProtocol", "build_pipeline_schedule", "check_step_shapes", "pipeline_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +123,63 @@ def build_pipeline_schedule(
     )
     if csv is not None:
         _compat.load_schedule_csv(schedule, os.fspath(csv))
+    if any(getattr(stage, "_am_static_shape", None) is not None for stage in stages):
+        _check_shapes_before_each_step(schedule, stages, plan.n_microbatches)
     return schedule
+
+
+def check_step_shapes(
+    stages: Sequence[PipelineStage], n_microbatches: int, inputs: Sequence[Any], target: Any = None
+) -> None:
+    """Refuse step inputs that do not match the stages' static shapes, before anything is sent.
+
+    `inputs` (the model input, e.g. input_ids [B, S]) and `target` (labels [B, S]) must have B = n_microbatches ×
+    microbatch_size rows and S = the static sequence length. Every rank that is given inputs or a target checks
+    them, so a mismatch ends with the same error on all those ranks instead of a wait on a message of the wrong
+    size. (Pass the target, or AutoPipeline's model input, on every rank to cover every rank.)
+
+    Raises:
+        ValueError: naming the shape that was given, the one the stages were built for, and the fix.
+    """
+    static = next((getattr(s, "_am_static_shape", None) for s in stages if hasattr(s, "_am_static_shape")), None)
+    if static is None:
+        return
+    microbatch_size, seq_len = static
+    batch = n_microbatches * microbatch_size
+    for what, tensor in [*(("the model input", t) for t in inputs), ("the target", target)]:
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() < 1:
+            continue
+        rows, length = tensor.shape[0], tensor.shape[1] if tensor.dim() > 1 else None
+        if rows == batch and length in (None, seq_len):
+            continue
+        fixes = []
+        if length is not None and length != seq_len:
+            fixes.append(
+                f"call AutoPipeline.update_seq_len({length}) before this step (or split the stages with "
+                f"seq_len={length})"
+            )
+        if rows != batch:
+            fixes.append(
+                f"give {batch} rows per step, or rebuild the schedule for a local batch of {rows} (microbatches of "
+                f"{microbatch_size})"
+            )
+        raise ValueError(
+            f"Pipeline step refused before any send: {what} has shape {list(tensor.shape)} but the stages were built "
+            f"for static shapes of {n_microbatches} microbatches x {microbatch_size} rows x seq_len {seq_len} "
+            f"([{batch}, {seq_len}, ...]). Fix: {'; '.join(fixes)}."
+        )
+
+
+def _check_shapes_before_each_step(schedule: Any, stages: Sequence[PipelineStage], n_microbatches: int) -> None:
+    """Wrap `schedule.step` (this instance only) so that every step first runs `check_step_shapes`."""
+    step = schedule.step
+
+    @functools.wraps(step)
+    def checked_step(*args: Any, target: Any = None, **kwargs: Any) -> Any:
+        check_step_shapes(stages, n_microbatches, args, target)
+        return step(*args, target=target, **kwargs)
+
+    schedule.step = checked_step
 
 
 def _refuse_options_without_parallelize_fn(**options: Any) -> None:
@@ -197,19 +255,33 @@ def pipeline_model(
     # runtime's defaults apply (2 stages per rank, loop placement).
     layout = find_layers(model)
     explicit = None if module_fqns_per_model_part is None else [list(s) for s in module_fqns_per_model_part]
-    plan = plan_pipeline(
-        layout.num_layers,
-        pp_size,
-        pipeline_parallel_schedule,
-        csv=pipeline_parallel_schedule_csv,
-        stages_per_rank=stages_per_rank,
-        layers_per_stage=layers_per_stage,
-        round_to_pp_multiple=round_to_pp_multiple,
-        stage_layers=None if explicit is None else _stage_layers_from_names(explicit, layout),
-        local_batch_size=local_batch_size,
-        microbatch_size=microbatch_size,
-        option_labels={"stage_layers": "module_fqns_per_model_part"},
-    )
+    if explicit is not None:
+        plan = plan_for_module_names(
+            model,
+            layout,
+            pp_size,
+            pipeline_parallel_schedule,
+            explicit,
+            option_label="module_fqns_per_model_part",
+            csv=pipeline_parallel_schedule_csv,
+            stages_per_rank=stages_per_rank,
+            layers_per_stage=layers_per_stage,
+            round_to_pp_multiple=round_to_pp_multiple,
+            local_batch_size=local_batch_size,
+            microbatch_size=microbatch_size,
+        )
+    else:
+        plan = plan_pipeline(
+            layout.num_layers,
+            pp_size,
+            pipeline_parallel_schedule,
+            csv=pipeline_parallel_schedule_csv,
+            stages_per_rank=stages_per_rank,
+            layers_per_stage=layers_per_stage,
+            round_to_pp_multiple=round_to_pp_multiple,
+            local_batch_size=local_batch_size,
+            microbatch_size=microbatch_size,
+        )
     stages, model_parts = split_model_into_stages(
         model,
         pp_mesh,

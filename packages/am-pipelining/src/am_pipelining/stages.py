@@ -20,123 +20,19 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from am_pipelining import _compat
-from am_pipelining.hf_utils import MULTIMODAL_SUFFIXES, statically_defines
 from am_pipelining.layers import DecoderLayers, find_layers, module_at
 from am_pipelining.outputs import output_names_problems, pipeline_output_names
-from am_pipelining.planning import PipelinePlan, plan_pipeline, split_layers
+from am_pipelining.planning import PipelinePlan, plan_pipeline
 from am_pipelining.stage_modules import build_stage_modules, stage_metas
+from am_pipelining.stage_names import (
+    _default_module_names,
+    generate_hf_model_fqn_per_model_part,
+    module_names_problems,
+    plan_for_module_names,
+)
 from am_pipelining.tied import TiedEmbeddingCopy, pair_group
 
 __all__ = ["generate_hf_model_fqn_per_model_part", "split_model_into_stages"]
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Placement and stage lists
-# ------------------------------------------------------------------------------------------------------------
-
-
-def generate_hf_model_fqn_per_model_part(
-    num_stages: int,
-    num_layers: int,
-    include_embeddings: bool = True,
-    include_lm_head: bool = True,
-    include_rotary_emb: bool = True,
-    include_multimodal_encoders: bool = True,
-    extra_module_fqns: Sequence[str] | None = None,
-    fqn_prefix: str = "model.",
-    lm_head_fqn: str = "lm_head",
-) -> list[list[str]]:
-    """Module names kept by each stage: contiguous layer ranges, the first `L % n` stages one layer longer.
-
-    Stage 0 adds the embeddings, multimodal encoders and `extra_module_fqns`; the last stage adds `norm` and
-    the LM head; `rotary_emb` (buffers only) is replicated on every stage. Names absent from a model are harmless.
-
-    Raises:
-        ValueError: fewer than 1 stage or more stages than layers.
-    """
-    return _module_names_for_layers(
-        split_layers(num_layers, num_stages),
-        include_embeddings=include_embeddings,
-        include_lm_head=include_lm_head,
-        include_rotary_emb=include_rotary_emb,
-        include_multimodal_encoders=include_multimodal_encoders,
-        extra_module_fqns=extra_module_fqns,
-        fqn_prefix=fqn_prefix,
-        lm_head_fqn=lm_head_fqn,
-    )
-
-
-def _module_names_for_layers(
-    stage_layers: Sequence[Sequence[int]],
-    *,
-    include_embeddings: bool,
-    include_lm_head: bool,
-    include_rotary_emb: bool,
-    include_multimodal_encoders: bool,
-    extra_module_fqns: Sequence[str] | None,
-    fqn_prefix: str,
-    lm_head_fqn: str,
-) -> list[list[str]]:
-    names_per_stage: list[list[str]] = []
-    last = len(stage_layers) - 1
-    for stage, layers in enumerate(stage_layers):
-        names: list[str] = []
-        if stage == 0:
-            if include_embeddings:
-                names.append(f"{fqn_prefix}embed_tokens")
-            if include_multimodal_encoders:
-                names.extend(f"{fqn_prefix}{suffix}" for suffix in MULTIMODAL_SUFFIXES)
-            names.extend(extra_module_fqns or ())
-        names.extend(f"{fqn_prefix}layers.{i}" for i in layers)
-        if stage == last:
-            names.append(f"{fqn_prefix}norm")
-            if include_lm_head:
-                names.append(lm_head_fqn)
-        if include_rotary_emb:
-            names.append(f"{fqn_prefix}rotary_emb")
-        names_per_stage.append(names)
-    return names_per_stage
-
-
-def _default_module_names(
-    model: Any, stage_layers: Sequence[Sequence[int]], layout: DecoderLayers | None = None
-) -> tuple[list[list[str]], DecoderLayers]:
-    """Module names per stage for a plan's layer split, passed through the model's
-    `customize_pipeline_stage_modules` hook."""
-    layout = layout if layout is not None else find_layers(model)
-    names = _module_names_for_layers(
-        stage_layers,
-        include_embeddings=True,
-        include_lm_head=layout.lm_head_fqn is not None,
-        include_rotary_emb=layout.has_rotary_emb,
-        include_multimodal_encoders=not layout.nested,
-        extra_module_fqns=layout.extra_module_fqns,
-        fqn_prefix=layout.layers_prefix,
-        lm_head_fqn=layout.lm_head_fqn or "lm_head",
-    )
-    if statically_defines(model, "customize_pipeline_stage_modules"):
-        customized = model.customize_pipeline_stage_modules(
-            names, layers_prefix=layout.layers_prefix, text_model=layout.text_model
-        )
-        if customized is not None:
-            names = [list(stage) for stage in customized]
-    return names, layout
-
-
-def _stage_layers_from_names(names_per_stage: Sequence[Sequence[str]], layout: DecoderLayers) -> list[list[int]]:
-    """The decoder layer indices each explicit stage list keeps (`<prefix>layers` keeps them all)."""
-    container = layout.container_fqn
-    all_layers = list(range(layout.num_layers))
-    stage_layers = []
-    for names in names_per_stage:
-        layers: list[int] = []
-        for name in names:
-            if name == container:
-                layers.extend(all_layers)
-            elif name.startswith(container + ".") and name[len(container) + 1 :].isdigit():
-                layers.append(int(name[len(container) + 1 :]))
-        stage_layers.append(layers)
-    return stage_layers
 
 
 def _find_tied_embedding(model: nn.Module, layout: DecoderLayers) -> tuple[str, str] | None:
@@ -223,7 +119,18 @@ def split_model_into_stages(
     pp_rank, pp_size, group = _pp_rank_size_group(pp_mesh, pp_axis_name)
     layout = find_layers(model)
     explicit = None if module_names_per_stage is None else [list(stage) for stage in module_names_per_stage]
-    if plan is None:
+    if plan is None and explicit is not None:
+        plan = plan_for_module_names(
+            model,
+            layout,
+            pp_size,
+            pp_schedule,
+            explicit,
+            stages_per_rank=stages_per_rank,
+            layers_per_stage=layers_per_stage,
+            round_to_pp_multiple=round_to_pp_multiple,
+        )
+    elif plan is None:
         plan = plan_pipeline(
             layout.num_layers,
             pp_size,
@@ -231,12 +138,19 @@ def split_model_into_stages(
             stages_per_rank=stages_per_rank,
             layers_per_stage=layers_per_stage,
             round_to_pp_multiple=round_to_pp_multiple,
-            stage_layers=None if explicit is None else _stage_layers_from_names(explicit, layout),
-            option_labels={"stage_layers": "module_names_per_stage"},
         )
     else:
         _check_given_plan(plan, pp_size, layout.num_layers, stages_per_rank, layers_per_stage, round_to_pp_multiple)
-    names = explicit if explicit is not None else _default_module_names(model, plan.stage_layers or (), layout)[0]
+    if explicit is not None:
+        names = explicit
+    else:  # generated from the plan, then edited by the model's hook: the hook must keep the model whole
+        names = _default_module_names(model, plan.stage_layers or (), layout)[0]
+        problems = module_names_problems(model, layout, names, explicit=False)
+        if problems:
+            raise ValueError(
+                f"{type(model).__name__}.customize_pipeline_stage_modules returned stage lists that do not run the "
+                "model as one: " + " ".join(problems)
+            )
     stage_ids = plan.stage_ids(pp_rank)
     models = build_stage_modules(
         model,
@@ -268,6 +182,8 @@ def split_model_into_stages(
         stage = PipelineStage(stage_model, stage_id, plan.num_stages, device, group=group, **static)
         _compat.preserve_grads_across_stage_reinit(stage)
         stage._am_pipeline_plan = plan  # type: ignore[attr-defined]  # build_pipeline_schedule reads it back
+        if seq_len is not None:  # checked against every step's inputs (see schedules.check_step_shapes)
+            stage._am_static_shape = (microbatch_size or 1, seq_len)  # type: ignore[attr-defined]
         stages.append(stage)
     return stages, models
 
