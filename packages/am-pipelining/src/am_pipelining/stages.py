@@ -1,9 +1,9 @@
 """Split a model into this rank's `PipelineStage`s, as `plan_pipeline` plans them.
 
-What it is for: where the decoder layers live in a model (`_layout`), which modules each stage keeps (generated
-from the plan's layer split and passed through the model's `customize_pipeline_stage_modules` hook, or given
-explicitly), placing the stages on ranks, marking tied-embedding copies, and wrapping each stage module into a
-`PipelineStage` (with static shapes when a sequence length is given).
+What it is for: planning the split (or taking a given plan), the module lists of the stages (`stage_names`: generated
+from the plan's layer split, or given explicitly and validated), building this rank's stage modules
+(`stage_modules`), marking tied-embedding copies, and wrapping each stage module into a `PipelineStage` (with static
+shapes when a sequence length is given).
 
 What it must not do: re-derive a stage count, a placement or a layer split (ask `planning`), or import a model
 package. Errors that would otherwise surface as hangs are raised here, early, naming the fix.
