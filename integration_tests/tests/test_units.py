@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from trainer.checkpoint import verify_checkpoint
-from trainer.config import find_problems, parse_args
+from trainer.config import find_problems, parse_args, pipeline_plan
 from trainer.data import BatchStream, ByteTokenizer, load_tokens
 from trainer.loop import TokenSumLoss, lr_at
 from trainer.models import build_model, preset_spec
@@ -28,6 +28,22 @@ def test_trainer_loss_equals_the_models_own_loss(family: str) -> None:
     ours = loss_fn(model(input_ids=inputs).logits, labels)
     theirs = model(input_ids=windows, labels=windows).loss
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0.0)
+
+
+def test_fsdp_groups_every_decoder_and_mtp_layer() -> None:
+    """One FSDP2 group per decoder layer (am-pipelining's find_layers) and per MTP depth layer."""
+    from trainer.parallel import _layer_modules
+
+    from am_pipelining import find_layers
+
+    spec = preset_spec("nemotron", hidden_size=32, num_layers=4, mtp_depths=1, tie_embeddings=False, vocab_size=None)
+    model = build_model(spec, seed=0)
+    decoder = find_layers(model)
+    assert decoder.num_layers == 4
+    groups = _layer_modules(model)
+    mtp_layers = list(model.mtp.layers)
+    assert mtp_layers, "the preset has MTP layers"
+    assert groups == decoder.layers + mtp_layers
 
 
 def test_lr_warms_up_then_decays_to_min_lr() -> None:
@@ -67,11 +83,33 @@ def test_find_problems_accepts_a_good_config_and_lists_every_bad_value() -> None
     assert find_problems(good, world_size=4) == []
     bad = parse_args(["--pp", "0", "--dp", "3", "--global-batch", "8", "--schedule", "nope", "--lr", "-1"])
     problems = find_problems(bad, world_size=4)
-    # pp, dp divisibility, schedule, lr (no world-size line: with pp=0 there is no meaningful product to compare)
-    assert len(problems) == 4, problems
+    # pp, dp divisibility, lr (no world-size line: with pp=0 there is no meaningful product to compare). Schedule
+    # rules are the pipeline plan's (test_pipeline_plan_*): with pp < 1 there is no pipeline to plan.
+    assert len(problems) == 3, problems
     assert any("--pp=0" in p for p in problems)
     assert any("not divisible by --dp 3" in p for p in problems)
-    assert any("'nope' is unknown" in p for p in problems)
+    assert pipeline_plan(bad, num_layers=4) == (None, [])
+
+
+def test_pipeline_plan_runs_stages_per_rank_exactly() -> None:
+    """8 layers, pp=2, --stages-per-rank 3: six stages (the old trainer turned this into 4)."""
+    cfg = parse_args(["--pp", "2", "--schedule", "Interleaved1F1B", "--stages-per-rank", "3", "--global-batch", "4"])
+    plan, problems = pipeline_plan(cfg, num_layers=8)
+    assert problems == []
+    assert (plan.num_stages, plan.layers_per_stage, plan.n_microbatches) == (6, (2, 2, 1, 1, 1, 1), 4)
+
+
+def test_pipeline_plan_names_every_problem_in_cli_terms() -> None:
+    cfg = parse_args(["--pp", "2", "--stages-per-rank", "2", "--global-batch", "5", "--microbatch-size", "2"])
+    plan, problems = pipeline_plan(cfg, num_layers=3)
+    assert plan is None
+    assert len(problems) == 3, problems
+    text = "\n".join(problems)
+    assert "requires exactly 1 stage per rank" in text
+    assert "Number of stages (4) cannot exceed number of layers (3)" in text
+    assert "(--global-batch 5 / --dp 1 = 5) is not divisible by --microbatch-size 2" in text
+    single = parse_args(["--stages-per-rank", "2", "--schedule", "GPipe"])
+    assert any("only apply with --pp > 1" in p for p in find_problems(single, world_size=1))
 
 
 def test_verify_checkpoint_names_what_is_missing(tmp_path) -> None:

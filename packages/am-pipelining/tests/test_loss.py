@@ -10,6 +10,7 @@ from torch import nn
 from am_pipelining import (
     MTPLossConfig,
     PipelineCausalLMLoss,
+    StageOutput,
     calculate_mtp_loss,
     get_mtp_loss_scaling_factor,
     roll_tensor,
@@ -173,13 +174,42 @@ def test_pipeline_loss_on_tensor_and_tuple_outputs():
     torch.testing.assert_close(loss_fn((logits, h1), labels), _sum_ce(logits, labels))
 
 
-def test_pipeline_loss_reads_int32_seq_idx_tail():
-    model = _MTPModel()
-    logits, h1 = torch.randn(1, 8, 7), torch.randn(1, 8, 4)
+class _DeclaredMTPModel(_MTPModel):
+    """Declares its last-stage tuple, like Nemotron: logits, D MTP hidden states, packed-sequence ids."""
+
+    pipeline_output_names = ("logits", "mtp_per_depth_h", "seq_idx")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_pipeline_loss_reads_declared_outputs_by_name(dtype):
+    """The trailing seq_idx is found by its declared name, whatever its dtype (nothing is guessed)."""
+    model = _DeclaredMTPModel()
+    logits, h1, h2 = torch.randn(1, 8, 7), torch.randn(1, 8, 4), torch.randn(1, 8, 4)
     labels = torch.randint(0, 7, (1, 8))
-    seq_idx = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]], dtype=torch.int32)
-    got = PipelineCausalLMLoss(_sum_ce, model)((logits, h1, seq_idx), labels)
+    seq_idx = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]], dtype=dtype)
+    got = PipelineCausalLMLoss(_sum_ce, model)((logits, h1, h2, seq_idx), labels)
     expected = _sum_ce(logits, labels) + calculate_mtp_loss(
-        _sum_ce, mtp_per_depth_h=[h1], labels=labels, model=model, scaling_factor=0.5, seq_idx=seq_idx
+        _sum_ce, mtp_per_depth_h=[h1, h2], labels=labels, model=model, scaling_factor=0.5, seq_idx=seq_idx
     )
     torch.testing.assert_close(got, expected)
+    named = StageOutput(logits, mtp_per_depth_h=(h1, h2), seq_idx=seq_idx)
+    torch.testing.assert_close(PipelineCausalLMLoss(_sum_ce, _MTPModel())(named, labels), expected)
+    with pytest.raises(ValueError, match="returned 1 tensors but pipeline_output_names"):
+        PipelineCausalLMLoss(_sum_ce, model)((logits,), labels)
+
+
+def test_grad_reduce_group_is_refused_not_ignored():
+    """Upstream's grad_reduce_group stays in the signatures, but a value we cannot honour is an error."""
+    labels = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="grad_reduce_group is not supported"):
+        calculate_mtp_loss(
+            lambda logits, target: logits.sum(),
+            mtp_per_depth_logits=[torch.zeros(1, 4, 8)],
+            labels=labels,
+            grad_reduce_group=object(),
+        )
+    with pytest.raises(ValueError, match="grad_reduce_group is not supported"):
+        PipelineCausalLMLoss(lambda logits, target: logits.sum(), None, grad_reduce_group=object())
+    with pytest.raises(ValueError, match="grad_reduce_group is not supported"):
+        MTPLossConfig().build(lambda logits, target: logits.sum(), None, grad_reduce_group=object())
+    assert isinstance(MTPLossConfig().build(lambda logits, target: logits.sum(), None), PipelineCausalLMLoss)

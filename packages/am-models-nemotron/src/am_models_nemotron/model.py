@@ -4,7 +4,7 @@ pipeline-stage forward, checkpoints) and `NemotronHCausalLMOutputWithPast`.
 What it is for: the forward of the whole model in three roles — a plain model (training, eval, generation through
 transformers' `GenerationMixin` with `NemotronHybridCache`), and a pruned pipeline stage (hidden states arrive in
 the `input_ids` slot, per-depth MTP embeddings travel between stages as extra positional tensors, the last stage
-returns `(logits, *mtp_hidden, seq_idx_int32)`).
+returns `(logits, *mtp_hidden, seq_idx)` as declared by `pipeline_output_names`).
 What it must not do: import am-pipelining or am-capabilities (they find the hooks by duck typing), mutate the
 `BackendConfig` it receives, or tie the input and output embeddings (the architecture has none; rejected).
 """
@@ -229,6 +229,9 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
     # The same list as the backbone's (one source: the keep list is defined once, on NemotronV3Model).
     _keep_in_fp32_modules_strict: ClassVar[list[str]] = NemotronV3Model._keep_in_fp32_modules_strict
     _pp_keep_self_forward: ClassVar[bool] = True
+    pipeline_output_names: ClassVar[tuple[str, ...]] = ("logits", "mtp_per_depth_h", "seq_idx")
+    """What each position of the last pipeline stage's tuple is (am-pipelining reads it by these names; the MTP
+    hidden states take every position between logits and seq_idx). Without MTP the last stage returns bare logits."""
     _pp_plan: ClassVar[dict[str, tuple[list[str], list[str]]]] = {
         "model.embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "model.layers": (["hidden_states"], ["hidden_states"]),
