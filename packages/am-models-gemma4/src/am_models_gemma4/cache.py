@@ -143,13 +143,15 @@ class Gemma4HybridCache:
             ValueError: a mask whose length is neither past + S nor S.
         """
         past = self.get_seq_length()
+        # The record covers the cached tokens (sliced: a forward that failed after this call recorded more).
+        recorded = None if self._real is None else self._real[:, :past]
         if attention_mask is None:
-            if self._real is not None:
-                self._real = torch.cat([self._real, self._real.new_ones(self._real.shape[0], new_tokens)], dim=1)
+            if recorded is not None:
+                self._real = torch.cat([recorded, recorded.new_ones(recorded.shape[0], new_tokens)], dim=1)
             return self._real
         real = attention_mask.bool()
         if real.shape[1] == new_tokens and past:
-            previous = self._real if self._real is not None else real.new_ones(real.shape[0], past)
+            previous = recorded if recorded is not None else real.new_ones(real.shape[0], past)
             real = torch.cat([previous, real], dim=1)
         elif real.shape[1] != past + new_tokens:
             raise ValueError(

@@ -2,11 +2,11 @@
 
 What it is for: `model.generate(input_ids, attention_mask=..., max_new_tokens=..., do_sample=...)` as transformers
 users call it (greedy, sampling, beam search; logits processors, stopping criteria and streamers are
-transformers'), on `Gemma4ForCausalLM` and `Gemma4ForConditionalGeneration`. transformers creates no cache for these
-models (`_supports_default_dynamic_cache` is False): the first `prepare_inputs_for_generation` call makes a
-`Gemma4HybridCache` and hands the whole prompt over (the prefill); every later call hands over the last token with
-its position (transformers derives positions from the attention mask, so left-padded rows count from their first
-real token) and the attention mask over every token so far.
+transformers'), on `Gemma4ForCausalLM` and `Gemma4ForConditionalGeneration`. Where transformers would make its own
+cache, `_prepare_cache_for_generation` makes a `Gemma4HybridCache`; `prepare_inputs_for_generation` hands the whole
+prompt over first (the prefill, or its chunks with `prefill_chunk_size`), then the last token of every step with its
+position (transformers derives positions from the attention mask, so left-padded rows count from their first real
+token) and the attention mask over every token so far.
 What it must not do: run in a training forward (nothing here is called outside `generate`), or accept a
 transformers cache (`DynamicCache` lays K/V out differently; refused with a TypeError rather than ignored).
 """
@@ -57,10 +57,31 @@ class Gemma4GenerationMixin(GenerationMixin):
     def can_generate(cls) -> bool:
         return True
 
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        """transformers' hook: False, so `generate` leaves the cache to `prepare_inputs_for_generation`."""
-        return False
+    def _prepare_cache_for_generation(
+        self, generation_config: GenerationConfig, model_kwargs: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> None:
+        """transformers' hook: put a new `Gemma4HybridCache` into `model_kwargs` (instead of a `DynamicCache`).
+
+        Raises:
+            TypeError: the caller passed another kind of cache.
+            ValueError: `cache_implementation` asks for a cache this model does not have (e.g. "static").
+        """
+        cache = model_kwargs.get("past_key_values")
+        if cache is None and generation_config.use_cache:
+            if generation_config.cache_implementation not in (None, "dynamic"):
+                raise ValueError(
+                    f"cache_implementation={generation_config.cache_implementation!r} is not available for "
+                    f"{type(self).__name__}: it generates with its own Gemma4HybridCache (full layers keep every "
+                    "token, sliding layers their window); leave cache_implementation unset"
+                )
+            model_kwargs["past_key_values"] = Gemma4HybridCache(self.config)
+            return
+        if cache is not None and not isinstance(cache, Gemma4HybridCache):
+            raise TypeError(
+                f"past_key_values is a {type(cache).__name__}; {type(self).__name__} generates with a "
+                "Gemma4HybridCache (pass none and generate() makes one, or pass Gemma4HybridCache(model.config))"
+            )
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def get_experts_implementation(self) -> dict[str, str]:
         """transformers' hook: our experts have one implementation, nothing to switch while decoding."""
@@ -84,18 +105,8 @@ class Gemma4GenerationMixin(GenerationMixin):
 
         Inputs transformers lists as prefill-only (`pixel_values`, ...) and the keys of `_prefill_only_inputs` are
         passed on the first iteration only (or on every step without a cache, which recomputes the whole sequence).
-
-        Raises:
-            TypeError: `past_key_values` is not a `Gemma4HybridCache` (e.g. a transformers `DynamicCache`).
         """
         use_cache = kwargs.get("use_cache", True)
-        if past_key_values is None and use_cache:
-            past_key_values = Gemma4HybridCache(self.config)
-        elif past_key_values is not None and not isinstance(past_key_values, Gemma4HybridCache):
-            raise TypeError(
-                f"past_key_values is a {type(past_key_values).__name__}; {type(self).__name__} generates with a "
-                "Gemma4HybridCache (pass none and generate() makes one, or pass Gemma4HybridCache(model.config))"
-            )
         inputs: dict[str, Any] = {"past_key_values": past_key_values, "attention_mask": attention_mask}
         if inputs_embeds is not None and is_first_iteration:
             embeds = inputs_embeds[:, -next_sequence_length:] if next_sequence_length else inputs_embeds
