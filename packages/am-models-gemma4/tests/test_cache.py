@@ -20,7 +20,8 @@ def _kv(config, layer: int, tokens: int, gen: torch.Generator) -> tuple[torch.Te
 
 def test_full_layers_return_every_token_and_sliding_layers_their_window() -> None:
     """A 9-token prefill, a 3-token chunk, then 300 single tokens (past the first buffer of a full layer, so it
-    grows): every update returns exactly the reference K/V, and sliding buffers stay within two windows."""
+    grows): every update returns exactly the reference K/V, and sliding buffers stay within their window (3 kept
+    tokens and room for 1 at this window of 4)."""
     config = text_config()
     cache = Gemma4HybridCache(config)
     gen = torch.Generator().manual_seed(0)
@@ -35,15 +36,35 @@ def test_full_layers_return_every_token_and_sliding_layers_their_window() -> Non
             if config.layer_types[layer] == "sliding_attention":
                 visible = min(past_keys.shape[2], WINDOW - 1) + tokens
                 all_keys, all_values = all_keys[:, :, -visible:], all_values[:, :, -visible:]
-                assert cache.layers[layer].keys.shape[2] <= 2 * WINDOW, step
+                assert cache.layers[layer].keys.shape[2] <= WINDOW, step
             assert torch.equal(got_keys, all_keys), (step, layer)
             assert torch.equal(got_values, all_values), (step, layer)
     assert cache.get_seq_length() == 312
     assert cache.get_seq_length(1) == 312
     full_bytes = sum(cache.layers[i].nbytes() for i in (1, 3))
-    sliding_bound = 2 * 2 * (2 * 2 * 2 * WINDOW * 8) * 4  # layers x (K, V) x [B, H, 2 windows, d] x fp32 bytes
+    sliding_bound = 2 * 2 * (2 * 2 * WINDOW * 8) * 4  # layers x (K, V) x [B, H, window, d] x fp32 bytes
     assert cache.memory_bytes() - full_bytes <= sliding_bound
     assert cache.layers[1].keys.shape[2] <= 312 + 256  # a full layer's room: max(256 tokens, an eighth)
+
+
+def test_max_length_sizes_full_layers_once() -> None:
+    """With max_length (what generate passes), a full layer allocates prompt + new tokens at the prefill and does
+    not grow up to it (one more token makes it grow); sliding layers are unaffected."""
+    config = text_config()
+    cache = Gemma4HybridCache(config, max_length=20)
+    gen = torch.Generator().manual_seed(3)
+    for tokens in [9] + [1] * 11:
+        for layer in range(4):
+            cache.update(*_kv(config, layer, tokens, gen), layer)
+        assert cache.layers[1].keys.shape[2] == 20
+        assert cache.layers[0].keys.shape[2] <= WINDOW
+    assert cache.layers[1].end == 20
+    # past max_length the full layer grows and still returns every token
+    before = cache.layers[1].keys[:, :, :20].clone()
+    keys, values = _kv(config, 1, 1, gen)
+    got_keys, _ = cache.update(keys, values, 1)
+    assert cache.layers[1].keys.shape[2] > 21
+    assert torch.equal(got_keys, torch.cat([before, keys], dim=2))
 
 
 def test_kv_shared_layers_keep_nothing() -> None:

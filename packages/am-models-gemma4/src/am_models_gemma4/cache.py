@@ -3,11 +3,14 @@
 What it is for: generation (a prefill, then one token per step). Every layer that computes its own K/V keeps them in a
 buffer `[B, kv_heads, capacity, head_dim]` (the layer's own head dim and KV heads: full layers may use
 `global_head_dim` and `num_global_key_value_heads`):
-  - full-attention layers keep every token (the buffer grows by at least an eighth at a time, so appending a token
-    costs one write, not a copy of the whole cache);
+  - full-attention layers keep every token: the buffer is allocated for `max_length` tokens when given (`generate`
+    passes prompt + new tokens) and otherwise grows by at least an eighth at a time, so appending a token costs one
+    write, not a copy of the whole cache;
   - sliding-window layers keep only the last `sliding_window - 1` tokens, which is all the next query's window
-    reaches (transformers' `DynamicSlidingWindowLayer` keeps the same); their buffer holds at most
-    `2 · sliding_window` tokens whatever the generation length;
+    reaches (transformers' `DynamicSlidingWindowLayer` keeps the same); their buffer has room for an eighth of
+    the window more (at least one token), so it holds at most `9/8 · sliding_window` tokens whatever the generation
+    length, and the kept tokens move to its front once every `window / 8` steps (about 8 token copies per step,
+    where concatenating would copy the whole window at every step);
   - KV-shared ("reuse") layers keep nothing: within each forward they read what their "store" layer returned (the
     store layer's cached plus new K/V, through `SharedKVStates`), as transformers does.
 It also records which of the tokens seen so far are padding (`step_mask`), so that a later step still masks a
@@ -29,13 +32,16 @@ __all__ = ["Gemma4HybridCache"]
 
 # Room a full-attention buffer gains when it grows: at least this many tokens, or an eighth of its length.
 _MIN_GROWTH = 256
+# Room of a sliding-window buffer beyond the tokens it keeps: this fraction of them (at least one token).
+_SLIDING_ROOM_FRACTION = 8
 
 
 class _LayerKV:
     """K/V of one layer: tokens `[start, end)` of a `[B, H, capacity, d]` buffer pair; `keep=None` keeps all."""
 
-    def __init__(self, keep: int | None) -> None:
+    def __init__(self, keep: int | None, *, max_length: int | None = None) -> None:
         self.keep = keep
+        self.max_length = max_length
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.start = 0
@@ -67,7 +73,9 @@ class _LayerKV:
         if self.keep is not None:
             drop = keys.shape[2] - min(self.keep, keys.shape[2])
             keys, values = keys[:, :, drop:], values[:, :, drop:]
-            room = self.keep + 1  # a copy of keep tokens every keep + 1 steps: about one token per step
+            room = max(1, self.keep // _SLIDING_ROOM_FRACTION)
+        elif self.max_length is not None and self.max_length > keys.shape[2]:
+            room = self.max_length - keys.shape[2]
         else:
             room = max(_MIN_GROWTH, keys.shape[2] // 8)
         length = keys.shape[2]
@@ -97,11 +105,13 @@ class Gemma4HybridCache:
 
     Args:
         config: a `Gemma4TextConfig`, or a `Gemma4Config` (its text config is used).
+        max_length: tokens (prompt + generated) the full-attention layers allocate for at their first update; they
+            grow past it when needed. None: grow as tokens arrive.
     """
 
     is_compileable = False
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, *, max_length: int | None = None) -> None:
         text = text_config_of(config)
         modes = kv_sharing_modes(text)
         self.sliding_window = int(text.sliding_window) if SLIDING in text.layer_types else None
@@ -110,7 +120,7 @@ class Gemma4HybridCache:
             if modes[index] == "reuse":
                 continue  # reads its store layer's K/V within each forward
             keep = int(text.sliding_window) - 1 if layer_type == SLIDING else None
-            self.layers[index] = _LayerKV(keep)
+            self.layers[index] = _LayerKV(keep, max_length=max_length)
         self._first_layer = min(self.layers) if self.layers else None
         self._real: torch.Tensor | None = None  # [B, T] bool, True = real token; None while no token was padding
 

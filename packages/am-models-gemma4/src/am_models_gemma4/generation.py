@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 from transformers import GenerationConfig, GenerationMixin
-from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL
+from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL, GenerationMode
 
 from am_models_gemma4.cache import Gemma4HybridCache
 
@@ -44,13 +44,13 @@ class Gemma4GenerationMixin(GenerationMixin):
 
     @property
     def device(self) -> torch.device:
-        return next(self.parameters()).device  # type: ignore[attr-defined,no-any-return]
+        return next(self.parameters()).device  # type: ignore[attr-defined]
 
     @property
     def dtype(self) -> torch.dtype:
         for param in self.parameters():  # type: ignore[attr-defined]
             if param.is_floating_point():
-                return param.dtype  # type: ignore[no-any-return]
+                return param.dtype
         return torch.float32
 
     @classmethod
@@ -58,8 +58,13 @@ class Gemma4GenerationMixin(GenerationMixin):
         return True
 
     def _prepare_cache_for_generation(
-        self, generation_config: GenerationConfig, model_kwargs: dict[str, Any], *args: Any, **kwargs: Any
-    ) -> None:
+        self,
+        generation_config: GenerationConfig,
+        model_kwargs: dict[Any, Any],
+        generation_mode: GenerationMode,
+        batch_size: int,
+        max_cache_length: int,
+    ) -> bool:
         """transformers' hook: put a new `Gemma4HybridCache` into `model_kwargs` (instead of a `DynamicCache`).
 
         Raises:
@@ -74,14 +79,17 @@ class Gemma4GenerationMixin(GenerationMixin):
                     f"{type(self).__name__}: it generates with its own Gemma4HybridCache (full layers keep every "
                     "token, sliding layers their window); leave cache_implementation unset"
                 )
-            model_kwargs["past_key_values"] = Gemma4HybridCache(self.config)
-            return
+            model_kwargs["past_key_values"] = Gemma4HybridCache(self.config, max_length=max_cache_length)
+            return False
         if cache is not None and not isinstance(cache, Gemma4HybridCache):
             raise TypeError(
                 f"past_key_values is a {type(cache).__name__}; {type(self).__name__} generates with a "
                 "Gemma4HybridCache (pass none and generate() makes one, or pass Gemma4HybridCache(model.config))"
             )
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        # transformers' checks of a cache passed by the caller (it is ours here), or nothing without use_cache
+        return super()._prepare_cache_for_generation(  # type: ignore[misc]
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
 
     def get_experts_implementation(self) -> dict[str, str]:
         """transformers' hook: our experts have one implementation, nothing to switch while decoding."""

@@ -230,6 +230,7 @@ class Gemma4TextModel(nn.Module):
             past = cache.get_seq_length()
             if attention_mask is None and padding_mask is not None:
                 attention_mask = ~padding_mask.bool()
+            assert not isinstance(attention_mask, dict)  # refused by _check_cached_inputs
             real = cache.step_mask(attention_mask, seq)  # [B, past + S] True = token, or None: nothing padded
             padding_mask = None if real is None else ~real[:, -seq:]
             if position_ids is None:
@@ -328,7 +329,8 @@ class Gemma4TextModel(nn.Module):
             )
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache)
+        # `past_key_values` is our Gemma4HybridCache, not a transformers `Cache`
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache)  # type: ignore[arg-type]
 
 
 class Gemma4ForCausalLM(ContextParallelHooks, nn.Module, Gemma4GenerationMixin):
