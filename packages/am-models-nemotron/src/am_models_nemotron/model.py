@@ -25,10 +25,12 @@ from am_models_nemotron.backbone import NemotronV3Model, move_buffers_
 from am_models_nemotron.backend import default_backend, resolve_backend
 from am_models_nemotron.cache import NemotronHybridCache
 from am_models_nemotron.config import NemotronConfig, as_hf_config
-from am_models_nemotron.inputs import BatchLayout, pop_layout_kwargs, resolve_batch_layout
+from am_models_nemotron.generation import NemotronGenerationMixin
+from am_models_nemotron.inputs import pop_layout_kwargs, resolve_batch_layout
 from am_models_nemotron.loss import cross_entropy
-from am_models_nemotron.mtp import MTPConfig, MTPModule, shift_within_documents
-from am_models_nemotron.outputs import NemotronHCausalLMOutputWithPast, combined_causal_lm_loss
+from am_models_nemotron.mtp import MTPConfig, MTPModule
+from am_models_nemotron.mtp_inputs import mtp_fusion_inputs
+from am_models_nemotron.outputs import NemotronHCausalLMOutputWithPast, combined_causal_lm_loss, select_hidden_states
 from am_models_nemotron.pipeline_stage import NemotronPipelineMixin
 from am_precision import BackendConfig, initialize_linear_module, yield_fp32_model
 
@@ -44,15 +46,7 @@ __all__ = [
 _CP_KWARGS = ("cp_rank", "cp_size")
 
 
-def _selected_hidden_states(selection: Any, count: int) -> set[int] | None:
-    """transformers' `output_hidden_states` selection: True -> all (None), an int or ints -> those indices."""
-    if isinstance(selection, bool):
-        return None
-    indices = [selection] if isinstance(selection, int) else list(selection)
-    return {i % count for i in indices if -count <= i < count}
-
-
-class NemotronHForCausalLM(NemotronPipelineMixin, nn.Module, GenerationMixin):
+class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Module, GenerationMixin):
     """Nemotron-H causal LM with optional multi-token prediction.
 
     Args:
@@ -170,17 +164,6 @@ class NemotronHForCausalLM(NemotronPipelineMixin, nn.Module, GenerationMixin):
     def set_output_embeddings(self, value: nn.Module) -> None:
         self.lm_head = value
 
-    @classmethod
-    def can_generate(cls) -> bool:
-        return True
-
-    def get_experts_implementation(self) -> dict[str, str]:
-        """GenerationMixin hook: our experts have one implementation, nothing to switch while decoding."""
-        return {}
-
-    def set_experts_implementation(self, implementation: Any) -> None:
-        """GenerationMixin hook (no-op, see `get_experts_implementation`)."""
-
     @torch.no_grad()
     def initialize_weights(
         self, buffer_device: torch.device | str | None = None, dtype: torch.dtype | None = None
@@ -222,29 +205,6 @@ class NemotronHForCausalLM(NemotronPipelineMixin, nn.Module, GenerationMixin):
     # ------------------------------------------------------------------------------------------------------------
     # Forward
     # ------------------------------------------------------------------------------------------------------------
-
-    def _mtp_embeddings(
-        self,
-        input_ids: torch.Tensor | None,
-        inputs_embeds: torch.Tensor | None,
-        *,
-        seq_idx: torch.Tensor | None,
-        per_depth_input_ids: Sequence[torch.Tensor] | None = None,
-    ) -> list[torch.Tensor]:
-        """Depth d's fusion input [B, S, H]: the embedding of the token d + 1 places ahead in the same document (of
-        id 0 past the document's end), or of the caller's per-depth ids."""
-        depths = self.num_mtp_depths
-        embed = self.model.embed_tokens
-        if per_depth_input_ids is not None or (input_ids is not None and not input_ids.is_floating_point()):
-            if embed is None:
-                raise ValueError("MTP embeddings need embed_tokens, which this pipeline stage does not hold.")
-            if per_depth_input_ids is not None:
-                return [embed(ids) for ids in per_depth_input_ids]
-            assert input_ids is not None
-            return [embed(shift_within_documents(input_ids, d + 1, seq_idx=seq_idx)) for d in range(depths)]
-        if inputs_embeds is None:
-            raise ValueError("MTP needs token ids or inputs_embeds to build its per-depth inputs.")
-        return [shift_within_documents(inputs_embeds, d + 1, seq_idx=seq_idx) for d in range(depths)]
 
     def forward(
         self,
@@ -334,7 +294,9 @@ class NemotronHForCausalLM(NemotronPipelineMixin, nn.Module, GenerationMixin):
         cache = past_key_values
         if use_cache and cache is None:
             cache = NemotronHybridCache(self.nemotron_config, reference.shape[0], self.dtype, reference.device)
-        hidden_list: list[torch.Tensor] | None = [] if self._wants_hidden_states(output_hidden_states) else None
+        if output_hidden_states is None:
+            output_hidden_states = getattr(self.config, "output_hidden_states", False)
+        hidden_list: list[torch.Tensor] | None = [] if output_hidden_states not in (False, None, []) else None
         hidden = self.model(
             input_ids,
             inputs_embeds=inputs_embeds,
@@ -362,8 +324,15 @@ class NemotronHForCausalLM(NemotronPipelineMixin, nn.Module, GenerationMixin):
 
         mtp_hidden: list[torch.Tensor] | None = None
         if self.mtp is not None and cache is None and (self.training or self.compute_mtp_in_eval):
-            embeds = self._mtp_inputs(
-                input_ids, inputs_embeds, mtp_embed_inputs, mtp_per_depth_input_ids, mtp_per_depth_position_ids, layout
+            embeds = mtp_fusion_inputs(
+                depths=self.num_mtp_depths,
+                embed_tokens=self.model.embed_tokens,
+                input_ids=input_ids,
+                inputs_embeds=inputs_embeds,
+                seq_idx=layout.seq_idx,
+                embeds=mtp_embed_inputs,
+                per_depth_input_ids=mtp_per_depth_input_ids,
+                per_depth_position_ids=mtp_per_depth_position_ids,
             )
             mtp_hidden = self.mtp(hidden, embed_inputs=embeds, **layout.block_inputs(hidden))
         elif mtp_embed_inputs or mtp_per_depth_input_ids is not None:
@@ -388,7 +357,7 @@ class NemotronHForCausalLM(NemotronPipelineMixin, nn.Module, GenerationMixin):
             loss=loss,
             logits=logits,
             past_key_values=cache if use_cache or past_key_values is not None else None,
-            hidden_states=self._select_hidden_states(hidden_list, output_hidden_states),
+            hidden_states=select_hidden_states(hidden_list, output_hidden_states),
             mtp_per_depth_h=mtp_hidden,
             mtp_loss=mtp_term,
             mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor if mtp_hidden is not None else None,
@@ -405,62 +374,6 @@ class NemotronHForCausalLM(NemotronPipelineMixin, nn.Module, GenerationMixin):
                 f"cp_size={size}, cp_rank={rank}: {type(self).__name__} runs context parallelism only through "
                 "am-context-parallel's contiguous sharder (not wired into this model yet); pass cp_size=1 or omit it."
             )
-
-    def _mtp_inputs(
-        self,
-        input_ids: torch.Tensor | None,
-        inputs_embeds: torch.Tensor | None,
-        embeds: tuple[torch.Tensor, ...],
-        per_depth_ids: Sequence[torch.Tensor] | torch.Tensor | None,
-        per_depth_positions: Sequence[torch.Tensor] | torch.Tensor | None,
-        layout: BatchLayout,
-    ) -> list[torch.Tensor]:
-        """The D fusion inputs [B, S, H]: given embeddings, given per-depth ids, or shifted within documents."""
-        depths = self.num_mtp_depths
-        shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]  # type: ignore[union-attr]
-        problems = []
-        if embeds and per_depth_ids is not None:
-            problems.append("pass either per-depth MTP embeddings (positional) or mtp_per_depth_input_ids, not both")
-        ids = list(per_depth_ids.unbind(1)) if isinstance(per_depth_ids, torch.Tensor) else per_depth_ids
-        positions = (
-            list(per_depth_positions.unbind(1))
-            if isinstance(per_depth_positions, torch.Tensor)
-            else per_depth_positions
-        )
-        for name, given in (
-            ("MTP embeddings", embeds or None),
-            ("mtp_per_depth_input_ids", ids),
-            ("mtp_per_depth_position_ids", positions),
-        ):
-            if given is None:
-                continue
-            if len(given) != depths or any(tuple(t.shape[:2]) != tuple(shape) for t in given):
-                problems.append(
-                    f"{name}: expected {depths} tensors of leading shape {tuple(shape)}, got "
-                    f"{[tuple(t.shape) for t in given]}"
-                )
-        if positions is not None and ids is None and not embeds:
-            problems.append("mtp_per_depth_position_ids need mtp_per_depth_input_ids or per-depth embeddings")
-        if problems:
-            raise ValueError("Invalid MTP inputs:\n  - " + "\n  - ".join(problems))
-        if embeds:
-            return list(embeds)
-        return self._mtp_embeddings(input_ids, inputs_embeds, seq_idx=layout.seq_idx, per_depth_input_ids=ids)
-
-    def _wants_hidden_states(self, selection: Any) -> bool:
-        if selection is None:
-            selection = getattr(self.config, "output_hidden_states", False)
-        return selection is not False and selection is not None and selection != []
-
-    def _select_hidden_states(
-        self, hidden_list: list[torch.Tensor] | None, selection: Any
-    ) -> tuple[torch.Tensor | None, ...] | None:
-        if hidden_list is None:
-            return None
-        if selection is None:
-            selection = getattr(self.config, "output_hidden_states", False)
-        chosen = _selected_hidden_states(selection, len(hidden_list))
-        return tuple(h if chosen is None or i in chosen else None for i, h in enumerate(hidden_list))
 
     def combined_loss(
         self,
@@ -507,50 +420,6 @@ class NemotronHForCausalLM(NemotronPipelineMixin, nn.Module, GenerationMixin):
             labels_shifted=labels_shifted,
             mtp_per_depth_targets=mtp_per_depth_targets,
         ).loss
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Generation
-    # ------------------------------------------------------------------------------------------------------------
-
-    def prepare_inputs_for_generation(
-        self,
-        input_ids: torch.LongTensor,
-        next_sequence_length: int | None = None,
-        past_key_values: Any = None,
-        attention_mask: torch.LongTensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        is_first_iteration: bool | None = None,
-        **kwargs: Any,
-    ) -> dict[str, Any]:
-        """First call: the whole prompt and a fresh `NemotronHybridCache` (replacing a transformers cache); later
-        calls: only the last token."""
-        if not isinstance(past_key_values, NemotronHybridCache):
-            past_key_values = NemotronHybridCache(
-                self.nemotron_config, input_ids.shape[0], dtype=self.dtype, device=input_ids.device
-            )
-        if past_key_values.has_previous_state:
-            return {
-                "input_ids": input_ids[:, -1:],
-                "attention_mask": attention_mask,
-                "past_key_values": past_key_values,
-                "use_cache": True,
-                "logits_to_keep": 1,
-            }
-        model_inputs: dict[str, Any] = {
-            "attention_mask": attention_mask,
-            "past_key_values": past_key_values,
-            "use_cache": True,
-            "logits_to_keep": 1,
-        }
-        if inputs_embeds is not None:
-            model_inputs["inputs_embeds"] = inputs_embeds
-        else:
-            model_inputs["input_ids"] = input_ids
-        return model_inputs
-
-    def _reorder_cache(self, past_key_values: NemotronHybridCache, beam_idx: torch.LongTensor) -> NemotronHybridCache:
-        past_key_values.reorder_cache(beam_idx)
-        return past_key_values
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints

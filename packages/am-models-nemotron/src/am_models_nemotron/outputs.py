@@ -22,7 +22,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from am_models_nemotron.loss import cross_entropy
 from am_models_nemotron.mtp import mtp_depth_losses, shift_labels
 
-__all__ = ["CombinedLoss", "NemotronHCausalLMOutputWithPast", "combined_causal_lm_loss"]
+__all__ = ["CombinedLoss", "NemotronHCausalLMOutputWithPast", "combined_causal_lm_loss", "select_hidden_states"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -105,3 +105,18 @@ def combined_causal_lm_loss(
         return CombinedLoss(loss=lm_loss, lm_loss=lm_loss, mtp_loss=None, mtp_per_depth_losses=[])
     mtp_loss = torch.stack(depth_losses).sum() * mtp_loss_scaling_factor / len(depth_losses)
     return CombinedLoss(loss=lm_loss + mtp_loss, lm_loss=lm_loss, mtp_loss=mtp_loss, mtp_per_depth_losses=depth_losses)
+
+
+def select_hidden_states(
+    hidden_states: list[torch.Tensor] | None, selection: bool | int | Sequence[int] | None
+) -> tuple[torch.Tensor | None, ...] | None:
+    """transformers' `output_hidden_states` selection over the L + 1 collected states: True keeps all, an index or
+    indices keep those (negative ones count from the end) and put None elsewhere."""
+    if hidden_states is None:
+        return None
+    if selection is None or isinstance(selection, bool):
+        return tuple(hidden_states)
+    count = len(hidden_states)
+    indices = [selection] if isinstance(selection, int) else list(selection)
+    chosen = {i % count for i in indices if -count <= i < count}
+    return tuple(h if i in chosen else None for i, h in enumerate(hidden_states))

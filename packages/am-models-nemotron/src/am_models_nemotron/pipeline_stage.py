@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from am_models_nemotron.inputs import BatchLayout
+from am_models_nemotron.mtp_inputs import mtp_fusion_inputs
 
 __all__ = ["NemotronPipelineMixin"]
 
@@ -26,14 +27,13 @@ _PER_SAMPLE_KWARGS = ("attention_mask", "seq_idx", "padding_mask", "_packed_seq_
 
 class NemotronPipelineMixin:
     """Pipeline hooks of `NemotronHForCausalLM` (which provides `model`, `lm_head`, `mtp`, `nemotron_config`,
-    `num_mtp_depths` and `_mtp_embeddings`)."""
+    and `num_mtp_depths`)."""
 
     model: Any
     lm_head: Any
     mtp: Any
     nemotron_config: Any
     num_mtp_depths: int
-    _mtp_embeddings: Any
 
     def _is_pipeline_stage(self) -> bool:
         return (
@@ -51,7 +51,15 @@ class NemotronPipelineMixin:
         hidden = self.model(input_ids, layout=layout)
         if depths and self.model.embed_tokens is not None:
             assert input_ids is not None
-            mtp_embed_inputs = tuple(self._mtp_embeddings(input_ids, None, seq_idx=layout.seq_idx))
+            mtp_embed_inputs = tuple(
+                mtp_fusion_inputs(
+                    depths=depths,
+                    embed_tokens=self.model.embed_tokens,
+                    input_ids=input_ids,
+                    inputs_embeds=None,
+                    seq_idx=layout.seq_idx,
+                )
+            )
         if depths and len(mtp_embed_inputs) != depths:
             raise ValueError(
                 f"This pipeline stage expects {depths} MTP embedding tensors after the hidden states, got "
