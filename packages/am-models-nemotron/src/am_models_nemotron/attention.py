@@ -68,7 +68,7 @@ class NemotronAttention(nn.Module):
 
     def __init__(
         self,
-        config: NemotronConfig,
+        config: NemotronConfig | Any,
         layer_idx: int,
         *,
         backend: BackendConfig,
@@ -76,6 +76,7 @@ class NemotronAttention(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
+        config = NemotronConfig.from_any(config)  # a raw transformers / NVIDIA config works too
         if backend.attn not in SUPPORTED_ATTN_BACKENDS:
             raise ValueError(
                 f"BackendConfig.attn={backend.attn!r} is not implemented by am-models-nemotron; supported: "

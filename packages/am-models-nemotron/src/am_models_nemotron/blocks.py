@@ -35,7 +35,7 @@ class NemotronV3Block(nn.Module):
 
     def __init__(
         self,
-        config: NemotronConfig,
+        config: NemotronConfig | Any,
         layer_idx: int,
         *,
         backend: BackendConfig,
@@ -44,6 +44,7 @@ class NemotronV3Block(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
+        config = NemotronConfig.from_any(config)  # a raw transformers / NVIDIA config works too
         kind = block_type if block_type is not None else config.layers_block_type[layer_idx]
         if kind not in BLOCK_KINDS:
             raise ValueError(f"Invalid block_type {kind!r} for layer {layer_idx}; expected one of {BLOCK_KINDS}.")

@@ -21,9 +21,6 @@ __all__ = ["NemotronGenerationMixin"]
 class NemotronGenerationMixin:
     """Generation hooks (the model provides `nemotron_config` and `dtype`)."""
 
-    nemotron_config: Any
-    dtype: torch.dtype
-
     @classmethod
     def can_generate(cls) -> bool:
         return True
@@ -48,8 +45,9 @@ class NemotronGenerationMixin:
         """First call: the whole prompt and a fresh `NemotronHybridCache` (replacing a transformers cache); later
         calls: only the last token."""
         if not isinstance(past_key_values, NemotronHybridCache):
+            model: Any = self
             past_key_values = NemotronHybridCache(
-                self.nemotron_config, input_ids.shape[0], self.dtype, input_ids.device
+                model.nemotron_config, input_ids.shape[0], model.dtype, input_ids.device
             )
         if past_key_values.has_previous_state:
             return {

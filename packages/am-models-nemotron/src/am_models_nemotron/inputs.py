@@ -80,6 +80,7 @@ class BatchLayout:
     def block_inputs(self, hidden_states: torch.Tensor, *, past_length: int = 0, cache: Any = None) -> dict[str, Any]:
         """Keyword inputs of `NemotronV3Block.forward` for hidden states [B, S, H]."""
         batch, seqlen = hidden_states.shape[:2]
+        attn_mask: torch.Tensor | None
         if self.full_attention_mask is not None:
             attn_mask = _restrict_to_documents(self.full_attention_mask, self.seq_idx, past_length)
         else:

@@ -162,7 +162,7 @@ class Mamba2Mixer(nn.Module):
 
     def __init__(
         self,
-        config: NemotronConfig,
+        config: NemotronConfig | Any,
         layer_idx: int,
         *,
         backend: BackendConfig,
@@ -170,6 +170,7 @@ class Mamba2Mixer(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
+        config = NemotronConfig.from_any(config)  # a raw transformers / NVIDIA config works too
         self.layer_idx = layer_idx
         self.num_heads = config.mamba_num_heads
         self.head_dim = config.mamba_head_dim

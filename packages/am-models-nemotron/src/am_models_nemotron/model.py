@@ -14,7 +14,7 @@ embeddings (the architecture has none; rejected).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -146,11 +146,6 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
             if param.is_floating_point():
                 return param.dtype
         return torch.float32
-
-    @property
-    def num_mtp_depths(self) -> int:
-        """MTP depths D from the config (also on pipeline stages whose `mtp` module was pruned)."""
-        return self.mtp_config.num_layers if self.mtp_config.enabled else 0
 
     def get_input_embeddings(self) -> nn.Module | None:
         return self.model.embed_tokens
@@ -340,8 +335,6 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
 
         loss = mtp_term = None
         if labels is not None:
-            if layout.padding_mask is not None:  # padding is never a target, nor predicts one
-                labels = labels.masked_fill(layout.padding_mask, -100)
             combined = combined_causal_lm_loss(
                 logits,
                 labels,
@@ -350,14 +343,15 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
                 mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor,
                 seq_idx=layout.seq_idx,
                 loss_fn=_sum_over(num_items_in_batch) if num_items_in_batch is not None else None,
+                padding_mask=layout.padding_mask,  # padding is never a target, nor predicts one
             )
             loss, mtp_term = combined.lm_loss, combined.mtp_loss
 
         output = NemotronHCausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=cache if use_cache or past_key_values is not None else None,
-            hidden_states=select_hidden_states(hidden_list, output_hidden_states),
+            past_key_values=cast(Any, cache) if use_cache or past_key_values is not None else None,
+            hidden_states=cast(Any, select_hidden_states(hidden_list, output_hidden_states)),
             mtp_per_depth_h=mtp_hidden,
             mtp_loss=mtp_term,
             mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor if mtp_hidden is not None else None,

@@ -60,13 +60,14 @@ class MTPConfig:
     @classmethod
     def from_config(
         cls,
-        config: NemotronConfig,
+        config: NemotronConfig | Any,
         *,
         num_nextn_predict_layers: int | None = None,
         loss_scaling_factor: float = 0.1,
         use_repeated_layer: bool = False,
     ) -> MTPConfig:
-        """Depths from the config unless overridden (0 disables MTP)."""
+        """Depths from the config unless overridden (0 disables MTP); any config `NemotronConfig.from_any` reads."""
+        config = NemotronConfig.from_any(config)
         depths = config.num_nextn_predict_layers if num_nextn_predict_layers is None else num_nextn_predict_layers
         if depths < 0:
             raise ValueError(f"num_nextn_predict_layers={depths} must be >= 0")
@@ -173,7 +174,7 @@ class MTPSublayer(NemotronV3Block):
 
     def __init__(
         self,
-        config: NemotronConfig,
+        config: NemotronConfig | Any,
         layer_idx: int,
         *,
         block_type: str,
@@ -226,7 +227,7 @@ class MTPModule(nn.Module):
 
     def __init__(
         self,
-        config: NemotronConfig,
+        config: NemotronConfig | Any,
         mtp_config: MTPConfig,
         *,
         backend: BackendConfig,
@@ -234,6 +235,7 @@ class MTPModule(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
+        config = NemotronConfig.from_any(config)
         if not mtp_config.enabled:
             raise ValueError(
                 f"MTPModule needs an enabled MTPConfig (num_layers > 0, non-empty pattern), got {mtp_config}"

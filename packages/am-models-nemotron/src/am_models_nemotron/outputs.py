@@ -20,7 +20,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from am_models_nemotron.loss import cross_entropy
-from am_models_nemotron.mtp import mtp_depth_losses, shift_labels
+from am_models_nemotron.mtp import mtp_depth_losses, shift_labels, shift_within_documents
 
 __all__ = ["CombinedLoss", "NemotronHCausalLMOutputWithPast", "combined_causal_lm_loss", "select_hidden_states"]
 
@@ -70,6 +70,7 @@ def combined_causal_lm_loss(
     loss_fn: LossFn | None = None,
     labels_shifted: bool = False,
     mtp_per_depth_targets: Sequence[torch.Tensor] | None = None,
+    padding_mask: torch.Tensor | None = None,
     ignore_index: int = -100,
 ) -> CombinedLoss:
     """Next-token loss plus `mtp_loss_scaling_factor / D` x the sum of the D MTP depth losses.
@@ -86,12 +87,25 @@ def combined_causal_lm_loss(
     Raises:
         ValueError: MTP hidden states without `lm_head`, or precomputed targets of the wrong count or shape.
     """
+    if padding_mask is not None and not labels_shifted:
+        labels = labels.masked_fill(padding_mask, ignore_index)
     shifted = labels if labels_shifted else shift_labels(labels, 1, seq_idx=seq_idx, ignore_index=ignore_index)
+    if padding_mask is not None:
+        shifted = shifted.masked_fill(padding_mask, ignore_index)
+        if labels_shifted:  # the target of position t is the token t + 1
+            shifted = shifted.masked_fill(shift_within_documents(padding_mask, 1, fill_value=True), ignore_index)
     lm_loss = (loss_fn or _default_lm_loss)(logits, shifted)
     depth_losses: list[torch.Tensor] = []
     if mtp_per_depth_h:
         if lm_head is None:
             raise ValueError("combined_causal_lm_loss: MTP hidden states need lm_head to become logits.")
+        if mtp_per_depth_targets is None and padding_mask is not None:
+            mtp_per_depth_targets = [
+                shift_labels(shifted, k + 1, seq_idx=seq_idx, ignore_index=ignore_index).masked_fill(
+                    padding_mask, ignore_index
+                )
+                for k in range(len(mtp_per_depth_h))
+            ]
         depth_losses = mtp_depth_losses(
             mtp_per_depth_h,
             shifted_labels=shifted,

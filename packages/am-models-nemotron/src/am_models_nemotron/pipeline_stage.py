@@ -26,14 +26,19 @@ _PER_SAMPLE_KWARGS = ("attention_mask", "seq_idx", "padding_mask", "_packed_seq_
 
 
 class NemotronPipelineMixin:
-    """Pipeline hooks of `NemotronHForCausalLM` (which provides `model`, `lm_head`, `mtp`, `nemotron_config`,
-    and `num_mtp_depths`)."""
+    """Pipeline hooks of `NemotronHForCausalLM` (which provides `model`, `lm_head`, `mtp`, `nemotron_config` and
+    `mtp_config`)."""
 
     model: Any
     lm_head: Any
     mtp: Any
     nemotron_config: Any
-    num_mtp_depths: int
+    mtp_config: Any
+
+    @property
+    def num_mtp_depths(self) -> int:
+        """MTP depths D from the config (also on pipeline stages whose `mtp` module was pruned)."""
+        return int(self.mtp_config.num_layers) if self.mtp_config.enabled else 0
 
     def _is_pipeline_stage(self) -> bool:
         return (
