@@ -30,6 +30,28 @@ def test_trainer_loss_equals_the_models_own_loss(family: str) -> None:
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0.0)
 
 
+def test_nemotron_training_loss_is_the_models_combined_loss_and_counts_mtp_once() -> None:
+    """pp = 1 calls the model's `combined_loss` hook; it equals am-pipelining's PipelineCausalLMLoss (the pp > 1
+    path) on the same output, and the model's own `loss` is the next-token loss alone (MTP reported apart)."""
+    from am_pipelining import PipelineCausalLMLoss
+
+    spec = preset_spec("nemotron", hidden_size=32, num_layers=4, mtp_depths=2, tie_embeddings=False, vocab_size=None)
+    model = build_model(spec, seed=0).train()
+    windows = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    inputs, labels = windows[:, :-1], windows[:, 1:]
+    loss_fn = TokenSumLoss()
+    loss_fn.denominator = float(labels.numel())
+    output = model(input_ids=inputs)
+    hook = model.combined_loss(output, labels, loss_fn=loss_fn, labels_shifted=True)
+    pipeline = PipelineCausalLMLoss(loss_fn, model=model)(output, labels)
+    torch.testing.assert_close(hook, pipeline, rtol=1e-6, atol=0.0)
+    own = model(input_ids=windows, labels=windows)
+    next_token = loss_fn(own.logits[:, :-1], labels)
+    torch.testing.assert_close(own.loss, next_token, rtol=1e-6, atol=0.0)
+    assert own.mtp_loss is not None
+    assert float(hook) > float(loss_fn(output.logits, labels))  # the MTP term is in the training loss, once
+
+
 def test_lr_warms_up_then_decays_to_min_lr() -> None:
     cfg = parse_args(["--steps", "100", "--warmup-steps", "10", "--lr", "1e-3", "--min-lr", "1e-4"])
     assert lr_at(1, cfg) == pytest.approx(1e-4)
