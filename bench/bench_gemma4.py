@@ -190,8 +190,7 @@ def _cp2_worker(rank: int, world: int) -> dict[str, Any]:
     model = _cp_model()
     out: dict[str, Any] = {}
     for kernel in CP_KERNELS:
-        batch = model.prepare_model_inputs_for_cp(_cp_batch())
-        ctx, batch = make_cp_batch_and_ctx(mesh, batch)
+        ctx, batch = make_cp_batch_and_ctx(mesh, _cp_batch(), model=model)
         ctx.kernel = default_ring_kernel("cpu") if kernel == "default" else select_kernel(name=kernel)
 
         def step(ctx: Any = ctx, batch: dict[str, torch.Tensor] = batch) -> None:

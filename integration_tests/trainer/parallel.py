@@ -167,12 +167,10 @@ def apply_fsdp(model: nn.Module, *, shard_mesh: DeviceMesh, dtype: str) -> nn.Mo
 def shard_batch_for_cp(model: nn.Module, batch: dict[str, torch.Tensor], *, mesh: DeviceMesh) -> tuple[Any, dict]:
     """This rank's CP shard of `batch` and the context to run forward and backward in (am-context-parallel).
 
-    A model that owns its CP (Gemma 4) attaches its own sharder through `prepare_model_inputs_for_cp`; other models
-    get the load-balanced layout with ring attention routed through transformers' attention registry.
+    A model that declares `_cp_layout = "contiguous"` (Gemma 4) gets the contiguous shard and the ring context its
+    layers read; other models get the load-balanced layout with ring attention routed through transformers'
+    attention registry. The model is read, never asked to shard.
     """
     from am_context_parallel import make_cp_batch_and_ctx
 
-    prepare = getattr(model, "prepare_model_inputs_for_cp", None)
-    if callable(prepare):
-        batch = prepare(batch) or batch
-    return make_cp_batch_and_ctx(mesh, batch)
+    return make_cp_batch_and_ctx(mesh, batch, model=model)

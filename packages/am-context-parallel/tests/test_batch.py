@@ -16,11 +16,14 @@ from _cp_dist import case_result, run_cases, run_group
 from torch.distributed.device_mesh import init_device_mesh
 
 from am_context_parallel import (
+    ContiguousCPOptions,
+    FlashCPUAttentionKernel,
     LoadBalancedLayout,
     RingAttentionContext,
     _synthesize_single_document_seq_ids,
     make_contiguous_shard_cp_batch_and_ctx,
     make_cp_batch_and_ctx,
+    model_cp_options,
 )
 
 PAD_ID = 9
@@ -139,7 +142,7 @@ def _contiguous_case(mesh: Any) -> dict[str, Any]:
         "attention_mask": torch.tensor([[1, 1, 1]]),
     }
     ctx, out = make_contiguous_shard_cp_batch_and_ctx(mesh, None, batch, padding_token_id=PAD_ID)
-    assert ctx is contextlib.nullcontext
+    assert isinstance(ctx, RingAttentionContext)
     assert out is batch
     mrope = {"inputs_embeds": torch.randn(1, 8, 2), "labels": torch.zeros(1, 8), "position_ids": torch.zeros(3, 1, 8)}
     _, mrope_out = make_contiguous_shard_cp_batch_and_ctx(mesh, None, mrope)
@@ -153,12 +156,63 @@ def _contiguous_case(mesh: Any) -> dict[str, Any]:
     _, metadata_out = make_contiguous_shard_cp_batch_and_ctx(mesh, None, metadata, loss_mask=loss_mask)
     return {
         "keys": sorted(out),
+        "ctx": (ctx.layout.name, ctx.positions, ctx.doc_ids, ctx.seq_len, ctx.padded_len, ctx.route_hf_attention),
         **{k: out[k] for k in ("input_ids", "labels", "_packed_seq_ids", "mm_token_type_ids", "padding_mask")},
         "position_ids": out["position_ids"],
         "mrope_shapes": (tuple(mrope_out["position_ids"].shape), tuple(mrope_out["inputs_embeds"].shape)),
         "vision_groups": metadata_out["vision_groups"],
         "promoted_labels": metadata_out["labels"],
         "metadata_keys": sorted(metadata_out),
+    }
+
+
+class _DeclaredModel(torch.nn.Module):
+    """A model that declares the contiguous path with options (what Gemma 4 and Nemotron-H do)."""
+
+    _cp_layout = "contiguous"
+
+    def get_cp_options(self) -> ContiguousCPOptions:
+        return ContiguousCPOptions(
+            kernel=lambda device: FlashCPUAttentionKernel(),
+            route_hf_attention=True,
+            extra_seq_keys={"mtp_labels": (1, -100), "absent_key": (1, 0)},
+            pad_multiple=3,
+        )
+
+
+def _declared_model_case(mesh: Any) -> dict[str, Any]:
+    batch = {
+        "input_ids": torch.tensor([[1, 2, 3, 4, 5, 6, 7]]),
+        "labels": torch.tensor([[2, 3, 4, 5, 6, 7, -100]]),
+        "mtp_labels": torch.tensor([[3, 4, 5, 6, 7, -100, -100]]),
+        "token_weights": torch.full((1, 7), 0.5),
+    }
+    ctx, out = make_cp_batch_and_ctx(mesh, batch, model=_DeclaredModel(), extra_seq_buffers=["token_weights"])
+    assert isinstance(ctx, RingAttentionContext)
+    return {
+        "layout": repr(ctx.layout),
+        "kernel": type(ctx.kernel).__name__,
+        "route": ctx.route_hf_attention,
+        "positions": ctx.positions,
+        "doc_ids": ctx.doc_ids,
+        "lengths": (ctx.seq_len, ctx.padded_len),
+        **{k: out[k] for k in ("input_ids", "labels", "mtp_labels", "token_weights", "position_ids")},
+    }
+
+
+def _tp_case() -> dict[str, Any]:
+    """C = 1 with a real TP mesh of 2 ranks: upstream synthesizes position ids (C > 1 or TP > 1); without TP it
+    does not. The upstream positional call `(cp_mesh, tp_mesh, batch, loss_mask, padding_token_id)` works."""
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("cp", "tp"))
+    batch = {"input_ids": torch.tensor([[4, 5, 6]]), "labels": torch.tensor([[5, 6, -100]])}
+    ctx, with_tp = make_contiguous_shard_cp_batch_and_ctx(mesh["cp"], mesh["tp"], dict(batch), None, PAD_ID)
+    _, without_tp = make_contiguous_shard_cp_batch_and_ctx(mesh["cp"], None, dict(batch), None, PAD_ID)
+    _, declared = make_cp_batch_and_ctx(mesh, dict(batch), model=_DeclaredModel())
+    return {
+        "ctx": ctx,
+        "with_tp": with_tp.get("position_ids"),
+        "without_tp": "position_ids" in without_tp,
+        "declared": declared.get("position_ids"),
     }
 
 
@@ -173,6 +227,8 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
             "te": lambda: _te_case(mesh),
             "te_chunks": lambda: _te_chunks_case(mesh),
             "contiguous": lambda: _contiguous_case(mesh),
+            "declared_model": lambda: _declared_model_case(mesh),
+            "tp": _tp_case,
             "err_contiguous_labels": lambda: _contiguous_error_case(mesh),
             "err_labels": lambda: _error_case(mesh, {"input_ids": ids}),
             "err_both": lambda: _error_case(
@@ -298,6 +354,11 @@ def test_contiguous_shard_pads_and_slices(results: list[dict[str, Any]]) -> None
     assert local["padding_mask"].tolist() == [[False, True]]
     assert local["position_ids"].tolist() == [[2, 3]]
     assert "attention_mask" not in local["keys"]
+    # The sharder returns the ring context itself: contiguous layout, global positions 2..3, the local doc ids.
+    assert local["ctx"][0] == "contiguous"
+    assert local["ctx"][1].tolist() == [2, 3]
+    assert local["ctx"][2].tolist() == [[2, 0]]
+    assert local["ctx"][3:] == (3, 4, False)
     assert local["mrope_shapes"] == ((3, 1, 4), (1, 4, 2))
     # Model metadata with its own pad value; loss_mask promoted to labels when labels are missing.
     # 5 tokens pad to 8 (a multiple of 2C): rank 1 keeps tokens 4..7.
@@ -318,17 +379,104 @@ def test_no_mesh_or_cp1_is_identity() -> None:
     assert "attention_mask" in out
 
 
-def test_model_owned_sharder_is_honoured_first() -> None:
-    calls = []
+def test_declared_model_gets_the_contiguous_shard_and_its_context(results: list[dict[str, Any]]) -> None:
+    """7 tokens, pad_multiple 3 -> padded to 12 (6 per rank); the model's extra key pads with its own value, an
+    absent declared key is skipped, extra_seq_buffers are sharded too; kernel and routing come from the options."""
+    for rank in range(2):
+        local = case_result(results, "declared_model", rank)
+        keep = list(range(6 * rank, 6 * rank + 6))
+        assert local["layout"] == f"ContiguousLayout(cp_size=2, cp_rank={rank})"
+        assert (local["kernel"], local["route"], local["lengths"]) == ("FlashCPUAttentionKernel", True, (7, 12))
+        assert local["positions"].tolist() == keep
+        assert local["position_ids"].tolist() == [keep]
+        assert local["doc_ids"].tolist() == [[1 if p < 7 else 0 for p in keep]]
+        assert local["input_ids"].tolist() == [[p + 1 if p < 7 else 0 for p in keep]]
+        assert local["mtp_labels"].tolist() == [[p + 3 if p < 5 else -100 for p in keep]]
+        assert local["token_weights"].tolist() == [[0.5 if p < 7 else 0.0 for p in keep]]
 
-    def sharder(cp_mesh: Any, tp_mesh: Any, batch: dict[str, Any], **kwargs: Any) -> Any:
-        calls.append((cp_mesh, tp_mesh, kwargs))
-        return contextlib.nullcontext, batch
 
-    batch = {**_full_batch(), "_cp_make_batch_fn": sharder}
-    _, out = make_cp_batch_and_ctx(None, batch, padding_token_id=7, use_te=True)
-    assert calls == [(None, None, {"loss_mask": None, "padding_token_id": 7})]
-    assert "_cp_make_batch_fn" not in out
+def test_tp_mesh_makes_the_contiguous_shard_synthesize_position_ids(results: list[dict[str, Any]]) -> None:
+    for rank in range(2):
+        got = case_result(results, "tp", rank)
+        assert got["ctx"] is contextlib.nullcontext  # C = 1: nothing to ring over
+        # 3 tokens padded to a multiple of 2C = 2 (as upstream does at C = 1), positions continuing into the pad
+        assert got["with_tp"].tolist() == [[0, 1, 2, 3]]
+        assert got["without_tp"] is False
+        # make_cp_batch_and_ctx hands the mesh's tp dim over (that model pads to a multiple of 3C = 3)
+        assert got["declared"].tolist() == [[0, 1, 2]]
+
+
+def test_thd_options_without_use_te_are_refused() -> None:
+    """num_chunks / seq_lens_padding_value configure only the THD path: elsewhere they would be ignored."""
+    for kwargs in ({"num_chunks": 2}, {"seq_lens_padding_value": -1}):
+        with pytest.raises(ValueError, match="configure the THD path only"):
+            make_cp_batch_and_ctx(None, _full_batch(), **kwargs)
+    _, out = make_cp_batch_and_ctx(None, _full_batch(), None, False, 0, 1, -1000)  # upstream positional defaults
+    assert "attention_mask" in out
+
+
+def test_context_lengths_must_match_the_positions() -> None:
+    layout = LoadBalancedLayout(cp_size=2, cp_rank=0)
+    with pytest.raises(ValueError, match="keep 4 tokens per rank, but the positions hold 3"):
+        RingAttentionContext(
+            group=None, layout=layout, positions=torch.arange(3), doc_ids=None, seq_len=7, padded_len=8
+        )
+    with pytest.raises(ValueError, match="seq_len=9, padded_len=8"):
+        RingAttentionContext(
+            group=None, layout=layout, positions=torch.arange(4), doc_ids=None, seq_len=9, padded_len=8
+        )
+
+
+def test_a_function_in_the_batch_is_refused_with_the_new_way() -> None:
+    """The removed `_cp_make_batch_fn` protocol (functions travelling in batches) names its replacement."""
+
+    def sharder(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("must not be called")
+
+    for call in (
+        lambda b: make_cp_batch_and_ctx(None, b),
+        lambda b: make_contiguous_shard_cp_batch_and_ctx(None, None, b),
+    ):
+        with pytest.raises(ValueError, match="_cp_make_batch_fn") as error:
+            call({**_full_batch(), "_cp_make_batch_fn": sharder})
+        assert '_cp_layout = "contiguous"' in str(error.value)
+        assert "model=model" in str(error.value)
+
+
+def test_model_declarations_are_checked() -> None:
+    class NoDeclaration(torch.nn.Module):
+        pass
+
+    class OptionsWithoutLayout(torch.nn.Module):
+        def get_cp_options(self) -> ContiguousCPOptions:
+            return ContiguousCPOptions()
+
+    class UnknownLayout(torch.nn.Module):
+        _cp_layout = "zigzag"
+
+    class WrongOptions(torch.nn.Module):
+        _cp_layout = "contiguous"
+
+        def get_cp_options(self) -> dict[str, Any]:
+            return {}
+
+    class Plain(torch.nn.Module):
+        _cp_layout = "contiguous"
+
+    assert model_cp_options(NoDeclaration()) is None
+    assert model_cp_options(Plain()) == ContiguousCPOptions()
+    with pytest.raises(ValueError, match="not `_cp_layout"):
+        model_cp_options(OptionsWithoutLayout())
+    with pytest.raises(ValueError, match="'zigzag' is not one of"):
+        model_cp_options(UnknownLayout())
+    with pytest.raises(TypeError, match="must return a ContiguousCPOptions"):
+        model_cp_options(WrongOptions())
+    with pytest.raises(ValueError, match="drop use_te"):
+        make_cp_batch_and_ctx(None, _full_batch(), use_te=True, model=Plain())
+    with pytest.raises(ValueError, match="invalid ContiguousCPOptions") as error:
+        ContiguousCPOptions(kernel=3, pad_multiple=0, primary_keys=("tokens",), extra_seq_keys={"x": 1})  # type: ignore[arg-type]
+    for needle in ("kernel must be", "pad_multiple", "primary_keys", "extra_seq_keys['x']"):
+        assert needle in str(error.value)
 
 
 def test_synthesize_single_document_seq_ids() -> None:

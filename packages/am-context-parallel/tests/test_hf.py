@@ -219,6 +219,18 @@ def test_routing_is_scoped_to_the_context() -> None:
     torch.testing.assert_close(routed, plain, rtol=1e-5, atol=1e-5)
 
 
+def test_attention_sinks_are_refused() -> None:
+    """`s_aux` (attention sinks) changes the softmax; the ring does not implement it, so it must not ignore it."""
+    from am_context_parallel import hf_ring_attention_forward
+
+    ctx = RingAttentionContext(
+        group=None, layout=IdentityLayout(), positions=torch.arange(4), doc_ids=None, seq_len=4, padded_len=4
+    )
+    q = torch.randn(1, 2, 4, 8)
+    with ctx(), pytest.raises(NotImplementedError, match="attention sinks"):
+        hf_ring_attention_forward(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(2))
+
+
 def test_registered_name_outside_a_context_is_a_clear_error() -> None:
     assert register_ring_attention() == RING_ATTENTION_NAME
     model = _model(RING_ATTENTION_NAME)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _g4_configs import IMAGE_TOKEN, image_inputs, perturb_, text_config, vlm_config
+from _g4_configs import IMAGE_TOKEN, LAYER_TYPES, image_inputs, perturb_, text_config, vlm_config
 from _g4_dist import case_result, run_cases, run_group
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -77,23 +77,22 @@ def _reference(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[
 
 def _cp_step(
     model: torch.nn.Module, mesh: Any, batch: dict[str, torch.Tensor]
-) -> tuple[float, dict[str, torch.Tensor], int]:
+) -> tuple[float, dict[str, torch.Tensor], Any]:
     group = mesh["cp"].get_group()
-    batch = model.prepare_model_inputs_for_cp(dict(batch))
-    ctx, batch = make_cp_batch_and_ctx(mesh, batch)
+    ctx, batch = make_cp_batch_and_ctx(mesh, dict(batch), model=model)
     with ctx(), count_ring_bytes() as stats:
         out = model(**batch)
         out.loss.backward()
     all_reduce_cp_gradients(model, group=group)
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=group)
-    return float(loss), _grads(model), stats.forward_kv_bytes
+    return float(loss), _grads(model), stats
 
 
 def _compare(model: torch.nn.Module, mesh: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     ref_model = copy.deepcopy(model)
     ref_loss, ref_grads = _reference(ref_model, batch)
-    cp_loss, cp_grads, sent = _cp_step(model, mesh, batch)
+    cp_loss, cp_grads, stats = _cp_step(model, mesh, batch)
     worst = {}
     for name, ref in ref_grads.items():
         got = cp_grads.get(name)
@@ -103,7 +102,8 @@ def _compare(model: torch.nn.Module, mesh: Any, batch: dict[str, torch.Tensor]) 
         "worst_grad": max(worst.items(), key=lambda kv: kv[1]),
         "missing_grads": sorted(set(ref_grads) - set(cp_grads)),
         "num_grads": len(ref_grads),
-        "sent_bytes": sent,
+        "sent_bytes": stats.forward_kv_bytes,
+        "ring": (stats.calls, stats.setup_gathers),
     }
 
 
@@ -131,8 +131,7 @@ def _pipeline_layers_case(mesh: Any, *, seed: int) -> float:
     model = Gemma4ForCausalLM(text_config())
     perturb_(model, seed=seed)
     text = model.model
-    batch = model.prepare_model_inputs_for_cp(_text_batch(seed))
-    ctx, batch = make_cp_batch_and_ctx(mesh, batch)
+    ctx, batch = make_cp_batch_and_ctx(mesh, _text_batch(seed), model=model)
     positions = batch["position_ids"]
     with ctx(), torch.no_grad():
         expected = text(
@@ -161,8 +160,7 @@ def _pipeline_layers_case(mesh: Any, *, seed: int) -> float:
 def _expect_error(make: Any, mesh: Any, batch: dict[str, torch.Tensor]) -> str:
     """The error every rank raises for an unsupported CP configuration (all ranks raise: no hang)."""
     model = make()
-    batch = model.prepare_model_inputs_for_cp(dict(batch))
-    ctx, batch = make_cp_batch_and_ctx(mesh, batch)
+    ctx, batch = make_cp_batch_and_ctx(mesh, dict(batch), model=model)
     try:
         with ctx():
             model(**batch)
@@ -232,6 +230,15 @@ def test_sliding_layers_fetch_only_the_neighbouring_chunk(results: list[dict[str
     for rank in range(4):
         expected = 2 * (1 if rank < 3 else 0) * chunk + 2 * (3 - rank) * chunk
         assert case_result(results, "dense_cp4", rank)["sent_bytes"] == expected, rank
+
+
+@pytest.mark.parametrize("case", ["dense_cp2", "moe_cp4", "vlm_cp2"])
+def test_ring_is_set_up_once_per_step(results: list[dict[str, Any]], case: str) -> None:
+    """Every attention layer of the step (forward and backward) reuses the setup the first layer gathered."""
+    for rank in range(4):
+        calls, setup_gathers = case_result(results, case, rank)["ring"]
+        assert calls == len(LAYER_TYPES), (rank, calls)
+        assert setup_gathers == 1, rank
 
 
 def test_pipeline_stage_layer_calls_run_the_ring_under_cp(results: list[dict[str, Any]]) -> None:

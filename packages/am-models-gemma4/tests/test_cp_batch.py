@@ -1,4 +1,4 @@
-"""The seed contiguous shard and the model's CP hook, on one process (multi-rank parity lives in test_cp.py)."""
+"""What Gemma 4 declares to am-context-parallel's contiguous CP path, on one process (multi-rank parity: test_cp.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import pytest
 import torch
 from _g4_configs import text_config
 
-from am_context_parallel import make_cp_batch_and_ctx
-from am_models_gemma4 import Gemma4ForCausalLM, make_contiguous_shard_cp_batch_and_ctx
-from am_models_gemma4.cp_batch import make_gemma4_cp_batch_and_ctx
+from am_context_parallel import ContiguousCPOptions, make_cp_batch_and_ctx, model_cp_options
+from am_models_gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration, default_ring_kernel
 
 
 class _OneProcessMesh:
@@ -26,34 +25,39 @@ class _OneProcessMesh:
         return self._rank
 
 
-def test_seed_shard_keeps_this_ranks_contiguous_slice() -> None:
-    """S=3, C=2, rank 1: padded to 4, keeps tokens [2, 4): the last token and one pad."""
-    batch = {"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[6, 7, -100]])}
-    ctx, out = make_contiguous_shard_cp_batch_and_ctx(_OneProcessMesh(2, 1), None, batch, padding_token_id=0)
-    assert ctx is contextlib.nullcontext
-    assert out["input_ids"].tolist() == [[7, 0]]
-    assert out["labels"].tolist() == [[-100, -100]]
-    assert out["_packed_seq_ids"].tolist() == [[1, 0]]
-    assert out["position_ids"].tolist() == [[2, 3]]
+def _cp1_mesh() -> object:
+    return type("Mesh", (), {"mesh_dim_names": ("cp",), "__getitem__": lambda self, _: _OneProcessMesh(1, 0)})()
 
 
-def test_prepare_model_inputs_for_cp_attaches_the_model_sharder() -> None:
+def test_models_declare_the_contiguous_layout_and_their_kernel() -> None:
+    """The declaration is data on the class (no sharder of our own): contiguous layout, our block-sparse kernel,
+    token ids required, transformers' attention not routed (the vision tower keeps its own)."""
+    for cls in (Gemma4ForCausalLM, Gemma4ForConditionalGeneration):
+        assert cls._cp_layout == "contiguous"
+        assert not hasattr(cls, "prepare_model_inputs_for_cp")
+    options = model_cp_options(Gemma4ForCausalLM(text_config()))
+    assert isinstance(options, ContiguousCPOptions)
+    assert options.kernel is default_ring_kernel
+    assert options.primary_keys == ("input_ids",)
+    assert options.route_hf_attention is False
+
+
+def test_inputs_embeds_are_refused_under_cp() -> None:
     model = Gemma4ForCausalLM(text_config())
-    batch = model.prepare_model_inputs_for_cp({"input_ids": torch.ones(1, 4, dtype=torch.long)})
-    assert batch["_cp_make_batch_fn"] is make_gemma4_cp_batch_and_ctx
-    with pytest.raises(ValueError, match="requires input_ids"):
-        model.prepare_model_inputs_for_cp({"inputs_embeds": torch.zeros(1, 4, 32)})
+    batch = {"inputs_embeds": torch.zeros(1, 4, 32), "labels": torch.zeros(1, 4, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"accepts only \['input_ids'\] under context parallelism"):
+        make_cp_batch_and_ctx(_cp1_mesh(), batch, model=model)
 
 
 def test_one_rank_cp_batch_runs_the_local_path() -> None:
-    """With C = 1 the model-owned sharder still synthesizes document ids; the forward equals the plain one."""
+    """With C = 1 the contiguous path still synthesizes document ids; the forward equals the plain one."""
     torch.manual_seed(0)
     model = Gemma4ForCausalLM(text_config(moe=True))
     ids = torch.randint(1, 100, (2, 6))
     labels = torch.roll(ids, -1, dims=1)
-    batch = model.prepare_model_inputs_for_cp({"input_ids": ids, "labels": labels})
-    mesh = type("Mesh", (), {"mesh_dim_names": ("cp",), "__getitem__": lambda self, _: _OneProcessMesh(1, 0)})()
-    ctx, batch = make_cp_batch_and_ctx(mesh, batch)
+    ctx, batch = make_cp_batch_and_ctx(_cp1_mesh(), {"input_ids": ids, "labels": labels}, model=model)
+    assert ctx is contextlib.nullcontext
+    assert batch["_packed_seq_ids"].tolist() == [[1] * 6] * 2
     with ctx():
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
     torch.testing.assert_close(logits, model(input_ids=ids).logits, rtol=0, atol=0)

@@ -1,8 +1,9 @@
 """Sequence sharding and ring attention for context parallelism (CP), in plain PyTorch.
 
-Layouts (`layouts`), batch sharding with upstream's padding semantics (`batch`), THD conversion (`thd`), the ring
-attention over point-to-point sends (`ring`, with pluggable per-chunk `kernels`), the context that routes attention
-to the ring (`context`, `hf`) and the loss/gradient reduction of a CP step (`training`).
+Layouts (`layouts`), batch sharding with upstream's padding semantics (`batch`), what a model declares to get the
+contiguous path (`model_protocol`), THD conversion (`thd`), the ring attention over point-to-point sends (`ring`,
+with pluggable per-chunk `kernels`), the context that routes attention to the ring (`context`, `hf`) and the
+loss/gradient reduction of a CP step (`training`).
 Importing this package never imports transformers, transformer_engine or flash_attn.
 """
 
@@ -12,7 +13,6 @@ from am_context_parallel.batch import (
     _synthesize_single_document_seq_ids,
     make_contiguous_shard_cp_batch_and_ctx,
     make_cp_batch_and_ctx,
-    make_cp_batch_for_te,
 )
 from am_context_parallel.context import RingAttentionContext, current_ring_context
 from am_context_parallel.hf import (
@@ -36,11 +36,14 @@ from am_context_parallel.layouts import (
     PackedLayout,
     pad_sequence_dim,
 )
-from am_context_parallel.ring import RingCommStats, count_ring_bytes, ring_attention, ring_plan
-from am_context_parallel.thd import process_input_for_thd, split_batch_into_thd_chunks
+from am_context_parallel.model_protocol import CP_LAYOUTS, ContiguousCPOptions, model_cp_options
+from am_context_parallel.ring import ring_attention
+from am_context_parallel.ring_setup import ring_plan
+from am_context_parallel.ring_stats import RingCommStats, count_ring_bytes
+from am_context_parallel.thd import make_cp_batch_for_te, process_input_for_thd, split_batch_into_thd_chunks
 from am_context_parallel.training import all_reduce_cp_gradients, cp_token_mean_loss
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # layouts
@@ -57,6 +60,10 @@ __all__ = [
     "make_cp_batch_for_te",
     "process_input_for_thd",
     "split_batch_into_thd_chunks",
+    # what a model declares for the contiguous path
+    "CP_LAYOUTS",
+    "ContiguousCPOptions",
+    "model_cp_options",
     # ring attention
     "AttentionKernel",
     "FlashCPUAttentionKernel",

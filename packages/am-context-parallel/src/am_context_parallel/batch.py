@@ -1,8 +1,10 @@
 """Shard a training batch over the CP group: padding semantics, layouts, and the attention context.
 
-What it is for: the upstream entry points `make_cp_batch_and_ctx` (model hook > THD > identity > load-balanced) and
-`make_contiguous_shard_cp_batch_and_ctx` (the model-owned contiguous shard), plus `make_cp_batch_for_te` and
-`_synthesize_single_document_seq_ids`. Every input problem is reported at once, before anything is changed.
+What it is for: the upstream entry points `make_cp_batch_and_ctx` (contiguous for a model that declares it > THD >
+identity > load-balanced) and `make_contiguous_shard_cp_batch_and_ctx` (the contiguous shard and its
+`RingAttentionContext`), plus `_synthesize_single_document_seq_ids`; the THD path is `thd.make_cp_batch_for_te`.
+Every input problem is reported at once, before anything is changed. What a model declares is read by
+`model_protocol.py`.
 What it must not do: shard in place (torch's experimental `context_parallel` resizes buffers in place and rejects
 tensors that need grad; we build new tensors and put them in the batch dict), or communicate (the CP rank comes
 from the mesh).
@@ -20,17 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from am_context_parallel.context import RingAttentionContext
-from am_context_parallel.layouts import ContiguousLayout, Layout, LoadBalancedLayout, PackedLayout
-from am_context_parallel.thd import split_batch_into_thd_chunks
+from am_context_parallel.layouts import ContiguousLayout, Layout, LoadBalancedLayout
+from am_context_parallel.mesh import cp_rank, sub_mesh
+from am_context_parallel.model_protocol import ContiguousCPOptions, model_cp_options
+from am_context_parallel.thd import make_cp_batch_for_te
 
-__all__ = [
-    "make_contiguous_shard_cp_batch_and_ctx",
-    "make_cp_batch_and_ctx",
-    "make_cp_batch_for_te",
-]
+__all__ = ["make_contiguous_shard_cp_batch_and_ctx", "make_cp_batch_and_ctx"]
 
 ContextFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 
@@ -42,18 +41,6 @@ class _SeqKey:
     seq_dim: int
     batch_dim: int
     pad_value: Any
-
-
-def _sub_mesh(device_mesh: Any, name: str) -> Any:
-    names = getattr(device_mesh, "mesh_dim_names", None) or ()
-    return device_mesh[name] if device_mesh is not None and name in names else None
-
-
-def _cp_rank(cp_mesh: Any) -> int:
-    # The rank INSIDE the CP group, never the global or HSDP coordinate.
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group=cp_mesh.get_group())
-    return int(cp_mesh.get_local_rank())
 
 
 def _default_pad(key: str, tensor: torch.Tensor, padding_token_id: int) -> Any:
@@ -72,6 +59,33 @@ def _default_pad(key: str, tensor: torch.Tensor, padding_token_id: int) -> Any:
 
 def _position_seq_dim(position_ids: torch.Tensor) -> int:
     return 2 if position_ids.dim() == 3 else 1
+
+
+def _sequence_keys(
+    batch: dict[str, Any], padding_token_id: int, extra_seq_buffers: list[str] | None, *model_keys: str
+) -> dict[str, _SeqKey]:
+    """The keys both paths pad and shard (with upstream's pad values), `model_keys` (pad 0), the batch's position
+    ids (continuing, `[3, B, S]` mRoPE on dim 2) and every present `extra_seq_buffers` key."""
+    keys = {
+        "input_ids": _SeqKey(1, 0, padding_token_id),
+        "inputs_embeds": _SeqKey(1, 0, 0),
+        "labels": _SeqKey(1, 0, -100),
+        "padding_mask": _SeqKey(1, 0, True),
+        "_packed_seq_ids": _SeqKey(1, 0, 0),
+        "loss_mask": _SeqKey(1, 0, 0),
+        **{key: _SeqKey(1, 0, 0) for key in model_keys},
+    }
+    _add_position_key(batch, keys)
+    for key in extra_seq_buffers or []:
+        if isinstance(batch.get(key), torch.Tensor):
+            keys.setdefault(key, _SeqKey(1, 0, _default_pad(key, batch[key], padding_token_id)))
+    return keys
+
+
+def _add_position_key(batch: dict[str, Any], keys: dict[str, _SeqKey]) -> None:
+    if isinstance(batch.get("position_ids"), torch.Tensor):
+        seq_dim = _position_seq_dim(batch["position_ids"])
+        keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
 
 
 def _padding_mask_from_attention_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -99,11 +113,14 @@ def _synthesize_single_document_seq_ids(batch: dict[str, Any]) -> None:
     batch["_packed_seq_ids"] = torch.ones(primary.shape[:2], dtype=torch.long, device=primary.device)
 
 
-def _ensure_position_ids(batch: dict[str, Any], primary: torch.Tensor) -> None:
+def _ensure_position_ids(batch: dict[str, Any], primary: torch.Tensor, *, synthesize: bool = True) -> None:
+    """Expand `[1, S]` position ids to `[B, S]`; when missing, add `arange(S)` if `synthesize` (never overrides:
+    packed sequences carry their own)."""
     b, s = primary.shape[0], primary.shape[1]
     position_ids = batch.get("position_ids")
     if position_ids is None:
-        batch["position_ids"] = torch.arange(s, device=primary.device).unsqueeze(0).expand(b, s).contiguous()
+        if synthesize:
+            batch["position_ids"] = torch.arange(s, device=primary.device).unsqueeze(0).expand(b, s).contiguous()
     elif position_ids.dim() == 2 and position_ids.shape[0] == 1 and b > 1:
         batch["position_ids"] = position_ids.expand(b, -1).contiguous()
 
@@ -114,6 +131,7 @@ def _validate(
     *,
     needs_labels: bool,
     extra_missing: list[str],
+    primary_keys: tuple[str, ...] = _PRIMARY_KEYS,
 ) -> None:
     """Raise one ValueError listing every problem with the batch (nothing has been modified yet)."""
     problems = []
@@ -122,6 +140,12 @@ def _validate(
         what = "both" if present else "neither"
         problems.append(
             f"context parallelism requires exactly one of 'input_ids' or 'inputs_embeds' in the batch; got {what}"
+        )
+    elif present[0] not in primary_keys:
+        problems.append(
+            f"the model accepts only {list(primary_keys)} under context parallelism (its "
+            f"ContiguousCPOptions.primary_keys), got '{present[0]}': a model that embeds its own shard needs the "
+            "token ids"
         )
     if needs_labels and batch.get("labels") is None:
         problems.append(
@@ -183,6 +207,20 @@ def _doc_ids_for_ring(batch: dict[str, Any], padding_mask: torch.Tensor | None) 
     return None
 
 
+_REMOVED_BATCH_HOOK = "_cp_make_batch_fn"
+
+
+def _refuse_function_in_batch(batch: dict[str, Any]) -> None:
+    if _REMOVED_BATCH_HOOK in batch:
+        raise ValueError(
+            f"batch[{_REMOVED_BATCH_HOOK!r}] is no longer read (am-context-parallel 0.2: no function travels inside a "
+            "batch). A model that shards contiguously declares it on its class instead — `_cp_layout = "
+            '"contiguous"` and optionally `get_cp_options()` returning a ContiguousCPOptions — and the caller '
+            "passes the model: `make_cp_batch_and_ctx(mesh, batch, model=model)`. Remove the key from the batch "
+            "(Gemma 4 >= 0.2 no longer adds it)."
+        )
+
+
 def make_cp_batch_and_ctx(
     device_mesh: Any,
     batch: dict[str, Any],
@@ -192,12 +230,16 @@ def make_cp_batch_and_ctx(
     num_chunks: int = 1,
     seq_lens_padding_value: int = -1000,
     extra_seq_buffers: list[str] | None = None,
+    *,
+    model: Any = None,
 ) -> tuple[ContextFactory, dict[str, Any]]:
     """Shard `batch` along the sequence for the `cp` dim of `device_mesh`; return `(context_factory, batch)`.
 
-    Resolution order: a model-owned sharder (`batch["_cp_make_batch_fn"]`, popped, called even at C = 1) > THD for
-    Transformer Engine (`use_te`) > identity when C ≤ 1 or there is no `cp` dim (same batch object, unchanged) >
-    the load-balanced head-tail layout.
+    Resolution order: a `model` that declares `_cp_layout = "contiguous"` (see `model_protocol.py`) gets the
+    contiguous shard and its `RingAttentionContext` (`make_contiguous_shard_cp_batch_and_ctx` with the model's
+    `get_cp_options()`; run even at C = 1, where it only adds position ids, document ids and padding_mask) > THD
+    for Transformer Engine (`use_te`) > identity when C ≤ 1 or there is no `cp` dim (same batch object, unchanged)
+    > the load-balanced head-tail layout.
 
     Load-balanced path: `attention_mask` is popped (its padding becomes document id 0 for the ring); position_ids
     are synthesized as `arange(S)` when missing; input_ids/inputs_embeds `[B, S, ...]`, labels, position_ids
@@ -210,14 +252,32 @@ def make_cp_batch_and_ctx(
     it (`cp_token_mean_loss`, `all_reduce_cp_gradients`); labels must be ALREADY shifted (label t = token t+1),
     since a shard cannot see its neighbour's next token; pop `loss_mask` before `model(**batch)`.
 
+    `num_chunks` and `seq_lens_padding_value` configure the THD path (`use_te=True`) only. At C ≤ 1 nothing is
+    sharded: the batch (and a `loss_mask`) are already this rank's.
+
     Raises:
         ValueError: listing every problem (missing labels, both/neither of input_ids/inputs_embeds, sequence tensors
-            of different lengths or with a sequence dim they do not have, missing extra buffers).
+            of different lengths or with a sequence dim they do not have, missing extra buffers); for a batch that
+            still carries the removed `_cp_make_batch_fn` hook; for THD options without `use_te`, or `use_te` with a
+            model that declares the contiguous layout.
     """
-    cp_mesh, tp_mesh = _sub_mesh(device_mesh, "cp"), _sub_mesh(device_mesh, "tp")
-    model_fn = batch.pop("_cp_make_batch_fn", None)
-    if model_fn is not None:
-        return model_fn(cp_mesh, tp_mesh, batch, loss_mask=loss_mask, padding_token_id=padding_token_id)
+    _refuse_function_in_batch(batch)
+    if not use_te and (num_chunks != 1 or seq_lens_padding_value != -1000):
+        raise ValueError(
+            f"num_chunks={num_chunks} and seq_lens_padding_value={seq_lens_padding_value} configure the THD path "
+            "only; pass use_te=True to use it, or leave them at their defaults (1, -1000)"
+        )
+    cp_mesh, tp_mesh = sub_mesh(device_mesh, "cp"), sub_mesh(device_mesh, "tp")
+    options = model_cp_options(model) if model is not None else None
+    if options is not None:
+        if use_te:
+            raise ValueError(
+                f"use_te=True asks for the THD path, but {type(model).__name__} declares `_cp_layout = "
+                '"contiguous"` (it runs its own ring attention on contiguous shards); drop use_te'
+            )
+        return make_contiguous_shard_cp_batch_and_ctx(
+            cp_mesh, tp_mesh, batch, loss_mask, padding_token_id, options=options, extra_seq_buffers=extra_seq_buffers
+        )
     if use_te:
         if extra_seq_buffers:
             raise ValueError(
@@ -236,42 +296,27 @@ def make_cp_batch_and_ctx(
     if cp_size <= 1:
         return contextlib.nullcontext, batch
 
-    keys = {
-        "input_ids": _SeqKey(1, 0, padding_token_id),
-        "inputs_embeds": _SeqKey(1, 0, 0),
-        "labels": _SeqKey(1, 0, -100),
-        "padding_mask": _SeqKey(1, 0, True),
-        "_packed_seq_ids": _SeqKey(1, 0, 0),
-        "loss_mask": _SeqKey(1, 0, 0),
-        "attention_mask": _SeqKey(1, 0, False),
-    }
-    if isinstance(batch.get("position_ids"), torch.Tensor):
-        seq_dim = _position_seq_dim(batch["position_ids"])
-        keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
+    keys = _sequence_keys(batch, padding_token_id, extra_seq_buffers)
     extra = list(extra_seq_buffers or [])
-    for key in extra:
-        if isinstance(batch.get(key), torch.Tensor):
-            keys.setdefault(key, _SeqKey(1, 0, _default_pad(key, batch[key], padding_token_id)))
     if loss_mask is not None:
         batch["loss_mask"] = loss_mask
     attention_mask = batch.get("attention_mask")
-    if attention_mask is not None and attention_mask.dim() != 2:
-        keys.pop("attention_mask")  # a 4-D mask is only read for its diagonal below
+    if attention_mask is not None and attention_mask.dim() == 2:  # a 4-D mask is only read for its diagonal below
+        keys["attention_mask"] = _SeqKey(1, 0, False)
     _validate(batch, keys, needs_labels=True, extra_missing=[k for k in extra if k not in batch])
 
     attention_mask = batch.pop("attention_mask", None)
-    keys.pop("attention_mask")
+    keys.pop("attention_mask", None)
     primary = batch.get("input_ids", batch.get("inputs_embeds"))
     assert primary is not None
     _ensure_position_ids(batch, primary)
-    seq_dim = _position_seq_dim(batch["position_ids"])
-    keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
+    _add_position_key(batch, keys)
     padding_mask = batch.get("padding_mask")
     if padding_mask is None and attention_mask is not None:
         padding_mask = _padding_mask_from_attention_mask(attention_mask)
     doc_ids = _doc_ids_for_ring(batch, padding_mask)
 
-    layout = LoadBalancedLayout(cp_size=cp_size, cp_rank=_cp_rank(cp_mesh))
+    layout = LoadBalancedLayout(cp_size=cp_size, cp_rank=cp_rank(cp_mesh))
     seq_len, padded_len = _shard_keys(batch, keys, layout)
     if doc_ids is None and padded_len != seq_len:
         doc_ids = torch.ones(primary.shape[:2], dtype=torch.long, device=primary.device)
@@ -293,44 +338,56 @@ def make_contiguous_shard_cp_batch_and_ctx(
     batch: dict[str, Any],
     loss_mask: torch.Tensor | None = None,
     padding_token_id: int = 0,
+    *,
+    options: ContiguousCPOptions | None = None,
+    extra_seq_buffers: list[str] | None = None,
 ) -> tuple[ContextFactory, dict[str, Any]]:
-    """Model-owned contiguous shard: rank r keeps tokens `[r·P/C, (r+1)·P/C)` of every sequence tensor.
+    """Contiguous shard: rank r keeps tokens `[r·P/C, (r+1)·P/C)` of every sequence tensor; returns `(ctx, batch)`.
 
-    For models that run their own CP attention (they attach this as `batch["_cp_make_batch_fn"]`). Pops
-    `attention_mask` (deriving `padding_mask` from it when missing); synthesizes position_ids and `_packed_seq_ids`
-    (`_synthesize_single_document_seq_ids`); labels come from the batch, else `loss_mask` is promoted to labels.
+    The generic path of models that declare `_cp_layout = "contiguous"` (`make_cp_batch_and_ctx(..., model=)`
+    calls this with their `get_cp_options()`), and upstream's seed function. Pops `attention_mask` (deriving
+    `padding_mask` from it when missing); synthesizes `_packed_seq_ids` (`_synthesize_single_document_seq_ids`),
+    and position_ids `arange(S)` when missing and C > 1 or `tp_mesh` has more than one rank (upstream's rule; a
+    `[1, S]` tensor is expanded to B); labels come from the batch, else `loss_mask` is promoted to labels.
     Keys sharded: input_ids, inputs_embeds, labels, position_ids (continuing), padding_mask, `_packed_seq_ids`,
-    mm_token_type_ids, per_layer_inputs (`[B, S, L, H]`), loss_mask, and the model's own keys from
-    `batch["_cp_metadata_seq_dims"]` / `batch["_cp_metadata_pad_values"]` (popped; pad default 0). Padded to a
-    multiple of 2C. No collective. Returns `(contextlib.nullcontext, batch)` — the same dict, updated.
+    mm_token_type_ids, per_layer_inputs (`[B, S, L, H]`), loss_mask, the model's `options.extra_seq_keys` (when
+    present in the batch), and — required when named — upstream's `batch["_cp_metadata_seq_dims"]` /
+    `batch["_cp_metadata_pad_values"]` (popped; pad default 0) and `extra_seq_buffers` (seq dim 1, padded like
+    `make_cp_batch_and_ctx` pads them). Padded to a multiple of `options.pad_multiple · C` (2C by default). No
+    collective.
+
+    Returns:
+        For C > 1 a `RingAttentionContext` (contiguous layout, the global positions of the local tokens, the local
+        `_packed_seq_ids` as document ids, the lengths; kernel and HF routing from `options`) and the same dict,
+        updated; run forward AND backward inside `with ctx():`. For C ≤ 1, `(contextlib.nullcontext, batch)`.
 
     Raises:
         ValueError: listing every problem with the batch.
     """
+    _refuse_function_in_batch(batch)
+    options = options if options is not None else ContiguousCPOptions()
     seq_dims: dict[str, int] = dict(batch.pop("_cp_metadata_seq_dims", None) or {})
     pad_values: dict[str, Any] = dict(batch.pop("_cp_metadata_pad_values", None) or {})
     attention_mask = batch.get("attention_mask")
     if batch.get("labels") is None and loss_mask is not None:
         batch["labels"] = loss_mask
         loss_mask = None
-    keys = {
-        "input_ids": _SeqKey(1, 0, padding_token_id),
-        "inputs_embeds": _SeqKey(1, 0, 0),
-        "labels": _SeqKey(1, 0, -100),
-        "padding_mask": _SeqKey(1, 0, True),
-        "_packed_seq_ids": _SeqKey(1, 0, 0),
-        "mm_token_type_ids": _SeqKey(1, 0, 0),
-        "per_layer_inputs": _SeqKey(1, 0, 0),
-        "loss_mask": _SeqKey(1, 0, 0),
-    }
-    if isinstance(batch.get("position_ids"), torch.Tensor):
-        seq_dim = _position_seq_dim(batch["position_ids"])
-        keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
+    # upstream's contiguous shard also carries the VLM / per-layer-input keys (per_layer_inputs is [B, S, L, H])
+    keys = _sequence_keys(batch, padding_token_id, extra_seq_buffers, "mm_token_type_ids", "per_layer_inputs")
+    for key, (dim, pad_value) in options.extra_seq_keys.items():
+        keys[key] = _SeqKey(dim, 0, pad_value)
     for key, dim in seq_dims.items():
         keys[key] = _SeqKey(dim, 0, pad_values.get(key, 0))
+    required = [*seq_dims, *(extra_seq_buffers or [])]
     if attention_mask is not None and attention_mask.dim() == 2:
         keys["attention_mask"] = _SeqKey(1, 0, False)
-    _validate(batch, keys, needs_labels=True, extra_missing=[k for k in seq_dims if k not in batch])
+    _validate(
+        batch,
+        keys,
+        needs_labels=True,
+        extra_missing=[k for k in required if k not in batch],
+        primary_keys=options.primary_keys,
+    )
     keys.pop("attention_mask", None)
 
     attention_mask = batch.pop("attention_mask", None)
@@ -340,84 +397,27 @@ def make_contiguous_shard_cp_batch_and_ctx(
         batch["loss_mask"] = loss_mask
     primary = batch.get("input_ids", batch.get("inputs_embeds"))
     assert primary is not None
-    _ensure_position_ids(batch, primary)
-    seq_dim = _position_seq_dim(batch["position_ids"])
-    keys["position_ids"] = _SeqKey(seq_dim, seq_dim - 1, "continue")
+    cp_size = cp_mesh.size() if cp_mesh is not None else 1
+    tp_size = tp_mesh.size() if tp_mesh is not None else 1
+    # Upstream's rule: position ids are synthesized when the sequence is sharded (C > 1) or tensor parallel
+    # (TP > 1, whose sequence-parallel regions need explicit positions); at C = TP = 1 the model makes its own.
+    _ensure_position_ids(batch, primary, synthesize=cp_size > 1 or tp_size > 1)
+    _add_position_key(batch, keys)
     _synthesize_single_document_seq_ids(batch)
-    cp_size = cp_mesh.size() if cp_mesh is not None else 1
-    layout = ContiguousLayout(cp_size=cp_size, cp_rank=_cp_rank(cp_mesh) if cp_size > 1 else 0)
-    _shard_keys(batch, keys, layout)
-    return contextlib.nullcontext, batch
-
-
-def make_cp_batch_for_te(
-    cp_mesh: Any,
-    batch: dict[str, Any],
-    qkv_format: str = "thd",
-    padding_token_id: int = 0,
-    num_chunks: int = 1,
-    seq_lens_padding_value: int = -1000,
-) -> dict[str, Any]:
-    """THD batch for Transformer Engine's CP attention: convert to THD, then keep this rank's per-sequence head-tail.
-
-    The partition is `PackedLayout` (TE's `thd_get_partitioned_indices`, in torch). Output: int64 input_ids, labels,
-    position_ids; `cu_seqlens` = the GLOBAL padded cumulative lengths (int32; TE divides by C itself), `max_seqlen`
-    (int32), `padding_mask = input_ids == padding_token_id`, `qkv_format`, `cp_size`, `cp_rank`. For
-    `num_chunks > 1` the per-chunk results are stacked on a leading dim.
-
-    Raises:
-        ValueError: for a format other than "thd", or padded sequence lengths not divisible by 2C.
-    """
-    if qkv_format != "thd":
-        raise ValueError(f"Currently only 'thd' format is supported, got: {qkv_format}")
-    thd = split_batch_into_thd_chunks(batch, num_chunks, seq_lens_padding_value, padding_token_id)
-    cp_size = cp_mesh.size() if cp_mesh is not None else 1
+    layout = ContiguousLayout(
+        cp_size=cp_size, cp_rank=cp_rank(cp_mesh) if cp_size > 1 else 0, pad_multiple=options.pad_multiple
+    )
+    seq_len, padded_len = _shard_keys(batch, keys, layout)
     if cp_size <= 1:
-        return thd
-    rank = _cp_rank(cp_mesh)
-    if num_chunks <= 1:
-        return _shard_thd_chunk(thd, cp_size, rank, padding_token_id, seq_lens_padding_value)
-    chunks = []
-    for index in range(num_chunks):
-        chunk = {k: (v[index] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in thd.items()}
-        chunks.append(_shard_thd_chunk(chunk, cp_size, rank, padding_token_id, seq_lens_padding_value))
-    out = dict(chunks[0])
-    for key in ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "padding_mask"):
-        if key in chunks[0]:
-            out[key] = _stack_ragged([c[key] for c in chunks], seq_lens_padding_value)
-    return out
-
-
-def _stack_ragged(values: list[torch.Tensor], fill: int) -> torch.Tensor:
-    if values[0].dim() == 0 or all(v.shape == values[0].shape for v in values):
-        return torch.stack(values)
-    width = max(v.shape[-1] for v in values)
-    return torch.stack([torch.cat([v, v.new_full((width - v.shape[-1],), fill)]) for v in values])
-
-
-def _shard_thd_chunk(
-    thd: dict[str, Any], cp_size: int, rank: int, padding_token_id: int, sentinel: int
-) -> dict[str, Any]:
-    cu = thd.get("cu_seqlens_padded", thd.get("cu_seqlens"))
-    if cu is None:
-        raise ValueError(
-            "BSHD format is not supported by the THD CP path: 'cu_seqlens' (and 'cu_seqlens_padded' when sequences "
-            "are padded) must be present; convert the batch with process_input_for_thd first"
-        )
-    cu = cu[cu != sentinel].to(torch.int64)
-    layout = PackedLayout(cp_size=cp_size, cp_rank=rank, cu_seqlens_padded=cu)
-    out = {k: v for k, v in thd.items() if k != "cu_seqlens_padded"}
-    for key in ("input_ids", "labels", "position_ids", "padding_mask"):
-        value = thd.get(key)
-        if isinstance(value, torch.Tensor):
-            out[key] = layout.shard(value, seq_dim=-1)
-            if key != "padding_mask":
-                out[key] = out[key].long()
-    if isinstance(out.get("input_ids"), torch.Tensor):
-        out["padding_mask"] = out["input_ids"] == padding_token_id
-    out["cu_seqlens"] = cu.to(torch.int32)
-    out["max_seqlen"] = (cu[1:] - cu[:-1]).max().to(torch.int32)
-    out["qkv_format"] = "thd"
-    out["cp_size"] = cp_size
-    out["cp_rank"] = rank
-    return out
+        return contextlib.nullcontext, batch
+    ctx = RingAttentionContext(
+        group=cp_mesh.get_group(),
+        layout=layout,
+        positions=layout.local_indices(padded_len, device=primary.device),
+        doc_ids=batch["_packed_seq_ids"].long(),
+        seq_len=seq_len,
+        padded_len=padded_len,
+        route_hf_attention=options.route_hf_attention,
+        kernel=options.kernel_for(primary.device),
+    )
+    return ctx, batch

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from am_context_parallel.kernels import AttentionKernel
+from am_context_parallel.kernels import AttentionKernel, select_kernel
 from am_context_parallel.layouts import Layout
-from am_context_parallel.ring import ring_attention
+from am_context_parallel.ring import attend
+from am_context_parallel.ring_setup import RingState
 
 __all__ = ["RingAttentionContext", "current_ring_context"]
 
@@ -40,7 +41,12 @@ class RingAttentionContext:
 
     positions: `[S_local]` (or `[B, S_local]`) global positions of the local tokens; doc_ids: `[B, S_local]`
     document ids (0 = padding, never attended to) or None when every token is real and in one document.
-    seq_len / padded_len: the batch's sequence length before and after CP padding (for `unshard`).
+    seq_len / padded_len: the batch's sequence length before and after CP padding (`unshard` trims to seq_len);
+    checked against the layout and the positions (the layout keeps `len(layout.local_indices(padded_len))` tokens
+    per rank), so a context is never built from another batch's positions.
+
+    Raises:
+        ValueError: when padded_len < seq_len, or the positions do not hold the layout's number of local tokens.
     """
 
     def __init__(
@@ -55,14 +61,33 @@ class RingAttentionContext:
         route_hf_attention: bool = True,
         kernel: AttentionKernel | None = None,
     ) -> None:
+        local_tokens = layout.local_indices(padded_len).numel()
+        if padded_len < seq_len or positions.shape[-1] != local_tokens:
+            raise ValueError(
+                f"RingAttentionContext: seq_len={seq_len}, padded_len={padded_len} and {layout!r} keep "
+                f"{local_tokens} tokens per rank, but the positions hold {positions.shape[-1]}; pass this batch's "
+                "lengths and positions (layout.local_indices(padded_len))"
+            )
         self.group = group
         self.layout = layout
-        self.positions = positions
-        self.doc_ids = doc_ids
         self.seq_len = seq_len
         self.padded_len = padded_len
         self.route_hf_attention = route_hf_attention
         self.kernel = kernel  # None: select_kernel(device); set e.g. FlashCPUAttentionKernel() for speed on the CPU
+        # The ring's setup (gathers, plans, chunk masks), computed at the first attention call and reused by every
+        # call of every layer, forward and backward.
+        self._ring = RingState(group=group, positions=positions, doc_ids=doc_ids)
+        self._auto_kernel: AttentionKernel | None = None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """`[S_local]` (or `[B, S_local]`) global positions of the local tokens (read-only: the ring caches them)."""
+        return self._ring.positions
+
+    @property
+    def doc_ids(self) -> torch.Tensor | None:
+        """`[B, S_local]` document ids of the local tokens, 0 = padding, or None (read-only: the ring caches them)."""
+        return self._ring.doc_ids
 
     def __repr__(self) -> str:
         return (
@@ -104,19 +129,17 @@ class RingAttentionContext:
         sliding_window: int | None = None,
         scale: float | None = None,
     ) -> torch.Tensor:
-        """`ring_attention` of local `[B, heads, S_local, d]` tensors with this batch's positions and doc ids."""
-        return ring_attention(
-            q,
-            k,
-            v,
-            group=self.group,
-            positions=self.positions,
-            doc_ids=self.doc_ids,
-            causal=causal,
-            sliding_window=sliding_window,
-            scale=scale,
-            kernel=self.kernel,
-        )
+        """`ring_attention` of local `[B, heads, S_local, d]` tensors with this batch's positions and doc ids.
+
+        The first call gathers the header, positions and doc ids over the group; the first call of each
+        (causal, sliding_window) builds its plan and chunk masks; every other call only moves K/V (and gradients).
+        """
+        kernel = self.kernel
+        if kernel is None:
+            if self._auto_kernel is None:
+                self._auto_kernel = select_kernel(q.device)
+            kernel = self._auto_kernel
+        return attend(self._ring, q, k, v, causal=causal, sliding_window=sliding_window, scale=scale, kernel=kernel)
 
     def unshard(self, tensor: torch.Tensor, *, seq_dim: int = 1, trim: bool = True) -> torch.Tensor:
         """Gather a local `[..., S_local, ...]` tensor (e.g. logits) back to global order, padding trimmed."""

@@ -49,7 +49,7 @@ def hf_ring_attention_forward(
 
     Raises:
         RuntimeError: outside a `RingAttentionContext`.
-        NotImplementedError: for attention dropout or logit soft-capping.
+        NotImplementedError: for attention dropout, logit soft-capping or attention sinks (`s_aux`).
     """
     del attention_mask  # local mask: meaningless for a sharded sequence
     ctx = current_ring_context()
@@ -66,6 +66,11 @@ def hf_ring_attention_forward(
         )
     if kwargs.get("softcap") is not None:
         raise NotImplementedError(f"{type(module).__name__}: attention logit soft-capping is not supported")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(
+            f"{type(module).__name__}: attention sinks (`s_aux`) are not supported by ring attention; train this "
+            "model with cp=1"
+        )
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     out = ctx.attention(query, key, value, causal=causal, sliding_window=sliding_window, scale=scaling)
     return out.transpose(1, 2).contiguous(), None

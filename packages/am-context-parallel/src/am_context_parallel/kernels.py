@@ -12,6 +12,10 @@ Accumulation is fp32 (fp64 for fp64 inputs, so references can be computed exactl
 Shapes: q `[B, Hq, Sq, d]`, k/v `[B, Hkv, Sk, d]` with `Hq % Hkv == 0` (GQA: query head h reads key head
 h // (Hq // Hkv), as in HF's `repeat_kv`), mask `[B or 1, 1, Sq, Sk]` (True = may attend), lse `[B, Hq, Sq]`.
 A query row whose mask is all False has output 0 and lse −inf (never NaN), in the forward and in the backward.
+
+Optional hook: a kernel may define `prepare_mask(mask) -> object`. The ring then calls it ONCE per chunk and batch
+context (at setup, where host synchronisation is allowed) and passes the returned object as `mask` to every
+forward/backward on that chunk — e.g. precomputed block ranges, so that the attention calls never wait for the device.
 """
 
 from __future__ import annotations

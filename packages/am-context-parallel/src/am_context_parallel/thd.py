@@ -1,7 +1,8 @@
-"""Convert padded BSHD batches to packed THD form (one token dimension plus cumulative sequence lengths).
+"""Convert padded BSHD batches to packed THD form (one token dimension plus cumulative sequence lengths), and shard it.
 
 What it is for: `process_input_for_thd` and `split_batch_into_thd_chunks`, the inputs of Transformer Engine's THD
-attention and of the packed CP layout (`PackedLayout`). Pure tensor reshaping on one process.
+attention, and `make_cp_batch_for_te`, the THD CP shard (the packed layout, `PackedLayout`, per sequence). Pure
+tensor reshaping on one process (the CP rank comes from the mesh).
 What it must not do: import transformer_engine, or communicate.
 
 A row of `[B, S]` holds one or more packed sequences; `seq_lens` `[B, n]` gives their real lengths and
@@ -16,7 +17,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["process_input_for_thd", "split_batch_into_thd_chunks"]
+from am_context_parallel.layouts import PackedLayout
+from am_context_parallel.mesh import cp_rank
+
+__all__ = ["make_cp_batch_for_te", "process_input_for_thd", "split_batch_into_thd_chunks"]
 
 # Keys this module reshapes; everything else passes through unchanged.
 _FLAT_KEYS = ("input_ids", "labels", "padding_mask", "loss_mask")
@@ -151,4 +155,77 @@ def split_batch_into_thd_chunks(
             )
         else:
             out[key] = torch.stack(values)
+    return out
+
+
+def make_cp_batch_for_te(
+    cp_mesh: Any,
+    batch: dict[str, Any],
+    qkv_format: str = "thd",
+    padding_token_id: int = 0,
+    num_chunks: int = 1,
+    seq_lens_padding_value: int = -1000,
+) -> dict[str, Any]:
+    """THD batch for Transformer Engine's CP attention: convert to THD, then keep this rank's per-sequence head-tail.
+
+    The partition is `PackedLayout` (TE's `thd_get_partitioned_indices`, in torch). Output: int64 input_ids, labels,
+    position_ids; `cu_seqlens` = the GLOBAL padded cumulative lengths (int32; TE divides by C itself), `max_seqlen`
+    (int32), `padding_mask = input_ids == padding_token_id`, `qkv_format`, `cp_size`, `cp_rank`. For
+    `num_chunks > 1` the per-chunk results are stacked on a leading dim.
+
+    Raises:
+        ValueError: for a format other than "thd", or padded sequence lengths not divisible by 2C.
+    """
+    if qkv_format != "thd":
+        raise ValueError(f"Currently only 'thd' format is supported, got: {qkv_format}")
+    thd = split_batch_into_thd_chunks(batch, num_chunks, seq_lens_padding_value, padding_token_id)
+    cp_size = cp_mesh.size() if cp_mesh is not None else 1
+    if cp_size <= 1:
+        return thd
+    rank = cp_rank(cp_mesh)
+    if num_chunks <= 1:
+        return _shard_thd_chunk(thd, cp_size, rank, padding_token_id, seq_lens_padding_value)
+    chunks = []
+    for index in range(num_chunks):
+        chunk = {k: (v[index] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in thd.items()}
+        chunks.append(_shard_thd_chunk(chunk, cp_size, rank, padding_token_id, seq_lens_padding_value))
+    out = dict(chunks[0])
+    for key in ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "padding_mask"):
+        if key in chunks[0]:
+            out[key] = _stack_ragged([c[key] for c in chunks], seq_lens_padding_value)
+    return out
+
+
+def _stack_ragged(values: list[torch.Tensor], fill: int) -> torch.Tensor:
+    if values[0].dim() == 0 or all(v.shape == values[0].shape for v in values):
+        return torch.stack(values)
+    width = max(v.shape[-1] for v in values)
+    return torch.stack([torch.cat([v, v.new_full((width - v.shape[-1],), fill)]) for v in values])
+
+
+def _shard_thd_chunk(
+    thd: dict[str, Any], cp_size: int, rank: int, padding_token_id: int, sentinel: int
+) -> dict[str, Any]:
+    cu = thd.get("cu_seqlens_padded", thd.get("cu_seqlens"))
+    if cu is None:
+        raise ValueError(
+            "BSHD format is not supported by the THD CP path: 'cu_seqlens' (and 'cu_seqlens_padded' when sequences "
+            "are padded) must be present; convert the batch with process_input_for_thd first"
+        )
+    cu = cu[cu != sentinel].to(torch.int64)
+    layout = PackedLayout(cp_size=cp_size, cp_rank=rank, cu_seqlens_padded=cu)
+    out = {k: v for k, v in thd.items() if k != "cu_seqlens_padded"}
+    for key in ("input_ids", "labels", "position_ids", "padding_mask"):
+        value = thd.get(key)
+        if isinstance(value, torch.Tensor):
+            out[key] = layout.shard(value, seq_dim=-1)
+            if key != "padding_mask":
+                out[key] = out[key].long()
+    if isinstance(out.get("input_ids"), torch.Tensor):
+        out["padding_mask"] = out["input_ids"] == padding_token_id
+    out["cu_seqlens"] = cu.to(torch.int32)
+    out["max_seqlen"] = (cu[1:] - cu[:-1]).max().to(torch.int32)
+    out["qkv_format"] = "thd"
+    out["cp_size"] = cp_size
+    out["cp_rank"] = rank
     return out

@@ -1,7 +1,7 @@
 """Gemma 4 (dense and MoE, sliding + full attention) in PyTorch with model-owned context parallelism.
 
 Text decoder and causal LM (`model`), the vision-language model around HF's vision tower (`vlm`), the MoE block
-(`moe`), attention with ring CP (`attention`, `cp`, `cp_batch`), HF checkpoint conversion (`state_dict_adapter`,
+(`moe`), attention with ring CP (`attention`, `cp`, `kernels`), HF checkpoint conversion (`state_dict_adapter`,
 `checkpoint`). Importing this package never imports am-pipelining, am-capabilities or transformer_engine.
 """
 
@@ -18,7 +18,6 @@ from am_models_gemma4.config import (
     validate_text_config,
 )
 from am_models_gemma4.cp import ContextParallelHooks, active_ring_context
-from am_models_gemma4.cp_batch import make_contiguous_shard_cp_batch_and_ctx, make_gemma4_cp_batch_and_ctx
 from am_models_gemma4.decoder import Gemma4DecoderLayer
 from am_models_gemma4.kernels import BlockSparseAttentionKernel, default_ring_kernel
 from am_models_gemma4.layers import Gemma4RMSNorm
@@ -33,7 +32,7 @@ from am_models_gemma4.moe import Gemma4Experts, Gemma4MoE, Gemma4Router
 from am_models_gemma4.state_dict_adapter import Gemma4StateDictAdapter
 from am_models_gemma4.vlm import Gemma4ForConditionalGeneration, Gemma4Model
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # models
@@ -54,8 +53,6 @@ __all__ = [
     # context parallelism
     "ContextParallelHooks",
     "active_ring_context",
-    "make_contiguous_shard_cp_batch_and_ctx",
-    "make_gemma4_cp_batch_and_ctx",
     "BlockSparseAttentionKernel",
     "default_ring_kernel",
     # checkpoints

@@ -1,10 +1,10 @@
-"""Context-parallel hooks of the Gemma 4 models: the batch sharder they own and what their forward reads.
+"""Context-parallel hooks of the Gemma 4 models: what they declare to am-context-parallel and what their forward reads.
 
-What it is for: `ContextParallelHooks.prepare_model_inputs_for_cp(batch)` attaches the model-owned sharder
-(`batch["_cp_make_batch_fn"]`), so am-context-parallel's `make_cp_batch_and_ctx` picks the contiguous shard for
-Gemma 4 and returns the context our attention layers read (`active_ring_context`). `tokens_before_this_rank` gives
+What it is for: `ContextParallelHooks` declares `_cp_layout = "contiguous"` and `get_cp_options()` (our ring kernel),
+so am-context-parallel's `make_cp_batch_and_ctx(mesh, batch, model=model)` shards contiguously and returns the
+context our attention layers read (`active_ring_context`). `tokens_before_this_rank` gives
 the offset of this rank's image tokens in the gathered image features (the vision tower runs on the full images).
-What it must not do: import am-pipelining or am-capabilities, or route transformers' attention.
+What it must not do: import am-pipelining or am-capabilities, shard a batch itself, or route transformers' attention.
 
 Embedding gradients under CP: each rank embeds its own shard of `input_ids` (an embedding is per token), so the
 embedding (and the vision tower, through the image rows a rank consumes) receives the gradient of the local tokens;
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from am_context_parallel import RingAttentionContext, current_ring_context
-from am_models_gemma4.cp_batch import make_gemma4_cp_batch_and_ctx
+from am_context_parallel import ContiguousCPOptions, RingAttentionContext, current_ring_context
+from am_models_gemma4.kernels import default_ring_kernel
 
 __all__ = ["ContextParallelHooks", "active_ring_context", "tokens_before_this_rank"]
 
@@ -41,23 +41,18 @@ def tokens_before_this_rank(count: torch.Tensor, *, group: Any) -> int:
 
 
 class ContextParallelHooks:
-    """Mixin for the top-level Gemma 4 models: the duck-typed CP protocol read by `make_cp_batch_and_ctx`."""
+    """Mixin for the top-level Gemma 4 models: what they declare to am-context-parallel's contiguous CP path.
 
+    `make_cp_batch_and_ctx(mesh, batch, model=model)` reads `_cp_layout` and `get_cp_options()` and returns the
+    contiguous shard with the `RingAttentionContext` our attention layers read (forward AND backward inside
+    `with ctx():`). Sliding windows come from each layer at call time.
+    """
+
+    _cp_layout = "contiguous"  # am-context-parallel: contiguous shards and the ring context, no sharder of our own
     _owns_cp_attention = True  # am-capabilities: the model runs its own CP attention
 
-    def prepare_model_inputs_for_cp(self, batch: dict[str, Any], **_: Any) -> dict[str, Any]:
-        """Attach the model-owned contiguous sharder to `batch` (in place) and return it.
-
-        Then `ctx, batch = make_cp_batch_and_ctx(mesh, batch)` shards every sequence tensor contiguously and
-        returns a context: run forward and backward inside `with ctx():`.
-
-        Raises:
-            ValueError: when the batch has no `input_ids` (the model embeds its own shard of them).
-        """
-        if batch.get("input_ids") is None:
-            raise ValueError(
-                "prepare_model_inputs_for_cp requires input_ids: Gemma 4 embeds each rank's shard of the token ids "
-                "itself (precomputed inputs_embeds would not carry per-layer inputs or image positions)"
-            )
-        batch["_cp_make_batch_fn"] = make_gemma4_cp_batch_and_ctx
-        return batch
+    def get_cp_options(self) -> ContiguousCPOptions:
+        """The block-sparse ring kernel (`default_ring_kernel` for the batch's device); input_ids required, since
+        each rank embeds its own shard (per-layer inputs and image positions come from the token ids); transformers'
+        attention is not routed (the vision tower keeps its own attention on whole images)."""
+        return ContiguousCPOptions(kernel=default_ring_kernel, primary_keys=("input_ids",))

@@ -5,7 +5,7 @@ RoPE (`Gemma4TextRotaryEmbedding`, proportional on full layers), mixed sliding/f
 index in a `ModuleDict` (so pipeline stages keep stable names), final norm, tied LM head with logit soft-capping —
 with the MoE path and the attention paths of this package (`moe.py`, `attention.py`).
 What it must not do: import am-pipelining or am-capabilities (it declares what they read: `config.layer_types`,
-`rotary_emb(x, position_ids, layer_type)`, `layers["<i>"]`, `get_capabilities`, `prepare_model_inputs_for_cp`),
+`rotary_emb(x, position_ids, layer_type)`, `layers["<i>"]`, `get_capabilities`, `_cp_layout` / `get_cp_options`),
 or keep a KV cache (training only).
 """
 
@@ -75,8 +75,8 @@ class Gemma4TextModel(nn.Module):
     Attention masks: `attention_mask` `[B, S]` (1 = token, 0 = padding) or `padding_mask` (True = padding), and/or
     `_packed_seq_ids` `[B, S]` (document ids, 0 = padding) for packed sequences; a 4-D mask is passed to every
     layer as is. `vision_group_ids` `[B, S]` (-1 = text) makes image tokens attend to each other on sliding layers
-    (`use_bidirectional_attention="vision"`). Under CP (an entered context from `make_cp_batch_and_ctx` with the
-    model's sharder) every layer runs the ring instead.
+    (`use_bidirectional_attention="vision"`). Under CP (an entered context from `make_cp_batch_and_ctx(..., model=)`,
+    contiguous shards) every layer runs the ring instead.
     """
 
     def __init__(self, config: Any) -> None:

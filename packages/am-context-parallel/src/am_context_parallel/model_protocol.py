@@ -1,0 +1,119 @@
+"""What a model declares to get the contiguous ring path, and the one function that reads the declaration.
+
+What it is for: a model that runs its own CP attention on contiguous shards (Gemma 4; Nemotron-H, whose Mamba2
+recurrence passes state from rank to rank) declares it with DATA on its class — never a function put into a batch:
+
+    class MyModel(nn.Module):
+        _cp_layout = "contiguous"                      # required: selects the contiguous ring path
+        def get_cp_options(self) -> ContiguousCPOptions:   # optional: what differs from the defaults
+            return ContiguousCPOptions(kernel=my_kernel_for_device, extra_seq_keys={"mtp_labels": (1, -100)})
+
+`make_cp_batch_and_ctx(mesh, batch, *, model=model)` reads it through `model_cp_options(model)` and calls the
+generic contiguous sharder (`make_contiguous_shard_cp_batch_and_ctx`), which returns the `RingAttentionContext`
+itself (layout, global positions, document ids, lengths). The model's layers then read the entered context
+(`current_ring_context()`: `ctx.attention(q, k, v, causal=, sliding_window=, scale=)`, `ctx.group`,
+`ctx.layout.cp_rank`, `ctx.doc_ids`, `ctx.positions`); per-layer facts such as sliding windows are passed at call time.
+What it must not do: import a model package, or shard anything (batch.py does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from am_context_parallel.kernels import AttentionKernel
+
+__all__ = ["CP_LAYOUTS", "ContiguousCPOptions", "model_cp_options"]
+
+# `_cp_layout` values a model may declare; a model that declares nothing gets the load-balanced path.
+CP_LAYOUTS = ("load_balanced", "contiguous")
+
+_PRIMARY_KEYS = ("input_ids", "inputs_embeds")
+
+
+@dataclass(frozen=True)
+class ContiguousCPOptions:
+    """What a model's contiguous CP path needs beyond the defaults (returned by `model.get_cp_options()`).
+
+    Args:
+        kernel: the ring's per-chunk kernel: an `AttentionKernel`, or a function of the batch's device returning
+            one (e.g. a block-sparse kernel on the CPU). None: `select_kernel(q.device)` at the first attention call.
+        route_hf_attention: route transformers' `sdpa`/`eager` attention to the ring while the context is entered.
+            False by default: a model that owns its CP attention calls the context itself, and modules it does
+            not shard (a vision tower on whole images) keep their own attention.
+        extra_seq_keys: model batch keys to pad and shard with the sequence, `{key: (seq_dim, pad_value)}` (batch
+            dim 0). They join the upstream keys the contiguous shard always handles (input_ids, inputs_embeds,
+            labels, position_ids, padding_mask, `_packed_seq_ids`, mm_token_type_ids, per_layer_inputs, loss_mask).
+        pad_multiple: sequences are padded to a multiple of `pad_multiple · C` (2 · C by default, as upstream).
+        primary_keys: which of input_ids / inputs_embeds the model accepts under CP (a model that embeds its own
+            shard — per-layer inputs, image positions — needs the token ids).
+
+    Raises:
+        ValueError: listing every invalid field.
+    """
+
+    kernel: AttentionKernel | Callable[[torch.device], AttentionKernel] | None = None
+    route_hf_attention: bool = False
+    extra_seq_keys: Mapping[str, tuple[int, Any]] = field(default_factory=dict)
+    pad_multiple: int = 2
+    primary_keys: tuple[str, ...] = _PRIMARY_KEYS
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.kernel is not None and not callable(self.kernel) and not isinstance(self.kernel, AttentionKernel):
+            problems.append(f"kernel must be an AttentionKernel or a function of the device; got {self.kernel!r}")
+        if not isinstance(self.route_hf_attention, bool):
+            problems.append(f"route_hf_attention must be a bool; got {self.route_hf_attention!r}")
+        if isinstance(self.pad_multiple, bool) or not isinstance(self.pad_multiple, int) or self.pad_multiple < 1:
+            problems.append(f"pad_multiple must be an int >= 1; got {self.pad_multiple!r}")
+        if not self.primary_keys or any(key not in _PRIMARY_KEYS for key in self.primary_keys):
+            problems.append(
+                f"primary_keys must be a non-empty subset of {list(_PRIMARY_KEYS)}; got {self.primary_keys!r}"
+            )
+        for key, spec in dict(self.extra_seq_keys).items():
+            if not (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], int) and spec[0] >= 1):
+                problems.append(
+                    f"extra_seq_keys[{key!r}] must be (seq_dim >= 1, pad_value) with the batch on dim 0; got {spec!r}"
+                )
+        if problems:
+            raise ValueError("invalid ContiguousCPOptions:\n  - " + "\n  - ".join(problems))
+
+    def kernel_for(self, device: torch.device) -> AttentionKernel | None:
+        """The per-chunk kernel for tensors on `device` (None: the ring selects one at its first call)."""
+        if self.kernel is None or isinstance(self.kernel, AttentionKernel):
+            return self.kernel
+        kernel = self.kernel(device)
+        if not isinstance(kernel, AttentionKernel):
+            raise TypeError(f"ContiguousCPOptions.kernel({device}) returned {kernel!r}, not an AttentionKernel")
+        return kernel
+
+
+def model_cp_options(model: Any) -> ContiguousCPOptions | None:
+    """The contiguous-CP options `model` declares, or None when it takes the default load-balanced path.
+
+    Reads the class attribute `_cp_layout` (one of `CP_LAYOUTS`; absent means "load_balanced") and, for
+    "contiguous", the optional method `get_cp_options()` (absent means `ContiguousCPOptions()`).
+
+    Raises:
+        ValueError: for an unknown `_cp_layout`, or `get_cp_options` declared without `_cp_layout = "contiguous"`.
+        TypeError: when `get_cp_options()` returns something else than a `ContiguousCPOptions`.
+    """
+    name = type(model).__name__
+    layout = getattr(model, "_cp_layout", None)
+    getter = getattr(model, "get_cp_options", None)
+    if layout is None or layout == "load_balanced":
+        if callable(getter):
+            raise ValueError(
+                f'{name} defines get_cp_options() but not `_cp_layout = "contiguous"`; declare the layout on the '
+                "class (the load-balanced path takes no model options)"
+            )
+        return None
+    if layout != "contiguous":
+        raise ValueError(f"{name}._cp_layout = {layout!r} is not one of {list(CP_LAYOUTS)}")
+    options = getter() if callable(getter) else ContiguousCPOptions()
+    if not isinstance(options, ContiguousCPOptions):
+        raise TypeError(f"{name}.get_cp_options() must return a ContiguousCPOptions; got {type(options).__name__}")
+    return options
