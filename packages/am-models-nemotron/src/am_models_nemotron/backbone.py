@@ -20,7 +20,8 @@ from torch.utils.checkpoint import checkpoint
 from am_models_nemotron.backend import resolve_backend
 from am_models_nemotron.blocks import NemotronV3Block
 from am_models_nemotron.config import NemotronConfig
-from am_models_nemotron.inputs import BatchLayout, pop_layout_kwargs, resolve_batch_layout
+from am_models_nemotron.cp import block_cp_problems, resolve_layout
+from am_models_nemotron.inputs import BatchLayout, pop_layout_kwargs
 from am_precision import BackendConfig, initialize_rms_norm_module
 
 __all__ = ["NemotronV3Model", "move_buffers_"]
@@ -113,7 +114,8 @@ class NemotronV3Model(nn.Module):
         past + S] 1/0, or a 4-D mask; causal_mask_mapping: {"full_attention": 4-D mask, "linear_attention": [B, S]}.
         kwargs: the packing inputs of `inputs.LAYOUT_KWARGS` (seq_idx, _packed_seq_ids, position_ids, padding_mask,
         qkv_format, cu_seqlens, cu_seqlens_padded, max_seqlen...), resolved by `resolve_batch_layout`; or pass an
-        already resolved `layout`. all_hidden_states: a list to append the block inputs and the final state to.
+        already resolved `layout`. Inside an entered `RingAttentionContext` (contiguous layout) the blocks run
+        context-parallel (`cp`). all_hidden_states: a list to append the block inputs and the final state to.
 
         Raises:
             TypeError: unknown keyword arguments. ValueError: see `resolve_batch_layout`; a `cache_position` that is
@@ -135,14 +137,16 @@ class NemotronV3Model(nn.Module):
                     "(the Mamba states only continue the cached sequence)."
                 )
         if layout is None:
-            layout = resolve_batch_layout(
+            layout = resolve_layout(
+                owner=type(self).__name__,
                 batch=batch,
                 seqlen=seqlen,
                 device=hidden.device,
                 past_length=past,
                 attention_mask=attention_mask,
                 causal_mask_mapping=causal_mask_mapping,
-                **layout_kwargs,
+                layout_kwargs=layout_kwargs,
+                cp_problems=lambda _cp: block_cp_problems(self.layers.values(), seqlen=seqlen, training=self.training),
             )
         elif layout_kwargs or attention_mask is not None or causal_mask_mapping is not None:
             raise TypeError("pass either a resolved layout or the raw masks / packing inputs, not both.")

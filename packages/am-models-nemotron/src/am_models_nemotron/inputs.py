@@ -69,6 +69,8 @@ class BatchLayout:
     key_mask: [B, past + S] 1/0, the keys attention may read besides documents (None: all).
     full_attention_mask: a caller's 4-D attention mask (bool True = attend, or additive float), or None.
     mamba_mask: a caller's 2-D Mamba mask ("linear_attention"), or None (derived from `padding_mask`).
+    cp: the model's context-parallel context (`cp.NemotronCPContext`) when this rank holds one contiguous block of
+    a sharded batch; `seq_idx` then holds the GLOBAL document ids of the ring context (0 = padding).
     """
 
     seq_idx: torch.Tensor | None = None
@@ -76,12 +78,15 @@ class BatchLayout:
     key_mask: torch.Tensor | None = None
     full_attention_mask: torch.Tensor | None = None
     mamba_mask: torch.Tensor | None = None
+    cp: Any = None
 
     def block_inputs(self, hidden_states: torch.Tensor, *, past_length: int = 0, cache: Any = None) -> dict[str, Any]:
         """Keyword inputs of `NemotronV3Block.forward` for hidden states [B, S, H]."""
         batch, seqlen = hidden_states.shape[:2]
         attn_mask: torch.Tensor | None
-        if self.full_attention_mask is not None:
+        if self.cp is not None:
+            attn_mask = None  # the ring builds its masks from the context's positions and document ids
+        elif self.full_attention_mask is not None:
             attn_mask = _restrict_to_documents(self.full_attention_mask, self.seq_idx, past_length)
         else:
             attn_mask = build_attention_mask(
@@ -97,13 +102,16 @@ class BatchLayout:
             mamba_mask = (~self.padding_mask).to(hidden_states.dtype)
         elif mamba_mask is not None:
             mamba_mask = mamba_mask[:, -seqlen:].to(hidden_states.dtype)
-        return {
+        inputs = {
             "attention_mask": attn_mask,
             "mamba_mask": mamba_mask,
             "padding_mask": self.padding_mask,
             "seq_idx": self.seq_idx,
             "cache": cache,
         }
+        if self.cp is not None:
+            inputs["cp"] = self.cp
+        return inputs
 
 
 def _restrict_to_documents(mask: torch.Tensor, seq_idx: torch.Tensor | None, past_length: int) -> torch.Tensor:
@@ -201,13 +209,20 @@ def resolve_batch_layout(
     cu_seqlens: Any = None,
     cu_seqlens_padded: Any = None,
     max_seqlens: dict[str, Any] | None = None,
+    cp: Any = None,
 ) -> BatchLayout:
     """Resolve every packing / masking input of a forward over [B, S] tokens into one `BatchLayout`.
 
     Documents come from the first of `seq_idx`, `_packed_seq_ids` (`packed_seq_ids`), `cu_seqlens(_padded)`; when
     several are given they must agree on the document starts between real tokens. Without any of them,
     `position_ids` that restart mark document starts. Padding is the union of `attention_mask == 0` (its last S
-    columns), `padding_mask`, `_packed_seq_ids == 0` and THD slots past each sequence's real length.
+    columns), `padding_mask`, `_packed_seq_ids == 0` and THD slots past each sequence's real length. Positions that
+    restart must restart at a document start.
+
+    cp: under context parallelism (this rank's contiguous block of a sharded batch) the documents are the ring
+    context's GLOBAL ids (`cp.ring.doc_ids`, 0 = padding), used as they are; the other sources must agree with them
+    on this block, THD boundaries, explicit 4-D masks and a cache are refused, and a non-zero id may not come back
+    after another one (the ring would join the two runs, the recurrence cannot).
 
     Raises:
         ValueError: every problem at once (shapes, THD without boundaries, bad boundaries, disagreeing sources, a
@@ -250,6 +265,24 @@ def resolve_batch_layout(
             pads.append(rows.to(torch.bool))
 
     sources: list[tuple[str, torch.Tensor]] = []
+    if cp is not None:
+        _check_context_parallel_inputs(
+            problems,
+            thd=qkv_format == "thd" or cu_seqlens is not None or cu_seqlens_padded is not None,
+            masks=full_mask is not None or mamba_mask is not None,
+            past_length=past_length,
+        )
+        context_ids = cp.ring.doc_ids
+        if context_ids is not None:
+            rows = _as_rows("the ring context's doc_ids", context_ids, batch, seqlen, problems)
+            if rows is not None:
+                sources.append(("the ring context's document ids", rows))
+                pads.append(rows == 0)
+                if _has_returning_ids(rows):
+                    problems.append(
+                        "a document id comes back after another one on this rank's block (padding inside a document?); "
+                        "number every run of tokens as its own document (model.prepare_batch_for_cp does)"
+                    )
     if seq_idx is not None:
         rows = _as_rows("seq_idx", seq_idx, batch, seqlen, problems)
         if rows is not None:
@@ -274,9 +307,9 @@ def resolve_batch_layout(
             pads.append(thd_pads)
     position_docs = None
     if position_ids is not None:
-        rows = _as_rows("position_ids", position_ids, batch, seqlen, problems)
-        if rows is not None and not sources:
-            position_docs = document_ids_from_position_ids(rows)
+        position_rows = _as_rows("position_ids", position_ids, batch, seqlen, problems)
+        if position_rows is not None:
+            position_docs = document_ids_from_position_ids(position_rows)
 
     padding = None
     if pads:
@@ -284,12 +317,15 @@ def resolve_batch_layout(
         for extra in pads[1:]:
             padding = padding | extra
     documents = None
+    real = None if padding is None else ~padding
     if sources:
-        documents = canonical_document_ids(sources[0][1])
-        real = None if padding is None else ~padding
+        # Under CP the context's global ids are used as they are (ids must match across ranks).
+        documents = sources[0][1].to(torch.int64) if cp is not None else canonical_document_ids(sources[0][1])
         for name, other in sources[1:]:
             if not _same_starts(documents, canonical_document_ids(other), real):
                 problems.append(f"{sources[0][0]} and {name} describe different document boundaries")
+        if position_docs is not None and not _starts_within(position_docs, documents, real):
+            problems.append(f"position_ids restart inside a document of {sources[0][0]}")
     elif position_docs is not None:
         documents = position_docs
     if documents is not None and past_length:
@@ -312,6 +348,36 @@ def resolve_batch_layout(
         full_attention_mask=full_mask,
         mamba_mask=mamba_mask,
     )
+
+
+def _check_context_parallel_inputs(problems: list[str], *, thd: bool, masks: bool, past_length: int) -> None:
+    fix = "prepare the batch with model.prepare_batch_for_cp before sharding"
+    if thd:
+        problems.append(f"THD boundaries (qkv_format / cu_seqlens) cannot describe a contiguous CP block; {fix}")
+    if masks:
+        problems.append(
+            "explicit attention masks are not used under context parallelism (the ring builds its masks "
+            f"from the document ids); pass padding as padding_mask and documents as _packed_seq_ids; {fix}"
+        )
+    if past_length:
+        problems.append("a generation cache cannot be combined with context parallelism; generate without CP")
+
+
+def _has_returning_ids(ids: torch.Tensor) -> bool:
+    """Whether a non-zero id appears in two separate runs of a row ([1, 1, 0, 1]: the ring would join them)."""
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    runs = (starts & (ids != 0)).sum(dim=1)
+    distinct = torch.tensor([int(row[row != 0].unique().numel()) for row in ids], device=ids.device)
+    return bool((runs != distinct).any())
+
+
+def _starts_within(candidate: torch.Tensor, documents: torch.Tensor, real: torch.Tensor | None) -> bool:
+    """Whether every start of `candidate` between real tokens is also a start of `documents`."""
+    extra = (candidate[:, 1:] != candidate[:, :-1]) & (documents[:, 1:] == documents[:, :-1])
+    if real is not None:
+        extra = extra & real[:, 1:] & real[:, :-1]
+    return not bool(extra.any())
 
 
 def _same_starts(a: torch.Tensor, b: torch.Tensor, real: torch.Tensor | None) -> bool:

@@ -20,13 +20,21 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, GenerationMixin
 
+from am_context_parallel import ContiguousCPOptions
 from am_models_nemotron._init import weight_of
 from am_models_nemotron.backbone import NemotronV3Model, move_buffers_
 from am_models_nemotron.backend import default_backend, resolve_backend
 from am_models_nemotron.cache import NemotronHybridCache
 from am_models_nemotron.config import NemotronConfig, as_hf_config
+from am_models_nemotron.cp import (
+    NemotronCPContext,
+    block_cp_problems,
+    nemotron_cp_options,
+    prepare_batch_for_cp,
+    resolve_layout,
+)
 from am_models_nemotron.generation import NemotronGenerationMixin
-from am_models_nemotron.inputs import pop_layout_kwargs, resolve_batch_layout
+from am_models_nemotron.inputs import pop_layout_kwargs
 from am_models_nemotron.loss import cross_entropy
 from am_models_nemotron.mtp import MTPConfig, MTPModule
 from am_models_nemotron.mtp_inputs import mtp_fusion_inputs
@@ -78,11 +86,14 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
     main_input_name: ClassVar[str] = "input_ids"
     supports_gradient_checkpointing: ClassVar[bool] = True
 
+    # am-context-parallel: each rank one contiguous block (the Mamba2 recurrence passes its state rank to rank).
+    _cp_layout: ClassVar[str] = "contiguous"
+
     @classmethod
     def get_capabilities(cls, config: Any) -> dict[str, bool]:
-        """Capabilities for am-capabilities: PP yes; EP when the config has MoE blocks; TP and CP not yet."""
+        """Capabilities for am-capabilities: PP and CP (contiguous) yes; EP when the config has MoE blocks; no TP."""
         has_moe = NemotronConfig.from_any(config).has_moe
-        return {"supports_pp": True, "supports_ep": has_moe, "supports_tp": False, "supports_cp": False}
+        return {"supports_pp": True, "supports_ep": has_moe, "supports_tp": False, "supports_cp": True}
 
     def __init__(
         self,
@@ -198,6 +209,25 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
         return bool(self.model.gradient_checkpointing)
 
     # ------------------------------------------------------------------------------------------------------------
+    # Context parallelism (am-context-parallel's contiguous path, declared by `_cp_layout`)
+    # ------------------------------------------------------------------------------------------------------------
+
+    def get_cp_options(self) -> ContiguousCPOptions:
+        """What `make_cp_batch_and_ctx(mesh, batch, model=self)` shards besides the defaults: the MTP keys."""
+        return nemotron_cp_options(mtp=self.num_mtp_depths > 0)
+
+    def prepare_batch_for_cp(
+        self, batch: dict[str, Any], *, labels_shifted: bool = False, ignore_index: int = -100
+    ) -> dict[str, Any]:
+        """The batch, ready to shard: next-token `labels`, global document ids `_packed_seq_ids` (0 = padding),
+        `padding_mask` and, while MTP runs (training, or `compute_mtp_in_eval`), the per-depth MTP inputs and
+        targets — all computed on the whole sequences (see `cp.prepare_batch_for_cp`). Call it before
+        `make_cp_batch_and_ctx(mesh, batch, model=model)`; `labels_shifted`: the batch's labels are already the
+        next-token targets."""
+        depths = self.num_mtp_depths if (self.training or self.compute_mtp_in_eval) else 0
+        return prepare_batch_for_cp(batch, mtp_depths=depths, labels_shifted=labels_shifted, ignore_index=ignore_index)
+
+    # ------------------------------------------------------------------------------------------------------------
     # Forward
     # ------------------------------------------------------------------------------------------------------------
 
@@ -220,6 +250,8 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
         output_hidden_states: bool | int | Sequence[int] | None = None,
         return_dict: bool | None = None,
         compute_logits: bool = True,
+        shift_labels: torch.Tensor | None = None,
+        mtp_per_depth_targets: Sequence[torch.Tensor] | torch.Tensor | None = None,
         **kwargs: Any,
     ) -> Any:
         """Causal LM forward (NeMo AutoModel's signature; every accepted input takes effect or is refused).
@@ -239,7 +271,16 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
         instead of shifting `input_ids`; mtp_per_depth_position_ids: their positions (shape-checked; NoPE).
         output_hidden_states: None -> `config.output_hidden_states`; True, an index or indices (transformers).
         num_items_in_batch (kwarg): the loss becomes the cross-entropy sum / num_items_in_batch (transformers).
-        cp_size / cp_rank (kwargs): only 1 / 0 — context parallelism of the whole model is not wired yet.
+        shift_labels: [B, S] next-token targets already shifted (transformers' name; instead of `labels`);
+        mtp_per_depth_targets: D [B, S] MTP targets (or [B, D, S]) precomputed with them; both come from
+        `prepare_batch_for_cp` under context parallelism, and the targets are kept on the output for `combined_loss`.
+
+        Context parallelism: inside the `RingAttentionContext` of `make_cp_batch_and_ctx(mesh, batch, model=model)`
+        (contiguous layout; prepare the batch with `prepare_batch_for_cp` first) this rank's block runs exactly its
+        rows of the single-process forward: ring attention, Mamba2 state passing, MTP from the pre-shifted inputs.
+        `labels` (shifted here), a cache, THD boundaries and explicit masks are refused there, on every rank, before
+        any transfer; `loss` is then this rank's share (a local mean; use `combined_loss` with a global-count
+        `loss_fn` for the global loss). cp_size / cp_rank (kwargs): must match the entered context (1 / 0 outside).
 
         Returns:
             Off the pipeline: `NemotronHCausalLMOutputWithPast` (a tuple with `return_dict=False`); `loss` is the
@@ -251,7 +292,7 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         if kwargs.pop("output_attentions", None):
             raise ValueError("output_attentions is not supported (SDPA does not return attention weights).")
-        self._check_cp_kwargs({name: kwargs.pop(name) for name in _CP_KWARGS if name in kwargs})
+        cp_kwargs = {name: kwargs.pop(name) for name in _CP_KWARGS if name in kwargs}
         layout_kwargs = pop_layout_kwargs(kwargs)
         if kwargs:
             raise TypeError(f"{type(self).__name__}.forward got unexpected keyword arguments {sorted(kwargs)}.")
@@ -269,22 +310,62 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
             layout_kwargs["position_ids"] = position_ids
         if padding_mask is not None:
             layout_kwargs["padding_mask"] = padding_mask
+        if labels is not None and shift_labels is not None:
+            raise ValueError("pass labels (unshifted) or shift_labels (already shifted), not both")
 
         reference = input_ids if input_ids is not None else inputs_embeds
         if reference is None:
             raise ValueError("input_ids must be provided if inputs_embeds is not provided.")
+        seqlen = reference.shape[1]
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
-        layout = resolve_batch_layout(
+        mtp_runs = self.mtp is not None and past_key_values is None and not use_cache
+        mtp_runs = mtp_runs and (self.training or self.compute_mtp_in_eval)
+        per_depth_given = bool(mtp_embed_inputs) or mtp_per_depth_input_ids is not None
+
+        def cp_problems(cp: NemotronCPContext) -> list[str]:
+            blocks = [*self.model.layers.values(), *(self.mtp.layers if self.mtp is not None and mtp_runs else [])]
+            problems = block_cp_problems(blocks, seqlen=seqlen, training=self.training)
+            problems += _cp_kwarg_problems(cp_kwargs, cp.size, cp.rank)
+            if labels is not None:
+                problems.append(
+                    "labels would be shifted here, across block edges; prepare the batch with "
+                    "model.prepare_batch_for_cp before sharding and pass its labels as shift_labels (or compute the "
+                    "loss with model.combined_loss(out, labels, labels_shifted=True))"
+                )
+            if use_cache or past_key_values is not None:
+                problems.append("a generation cache cannot be combined with context parallelism")
+            first_stage = self.model.embed_tokens is not None
+            needs_ids = mtp_runs or (self._is_pipeline_stage() and self.num_mtp_depths > 0)
+            if needs_ids and first_stage and not per_depth_given:
+                problems.append(
+                    "MTP needs mtp_per_depth_input_ids shifted on the whole sequence before sharding "
+                    "(model.prepare_batch_for_cp)"
+                )
+            if shift_labels is not None and mtp_runs and mtp_per_depth_targets is None:
+                problems.append("the MTP loss needs mtp_per_depth_targets from model.prepare_batch_for_cp")
+            return problems
+
+        layout = resolve_layout(
+            owner=type(self).__name__,
             batch=reference.shape[0],
-            seqlen=reference.shape[1],
+            seqlen=seqlen,
             device=reference.device,
             past_length=past,
             attention_mask=attention_mask,
             causal_mask_mapping=causal_mask_mapping,
-            **layout_kwargs,
+            layout_kwargs=layout_kwargs,
+            cp_problems=cp_problems,
         )
+        if layout.cp is None and _cp_kwarg_problems(cp_kwargs, 1, 0):
+            raise ValueError(
+                "; ".join(_cp_kwarg_problems(cp_kwargs, 1, 0)) + ": context parallelism runs inside the "
+                "RingAttentionContext of make_cp_batch_and_ctx(mesh, batch, model=model), after "
+                "model.prepare_batch_for_cp(batch)."
+            )
         if self._is_pipeline_stage():
-            return self._stage_forward(input_ids, mtp_embed_inputs, layout=layout)
+            return self._stage_forward(
+                input_ids, mtp_embed_inputs, layout=layout, per_depth_input_ids=mtp_per_depth_input_ids
+            )
 
         cache = past_key_values
         if use_cache and cache is None:
@@ -318,7 +399,8 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
             logits = hidden.new_empty(*hidden.shape[:-1], 0)
 
         mtp_hidden: list[torch.Tensor] | None = None
-        if self.mtp is not None and cache is None and (self.training or self.compute_mtp_in_eval):
+        if mtp_runs:
+            assert self.mtp is not None
             embeds = mtp_fusion_inputs(
                 depths=self.num_mtp_depths,
                 embed_tokens=self.model.embed_tokens,
@@ -330,20 +412,25 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
                 per_depth_position_ids=mtp_per_depth_position_ids,
             )
             mtp_hidden = self.mtp(hidden, embed_inputs=embeds, **layout.block_inputs(hidden))
-        elif mtp_embed_inputs or mtp_per_depth_input_ids is not None:
+        elif per_depth_given or mtp_per_depth_targets is not None:
             raise ValueError("per-depth MTP inputs were given but MTP does not run (no MTP, eval, or a cache).")
 
+        depth_targets = _per_depth(mtp_per_depth_targets)
         loss = mtp_term = None
-        if labels is not None:
+        targets = labels if labels is not None else shift_labels
+        if targets is not None:
             combined = combined_causal_lm_loss(
                 logits,
-                labels,
+                targets,
                 mtp_per_depth_h=mtp_hidden,
                 lm_head=self.lm_head,
                 mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor,
                 seq_idx=layout.seq_idx,
                 loss_fn=_sum_over(num_items_in_batch) if num_items_in_batch is not None else None,
-                padding_mask=layout.padding_mask,  # padding is never a target, nor predicts one
+                labels_shifted=shift_labels is not None,
+                mtp_per_depth_targets=depth_targets,
+                # padding is never a target, nor predicts one (under CP already applied before sharding)
+                padding_mask=layout.padding_mask if layout.cp is None else None,
             )
             loss, mtp_term = combined.lm_loss, combined.mtp_loss
 
@@ -355,19 +442,11 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
             mtp_per_depth_h=mtp_hidden,
             mtp_loss=mtp_term,
             mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor if mtp_hidden is not None else None,
+            mtp_per_depth_targets=depth_targets,
         )
         if return_dict is False:
             return output.to_tuple()
         return output
-
-    def _check_cp_kwargs(self, values: dict[str, Any]) -> None:
-        size = values.get("cp_size")
-        rank = values.get("cp_rank")
-        if (size is not None and int(size) != 1) or (rank is not None and int(rank) != 0):
-            raise ValueError(
-                f"cp_size={size}, cp_rank={rank}: {type(self).__name__} runs context parallelism only through "
-                "am-context-parallel's contiguous sharder (not wired into this model yet); pass cp_size=1 or omit it."
-            )
 
     def combined_loss(
         self,
@@ -401,6 +480,8 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
         else:
             logits = output.logits
             mtp_hidden = list(output.mtp_per_depth_h or [])
+            if mtp_per_depth_targets is None:
+                mtp_per_depth_targets = getattr(output, "mtp_per_depth_targets", None)
         if not (self.training or self.compute_mtp_in_eval):
             mtp_hidden = []
         return combined_causal_lm_loss(
@@ -439,6 +520,23 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
         from am_models_nemotron.checkpoint import save_pretrained
 
         save_pretrained(self, path, max_shard_size=max_shard_size)
+
+
+def _per_depth(value: Sequence[torch.Tensor] | torch.Tensor | None) -> list[torch.Tensor] | None:
+    """D tensors from a sequence or a [B, D, S] tensor."""
+    if value is None:
+        return None
+    return list(value.unbind(1)) if isinstance(value, torch.Tensor) else list(value)
+
+
+def _cp_kwarg_problems(values: dict[str, Any], size: int, rank: int) -> list[str]:
+    """cp_size / cp_rank keyword arguments that disagree with the actual CP group (size, rank)."""
+    problems = []
+    if values.get("cp_size") is not None and int(values["cp_size"]) != size:
+        problems.append(f"cp_size={int(values['cp_size'])} but the CP group has {size} rank(s)")
+    if values.get("cp_rank") is not None and int(values["cp_rank"]) != rank:
+        problems.append(f"cp_rank={int(values['cp_rank'])} but this is CP rank {rank}")
+    return problems
 
 
 def _sum_over(count: Any) -> Any:

@@ -22,7 +22,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from am_models_nemotron.loss import cross_entropy
 from am_models_nemotron.mtp import mtp_depth_losses, shift_labels, shift_within_documents
 
-__all__ = ["CombinedLoss", "NemotronHCausalLMOutputWithPast", "combined_causal_lm_loss", "select_hidden_states"]
+__all__ = [
+    "CombinedLoss",
+    "NemotronHCausalLMOutputWithPast",
+    "causal_lm_targets",
+    "combined_causal_lm_loss",
+    "select_hidden_states",
+]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -38,11 +44,14 @@ class NemotronHCausalLMOutputWithPast(CausalLMOutputWithPast):
     mtp_loss: `mtp_loss_scaling_factor` x the mean over depths of each depth's mean cross entropy (labels given
     and MTP ran); NOT included in `loss`. Add it with `combined_causal_lm_loss` / `model.combined_loss`.
     mtp_loss_scaling_factor: the weight used for `mtp_loss`.
+    mtp_per_depth_targets: the D precomputed [B, S] MTP targets the forward was given (context parallelism: shifted
+    before sharding), which `model.combined_loss` then uses; None otherwise.
     """
 
     mtp_per_depth_h: list[torch.Tensor] | None = None
     mtp_loss: torch.Tensor | None = None
     mtp_loss_scaling_factor: float | None = None
+    mtp_per_depth_targets: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -57,6 +66,36 @@ class CombinedLoss:
 
 def _default_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return cross_entropy(logits, targets)
+
+
+def causal_lm_targets(
+    labels: torch.Tensor,
+    *,
+    depths: int = 0,
+    seq_idx: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    labels_shifted: bool = False,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(next-token targets [B, S], D MTP targets [B, S]): THE target rule.
+
+    Position t's next-token target is labels[t + 1] (or labels[t] when `labels_shifted`); depth k's is the
+    next-token target k + 1 positions on (the token t + k + 2). `ignore_index` past the row, across a document
+    (`seq_idx`), at padding positions and where the target token is padding (`padding_mask`, True = padding).
+    Context parallelism calls it on the whole sequence before sharding, so block edges are right.
+    """
+    if padding_mask is not None and not labels_shifted:
+        labels = labels.masked_fill(padding_mask, ignore_index)
+    shifted = labels if labels_shifted else shift_labels(labels, 1, seq_idx=seq_idx, ignore_index=ignore_index)
+    if padding_mask is not None:
+        shifted = shifted.masked_fill(padding_mask, ignore_index)
+        if labels_shifted:  # the target of position t is the token t + 1
+            shifted = shifted.masked_fill(shift_within_documents(padding_mask, 1, fill_value=True), ignore_index)
+    targets = []
+    for k in range(depths):
+        target = shift_labels(shifted, k + 1, seq_idx=seq_idx, ignore_index=ignore_index)
+        targets.append(target if padding_mask is None else target.masked_fill(padding_mask, ignore_index))
+    return shifted, targets
 
 
 def combined_causal_lm_loss(
@@ -87,32 +126,27 @@ def combined_causal_lm_loss(
     Raises:
         ValueError: MTP hidden states without `lm_head`, or precomputed targets of the wrong count or shape.
     """
-    if padding_mask is not None and not labels_shifted:
-        labels = labels.masked_fill(padding_mask, ignore_index)
-    shifted = labels if labels_shifted else shift_labels(labels, 1, seq_idx=seq_idx, ignore_index=ignore_index)
-    if padding_mask is not None:
-        shifted = shifted.masked_fill(padding_mask, ignore_index)
-        if labels_shifted:  # the target of position t is the token t + 1
-            shifted = shifted.masked_fill(shift_within_documents(padding_mask, 1, fill_value=True), ignore_index)
+    depths = len(mtp_per_depth_h) if mtp_per_depth_h else 0
+    shifted, targets = causal_lm_targets(
+        labels,
+        depths=depths if mtp_per_depth_targets is None else 0,
+        seq_idx=seq_idx,
+        padding_mask=padding_mask,
+        labels_shifted=labels_shifted,
+        ignore_index=ignore_index,
+    )
     lm_loss = (loss_fn or _default_lm_loss)(logits, shifted)
     depth_losses: list[torch.Tensor] = []
     if mtp_per_depth_h:
         if lm_head is None:
             raise ValueError("combined_causal_lm_loss: MTP hidden states need lm_head to become logits.")
-        if mtp_per_depth_targets is None and padding_mask is not None:
-            mtp_per_depth_targets = [
-                shift_labels(shifted, k + 1, seq_idx=seq_idx, ignore_index=ignore_index).masked_fill(
-                    padding_mask, ignore_index
-                )
-                for k in range(len(mtp_per_depth_h))
-            ]
         depth_losses = mtp_depth_losses(
             mtp_per_depth_h,
             shifted_labels=shifted,
             lm_head=lm_head,
             seq_idx=seq_idx,
             loss_fn=loss_fn,
-            targets=mtp_per_depth_targets,
+            targets=mtp_per_depth_targets if mtp_per_depth_targets is not None else targets,
             ignore_index=ignore_index,
         )
     if not depth_losses:

@@ -22,7 +22,16 @@ from am_models_nemotron.mtp_inputs import mtp_fusion_inputs
 __all__ = ["NemotronPipelineMixin"]
 
 # Per-sample forward kwargs that am-pipelining splits into micro-batches along dim 0.
-_PER_SAMPLE_KWARGS = ("attention_mask", "seq_idx", "padding_mask", "_packed_seq_ids", "position_ids")
+_PER_SAMPLE_KWARGS = (
+    "attention_mask",
+    "seq_idx",
+    "padding_mask",
+    "_packed_seq_ids",
+    "position_ids",
+    "mtp_per_depth_input_ids",
+    "mtp_per_depth_targets",
+    "shift_labels",
+)
 
 
 class NemotronPipelineMixin:
@@ -48,7 +57,12 @@ class NemotronPipelineMixin:
         )
 
     def _stage_forward(
-        self, input_ids: torch.Tensor | None, mtp_embed_inputs: tuple[torch.Tensor, ...], *, layout: BatchLayout
+        self,
+        input_ids: torch.Tensor | None,
+        mtp_embed_inputs: tuple[torch.Tensor, ...],
+        *,
+        layout: BatchLayout,
+        per_depth_input_ids: Any = None,
     ) -> Any:
         """Pipeline-stage contract (see `NemotronHForCausalLM.forward`). MTP depths travel and run whatever the
         train/eval mode, so a stage's output arity always equals `get_pipeline_stage_metas`."""
@@ -63,6 +77,7 @@ class NemotronPipelineMixin:
                     input_ids=input_ids,
                     inputs_embeds=None,
                     seq_idx=layout.seq_idx,
+                    per_depth_input_ids=per_depth_input_ids,  # context parallelism: shifted before sharding
                 )
             )
         if depths and len(mtp_embed_inputs) != depths:
