@@ -347,6 +347,7 @@ def resolve_batch_layout(
         key_mask=key_mask,
         full_attention_mask=full_mask,
         mamba_mask=mamba_mask,
+        cp=cp,
     )
 
 
