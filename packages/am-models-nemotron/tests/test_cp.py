@@ -26,7 +26,7 @@ from am_nemotron_dist import case_result, run_cases, run_group
 from am_nemotron_helpers import randomize_, tiny_hf_config, tokens
 from torch.distributed.device_mesh import init_device_mesh
 
-from am_context_parallel import make_cp_batch_and_ctx
+from am_context_parallel import FlashCPUAttentionKernel, TorchAttentionKernel, make_cp_batch_and_ctx
 from am_models_nemotron import NemotronHForCausalLM
 
 WORLD = 4
@@ -211,3 +211,14 @@ def test_bad_input_is_refused_on_every_rank_before_any_transfer(
         else:
             for part in EXPECTED[refusal]:
                 assert part in message, f"rank {rank}: {message}"
+
+
+def test_the_ring_kernel_is_the_cpu_flash_op_on_the_cpu_and_the_plain_kernel_elsewhere() -> None:
+    """The parity cases above run through the kernel the model declares; this pins which one that is."""
+    options = NemotronHForCausalLM(tiny_hf_config(PATTERN, mtp_depths=2)).get_cp_options()
+    on_cpu = options.kernel_for(torch.device("cpu"))
+    if FlashCPUAttentionKernel.available():
+        assert isinstance(on_cpu, FlashCPUAttentionKernel)
+    else:
+        assert isinstance(on_cpu, TorchAttentionKernel)
+    assert isinstance(options.kernel_for(torch.device("meta")), TorchAttentionKernel)

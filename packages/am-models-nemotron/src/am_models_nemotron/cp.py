@@ -21,7 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from am_context_parallel import ContiguousCPOptions, ContiguousLayout, RingAttentionContext, current_ring_context
+from am_context_parallel import (
+    AttentionKernel,
+    ContiguousCPOptions,
+    ContiguousLayout,
+    FlashCPUAttentionKernel,
+    RingAttentionContext,
+    TorchAttentionKernel,
+    current_ring_context,
+)
 from am_models_nemotron.inputs import BatchLayout, pop_layout_kwargs, resolve_batch_layout
 from am_models_nemotron.mamba2_cp import Mamba2CPContext, conv_halo_width
 from am_models_nemotron.mtp import shift_within_documents
@@ -36,6 +44,7 @@ __all__ = [
     "prepare_batch_for_cp",
     "raise_on_every_rank",
     "resolve_layout",
+    "ring_kernel",
 ]
 
 # Batch keys the sharder carries for MTP ([B, D, S]: sequence dim 2) with their padding values.
@@ -100,10 +109,19 @@ def _flag_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def ring_kernel(device: torch.device) -> AttentionKernel:
+    """The ring's per-chunk kernel: torch's fused CPU flash op on the CPU (where present: no [S_local, S_local]
+    score matrix is kept), else the plain-PyTorch kernel."""
+    if torch.device(device).type == "cpu" and FlashCPUAttentionKernel.available():
+        return FlashCPUAttentionKernel()
+    return TorchAttentionKernel()
+
+
 def nemotron_cp_options(*, mtp: bool) -> ContiguousCPOptions:
-    """What the contiguous sharder must know: the MTP keys to shard (when MTP is configured), and that the MTP
-    inputs are built from token ids (so `inputs_embeds` is refused then)."""
+    """What the contiguous sharder must know: the ring kernel, the MTP keys to shard (when MTP is configured), and
+    that the MTP inputs are built from token ids (so `inputs_embeds` is refused then)."""
     return ContiguousCPOptions(
+        kernel=ring_kernel,
         route_hf_attention=False,
         extra_seq_keys=dict(MTP_CP_KEYS) if mtp else {},
         primary_keys=("input_ids",) if mtp else ("input_ids", "inputs_embeds"),
