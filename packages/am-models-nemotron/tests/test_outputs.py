@@ -140,6 +140,13 @@ def test_one_helper_for_every_output_form() -> None:
     finally:
         model.compute_mtp_in_eval = False
         model.train()
+    # Another ignore_index: the default loss functions honour it (masked labels count as with -100).
+    masked = shift_labels(ids, 1, seq_idx=seq_idx).masked_fill(ids % 3 == 0, -100)
+    default = model.combined_loss(out, masked, labels_shifted=True, seq_idx=seq_idx)
+    other = model.combined_loss(
+        out, masked.masked_fill(masked == -100, -1), labels_shifted=True, seq_idx=seq_idx, ignore_index=-1
+    )
+    assert_close_rel(other, default, rtol=1e-6, what="ignore_index=-1")
     with pytest.raises(ValueError, match="need lm_head"):
         combined_causal_lm_loss(out.logits, ids, mtp_per_depth_h=out.mtp_per_depth_h)
     with pytest.raises(ValueError, match="got 1 target tensors"):

@@ -458,6 +458,7 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
         seq_idx: torch.Tensor | None = None,
         scaling_factor: float | None = None,
         mtp_per_depth_targets: Sequence[torch.Tensor] | None = None,
+        ignore_index: int = -100,
     ) -> torch.Tensor:
         """THE training loss of one of this model's outputs: next-token loss + scaled MTP loss (`outputs`).
 
@@ -466,6 +467,7 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
         *D MTP hidden states, int32 seq_idx [B, S])`, or bare logits. labels: [B, S], unshifted unless
         `labels_shifted` (the pipeline's convention). MTP counts while training (or with `compute_mtp_in_eval`);
         seq_idx defaults to the stage tuple's tail. scaling_factor: default `mtp_config.loss_scaling_factor`.
+        ignore_index: the label value that is no target (also written where a target would cross a document).
         """
         depths = self.num_mtp_depths
         mtp_hidden: list[torch.Tensor] = []
@@ -494,6 +496,7 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
             loss_fn=loss_fn,
             labels_shifted=labels_shifted,
             mtp_per_depth_targets=mtp_per_depth_targets,
+            ignore_index=ignore_index,
         ).loss
 
     # ------------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ What it must not do: import am-pipelining (it has its own `calculate_mtp_loss`; 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -105,9 +106,9 @@ def shift_labels(
     return shift_within_documents(labels, shift, seq_idx=seq_idx, fill_value=ignore_index)
 
 
-def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
     """Mean over the non-ignored targets; 0 (not NaN) when a depth has none (short rows at deep depths)."""
-    return cross_entropy(logits, targets, empty_is_zero=True)
+    return cross_entropy(logits, targets, ignore_index=ignore_index, empty_is_zero=True)
 
 
 def mtp_depth_losses(
@@ -142,7 +143,7 @@ def mtp_depth_losses(
         targets = [
             shift_labels(shifted_labels, k + 1, seq_idx=seq_idx, ignore_index=ignore_index) for k in range(depths)
         ]
-    fn = loss_fn or _mean_cross_entropy
+    fn = loss_fn or functools.partial(_mean_cross_entropy, ignore_index=ignore_index)
     return [fn(lm_head(h), t) for h, t in zip(per_depth_hidden, targets, strict=True)]
 
 

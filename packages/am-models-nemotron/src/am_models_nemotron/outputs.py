@@ -13,6 +13,7 @@ adds the MTP loss itself would count it twice).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -64,8 +65,8 @@ class CombinedLoss:
     mtp_per_depth_losses: list[torch.Tensor]
 
 
-def _default_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return cross_entropy(logits, targets)
+def _default_lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
+    return cross_entropy(logits, targets, ignore_index=ignore_index)
 
 
 def causal_lm_targets(
@@ -135,7 +136,7 @@ def combined_causal_lm_loss(
         labels_shifted=labels_shifted,
         ignore_index=ignore_index,
     )
-    lm_loss = (loss_fn or _default_lm_loss)(logits, shifted)
+    lm_loss = (loss_fn or functools.partial(_default_lm_loss, ignore_index=ignore_index))(logits, shifted)
     depth_losses: list[torch.Tensor] = []
     if mtp_per_depth_h:
         if lm_head is None:

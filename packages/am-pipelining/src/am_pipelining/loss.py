@@ -227,6 +227,12 @@ class PipelineCausalLMLoss(nn.Module):
     MTP entries are hidden states (or logits when `model.mtp_outputs_are_logits`) and an optional trailing 2-D int32
     tensor carries the micro-batch's packed-sequence ids. MTP is added only while `model.training`.
 
+    A model that owns its training-loss rule (e.g. Nemotron-H's next-token + MTP loss) provides the duck-typed hook
+    `model.combined_loss(output, labels, *, loss_fn, labels_shifted, seq_idx, scaling_factor, ignore_index)`; the
+    loss then calls it (labels already shifted; seq_idx from the output's int32 tail or from `cu_seqlens`, else
+    None; scaling_factor None means the model's own), so the pipeline, the single-process trainer and the model
+    compute one rule. Without the hook the generic rule below applies.
+
     Args:
         loss_fn: `(logits, labels) -> scalar`, e.g. a token-sum cross entropy.
         model: the last stage's module (its `lm_head` projects MTP hidden states; its `mtp_config` gives the
@@ -265,9 +271,22 @@ class PipelineCausalLMLoss(nn.Module):
 
     def forward(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         output, seq_idx = self._extract_seq_idx_tail(output)
-        mtp_h = mtp_logits = None
         scaling = self.scaling_factor
         model = self.model
+        combined_loss = getattr(model, "combined_loss", None)
+        if callable(combined_loss):
+            if seq_idx is None and self.cu_seqlens is not None:
+                seq_idx = _resolve_seq_idx(labels, None, self.cu_seqlens)
+            return combined_loss(
+                output,
+                labels,
+                loss_fn=self.loss_fn,
+                labels_shifted=True,
+                seq_idx=seq_idx,
+                scaling_factor=scaling,
+                ignore_index=self.ignore_index,
+            )
+        mtp_h = mtp_logits = None
         if isinstance(output, tuple):
             logits = output[0]
             rest = list(output[1:])
