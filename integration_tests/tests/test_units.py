@@ -31,8 +31,9 @@ def test_trainer_loss_equals_the_models_own_loss(family: str) -> None:
 
 
 def test_nemotron_training_loss_is_the_models_combined_loss_and_counts_mtp_once() -> None:
-    """pp = 1 calls the model's `combined_loss` hook; it equals am-pipelining's PipelineCausalLMLoss (the pp > 1
-    path) on the same output, and the model's own `loss` is the next-token loss alone (MTP reported apart)."""
+    """The trainer's loss module (am-pipelining's PipelineCausalLMLoss, at pp = 1 and on the last stage) computes
+    the model's `combined_loss` rule — on the forward's output and on a last stage's tuple with its seq_idx tail —
+    and the model's own `loss` is the next-token loss alone (MTP reported apart)."""
     from am_pipelining import PipelineCausalLMLoss
 
     spec = preset_spec("nemotron", hidden_size=32, num_layers=4, mtp_depths=2, tie_embeddings=False, vocab_size=None)
@@ -45,6 +46,12 @@ def test_nemotron_training_loss_is_the_models_combined_loss_and_counts_mtp_once(
     hook = model.combined_loss(output, labels, loss_fn=loss_fn, labels_shifted=True)
     pipeline = PipelineCausalLMLoss(loss_fn, model=model)(output, labels)
     torch.testing.assert_close(hook, pipeline, rtol=1e-6, atol=0.0)
+    seq_idx = (torch.arange(16) >= 7).to(torch.int32).expand(2, 16)  # two packed documents per row
+    stage_tuple = (output.logits, *output.mtp_per_depth_h, seq_idx)
+    packed = PipelineCausalLMLoss(loss_fn, model=model)(stage_tuple, labels)
+    torch.testing.assert_close(
+        packed, model.combined_loss(output, labels, loss_fn=loss_fn, labels_shifted=True, seq_idx=seq_idx)
+    )
     own = model(input_ids=windows, labels=windows)
     next_token = loss_fn(own.logits[:, :-1], labels)
     torch.testing.assert_close(own.loss, next_token, rtol=1e-6, atol=0.0)

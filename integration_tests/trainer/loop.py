@@ -461,12 +461,9 @@ def _forward_backward(
             sync(i == n_micro - 1)  # FSDP2: reduce gradients once, after the last microbatch
         with ctx():
             output = model(**batch)
-            # A model that owns its training loss (Nemotron-H: next-token + scaled MTP) computes it with our loss_fn.
-            combined = getattr(model, "combined_loss", None)
-            if callable(combined):
-                loss = combined(output, mb_labels, loss_fn=loss_module.loss_fn, labels_shifted=True)
-            else:
-                loss = loss_module(output, mb_labels)
+            # The pipeline's loss module, as at pp > 1: a model that owns its training loss (Nemotron-H: next-token
+            # + scaled MTP, its `combined_loss` hook) computes it there with our loss_fn.
+            loss = loss_module(output, mb_labels)
             loss.backward()
         total += loss.detach().float()
     return total
