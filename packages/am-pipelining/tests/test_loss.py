@@ -226,14 +226,17 @@ def test_pipeline_loss_calls_the_models_combined_loss_hook():
     torch.testing.assert_close(got, expected)
     assert not torch.allclose(got, generic), "the hook's rule, not the generic one"
     first = model.calls[0]
-    assert first["labels_shifted"] is True and first["scaling"] is None and first["ignore"] == IGN
+    assert first["labels_shifted"] is True
+    assert first["scaling"] is None
+    assert first["ignore"] == IGN
     assert torch.equal(first["seq_idx"], seq_idx)
 
     packed = PipelineCausalLMLoss(_sum_ce, model, scaling_factor=2.0, ignore_index=-1)
     packed.cu_seqlens = torch.tensor([0, 3, 8])
     got = packed((logits, h1), labels)
     call = model.calls[-1]
-    assert call["scaling"] == 2.0 and call["ignore"] == -1
+    assert call["scaling"] == 2.0
+    assert call["ignore"] == -1
     assert call["seq_idx"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 1]]
     expected = model.combined_loss(
         (logits, h1), labels, loss_fn=_sum_ce, labels_shifted=True, seq_idx=seq_idx, scaling_factor=2.0, ignore_index=-1
