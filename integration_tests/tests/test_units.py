@@ -45,6 +45,7 @@ def test_fsdp_groups_every_decoder_and_mtp_layer() -> None:
     assert mtp_layers, "the preset has MTP layers"
     assert groups == decoder.layers + mtp_layers
 
+
 def test_nemotron_training_loss_is_the_models_combined_loss_and_counts_mtp_once() -> None:
     """The trainer's loss module (am-pipelining's PipelineCausalLMLoss, at pp = 1 and on the last stage) computes
     the model's `combined_loss` rule — on the forward's output and on a last stage's tuple with its seq_idx tail —

@@ -215,7 +215,6 @@ def test_grad_reduce_group_is_refused_not_ignored():
     assert isinstance(MTPLossConfig().build(lambda logits, target: logits.sum(), None), PipelineCausalLMLoss)
 
 
-
 class _OwnLossModel(_MTPModel):
     """A stage module that owns its training-loss rule (the duck-typed `combined_loss` hook): here the generic rule
     with every MTP depth weighted 3x, so a result computed without the hook differs."""
