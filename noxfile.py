@@ -199,6 +199,7 @@ def integration(session: nox.Session) -> None:
         "pytest",
         "integration_tests/tests",
         "tools/test_readme_examples.py",
+        "tools/test_vendoring.py",
         f"--junitxml={junit}",
         "-p",
         "no:cacheprovider",
