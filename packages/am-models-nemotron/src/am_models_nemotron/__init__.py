@@ -12,12 +12,7 @@ from am_models_nemotron.backbone import NemotronV3Model
 from am_models_nemotron.backend import SUPPORTED_BACKENDS, default_backend, resolve_backend
 from am_models_nemotron.blocks import NemotronV3Block
 from am_models_nemotron.cache import NemotronHybridCache
-from am_models_nemotron.checkpoint import (
-    load_pretrained,
-    read_safetensors_folder,
-    save_pretrained,
-    write_safetensors_folder,
-)
+from am_models_nemotron.checkpoint import load_pretrained, read_safetensors_folder, save_pretrained
 from am_models_nemotron.config import BLOCK_KINDS, NemotronConfig, as_hf_config, normalize_block_types
 from am_models_nemotron.inputs import BatchLayout, resolve_batch_layout
 from am_models_nemotron.mamba2 import Mamba2FP32Params, Mamba2Mixer, MambaRMSNormGated, mamba_kernels_available
@@ -108,6 +103,5 @@ __all__ = [
     "load_pretrained",
     "save_pretrained",
     "read_safetensors_folder",
-    "write_safetensors_folder",
     "__version__",
 ]
