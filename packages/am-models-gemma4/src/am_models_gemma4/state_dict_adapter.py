@@ -26,6 +26,12 @@ class Gemma4StateDictAdapter:
     """`from_hf(state_dict)` / `to_hf(state_dict)`: pure functions of the keys; shapes are checked by the loader."""
 
     @staticmethod
+    def internal_key(key: str) -> str:
+        """Our name for the transformers key `key` (what `from_hf` renames it to)."""
+        match = _HF_MOE.match(key)
+        return key if match is None else f"{match['prefix']}moe.{match['part']}.{match['rest']}"
+
+    @staticmethod
     def from_hf(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """transformers names and layouts → ours."""
         out: dict[str, torch.Tensor] = {}

@@ -45,7 +45,7 @@ def read_safetensors_folder(folder: str | os.PathLike[str]) -> dict[str, torch.T
         ValueError: a file cannot be read (named), or the index is malformed.
     """
     with LazyCheckpoint(folder) as checkpoint:
-        return {key: checkpoint.read(key) for key in checkpoint.keys()}
+        return {key: checkpoint.read(key) for key in checkpoint.names()}
 
 
 def _load_config(folder: Path) -> Any:
@@ -131,7 +131,7 @@ def _check_names_and_shapes(
     """Internal name -> the checkpoint keys it is built from, after checking every name and shape (headers only)."""
     converted = adapter.from_hf(checkpoint.meta_state_dict())  # raises on incomplete expert sets, all listed
     sources: dict[str, list[str]] = {}
-    for key in checkpoint.keys():
+    for key in checkpoint.names():
         sources.setdefault(adapter.internal_key(key), []).append(key)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(converted))

@@ -7,7 +7,8 @@ and the hub options) into one dtype and one device, or refusing them; resolving 
 `huggingface_hub.save_torch_state_dict` (shards and the index file are huggingface_hub's).
 What it must not do: know model names or layouts (the state-dict adapter and `checkpoint.py` do), read a whole
 checkpoint into memory, or accept an option it does not honour.
-The same file lives in am-models-gemma4 (model packages do not import each other); keep the two identical.
+The same file is am_models_nemotron/hf_io.py and am_models_gemma4/hf_io.py (model packages do not import each
+other); keep the two identical.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ class LazyCheckpoint:
                 ) from err
         return self._handles[file]
 
-    def keys(self) -> list[str]:
+    def names(self) -> list[str]:
         return list(self.file_of)
 
     def meta_state_dict(self, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
