@@ -174,6 +174,7 @@ def load_pretrained(
             for name, key in sources.items():
                 (tensor,) = Gemma4StateDictAdapter.from_hf({key: checkpoint.read(key)}).values()
                 state[name].copy_(tensor)
+                del tensor  # before the next read: one tensor in flight at a time
     if target.type != "cpu":
         model.to(target)
     if target_dtype is not None and target_dtype != torch.float32:

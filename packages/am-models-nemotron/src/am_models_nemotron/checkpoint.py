@@ -120,6 +120,7 @@ def load_pretrained(
             elif tensor.is_floating_point() and target_dtype is not None:
                 tensor = tensor.to(target_dtype)
             _assign(model, name, tensor.to(target))
+            del tensor  # before the next read: one tensor (group) in flight at a time
     if target_dtype is not None:
         cast_model_to_dtype(model, target_dtype)
     return model
