@@ -38,6 +38,16 @@ def test_sharded_save_writes_shards_and_index_and_reloads_equal_logits(sharded) 
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
+def test_transformers_loads_our_sharded_folder(sharded) -> None:
+    from transformers import NemotronHForCausalLM as HFNemotronH
+
+    model, folder = sharded
+    hf = HFNemotronH.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = tokens(2, 11)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("keyword", ["torch_dtype", "dtype"])
 def test_bf16_load_keeps_pinned_tensors_fp32(sharded, keyword: str) -> None:
     model, folder = sharded
@@ -110,7 +120,7 @@ def test_hub_id_goes_through_snapshot_download(sharded, monkeypatch: pytest.Monk
 def test_sharded_load_reads_one_tensor_group_at_a_time(sharded, monkeypatch: pytest.MonkeyPatch) -> None:
     """Counting the tensors read from the files and not yet placed in the model: at most one tensor (or one
     layer's per-expert tensors, stacked into one parameter) at any time, never the checkpoint as a whole."""
-    model, folder = sharded
+    _, folder = sharded
     live: dict[int, int] = {}
     peak = [0]
     read = LazyCheckpoint.read
