@@ -118,7 +118,7 @@ def resolve_checkpoint_folder(
         snapshot_download(
             repo_id=text,
             revision=revision,
-            cache_dir=cache_dir,
+            cache_dir=None if cache_dir is None else Path(cache_dir),
             token=token,
             local_files_only=local_files_only,
             force_download=force_download,
@@ -233,7 +233,7 @@ def write_safetensors(
     owned = {k: v.detach().cpu().clone() if _is_view(v) else v.detach().cpu() for k, v in tensors.items()}
     save_torch_state_dict(
         owned,
-        folder,
+        Path(folder),
         max_shard_size=max_shard_size if max_shard_size is not None else 2**62,
         metadata={"format": "pt"},
     )
