@@ -22,6 +22,7 @@ from torch import nn
 
 from am_pipelining.hf_utils import (
     _uses_reentrant_checkpointing,
+    check_forward_reproduction,
     model_keeps_self_forward,
     patch_hf_model_for_pp,
     statically_defines,
@@ -142,8 +143,13 @@ def build_stage_modules(
     after, so `model` is unchanged and a meta-device model allocates nothing. In each copy, modules not kept are
     `None`, `ModuleList`s become `ModuleDict`s keyed by the original index strings, and tied weights stay tied
     when both ends are kept.
+
+    Raises:
+        ValueError: listing every forward-level feature of `model` the pipeline forwards would not reproduce
+            (`check_forward_reproduction`), before any stage is built.
     """
     _check_activation_checkpointing(model)
+    check_forward_reproduction(model)
     keep_self_forward = model_keeps_self_forward(model)
     stage_models = []
     for stage_id in stage_ids:
