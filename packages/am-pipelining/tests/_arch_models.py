@@ -74,16 +74,37 @@ ARCHS: dict[str, tuple[str, dict[str, Any], str | None]] = {
     "llama-unknown-logit-scale": ("llama", {"output_logits_scale": 3.0}, "config.output_logits_scale=3.0"),
 }
 
+BUFFER_ARCHS: dict[str, tuple[str, dict[str, Any], str | None]] = {
+    "qwen2-yarn": (
+        "qwen2",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+        None,
+    ),
+}
+"""Extra architectures for the buffer tests only."""
+
+
+def build_uninitialised(name: str) -> nn.Module:
+    """The tiny causal LM of case `name` (or of `BUFFER_ARCHS`) as transformers builds it (any device context)."""
+    import transformers
+
+    model_type, overrides, _ = ARCHS[name] if name in ARCHS else BUFFER_ARCHS[name]
+    config = transformers.AutoConfig.for_model(model_type, **{**_BASE, **overrides})
+    config._attn_implementation = "eager"
+    return transformers.AutoModelForCausalLM.from_config(config)
+
 
 def build(name: str, *, seed: int = 0) -> nn.Module:
     """The tiny causal LM of case `name`, fp32, train mode, random non-trivial weights (bit-identical per seed)."""
-    import transformers
-
-    model_type, overrides, _ = ARCHS[name]
-    config = transformers.AutoConfig.for_model(model_type, **{**_BASE, **overrides})
-    config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = build_uninitialised(name)
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if "norm" in param_name or "layernorm" in param_name:
