@@ -390,7 +390,7 @@ def _is_vlm(model: nn.Module) -> bool:
 class _ForwardPlan:
     """Which module gets which forward: one resolution shared by patching and validation."""
 
-    text_module: nn.Module | None
+    text_module: nn.Module
     text_name: str
     text_factory: Callable[[], Callable[..., Any]] | None  # None: the generic text forward
     outer_factory: Callable[[], Callable[..., Any]] | None  # None: the generic causal-LM forward
