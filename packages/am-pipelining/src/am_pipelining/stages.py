@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from am_pipelining import _compat
-from am_pipelining.hf_utils import check_forward_reproduction
+from am_pipelining.hf_validation import check_forward_reproduction
 from am_pipelining.layers import DecoderLayers, find_layers, module_at
 from am_pipelining.outputs import output_names_problems, pipeline_output_names
 from am_pipelining.planning import PipelinePlan, plan_pipeline
