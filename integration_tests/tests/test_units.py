@@ -46,6 +46,35 @@ def test_fsdp_groups_every_decoder_and_mtp_layer() -> None:
     assert groups == decoder.layers + mtp_layers
 
 
+def test_nemotron_training_loss_is_the_models_combined_loss_and_counts_mtp_once() -> None:
+    """The trainer's loss module (am-pipelining's PipelineCausalLMLoss, at pp = 1 and on the last stage) computes
+    the model's `combined_loss` rule — on the forward's output and on a last stage's tuple with its seq_idx tail —
+    and the model's own `loss` is the next-token loss alone (MTP reported apart)."""
+    from am_pipelining import PipelineCausalLMLoss
+
+    spec = preset_spec("nemotron", hidden_size=32, num_layers=4, mtp_depths=2, tie_embeddings=False, vocab_size=None)
+    model = build_model(spec, seed=0).train()
+    windows = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    inputs, labels = windows[:, :-1], windows[:, 1:]
+    loss_fn = TokenSumLoss()
+    loss_fn.denominator = float(labels.numel())
+    output = model(input_ids=inputs)
+    hook = model.combined_loss(output, labels, loss_fn=loss_fn, labels_shifted=True)
+    pipeline = PipelineCausalLMLoss(loss_fn, model=model)(output, labels)
+    torch.testing.assert_close(hook, pipeline, rtol=1e-6, atol=0.0)
+    seq_idx = (torch.arange(16) >= 7).to(torch.int32).expand(2, 16)  # two packed documents per row
+    stage_tuple = (output.logits, *output.mtp_per_depth_h, seq_idx)
+    packed = PipelineCausalLMLoss(loss_fn, model=model)(stage_tuple, labels)
+    torch.testing.assert_close(
+        packed, model.combined_loss(output, labels, loss_fn=loss_fn, labels_shifted=True, seq_idx=seq_idx)
+    )
+    own = model(input_ids=windows, labels=windows)
+    next_token = loss_fn(own.logits[:, :-1], labels)
+    torch.testing.assert_close(own.loss, next_token, rtol=1e-6, atol=0.0)
+    assert own.mtp_loss is not None
+    assert float(hook) > float(loss_fn(output.logits, labels))  # the MTP term is in the training loss, once
+
+
 def test_lr_warms_up_then_decays_to_min_lr() -> None:
     cfg = parse_args(["--steps", "100", "--warmup-steps", "10", "--lr", "1e-3", "--min-lr", "1e-4"])
     assert lr_at(1, cfg) == pytest.approx(1e-4)

@@ -495,7 +495,10 @@ def _forward_backward(
         if callable(sync):
             sync(i == n_micro - 1)  # FSDP2: reduce gradients once, after the last microbatch
         with ctx():
-            loss = loss_module(model(**batch), mb_labels)
+            output = model(**batch)
+            # The pipeline's loss module, as at pp > 1: a model that owns its training loss (Nemotron-H: next-token
+            # + scaled MTP, its `combined_loss` hook) computes it there with our loss_fn.
+            loss = loss_module(output, mb_labels)
             loss.backward()
         total += loss.detach().float()
     return total

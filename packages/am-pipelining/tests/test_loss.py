@@ -213,3 +213,66 @@ def test_grad_reduce_group_is_refused_not_ignored():
     with pytest.raises(ValueError, match="grad_reduce_group is not supported"):
         MTPLossConfig().build(lambda logits, target: logits.sum(), None, grad_reduce_group=object())
     assert isinstance(MTPLossConfig().build(lambda logits, target: logits.sum(), None), PipelineCausalLMLoss)
+
+
+class _OwnLossModel(_MTPModel):
+    """A stage module that owns its training-loss rule (the duck-typed `combined_loss` hook): here the generic rule
+    with every MTP depth weighted 3x, so a result computed without the hook differs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[dict] = []
+
+    def combined_loss(self, output, labels, *, loss_fn, labels_shifted, seq_idx, scaling_factor, ignore_index):
+        self.calls.append(
+            {"labels_shifted": labels_shifted, "seq_idx": seq_idx, "scaling": scaling_factor, "ignore": ignore_index}
+        )
+        logits, *mtp = output
+        scaling = 3 * (self.mtp_config.loss_scaling_factor if scaling_factor is None else scaling_factor)
+        return loss_fn(logits, labels) + calculate_mtp_loss(
+            loss_fn, mtp_per_depth_h=mtp, labels=labels, model=self, scaling_factor=scaling, seq_idx=seq_idx
+        )
+
+
+def test_pipeline_loss_calls_the_models_combined_loss_hook():
+    """One rule: a model with `combined_loss` computes the pipeline's loss (labels already shifted, the stage's
+    seq_idx tail or the cu_seqlens ids, the configured scaling and ignore_index handed on)."""
+    model = _OwnLossModel()
+    model.pipeline_output_names = ("logits", "mtp_per_depth_h", "seq_idx")
+    logits, h1 = torch.randn(1, 8, 7), torch.randn(1, 8, 4)
+    labels = torch.randint(0, 7, (1, 8))
+    seq_idx = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]], dtype=torch.int32)
+    plain = _MTPModel()
+    plain.pipeline_output_names = model.pipeline_output_names
+    generic = PipelineCausalLMLoss(_sum_ce, plain)((logits, h1, seq_idx), labels)
+
+    got = PipelineCausalLMLoss(_sum_ce, model)((logits, h1, seq_idx), labels)
+    expected = model.combined_loss(
+        (logits, h1),
+        labels,
+        loss_fn=_sum_ce,
+        labels_shifted=True,
+        seq_idx=seq_idx,
+        scaling_factor=None,
+        ignore_index=IGN,
+    )
+    torch.testing.assert_close(got, expected)
+    assert not torch.allclose(got, generic), "the hook's rule, not the generic one"
+    first = model.calls[0]
+    assert first["labels_shifted"] is True
+    assert first["scaling"] is None
+    assert first["ignore"] == IGN
+    assert torch.equal(first["seq_idx"], seq_idx)
+
+    model.pipeline_output_names = ("logits", "mtp_per_depth_h")  # no seq_idx tail: ids come from cu_seqlens
+    packed = PipelineCausalLMLoss(_sum_ce, model, scaling_factor=2.0, ignore_index=-1)
+    packed.cu_seqlens = torch.tensor([0, 3, 8])
+    got = packed((logits, h1), labels)
+    call = model.calls[-1]
+    assert call["scaling"] == 2.0
+    assert call["ignore"] == -1
+    assert call["seq_idx"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 1]]
+    expected = model.combined_loss(
+        (logits, h1), labels, loss_fn=_sum_ce, labels_shifted=True, seq_idx=seq_idx, scaling_factor=2.0, ignore_index=-1
+    )
+    torch.testing.assert_close(got, expected)

@@ -240,6 +240,12 @@ class PipelineCausalLMLoss(nn.Module):
     hidden states (or logits when `model.mtp_outputs_are_logits`). Nothing is inferred from dtypes or shapes. MTP is
     added only while `model.training`.
 
+    A model that owns its training-loss rule (e.g. Nemotron-H's next-token + MTP loss) provides the duck-typed hook
+    `model.combined_loss(output, labels, *, loss_fn, labels_shifted, seq_idx, scaling_factor, ignore_index)`; the
+    loss then calls it (labels already shifted; seq_idx from the output's int32 tail or from `cu_seqlens`, else
+    None; scaling_factor None means the model's own), so the pipeline, the single-process trainer and the model
+    compute one rule. Without the hook the generic rule below applies.
+
     Args:
         loss_fn: `(logits, labels) -> scalar`, e.g. a token-sum cross entropy.
         model: the last stage's module (its `lm_head` projects MTP hidden states; its `mtp_config` gives the
@@ -274,6 +280,22 @@ class PipelineCausalLMLoss(nn.Module):
         scaling = self.scaling_factor
         if scaling is None and not isinstance(output, (torch.Tensor, tuple, list)):
             scaling = getattr(output, "mtp_loss_scaling_factor", None)
+        combined_loss = getattr(model, "combined_loss", None)
+        if callable(combined_loss):
+            seq_idx = parts.seq_idx
+            if seq_idx is None and self.cu_seqlens is not None:
+                seq_idx = _resolve_seq_idx(labels, None, self.cu_seqlens)
+            # A stage tuple is handed on as (logits, *mtp) with its seq_idx apart; a model output object as is.
+            named = (parts.logits, *parts.mtp_per_depth_h) if isinstance(output, (tuple, list)) else output
+            return combined_loss(
+                named,
+                labels,
+                loss_fn=self.loss_fn,
+                labels_shifted=True,
+                seq_idx=seq_idx,
+                scaling_factor=scaling,
+                ignore_index=self.ignore_index,
+            )
         loss = _call_loss(self.loss_fn, parts.logits, labels, None)
         training = bool(getattr(model, "training", True))
         if training and (parts.mtp_per_depth_h or parts.mtp_per_depth_logits):
