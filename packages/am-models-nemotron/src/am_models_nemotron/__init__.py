@@ -34,7 +34,7 @@ from am_models_nemotron.model import (
     NemotronV3Model,
     default_backend,
 )
-from am_models_nemotron.moe import GroupedExperts, NemotronMLP, NemotronMoE, NemotronRouter, relu2
+from am_models_nemotron.moe import ExpertParallelHooks, GroupedExperts, NemotronMLP, NemotronMoE, NemotronRouter, relu2
 from am_models_nemotron.mtp import MTPConfig, MTPModule, MTPSublayer, mtp_loss, roll_tensor, shift_labels
 from am_models_nemotron.ssd import segment_sum, ssd_chunked_scan, ssd_sequential_scan
 from am_models_nemotron.state_dict_adapter import NemotronV3StateDictAdapter
@@ -63,6 +63,7 @@ __all__ = [
     "NemotronMoE",
     "NemotronRouter",
     "GroupedExperts",
+    "ExpertParallelHooks",
     "relu2",
     # SSD scan
     "ssd_chunked_scan",

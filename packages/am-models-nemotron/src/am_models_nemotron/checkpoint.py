@@ -5,7 +5,8 @@ names with `NemotronV3StateDictAdapter`, load strictly) and `save_pretrained` (N
 `model.safetensors.index.json` above `max_shard_size` bytes). Tensors pinned by the model's
 `_keep_in_fp32_modules_strict` (the adapter's `forced_fp32`) are loaded as fp32 and stored as F32.
 What it must not do: load partially. Missing or unexpected keys and shape mismatches raise one error listing all of
-them; an unreadable, truncated or corrupt file raises an error naming the file.
+them; an unreadable, truncated or corrupt file raises an error naming the file. Save a sharded model (expert
+parallel or FSDP2 DTensors): gather it into an unsharded model first (see `save_pretrained`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import am_moe
 from am_models_nemotron.config import as_hf_config
 from am_models_nemotron.state_dict_adapter import NemotronV3StateDictAdapter
 from am_precision import cast_model_to_dtype
@@ -105,6 +107,12 @@ def write_safetensors_folder(
     (root / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
+def _is_dtensor(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 def _load_config(folder: Path) -> Any:
     from transformers import AutoConfig
 
@@ -163,14 +171,40 @@ def load_pretrained(
         )
     target = torch.device(device) if device is not None else torch.device("cpu")
     model.load_state_dict({k: v.to(target) for k, v in state_dict.items()}, strict=True, assign=True)
+    _materialize_unsaved_buffers(model, target)
     if dtype is not None:
         cast_model_to_dtype(model, dtype)
     return model
 
 
+def _materialize_unsaved_buffers(model: Any, device: torch.device) -> None:
+    """Buffers no checkpoint holds are still on the meta device after an `assign=True` load: am-moe's per-expert load
+    counters (non-persistent) start at zero on `device`; anything else left on meta is an error, never a silent hole."""
+    for _, experts in am_moe.expert_modules(model):
+        if experts.tokens_per_expert.is_meta:
+            experts.tokens_per_expert = torch.zeros_like(experts.tokens_per_expert, device=device)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{type(model).__name__}: tensors left uninitialized (meta) after loading: {left}")
+
+
 def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_size: int | None = None) -> None:
     """Write config.json (transformers' NemotronHConfig) and the weights in NVIDIA's naming; fp32-pinned tensors
-    (`_keep_in_fp32_modules_strict`) are stored as F32 even from a model cast with a plain `.to(bfloat16)`."""
+    (`_keep_in_fp32_modules_strict`) are stored as F32 even from a model cast with a plain `.to(bfloat16)`.
+
+    Raises:
+        ValueError: the model holds sharded DTensors (expert parallel / FSDP2). Gather first — every rank calls
+            `torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions(
+            full_state_dict=True))` (or `am_moe.gather_expert_state_dict` for the experts alone) — then one rank loads
+            the full state dict into an unsharded model and saves that.
+    """
+    sharded = [k for k, v in model.state_dict().items() if _is_dtensor(v)]
+    if sharded:
+        raise ValueError(
+            f"save_pretrained needs full tensors, but {len(sharded)} are sharded DTensors (expert parallel / FSDP2), "
+            f"e.g. {sharded[:3]}; gather the full state dict on every rank (get_model_state_dict with "
+            "full_state_dict=True), load it into an unsharded model on one rank and save that"
+        )
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     config = as_hf_config(model.config)

@@ -27,6 +27,7 @@ from am_models_nemotron.blocks import NemotronV3Block
 from am_models_nemotron.cache import NemotronHybridCache
 from am_models_nemotron.config import NemotronConfig, as_hf_config
 from am_models_nemotron.loss import cross_entropy
+from am_models_nemotron.moe import ExpertParallelHooks
 from am_models_nemotron.mtp import MTPConfig, MTPModule, mtp_loss, roll_tensor, shift_labels
 from am_precision import BackendConfig, initialize_linear_module, initialize_rms_norm_module, yield_fp32_model
 
@@ -209,7 +210,7 @@ class NemotronV3Model(nn.Module):
         return self.embed_tokens(input_ids)
 
 
-class NemotronHForCausalLM(nn.Module, GenerationMixin):
+class NemotronHForCausalLM(ExpertParallelHooks, nn.Module, GenerationMixin):
     """Nemotron-H causal LM with optional multi-token prediction.
 
     Args:
@@ -241,7 +242,8 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
 
     @classmethod
     def get_capabilities(cls, config: Any) -> dict[str, bool]:
-        """Capabilities for am-capabilities: PP yes; EP when the config has MoE blocks; TP and CP not yet."""
+        """Capabilities for am-capabilities: PP yes; EP when the config has MoE blocks (`apply_expert_parallel`);
+        TP and CP not yet."""
         has_moe = NemotronConfig.from_any(config).has_moe
         return {"supports_pp": True, "supports_ep": has_moe, "supports_tp": False, "supports_cp": False}
 
