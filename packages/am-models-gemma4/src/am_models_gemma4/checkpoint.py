@@ -151,7 +151,20 @@ def load_pretrained(
 
 
 def save_pretrained(model: nn.Module, folder: str | os.PathLike[str], *, max_shard_size: int | None = None) -> None:
-    """Write `config.json` and the weights with transformers' names (tied LM head once; shards above the size)."""
+    """Write `config.json` and the weights with transformers' names (tied LM head once; shards above the size).
+
+    Raises:
+        ValueError: the model holds sharded DTensors (expert parallel / FSDP2); gather into an unsharded model first.
+    """
+    from torch.distributed.tensor import DTensor
+
+    sharded = [k for k, v in model.state_dict().items() if isinstance(v, DTensor)]
+    if sharded:
+        raise ValueError(
+            f"save_pretrained needs full tensors, but {len(sharded)} are sharded DTensors (expert parallel / FSDP2), "
+            f"e.g. {sharded[:3]}; gather the full state dict on every rank (get_model_state_dict with "
+            "full_state_dict=True), load it into an unsharded model on one rank and save that"
+        )
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
     config: Any = model.config

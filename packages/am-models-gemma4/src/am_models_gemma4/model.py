@@ -26,7 +26,7 @@ from am_models_gemma4.config import is_moe_config, text_config_of, validate_text
 from am_models_gemma4.cp import ContextParallelHooks, active_ring_context
 from am_models_gemma4.decoder import Gemma4DecoderLayer
 from am_models_gemma4.layers import Gemma4RMSNorm
-from am_models_gemma4.moe import Gemma4Experts, Gemma4Router
+from am_models_gemma4.moe import ExpertParallelHooks, Gemma4Experts, Gemma4Router
 
 __all__ = ["Gemma4ForCausalLM", "Gemma4TextModel", "causal_lm_loss", "gemma4_capabilities", "softcap_logits"]
 
@@ -49,7 +49,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: 
 
 
 def gemma4_capabilities(config: Any) -> dict[str, bool]:
-    """Declared capabilities for am-capabilities: dense → PP and CP; MoE → CP and EP.
+    """Declared capabilities for am-capabilities: dense → PP and CP; MoE → CP and EP (`apply_expert_parallel`).
 
     PP is not declared for variants with per-layer inputs or KV sharing (a stage would need token ids or another
     stage's K/V).
@@ -245,7 +245,7 @@ class Gemma4TextModel(nn.Module):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states)
 
 
-class Gemma4ForCausalLM(ContextParallelHooks, nn.Module):
+class Gemma4ForCausalLM(ContextParallelHooks, ExpertParallelHooks, nn.Module):
     """Text-only Gemma 4 with a (tied) LM head: `logits = softcap(lm_head(model(...)))` `[B, S, V]`.
 
     Checkpoints: `from_pretrained` / `save_pretrained` read and write transformers' `Gemma4ForCausalLM` folders.

@@ -39,6 +39,7 @@ from am_models_gemma4.model import (
     gemma4_capabilities,
     softcap_logits,
 )
+from am_models_gemma4.moe import ExpertParallelHooks
 
 __all__ = ["Gemma4ForConditionalGeneration", "Gemma4Model"]
 
@@ -106,7 +107,7 @@ class Gemma4Model(nn.Module):
         return BaseModelOutputWithPooling(last_hidden_state=outputs.last_hidden_state, pooler_output=pooled)
 
 
-class Gemma4ForConditionalGeneration(ContextParallelHooks, nn.Module):
+class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, nn.Module):
     """Gemma 4 vision-language model: logits `[B, S, V]` for text-only or image+text inputs."""
 
     # The text model's keep lists (substrings of names, so they match under `model.language_model.` too).
