@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -188,23 +189,54 @@ def _materialize_unsaved_buffers(model: Any, device: torch.device) -> None:
         raise ValueError(f"{type(model).__name__}: tensors left uninitialized (meta) after loading: {left}")
 
 
-def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_size: int | None = None) -> None:
+def _state_dict_to_save(model: Any, state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The state dict `save_pretrained` writes: `state_dict` when given (it must name exactly the model's keys),
+    else `model.state_dict()`; every tensor must be full (no sharded DTensor). Raises one ValueError listing every
+    problem."""
+    own = model.state_dict()
+    tensors = dict(own if state_dict is None else state_dict)
+    problems = []
+    if state_dict is not None:
+        missing = sorted(set(own) - set(tensors))
+        unexpected = sorted(set(tensors) - set(own))
+        if missing:
+            problems.append(f"state_dict lacks {len(missing)} of the model's keys: {missing[:5]}")
+        if unexpected:
+            problems.append(f"state_dict has {len(unexpected)} keys the model does not: {unexpected[:5]}")
+    sharded = sorted(k for k, v in tensors.items() if _is_dtensor(v))
+    if sharded:
+        problems.append(
+            f"{len(sharded)} tensors are sharded DTensors (expert parallel / FSDP2), e.g. {sharded[:3]}: gather "
+            "them on every rank first — `{**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` for "
+            "expert parallelism, `get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` "
+            "with FSDP2 — and pass the result as state_dict= on one rank"
+        )
+    if problems:
+        raise ValueError("save_pretrained needs the full state dict of the model:\n  - " + "\n  - ".join(problems))
+    return tensors
+
+
+def save_pretrained(
+    model: Any,
+    path: str | os.PathLike[str],
+    *,
+    max_shard_size: int | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> None:
     """Write config.json (transformers' NemotronHConfig) and the weights in NVIDIA's naming; fp32-pinned tensors
     (`_keep_in_fp32_modules_strict`) are stored as F32 even from a model cast with a plain `.to(bfloat16)`.
 
+    state_dict: the full state dict to write instead of `model.state_dict()` (transformers' `save_pretrained`
+    option). For an expert-parallel model every rank calls
+    `full = {**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` (collective: the experts are gathered
+    back to `[E, out, in]`), then one rank calls `save_pretrained(model, path, state_dict=full)`; the adapter writes
+    the per-expert keys of the file.
+
     Raises:
-        ValueError: the model holds sharded DTensors (expert parallel / FSDP2). Gather first — every rank calls
-            `torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions(
-            full_state_dict=True))` (or `am_moe.gather_expert_state_dict` for the experts alone) — then one rank loads
-            the full state dict into an unsharded model and saves that.
+        ValueError: sharded DTensors (expert parallel / FSDP2) in what would be written, or a state_dict whose keys
+            differ from the model's (all listed).
     """
-    sharded = [k for k, v in model.state_dict().items() if _is_dtensor(v)]
-    if sharded:
-        raise ValueError(
-            f"save_pretrained needs full tensors, but {len(sharded)} are sharded DTensors (expert parallel / FSDP2), "
-            f"e.g. {sharded[:3]}; gather the full state dict on every rank (get_model_state_dict with "
-            "full_state_dict=True), load it into an unsharded model on one rank and save that"
-        )
+    tensors = _state_dict_to_save(model, state_dict)
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     config = as_hf_config(model.config)
@@ -213,6 +245,6 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_size:
     config.num_nextn_predict_layers = model.mtp_config.num_layers if model.mtp is not None else 0
     config.save_pretrained(str(folder))
     adapter = NemotronV3StateDictAdapter(config)
-    tensors = adapter.to_hf(model.state_dict())
+    tensors = adapter.to_hf(tensors)
     tensors = {k: (v.float() if adapter.forced_fp32(k) else v) for k, v in tensors.items()}
     write_safetensors_folder(tensors, folder, max_shard_size=max_shard_size)

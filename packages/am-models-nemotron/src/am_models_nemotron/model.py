@@ -652,11 +652,14 @@ class NemotronHForCausalLM(ExpertParallelHooks, nn.Module, GenerationMixin):
 
         return load_pretrained(cls, path, backend=backend, dtype=dtype, device=device, **model_kwargs)
 
-    def save_pretrained(self, path: Any, *, max_shard_size: int | None = None) -> None:
-        """Write config.json + safetensors in NVIDIA's naming. See `checkpoint.save_pretrained`."""
+    def save_pretrained(
+        self, path: Any, *, max_shard_size: int | None = None, state_dict: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Write config.json + safetensors in NVIDIA's naming; `state_dict` (full tensors) replaces the model's own,
+        e.g. the gathered experts of an expert-parallel model. See `checkpoint.save_pretrained`."""
         from am_models_nemotron.checkpoint import save_pretrained
 
-        save_pretrained(self, path, max_shard_size=max_shard_size)
+        save_pretrained(self, path, max_shard_size=max_shard_size, state_dict=state_dict)
 
 
 def _keep(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
