@@ -269,8 +269,16 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, 
 
         return load_pretrained(cls, folder, dtype=dtype, device=device)
 
-    def save_pretrained(self, folder: str | os.PathLike[str], *, max_shard_size: int | None = None) -> None:
-        """Write a folder transformers' `Gemma4ForConditionalGeneration.from_pretrained` loads."""
+    def save_pretrained(
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        max_shard_size: int | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Write a folder transformers' `Gemma4ForConditionalGeneration.from_pretrained` loads; `state_dict` (full
+        tensors) replaces the model's own, e.g. the gathered experts of an expert-parallel model (see
+        `checkpoint.save_pretrained`)."""
         from am_models_gemma4.checkpoint import save_pretrained
 
-        save_pretrained(self, folder, max_shard_size=max_shard_size)
+        save_pretrained(self, folder, max_shard_size=max_shard_size, state_dict=state_dict)
