@@ -232,3 +232,18 @@ def test_indivisible_experts_are_refused_before_any_collective(ranks: list[dict[
     message = case_result(ranks, "indivisible_experts", 0)
     assert "5 experts cannot be split evenly over ep=2" in message
     assert "ep_mesh must be 1-D" in message
+
+
+def test_am_capabilities_allows_ep_only_for_moe_configs() -> None:
+    """What am-capabilities concludes (it is not a dependency: skipped when absent): the MoE model implements EP
+    (`apply_expert_parallel`), a dense config declares it off, and 6 experts do not split over ep_size=4."""
+    am_capabilities = pytest.importorskip("am_capabilities")
+    moe_model, dense_model = NemotronHForCausalLM(tiny_hf_config("ME")), NemotronHForCausalLM(tiny_hf_config("M*-"))
+    assert am_capabilities.ModelSupports(moe_model).supports_ep
+    assert not am_capabilities.ModelSupports(dense_model).supports_ep
+    mesh = type("Mesh", (), {"ep_size": 2})()
+    am_capabilities.validate_for_mesh(moe_model, mesh)
+    with pytest.raises(ValueError, match="ep_size=2: NemotronHForCausalLM cannot use expert parallelism: its capa"):
+        am_capabilities.validate_for_mesh(dense_model, mesh)
+    with pytest.raises(ValueError, match=r"n_routed_experts=6 not divisible by 4"):
+        am_capabilities.validate_for_mesh(moe_model, type("Mesh", (), {"ep_size": 4})())

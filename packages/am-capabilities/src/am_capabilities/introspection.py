@@ -236,7 +236,10 @@ def expert_split_problem(model: nn.Module, ep_size: int) -> str | None:
     Reads the expert count of every config the model carries (``n_routed_experts``, ``num_experts``,
     ``num_local_experts``; see ``_candidate_configs``); each must be divisible by ``ep_size``.
     """
-    uneven = sorted({f"{name}={count}" for name, count in _expert_counts(model) if count % ep_size})
+    first_name: dict[int, str] = {}  # one field per distinct count (configs often alias the same number)
+    for name, count in _expert_counts(model):
+        first_name.setdefault(count, name)
+    uneven = [f"{name}={count}" for count, name in sorted(first_name.items()) if count % ep_size]
     if not uneven:
         return None
     return (
