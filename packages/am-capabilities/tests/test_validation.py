@@ -198,8 +198,8 @@ class HookWithExperts(ExpertParallelHook, Plain):
 @pytest.mark.parametrize(
     ("build", "reason"),
     [
-        (MarkedMoE, r"it does not implement expert parallelism: it has no `apply_expert_parallel\(ep_mesh\)`"),
-        (DeclaredWithoutHook, r"does not implement expert parallelism \(although its capability declaration says"),
+        (MarkedMoE, r"parallelism: it has no `apply_expert_parallel\(ep_mesh\)` method, so nothing would shard"),
+        (DeclaredWithoutHook, r"declaration says supports_ep=True, but it has no `apply_expert_parallel"),
         (lambda: _with_config(HookDeclaredOff(), moe=False), r"its capability declaration says supports_ep=False"),
     ],
     ids=["moe_marker_only", "declared_without_hook", "hook_but_declared_off"],
@@ -231,7 +231,7 @@ def test_ep_runs_for_models_with_the_hook():
 def test_hf_moe_model_without_the_hook_is_refused(tiny_nemotron_h):
     model = tiny_nemotron_h(hybrid_override_pattern="ME")  # transformers' NemotronH: MoE, no expert parallelism
     assert not ModelSupports(model).supports_ep
-    with pytest.raises(ValueError, match="NemotronHForCausalLM cannot use expert parallelism: it does not implement"):
+    with pytest.raises(ValueError, match="NemotronHForCausalLM cannot use expert parallelism: it has no `apply_exp"):
         validate_for_mesh(model, MeshContext(ep_size=2))
 
 

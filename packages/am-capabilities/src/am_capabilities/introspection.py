@@ -220,11 +220,11 @@ def _decide_ep(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
         return vetoed
     if implements_expert_parallelism(model):
         return _Verdict(True)
-    said = " (although its capability declaration says supports_ep=True)" if declared is not None else ""
+    said = "its capability declaration says supports_ep=True, but " if declared is not None else ""
     return _Verdict(
         False,
-        f"it does not implement expert parallelism{said}: it has no `{EXPERT_PARALLEL_HOOK}(ep_mesh)` method that "
-        "shards its experts over the ep ranks and dispatches tokens to them",
+        f"{said}it has no `{EXPERT_PARALLEL_HOOK}(ep_mesh)` method, so nothing would shard its experts over the ep "
+        "ranks and send tokens to them",
         f"set ep_size=1 (every data-parallel rank then holds all experts), or use a model class that implements "
         f"`{EXPERT_PARALLEL_HOOK}` (e.g. am_models_nemotron.NemotronHForCausalLM or am_models_gemma4's MoE models)",
     )
