@@ -12,6 +12,11 @@
     peak of their running sum is the activation + temporary memory of the step (weights allocated before the step
     are excluded). The ring's per-chunk kernel: the model's default (block-sparse around torch's fused CPU flash op:
     only the keys a query block can see) and plain `flash_cpu` on whole chunks, for comparison.
+(3) Greedy decoding, ours (`generate` with `Gemma4HybridCache`) versus transformers' `generate` (its `DynamicCache`),
+    same weights as (1): a prompt of DECODE_PROMPT tokens (twice the sliding window, so sliding layers drop keys),
+    DECODE_NEW_TOKENS new tokens (forced: `min_new_tokens`), batch 1, fp32, ONE thread; runs alternate and the best
+    of DECODE_REPEATS is kept. tokens/s = new tokens / seconds of the whole `generate` call (prefill included), as
+    bench/bench_nemotron.py reports it. Also: whether the tokens are equal, and the bytes each cache holds at the end.
 
 Run: `python bench/bench_gemma4.py` (writes bench/results/gemma4.json).
 """
@@ -77,6 +82,10 @@ CP_SEQ = 4096
 CP_REPEATS = 2
 CP_KERNELS = ("default", "flash_cpu")  # default: block-sparse around flash_cpu; flash_cpu: whole chunks
 
+DECODE_PROMPT = 512
+DECODE_NEW_TOKENS = 64
+DECODE_REPEATS = 2
+
 
 def _peak_bytes(fn: Any) -> int:
     """Peak of the running sum of torch CPU allocations/frees during `fn()` (profiler memory events)."""
@@ -132,6 +141,49 @@ def _moe_step_ratio() -> dict[str, Any]:
         "ratio_ours_over_transformers": cpu["ours"] / cpu["transformers"],
         "wall_ratio_ours_over_transformers": wall["ours"] / wall["transformers"],
         "loss": losses,
+    }
+
+
+# ------------------------------------------------------------------ (3) greedy decoding, ours vs transformers
+def _cache_bytes(cache: Any) -> int:
+    """Bytes of the K/V a finished `generate` left in its cache (ours: `memory_bytes`; transformers: its layers)."""
+    if hasattr(cache, "memory_bytes"):
+        return int(cache.memory_bytes())
+    return sum(
+        t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None
+    )
+
+
+def _decoding() -> dict[str, Any]:
+    from transformers import Gemma4ForCausalLM as HFGemma4ForCausalLM
+    from transformers import Gemma4TextConfig
+
+    from am_models_gemma4 import Gemma4ForCausalLM
+
+    torch.manual_seed(0)
+    hf = HFGemma4ForCausalLM(Gemma4TextConfig(**MOE)).eval()
+    folder = tempfile.mkdtemp(prefix="am_g4_bench_")
+    hf.save_pretrained(folder)
+    ours = Gemma4ForCausalLM.from_pretrained(folder).eval()
+    prompt = torch.randint(1, MOE["vocab_size"], (1, DECODE_PROMPT), generator=torch.Generator().manual_seed(3))
+    kwargs = {"max_new_tokens": DECODE_NEW_TOKENS, "min_new_tokens": DECODE_NEW_TOKENS, "do_sample": False}
+    outputs = {
+        name: model.generate(prompt, return_dict_in_generate=True, **kwargs)
+        for name, model in (("transformers", hf), ("ours", ours))
+    }  # warm-up, the tokens and the caches
+    best = {"transformers": float("inf"), "ours": float("inf")}
+    for _ in range(DECODE_REPEATS):
+        for name, model in (("transformers", hf), ("ours", ours)):
+            start = time.perf_counter()
+            model.generate(prompt, **kwargs)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {
+        "config": {**MOE, "prompt": DECODE_PROMPT, "new_tokens": DECODE_NEW_TOKENS, "batch": 1, "dtype": "float32"},
+        "seconds": best,
+        "tokens_per_second": {name: DECODE_NEW_TOKENS / seconds for name, seconds in best.items()},
+        "speedup_ours_over_transformers": best["transformers"] / best["ours"],
+        "greedy_tokens_equal": bool(torch.equal(outputs["ours"].sequences, outputs["transformers"].sequences)),
+        "cache_bytes": {name: _cache_bytes(out.past_key_values) for name, out in outputs.items()},
     }
 
 
@@ -262,12 +314,27 @@ def main() -> None:
             f"{part2['cp2'][kernel]['time_ratio_cp2_over_cp1']:.3f}, memory ratio "
             f"{part2['cp2'][kernel]['memory_ratio_cp2_rank_over_cp1']:.3f} (ideal ~1/C = 0.5)"
         )
+    torch.set_num_threads(1)
+    print(
+        f"(3) greedy decoding, fp32 CPU, 1 thread: prompt {DECODE_PROMPT}, {DECODE_NEW_TOKENS} new tokens "
+        "(model of (1))"
+    )
+    part3 = _decoding()
+    kib = 1024
+    print(
+        f"  ours {part3['tokens_per_second']['ours']:.1f} tok/s, transformers "
+        f"{part3['tokens_per_second']['transformers']:.1f} tok/s -> {part3['speedup_ours_over_transformers']:.2f}x; "
+        f"tokens equal: {part3['greedy_tokens_equal']}; cache at the end: ours "
+        f"{part3['cache_bytes']['ours'] / kib:.0f} KiB, "
+        f"transformers {part3['cache_bytes']['transformers'] / kib:.0f} KiB"
+    )
     payload = {
         "benchmark": "am-models-gemma4",
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "moe_training_step": part1,
         "context_parallel": part2,
+        "greedy_decoding": part3,
         "memory_method": "torch.profiler profile_memory=True; peak of running sum of [memory] events over fwd+bwd",
         "wall_seconds": time.perf_counter() - started,
     }

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from trainer.checkpoint import verify_checkpoint
-from trainer.config import find_problems, parse_args
+from trainer.config import find_problems, parse_args, pipeline_plan
 from trainer.data import BatchStream, ByteTokenizer, load_tokens
 from trainer.loop import TokenSumLoss, lr_at
 from trainer.models import build_model, preset_spec
@@ -28,6 +28,51 @@ def test_trainer_loss_equals_the_models_own_loss(family: str) -> None:
     ours = loss_fn(model(input_ids=inputs).logits, labels)
     theirs = model(input_ids=windows, labels=windows).loss
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0.0)
+
+
+def test_fsdp_groups_every_decoder_and_mtp_layer() -> None:
+    """One FSDP2 group per decoder layer (am-pipelining's find_layers) and per MTP depth layer."""
+    from trainer.parallel import _layer_modules
+
+    from am_pipelining import find_layers
+
+    spec = preset_spec("nemotron", hidden_size=32, num_layers=4, mtp_depths=1, tie_embeddings=False, vocab_size=None)
+    model = build_model(spec, seed=0)
+    decoder = find_layers(model)
+    assert decoder.num_layers == 4
+    groups = _layer_modules(model)
+    mtp_layers = list(model.mtp.layers)
+    assert mtp_layers, "the preset has MTP layers"
+    assert groups == decoder.layers + mtp_layers
+
+
+def test_nemotron_training_loss_is_the_models_combined_loss_and_counts_mtp_once() -> None:
+    """The trainer's loss module (am-pipelining's PipelineCausalLMLoss, at pp = 1 and on the last stage) computes
+    the model's `combined_loss` rule — on the forward's output and on a last stage's tuple with its seq_idx tail —
+    and the model's own `loss` is the next-token loss alone (MTP reported apart)."""
+    from am_pipelining import PipelineCausalLMLoss
+
+    spec = preset_spec("nemotron", hidden_size=32, num_layers=4, mtp_depths=2, tie_embeddings=False, vocab_size=None)
+    model = build_model(spec, seed=0).train()
+    windows = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    inputs, labels = windows[:, :-1], windows[:, 1:]
+    loss_fn = TokenSumLoss()
+    loss_fn.denominator = float(labels.numel())
+    output = model(input_ids=inputs)
+    hook = model.combined_loss(output, labels, loss_fn=loss_fn, labels_shifted=True)
+    pipeline = PipelineCausalLMLoss(loss_fn, model=model)(output, labels)
+    torch.testing.assert_close(hook, pipeline, rtol=1e-6, atol=0.0)
+    seq_idx = (torch.arange(16) >= 7).to(torch.int32).expand(2, 16)  # two packed documents per row
+    stage_tuple = (output.logits, *output.mtp_per_depth_h, seq_idx)
+    packed = PipelineCausalLMLoss(loss_fn, model=model)(stage_tuple, labels)
+    torch.testing.assert_close(
+        packed, model.combined_loss(output, labels, loss_fn=loss_fn, labels_shifted=True, seq_idx=seq_idx)
+    )
+    own = model(input_ids=windows, labels=windows)
+    next_token = loss_fn(own.logits[:, :-1], labels)
+    torch.testing.assert_close(own.loss, next_token, rtol=1e-6, atol=0.0)
+    assert own.mtp_loss is not None
+    assert float(hook) > float(loss_fn(output.logits, labels))  # the MTP term is in the training loss, once
 
 
 def test_lr_warms_up_then_decays_to_min_lr() -> None:
@@ -67,11 +112,33 @@ def test_find_problems_accepts_a_good_config_and_lists_every_bad_value() -> None
     assert find_problems(good, world_size=4) == []
     bad = parse_args(["--pp", "0", "--dp", "3", "--global-batch", "8", "--schedule", "nope", "--lr", "-1"])
     problems = find_problems(bad, world_size=4)
-    # pp, dp divisibility, schedule, lr (no world-size line: with pp=0 there is no meaningful product to compare)
-    assert len(problems) == 4, problems
+    # pp, dp divisibility, lr (no world-size line: with pp=0 there is no meaningful product to compare). Schedule
+    # rules are the pipeline plan's (test_pipeline_plan_*): with pp < 1 there is no pipeline to plan.
+    assert len(problems) == 3, problems
     assert any("--pp=0" in p for p in problems)
     assert any("not divisible by --dp 3" in p for p in problems)
-    assert any("'nope' is unknown" in p for p in problems)
+    assert pipeline_plan(bad, num_layers=4) == (None, [])
+
+
+def test_pipeline_plan_runs_stages_per_rank_exactly() -> None:
+    """8 layers, pp=2, --stages-per-rank 3: six stages (the old trainer turned this into 4)."""
+    cfg = parse_args(["--pp", "2", "--schedule", "Interleaved1F1B", "--stages-per-rank", "3", "--global-batch", "4"])
+    plan, problems = pipeline_plan(cfg, num_layers=8)
+    assert problems == []
+    assert (plan.num_stages, plan.layers_per_stage, plan.n_microbatches) == (6, (2, 2, 1, 1, 1, 1), 4)
+
+
+def test_pipeline_plan_names_every_problem_in_cli_terms() -> None:
+    cfg = parse_args(["--pp", "2", "--stages-per-rank", "2", "--global-batch", "5", "--microbatch-size", "2"])
+    plan, problems = pipeline_plan(cfg, num_layers=3)
+    assert plan is None
+    assert len(problems) == 3, problems
+    text = "\n".join(problems)
+    assert "requires exactly 1 stage per rank" in text
+    assert "Number of stages (4) cannot exceed number of layers (3)" in text
+    assert "(--global-batch 5 / --dp 1 = 5) is not divisible by --microbatch-size 2" in text
+    single = parse_args(["--stages-per-rank", "2", "--schedule", "GPipe"])
+    assert any("only apply with --pp > 1" in p for p in find_problems(single, world_size=1))
 
 
 def test_verify_checkpoint_names_what_is_missing(tmp_path) -> None:

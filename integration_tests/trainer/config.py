@@ -1,7 +1,9 @@
 """Command-line options of the reference trainer and their validation, which runs before any collective.
 
-What it must not do: touch torch.distributed. Every rank validates the same arguments the same way, so a bad run
-ends on every rank with the same message, listing every problem at once, before a process group exists.
+What it must not do: touch torch.distributed, or re-derive a pipeline rule: schedule, stage, layer-split and
+microbatch rules are am-pipelining's `plan_pipeline` (`pipeline_plan` below asks it, in CLI terms). Every rank
+validates the same arguments the same way, so a bad run ends on every rank with the same message, listing every
+problem at once, before a process group exists.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MODELS = ("nemotron", "gemma4", "gemma4-moe", "llama")
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "runs" / "default"  # integration_tests/runs/ is git-ignored
@@ -72,7 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=1, help="data-parallel (FSDP2) size")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size")
     p.add_argument("--schedule", default="1F1B", help="pipeline schedule name (GPipe, 1F1B, Interleaved1F1B, ...)")
-    p.add_argument("--stages-per-rank", type=int, default=1, help="pipeline stages per rank (2+ for interleaved)")
+    p.add_argument(
+        "--stages-per-rank",
+        type=int,
+        default=1,
+        help="pipeline stages per rank, run exactly (2+ for multi-stage schedules; layers split as evenly as possible)",
+    )
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, all replicas")
     p.add_argument("--microbatch-size", type=int, default=1, help="sequences per pipeline microbatch")
     p.add_argument("--seq-len", type=int, default=128)
@@ -113,7 +121,7 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
     the data or a checkpoint are added by the caller, so the user sees them all in one message.
     """
     problems = []
-    for name in ("pp", "dp", "cp", "stages_per_rank", "global_batch", "microbatch_size", "seq_len", "steps", "layers"):
+    for name in ("pp", "dp", "cp", "global_batch", "microbatch_size", "seq_len", "steps", "layers"):
         if getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')}={getattr(cfg, name)}: must be >= 1")
     sizes_ok = min(cfg.pp, cfg.dp, cfg.cp) >= 1
@@ -127,12 +135,16 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
             f"--global-batch {cfg.global_batch} is not divisible by --dp {cfg.dp}: every data-parallel replica needs "
             "the same number of sequences"
         )
-    elif cfg.dp >= 1 and cfg.microbatch_size >= 1 and cfg.local_batch % cfg.microbatch_size:
+    elif cfg.pp == 1 and cfg.dp >= 1 and cfg.microbatch_size >= 1 and cfg.local_batch % cfg.microbatch_size:
+        # pp = 1 accumulates microbatches itself; with pp > 1 the pipeline plan owns this rule.
         problems.append(
-            f"the batch per replica (--global-batch {cfg.global_batch} / --dp {cfg.dp} = {cfg.local_batch}) is not "
-            f"divisible by --microbatch-size {cfg.microbatch_size}: change either"
+            f"{_batch_label(cfg)} is not divisible by --microbatch-size {cfg.microbatch_size}: change either"
         )
-    problems += _schedule_problems(cfg)
+    if cfg.pp == 1:
+        unused = [f"--stages-per-rank {cfg.stages_per_rank}"] if cfg.stages_per_rank != 1 else []
+        unused += [f"--schedule {cfg.schedule}"] if cfg.schedule.lower() != "1f1b" else []
+        if unused:
+            problems.append(f"{' and '.join(unused)} only apply with --pp > 1: drop them or raise --pp")
     if cfg.pp > 1 and cfg.cp > 1:
         problems.append(
             f"--pp {cfg.pp} with --cp {cfg.cp}: this trainer does not combine pipeline and context parallelism yet; "
@@ -161,36 +173,40 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
     return problems
 
 
-def _schedule_problems(cfg: RunConfig) -> list[str]:
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+def _batch_label(cfg: RunConfig) -> str:
+    return f"the batch per replica (--global-batch {cfg.global_batch} / --dp {cfg.dp} = {cfg.local_batch})"
 
-    try:
-        schedule_class = get_schedule_class(cfg.schedule)
-    except ValueError:
-        return [
-            f"--schedule {cfg.schedule!r} is unknown: use one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
-            "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV (case-insensitive)"
-        ]
+
+def pipeline_plan(cfg: RunConfig, *, num_layers: int | None) -> tuple[Any, list[str]]:
+    """(plan, problems) of this run's pipeline: am-pipelining's `plan_pipeline` for `--pp`, `--schedule`,
+    `--stages-per-rank` (run exactly), the batch per replica and `--microbatch-size`, with its messages naming
+    these options. `num_layers` comes from the model (None when it could not be built: layer rules are skipped).
+
+    pp = 1 plans nothing: (None, []); so does pp < 1 (`find_problems` reports it).
+    """
+    from am_pipelining import PipelinePlanError, plan_pipeline
+
     if cfg.pp <= 1:
-        return []
-    single = issubclass(schedule_class, PipelineScheduleSingle)
-    problems = []
-    if single and cfg.stages_per_rank != 1:
-        problems.append(f"--schedule {cfg.schedule} runs one stage per rank: use --stages-per-rank 1")
-    if not single and cfg.stages_per_rank < 2:
-        problems.append(f"--schedule {cfg.schedule} runs several stages per rank: use --stages-per-rank 2 or more")
-    stages = cfg.pp * max(cfg.stages_per_rank, 1)
-    if cfg.model_path is None and stages > cfg.layers:
-        problems.append(
-            f"{stages} pipeline stages (--pp {cfg.pp} x --stages-per-rank {cfg.stages_per_rank}) but only "
-            f"{cfg.layers} layers: every stage needs a layer; use --layers {stages} or fewer stages"
+        return None, []
+    batch_known = cfg.dp >= 1 and cfg.global_batch % cfg.dp == 0  # else find_problems reports the dp split
+    labels = {
+        "pp_size": f"--pp {cfg.pp}",
+        "schedule": f"--schedule {cfg.schedule!r}",
+        "stages_per_rank": f"--stages-per-rank {cfg.stages_per_rank}",
+        "local_batch_size": _batch_label(cfg),
+        "microbatch_size": f"--microbatch-size {cfg.microbatch_size}",
+        "num_layers": f"the model's {num_layers} decoder layers",
+    }
+    try:
+        plan = plan_pipeline(
+            num_layers,
+            cfg.pp,
+            cfg.schedule,
+            stages_per_rank=cfg.stages_per_rank,
+            local_batch_size=cfg.local_batch if batch_known else None,
+            microbatch_size=cfg.microbatch_size if batch_known else None,
+            option_labels=labels,
         )
-    microbatches = cfg.local_batch // max(cfg.microbatch_size, 1)
-    needed = stages if schedule_class.__name__ in ("Schedule1F1B", "ScheduleDualPipeV") else cfg.pp
-    if microbatches < needed:
-        problems.append(
-            f"{microbatches} microbatches per step (batch per replica {cfg.local_batch} / --microbatch-size "
-            f"{cfg.microbatch_size}) are fewer than the {needed} that --schedule {cfg.schedule} needs on {stages} "
-            "stages: raise --global-batch or lower --microbatch-size"
-        )
-    return problems
+    except PipelinePlanError as exc:
+        return None, list(exc.problems)
+    return plan, []

@@ -1,8 +1,9 @@
 """The reference training loop: validate, build, parallelize, train, checkpoint, report — top to bottom.
 
 What it is for: `run(cfg)` is the whole job, in the order a reader expects (torchtitan's train loop is the model):
-    1. validate everything that can be checked without a process group (arguments, data, checkpoint, and the mesh
-       against the model's capabilities through am-capabilities' MeshContext): ONE message, exit code 2
+    1. validate everything that can be checked without a process group (arguments, the pipeline plan against the
+       built model's layers through am-pipelining's plan_pipeline, data, checkpoint, and the mesh against the model's
+       capabilities through am-capabilities' MeshContext): ONE message, exit code 2
     2. process group (gloo on the CPU, NCCL on GPUs) and one DeviceMesh ("pp", "dp", "cp")
     3. model: fp32, seeded, identical on every rank -> attach_capabilities_and_validate(model, mesh)
        -> precision (bf16 storage, fp32-pinned tensors kept) -> pipeline stages (pp > 1) -> FSDP2 over dp x cp
@@ -39,8 +40,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from am_pipelining import find_layers
 from trainer import checkpoint as ckpt
-from trainer.config import RunConfig, find_problems
+from trainer.config import RunConfig, find_problems, pipeline_plan
 from trainer.data import BatchStream, load_tokens
 from trainer.models import ModelSpec, build_model, folder_spec, preset_spec
 from trainer.parallel import (
@@ -101,11 +103,13 @@ def model_spec(cfg: RunConfig, *, vocab_size: int | None = None) -> ModelSpec:
     )
 
 
-def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, torch.Tensor, Path | None]:
-    """Everything checkable without a process group. Returns (spec, fp32 model, tokens, resume folder).
+def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, torch.Tensor, Path | None, Any]:
+    """Everything checkable without a process group. Returns (spec, fp32 model, tokens, resume folder, pipeline
+    plan or None for pp = 1).
 
     Raises:
-        BadInput: listing every problem found (arguments, mesh vs model capabilities, data, checkpoint).
+        BadInput: listing every problem found (arguments, the pipeline plan against the model's layers, mesh vs
+            model capabilities, data, checkpoint).
     """
     from am_capabilities import MeshContext, validate_for_mesh
 
@@ -116,6 +120,14 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
         model = build_model(spec, seed=cfg.seed)
     except Exception as exc:  # a broken --model-path folder or preset: report it with the rest
         problems.append(f"cannot build the model: {type(exc).__name__}: {exc}")
+    num_layers = None
+    if model is not None:
+        try:
+            num_layers = find_layers(model).num_layers
+        except ValueError as exc:
+            problems.append(str(exc))
+    plan, plan_problems = pipeline_plan(cfg, num_layers=num_layers)
+    problems += plan_problems
     if model is not None and min(cfg.pp, cfg.dp, cfg.cp) >= 1:
         try:
             validate_for_mesh(model, MeshContext(pp_size=cfg.pp, dp_size=cfg.dp, cp_size=cfg.cp))
@@ -143,7 +155,7 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
     assert spec is not None
     assert model is not None
     assert tokens is not None
-    return spec, model, tokens, resume_dir
+    return spec, model, tokens, resume_dir, plan
 
 
 _MUST_MATCH_ON_RESUME = (
@@ -287,7 +299,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local_world))
 
     # 1. Validate before any collective.
-    spec, model, tokens, resume_dir = validate(cfg, world_size=world_size)
+    spec, model, tokens, resume_dir, plan = validate(cfg, world_size=world_size)
 
     # 2. Process group and mesh.
     device = init_distributed(timeout_s=cfg.timeout)
@@ -296,6 +308,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     dp_rank = mesh["dp"].get_local_rank()
     shard_rank = dp_cp_mesh.get_local_rank()
 
+    num_layers = find_layers(model).num_layers
     # 3. Model -> capabilities -> precision -> pipeline -> FSDP2.
     from am_capabilities import attach_capabilities_and_validate
 
@@ -306,7 +319,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     from am_pipelining import PipelineCausalLMLoss, build_pipeline_schedule, sync_tied_embedding_grads
 
     if cfg.pp > 1:
-        stages, parts = split_pipeline(model, mesh=mesh, cfg=cfg, device=device)
+        stages, parts = split_pipeline(model, mesh=mesh, plan=plan, cfg=cfg, device=device)
         del model  # each rank keeps only its stages
     else:
         stages, parts = [], [model]
@@ -320,7 +333,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     schedule = None
     if stages:
         schedule = build_pipeline_schedule(
-            None, cfg.schedule, cfg.microbatch_size, cfg.local_batch, stages, loss_fn=pipeline_loss
+            None, cfg.schedule, cfg.microbatch_size, cfg.local_batch, stages, loss_fn=pipeline_loss, plan=plan
         )
     has_first = not stages or any(s.is_first for s in stages)
 
@@ -402,6 +415,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         summary = {
             "model": spec.family,
             "mesh": {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp},
+            "layout": run_layout(cfg, plan, num_layers=num_layers),
             "schedule": cfg.schedule if cfg.pp > 1 else None,
             "dtype": cfg.dtype,
             "steps": cfg.steps,
@@ -433,6 +447,27 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     return summary
 
 
+def run_layout(cfg: RunConfig, plan: Any, *, num_layers: int) -> dict[str, Any]:
+    """The layout that ran: mesh sizes, and the pipeline plan's stages, placement, layer split and microbatches (for
+    pp = 1: one stage holding every layer, microbatches = gradient-accumulation steps)."""
+    layout: dict[str, Any] = {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp}
+    if plan is not None:
+        layout.update({k: v for k, v in plan.layout().items() if k != "pp"})
+    else:
+        layout.update(
+            schedule=None,
+            placement=None,
+            stages=1,
+            stages_per_rank=1,
+            layers=num_layers,
+            layers_per_stage=[num_layers],
+            rank_stages=[[0]],
+            microbatch_size=cfg.microbatch_size,
+            microbatches=cfg.local_batch // cfg.microbatch_size,
+        )
+    return layout
+
+
 def _forward_backward(
     model: nn.Module,
     loss_module: Any,
@@ -460,7 +495,10 @@ def _forward_backward(
         if callable(sync):
             sync(i == n_micro - 1)  # FSDP2: reduce gradients once, after the last microbatch
         with ctx():
-            loss = loss_module(model(**batch), mb_labels)
+            output = model(**batch)
+            # The pipeline's loss module, as at pp > 1: a model that owns its training loss (Nemotron-H: next-token
+            # + scaled MTP, its `combined_loss` hook) computes it there with our loss_fn.
+            loss = loss_module(output, mb_labels)
             loss.backward()
         total += loss.detach().float()
     return total

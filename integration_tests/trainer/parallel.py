@@ -16,7 +16,6 @@ keys. Summing every rank's contribution is therefore exactly the single-process 
 
 from __future__ import annotations
 
-import math
 import os
 from datetime import timedelta
 from typing import Any
@@ -27,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from am_pipelining import find_layers
 from am_precision import cast_model_to_dtype, fp32_keep_rules
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -74,46 +74,24 @@ def apply_precision(model: nn.Module, *, dtype: str) -> None:
 
 
 def split_pipeline(
-    model: nn.Module, *, mesh: DeviceMesh, cfg: Any, device: torch.device
+    model: nn.Module, *, mesh: DeviceMesh, plan: Any, cfg: Any, device: torch.device
 ) -> tuple[list[Any], list[nn.Module]]:
-    """This rank's pipeline stages and their modules (am-pipelining), with static shapes for the microbatches.
-
-    `--stages-per-rank` decides the layers per stage when it differs from the schedule's default (1, or 2 for
-    multi-stage schedules); the model's hooks (e.g. Nemotron's `mtp` on the last stage) are honoured by
-    am-pipelining.
-    """
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-
+    """This rank's pipeline stages and their modules (am-pipelining), exactly as `plan` (validated before any
+    collective) lays them out, with static shapes for the microbatches. The model's hooks (e.g. Nemotron's `mtp` on
+    the last stage) are honoured by am-pipelining."""
     from am_pipelining import split_model_into_stages
 
-    single = issubclass(get_schedule_class(cfg.schedule), PipelineScheduleSingle)
-    default_spr = 1 if single else 2
-    layers_per_stage = None
-    if cfg.stages_per_rank != default_spr:
-        layers_per_stage = math.ceil(num_decoder_layers(model) / (cfg.pp * cfg.stages_per_rank))
     return split_model_into_stages(
         model,
         mesh,
         "pp",
         cfg.schedule,
         device,
-        layers_per_stage=layers_per_stage,
+        plan=plan,
         microbatch_size=cfg.microbatch_size,
         seq_len=cfg.seq_len,
         tensor_dtype=DTYPES[cfg.dtype],
     )
-
-
-def num_decoder_layers(model: nn.Module) -> int:
-    """Decoder layers of `model` (the config's `num_hidden_layers`, else the first `layers` container's length)."""
-    config = getattr(model, "config", None)
-    count = getattr(getattr(config, "text_config", config), "num_hidden_layers", None)
-    if isinstance(count, int):
-        return count
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] == "layers" and isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            return len(module)
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
 def _strict_fp32_modules(model: nn.Module) -> list[nn.Module]:
@@ -131,11 +109,15 @@ def _strict_fp32_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def _layer_modules(model: nn.Module) -> list[nn.Module]:
-    """Every child of every `layers` container (decoder layers, MTP layers): one FSDP2 group each."""
-    layers: list[nn.Module] = []
+    """One FSDP2 group per layer: the decoder layers (am-pipelining's `find_layers`), then the layers of any other
+    `layers` container of the model (e.g. Nemotron's multi-token-prediction depths, `mtp.layers`)."""
+    decoder = find_layers(model).container
+    layers: list[nn.Module] = list(decoder.children())
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] == "layers" and isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            layers.extend(child for child in module.children())
+        if module is decoder or name.rsplit(".", 1)[-1] != "layers":
+            continue
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            layers.extend(module.children())
     return layers
 
 

@@ -65,3 +65,44 @@ def test_inconsistent_sizes_are_reported_together() -> None:
 def test_missing_layout_is_rejected() -> None:
     with pytest.raises(ValueError, match="no block layout"):
         NemotronConfig.from_any({"vocab_size": 10, "hidden_size": 8})
+
+
+def test_a_raw_transformers_config_works_wherever_our_config_does() -> None:
+    """Every public class or function that takes a config accepts transformers' NemotronHConfig (its
+    "linear_attention" / "full_attention" names included) and builds the same thing as from `NemotronConfig`."""
+    import torch
+
+    from am_models_nemotron import (
+        Mamba2Mixer,
+        MTPConfig,
+        MTPModule,
+        NemotronAttention,
+        NemotronHForCausalLM,
+        NemotronHybridCache,
+        NemotronMoE,
+        NemotronV3Block,
+        NemotronV3Model,
+        default_backend,
+        mamba_cp_bytes_per_layer,
+    )
+
+    raw = tiny_hf_config("ME*-", mtp_depths=1)
+    ours = NemotronConfig.from_any(raw)
+    backend = default_backend()
+    builders = {
+        "NemotronV3Block": lambda c: NemotronV3Block(c, 0, backend=backend),
+        "Mamba2Mixer": lambda c: Mamba2Mixer(c, 0, backend=backend),
+        "NemotronAttention": lambda c: NemotronAttention(c, 2, backend=backend),
+        "NemotronMoE": lambda c: NemotronMoE(c, backend=backend),
+        "MTPModule": lambda c: MTPModule(c, MTPConfig.from_config(c), backend=backend),
+        "NemotronV3Model": lambda c: NemotronV3Model(c),
+        "NemotronHForCausalLM": lambda c: NemotronHForCausalLM(c),
+    }
+    for name, build in builders.items():
+        a, b = build(raw), build(ours)
+        assert [(n, p.shape) for n, p in a.named_parameters()] == [(n, p.shape) for n, p in b.named_parameters()], name
+    assert MTPConfig.from_config(raw) == MTPConfig.from_config(ours)
+    assert MTPConfig.from_config(raw).layer_pattern == ("attention", "moe")
+    kwargs = {"batch_size": 2, "cp_rank": 0, "cp_size": 2, "conv_dtype": torch.float32, "packed": True}
+    assert mamba_cp_bytes_per_layer(raw, **kwargs) == mamba_cp_bytes_per_layer(ours, **kwargs)
+    assert NemotronHybridCache(raw, 2).conv_states.keys() == NemotronHybridCache(ours, 2).conv_states.keys()

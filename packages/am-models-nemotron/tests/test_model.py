@@ -221,11 +221,12 @@ def test_output_type_hidden_states_and_bad_kwargs() -> None:
 def test_capabilities_are_declared_by_duck_typing() -> None:
     moe = NemotronHForCausalLM.get_capabilities(tiny_hf_config("ME"))
     dense = NemotronHForCausalLM.get_capabilities(tiny_hf_config("M*-"))
-    assert moe == {"supports_pp": True, "supports_ep": True, "supports_tp": False, "supports_cp": False}
+    assert moe == {"supports_pp": True, "supports_ep": True, "supports_tp": False, "supports_cp": True}
     assert dense["supports_ep"] is False
     assert dense["supports_pp"] is True
     assert NemotronHForCausalLM._pp_plan
     assert NemotronHForCausalLM._pp_keep_self_forward is True
+    assert NemotronHForCausalLM._cp_layout == "contiguous"  # am-context-parallel's declared contiguous path
     assert NemotronHForCausalLM.supports_gradient_checkpointing is True
 
 

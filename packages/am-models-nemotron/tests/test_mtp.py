@@ -8,7 +8,13 @@ import torch
 import torch.nn.functional as F
 from am_nemotron_helpers import assert_close_rel, randomize_, tiny_hf_config, tokens
 
-from am_models_nemotron import NemotronHForCausalLM, NemotronV3StateDictAdapter, roll_tensor, shift_labels
+from am_models_nemotron import (
+    NemotronHForCausalLM,
+    NemotronV3StateDictAdapter,
+    combined_causal_lm_loss,
+    roll_tensor,
+    shift_labels,
+)
 
 IGN = -100
 FP32_TOL = 1e-6
@@ -58,7 +64,9 @@ def test_training_forward_emits_depth_states_equal_to_a_hand_built_reference() -
         assert_close_rel(out.mtp_per_depth_h[depth], hidden, rtol=FP32_TOL, what=f"depth {depth}")
 
 
-def test_loss_adds_the_scaled_mean_depth_loss() -> None:
+def test_loss_is_next_token_only_and_the_combined_loss_adds_the_scaled_mean_depth_loss() -> None:
+    """`loss` is the next-token cross entropy (as upstream and transformers); `mtp_loss` is reported apart and
+    `combined_loss` / `combined_causal_lm_loss` add it once."""
     model = _model(mtp_loss_scaling_factor=0.3)
     ids = tokens(2, 12, seed=2)
     labels = ids.clone()
@@ -77,8 +85,15 @@ def test_loss_adds_the_scaled_mean_depth_loss() -> None:
         depth_losses.append(torch.stack(terms).mean())
     expected_mtp = 0.3 * sum(depth_losses) / 2
     assert_close_rel(out.mtp_loss, expected_mtp, rtol=FP32_TOL, what="mtp loss")
-    assert_close_rel(out.loss, main + expected_mtp, rtol=FP32_TOL, what="total loss")
-    out.loss.backward()
+    assert_close_rel(out.loss, main, rtol=FP32_TOL, what="next-token loss")
+    combined = model.combined_loss(out, labels)
+    assert_close_rel(combined, main + expected_mtp, rtol=FP32_TOL, what="combined loss")
+    helper = combined_causal_lm_loss(
+        out.logits, labels, mtp_per_depth_h=out.mtp_per_depth_h, lm_head=model.lm_head, mtp_loss_scaling_factor=0.3
+    )
+    assert_close_rel(helper.loss, combined, rtol=0, what="helper")
+    assert_close_rel(helper.mtp_loss, out.mtp_loss, rtol=0, what="helper mtp")
+    combined.backward()
     assert all(p.grad is not None for p in model.mtp.parameters())
 
 

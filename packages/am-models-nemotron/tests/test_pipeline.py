@@ -51,6 +51,8 @@ def test_two_stages_equal_the_full_model_forward_and_backward() -> None:
     assert_close_rel(h2, full.mtp_per_depth_h[1], rtol=FP32_TOL, what="mtp depth 1")
     assert tail.dtype == torch.int32
     assert torch.equal(tail, seq_idx.to(torch.int32))
+    # The declaration the pipeline loss reads: logits first, the MTP hidden states, seq_idx last.
+    assert type(model).pipeline_output_names == ("logits", "mtp_per_depth_h", "seq_idx")
     (logits.square().mean() + h1.square().mean() + h2.square().mean()).backward()
     (full.logits.square().mean() + sum(h.square().mean() for h in full.mtp_per_depth_h)).backward()
     assert_close_rel(

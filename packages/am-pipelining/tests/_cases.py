@@ -96,14 +96,36 @@ def _compare(
     assert checked > 0, "no parameters on this rank"
 
 
-def parity_case(name: str, schedule: str, *, layers: int, batch_size: int = 4, microbatch: int = 1) -> None:
+def parity_case(
+    name: str,
+    schedule: str,
+    *,
+    layers: int,
+    batch_size: int = 4,
+    microbatch: int = 1,
+    stages_per_rank: int | None = None,
+    expected_layers: dict[int, list[list[int]]] | None = None,
+) -> None:
+    """Pipelined loss and gradients equal the unsplit model's; with `expected_layers` ({rank: layers per local
+    stage}) the split is checked too."""
     ref_model = M.FACTORIES[name](layers)
     model = copy.deepcopy(ref_model)
     data = M.batch(name, batch_size)
     ref_losses = _reference(ref_model, name, data, microbatch)
     stages, parts = split_model_into_stages(
-        model, _mesh(), "pp", schedule, "cpu", microbatch_size=microbatch, seq_len=M.SEQ
+        model,
+        _mesh(),
+        "pp",
+        schedule,
+        "cpu",
+        stages_per_rank=stages_per_rank,
+        microbatch_size=microbatch,
+        seq_len=M.SEQ,
     )
+    if expected_layers is not None:
+        got = [[int(k) for k in part.model.layers] for part in parts]
+        want = expected_layers[dist.get_rank()]
+        assert got == want, f"rank {dist.get_rank()} runs layers {got}, expected {want}"
     sched = build_pipeline_schedule(None, schedule, microbatch, batch_size, stages, M.mean_ce)
     has_first = any(s.is_first for s in stages)
     has_last = any(s.is_last for s in stages)
@@ -181,10 +203,11 @@ def tied_training_case() -> None:
             assert _rel(param.detach(), ref_params[param_name].detach()) <= REL_TOL, f"{param_name} diverged"
 
 
-def hooked_mtp_case() -> None:
+def hooked_mtp_case(model_class: type = M.HookedMTPModel) -> None:
     """A non-HF model's hooks are honoured (stage list, stage metas, kwargs chunk dims, own forward), and the
-    MTP loss through PipelineCausalLMLoss matches the single-process loss and gradients."""
-    ref_model = M.HookedMTPModel(4)
+    MTP loss through PipelineCausalLMLoss matches the single-process loss and gradients (with a declared
+    `pipeline_output_names` tuple, its seq_idx travels to the loss by name)."""
+    ref_model = model_class(4)
     model = copy.deepcopy(ref_model)
     batch_size, seq = 4, M.SEQ
     generator = torch.Generator().manual_seed(5)
@@ -300,6 +323,43 @@ def too_few_microbatches_case() -> None:
     stages, _ = split_model_into_stages(M.llama(4), _mesh(), "pp", "1F1B", "cpu")
     with pytest.raises(ValueError, match=r"needs at least \d+ microbatches"):
         build_pipeline_schedule(None, "1F1B", 1, world - 1, stages, M.mean_ce)
+    with pytest.raises(ValueError, match=r"local_batch_size=5 is not divisible by microbatch_size=2"):
+        build_pipeline_schedule(None, "1F1B", 2, 5, stages, M.mean_ce)
+    with pytest.raises(ValueError, match=r"Single stage schedule .* requires exactly 1 stage per rank"):
+        split_model_into_stages(M.llama(4), _mesh(), "pp", "1F1B", "cpu", stages_per_rank=2)
+    # A schedule of another kind than the split's is refused before it runs.
+    with pytest.raises(ValueError, match=r"at least 2 stages per rank"):
+        build_pipeline_schedule(None, "Interleaved1F1B", 1, 2 * world, stages, M.mean_ce)
+
+
+def static_shape_mismatch_case() -> None:
+    """Static-shape stages fed another sequence length or batch: every rank refuses the step before any send
+    (it used to wait on a message of the wrong size, then time out or abort); the schedule stays usable, and
+    AutoPipeline.update_seq_len makes the new length run."""
+    import time
+
+    started = time.perf_counter()
+    stages, _ = split_model_into_stages(M.llama(4), _mesh(), "pp", "1F1B", "cpu", microbatch_size=1, seq_len=M.SEQ)
+    sched = build_pipeline_schedule(None, "1F1B", 1, 4, stages, M.mean_ce)
+    data = M.batch("llama", 4)
+    first = stages[0].is_first
+
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        sched.step(*((batch["input_ids"],) if first else ()), target=batch["labels"])
+
+    short = {k: v[:, :6] for k, v in data.items()}
+    with pytest.raises(ValueError, match=r"seq_len 8 .*update_seq_len\(6\)"):
+        step(short)
+    with pytest.raises(ValueError, match=r"shape \[3, 8\] .*give 4 rows per step"):
+        step({k: v[:3] for k, v in data.items()})
+    step(data)  # nothing was sent by the refused steps: the pipeline is intact
+    pipe = AutoPipeline(world_mesh=_mesh(), pp_schedule="1f1b", pp_microbatch_size=1, pp_batch_size=4, pp_seq_len=8)
+    pipe.build(M.llama(4), loss_fn=M.mean_ce)
+    with pytest.raises(ValueError, match=r"update_seq_len\(6\)"):
+        pipe.step(short["input_ids"])  # the model input is checked on every rank, even without a target
+    pipe.update_seq_len(6)
+    pipe.step(short["input_ids"], target=short["labels"])
+    assert time.perf_counter() - started < 60, "refusals must not wait on a peer"
 
 
 def cases_2ranks() -> dict[str, Callable[[], None]]:
@@ -307,15 +367,29 @@ def cases_2ranks() -> dict[str, Callable[[], None]]:
     for model in MODELS:
         for schedule in ALL_SCHEDULES:
             cases[f"parity-{model}-{schedule}"] = functools.partial(parity_case, model, schedule, layers=4)
+    # 8 layers, 2 ranks, 3 stages per rank: exactly 6 stages (2, 2, 1, 1, 1, 1 layers), placed in a loop.
+    cases["parity-llama-Interleaved1F1B-3-stages-per-rank"] = functools.partial(
+        parity_case,
+        "llama",
+        "Interleaved1F1B",
+        layers=8,
+        stages_per_rank=3,
+        expected_layers={0: [[0, 1], [4], [6]], 1: [[2, 3], [5], [7]]},
+    )
+    cases["parity-qwen3-1F1B-uneven-5-layers"] = functools.partial(
+        parity_case, "qwen3", "1F1B", layers=5, expected_layers={0: [[0, 1, 2]], 1: [[3, 4]]}
+    )
     cases["csv-schedule"] = csv_case
     cases["mask-cache-no-mask"] = functools.partial(mask_cache_case, with_mask=False)
     cases["mask-cache-with-mask"] = functools.partial(mask_cache_case, with_mask=True)
     cases["tied-training"] = tied_training_case
     cases["hooked-mtp"] = hooked_mtp_case
+    cases["hooked-mtp-declared-outputs"] = functools.partial(hooked_mtp_case, M.DeclaredMTPModel)
     cases["autopipeline"] = autopipeline_case
     cases["split-materialized"] = functools.partial(split_names_case, meta=False)
     cases["split-meta"] = functools.partial(split_names_case, meta=True)
     cases["too-few-microbatches"] = too_few_microbatches_case
+    cases["static-shape-mismatch-refused-on-every-rank"] = static_shape_mismatch_case
     return cases
 
 

@@ -312,3 +312,28 @@ class HookedMTPModel(nn.Module):
         h = inner.norm(h)
         logits = self.lm_head(h)
         return (logits, self.mtp(h)) if self.training else logits
+
+
+class DeclaredMTPModel(HookedMTPModel):
+    """`HookedMTPModel` whose last stage also returns packed-sequence ids (int64: nothing keys on the dtype) and
+    declares its tuple with `pipeline_output_names`, as Nemotron does. Two packed sequences per row (halves)."""
+
+    pipeline_output_names = ("logits", "mtp_per_depth_h", "seq_idx")
+
+    def get_pipeline_stage_metas(
+        self, *, is_first: bool, microbatch_size: int, seq_len: int, dtype: torch.dtype
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        inputs, outputs = super().get_pipeline_stage_metas(
+            is_first=is_first, microbatch_size=microbatch_size, seq_len=seq_len, dtype=dtype
+        )
+        if self.lm_head is None:
+            return inputs, outputs
+        return inputs, (*outputs, torch.empty(microbatch_size, seq_len, dtype=torch.long, device="meta"))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> Any:
+        out = super().forward(x, pos)
+        if not isinstance(out, tuple):
+            return out
+        batch, seq = out[0].shape[:2]
+        seq_idx = (torch.arange(seq) >= seq // 2).long().expand(batch, seq)
+        return (*out, seq_idx)

@@ -200,7 +200,7 @@ def test_validation_lists_every_blocker_with_its_fix():
         assert expected in message
 
 
-def test_validation_rejects_vlms_without_a_pipeline_aware_forward():
+def _tiny_llava():
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     config = LlavaConfig(
@@ -223,11 +223,47 @@ def test_validation_rejects_vlms_without_a_pipeline_aware_forward():
             "patch_size": 4,
         },
     )
-    model = LlavaForConditionalGeneration(config)
-    with pytest.raises(ValueError, match="not on the pipeline-aware list"):
+    return LlavaForConditionalGeneration(config)
+
+
+def test_validation_rejects_vlms_without_a_pipeline_aware_forward():
+    model = _tiny_llava()
+    with pytest.raises(ValueError, match=r"not on the pipeline-aware list \(gemma4, mistral3\)"):
         validate_hf_model_for_pipeline_support(model)
     type(model)._pp_keep_self_forward = True
     try:
         validate_hf_model_for_pipeline_support(model)
     finally:
         del type(model)._pp_keep_self_forward
+
+
+def test_a_vlm_is_supported_by_adding_a_table_entry():
+    """Registering an architecture's forwards makes validation accept it and patching use them (no code branch)."""
+    from am_pipelining.hf_utils import PIPELINE_FORWARDS, register_pipeline_forward
+
+    def outer_forward_factory():
+        def pipeline_forward_llava(self, input_ids=None, **kwargs):
+            return input_ids
+
+        return pipeline_forward_llava
+
+    model = _tiny_llava()
+    assert "llava" not in PIPELINE_FORWARDS
+    with pytest.raises(ValueError, match="needs an outer_forward"):
+        register_pipeline_forward("llava", multimodal=True)
+    register_pipeline_forward("llava", outer_forward=outer_forward_factory, multimodal=True)
+    try:
+        validate_hf_model_for_pipeline_support(model)
+        patch_hf_model_for_pp(model)
+        assert model.forward.__name__ == "pipeline_forward_llava"
+        assert model.model.language_model.forward.__name__ == "pipeline_forward"  # the generic text forward
+        with pytest.raises(ValueError, match=r"pipeline-aware list \(gemma4, llava, mistral3\)"):
+            validate_hf_model_for_pipeline_support(_tiny_vlm_of_another_kind())
+    finally:
+        del PIPELINE_FORWARDS["llava"]
+
+
+def _tiny_vlm_of_another_kind():
+    model = _tiny_llava()
+    model.config.model_type = "not_registered_vlm"
+    return model

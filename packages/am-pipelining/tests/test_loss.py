@@ -10,6 +10,7 @@ from torch import nn
 from am_pipelining import (
     MTPLossConfig,
     PipelineCausalLMLoss,
+    StageOutput,
     calculate_mtp_loss,
     get_mtp_loss_scaling_factor,
     roll_tensor,
@@ -173,13 +174,105 @@ def test_pipeline_loss_on_tensor_and_tuple_outputs():
     torch.testing.assert_close(loss_fn((logits, h1), labels), _sum_ce(logits, labels))
 
 
-def test_pipeline_loss_reads_int32_seq_idx_tail():
-    model = _MTPModel()
+class _DeclaredMTPModel(_MTPModel):
+    """Declares its last-stage tuple, like Nemotron: logits, D MTP hidden states, packed-sequence ids."""
+
+    pipeline_output_names = ("logits", "mtp_per_depth_h", "seq_idx")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_pipeline_loss_reads_declared_outputs_by_name(dtype):
+    """The trailing seq_idx is found by its declared name, whatever its dtype (nothing is guessed)."""
+    model = _DeclaredMTPModel()
+    logits, h1, h2 = torch.randn(1, 8, 7), torch.randn(1, 8, 4), torch.randn(1, 8, 4)
+    labels = torch.randint(0, 7, (1, 8))
+    seq_idx = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]], dtype=dtype)
+    got = PipelineCausalLMLoss(_sum_ce, model)((logits, h1, h2, seq_idx), labels)
+    expected = _sum_ce(logits, labels) + calculate_mtp_loss(
+        _sum_ce, mtp_per_depth_h=[h1, h2], labels=labels, model=model, scaling_factor=0.5, seq_idx=seq_idx
+    )
+    torch.testing.assert_close(got, expected)
+    named = StageOutput(logits, mtp_per_depth_h=(h1, h2), seq_idx=seq_idx)
+    torch.testing.assert_close(PipelineCausalLMLoss(_sum_ce, _MTPModel())(named, labels), expected)
+    with pytest.raises(ValueError, match="returned 1 tensors but pipeline_output_names"):
+        PipelineCausalLMLoss(_sum_ce, model)((logits,), labels)
+
+
+def test_grad_reduce_group_is_refused_not_ignored():
+    """Upstream's grad_reduce_group stays in the signatures, but a value we cannot honour is an error."""
+    labels = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="grad_reduce_group is not supported"):
+        calculate_mtp_loss(
+            lambda logits, target: logits.sum(),
+            mtp_per_depth_logits=[torch.zeros(1, 4, 8)],
+            labels=labels,
+            grad_reduce_group=object(),
+        )
+    with pytest.raises(ValueError, match="grad_reduce_group is not supported"):
+        PipelineCausalLMLoss(lambda logits, target: logits.sum(), None, grad_reduce_group=object())
+    with pytest.raises(ValueError, match="grad_reduce_group is not supported"):
+        MTPLossConfig().build(lambda logits, target: logits.sum(), None, grad_reduce_group=object())
+    assert isinstance(MTPLossConfig().build(lambda logits, target: logits.sum(), None), PipelineCausalLMLoss)
+
+
+class _OwnLossModel(_MTPModel):
+    """A stage module that owns its training-loss rule (the duck-typed `combined_loss` hook): here the generic rule
+    with every MTP depth weighted 3x, so a result computed without the hook differs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[dict] = []
+
+    def combined_loss(self, output, labels, *, loss_fn, labels_shifted, seq_idx, scaling_factor, ignore_index):
+        self.calls.append(
+            {"labels_shifted": labels_shifted, "seq_idx": seq_idx, "scaling": scaling_factor, "ignore": ignore_index}
+        )
+        logits, *mtp = output
+        scaling = 3 * (self.mtp_config.loss_scaling_factor if scaling_factor is None else scaling_factor)
+        return loss_fn(logits, labels) + calculate_mtp_loss(
+            loss_fn, mtp_per_depth_h=mtp, labels=labels, model=self, scaling_factor=scaling, seq_idx=seq_idx
+        )
+
+
+def test_pipeline_loss_calls_the_models_combined_loss_hook():
+    """One rule: a model with `combined_loss` computes the pipeline's loss (labels already shifted, the stage's
+    seq_idx tail or the cu_seqlens ids, the configured scaling and ignore_index handed on)."""
+    model = _OwnLossModel()
+    model.pipeline_output_names = ("logits", "mtp_per_depth_h", "seq_idx")
     logits, h1 = torch.randn(1, 8, 7), torch.randn(1, 8, 4)
     labels = torch.randint(0, 7, (1, 8))
-    seq_idx = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]], dtype=torch.int32)
+    seq_idx = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]], dtype=torch.int32)
+    plain = _MTPModel()
+    plain.pipeline_output_names = model.pipeline_output_names
+    generic = PipelineCausalLMLoss(_sum_ce, plain)((logits, h1, seq_idx), labels)
+
     got = PipelineCausalLMLoss(_sum_ce, model)((logits, h1, seq_idx), labels)
-    expected = _sum_ce(logits, labels) + calculate_mtp_loss(
-        _sum_ce, mtp_per_depth_h=[h1], labels=labels, model=model, scaling_factor=0.5, seq_idx=seq_idx
+    expected = model.combined_loss(
+        (logits, h1),
+        labels,
+        loss_fn=_sum_ce,
+        labels_shifted=True,
+        seq_idx=seq_idx,
+        scaling_factor=None,
+        ignore_index=IGN,
+    )
+    torch.testing.assert_close(got, expected)
+    assert not torch.allclose(got, generic), "the hook's rule, not the generic one"
+    first = model.calls[0]
+    assert first["labels_shifted"] is True
+    assert first["scaling"] is None
+    assert first["ignore"] == IGN
+    assert torch.equal(first["seq_idx"], seq_idx)
+
+    model.pipeline_output_names = ("logits", "mtp_per_depth_h")  # no seq_idx tail: ids come from cu_seqlens
+    packed = PipelineCausalLMLoss(_sum_ce, model, scaling_factor=2.0, ignore_index=-1)
+    packed.cu_seqlens = torch.tensor([0, 3, 8])
+    got = packed((logits, h1), labels)
+    call = model.calls[-1]
+    assert call["scaling"] == 2.0
+    assert call["ignore"] == -1
+    assert call["seq_idx"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 1]]
+    expected = model.combined_loss(
+        (logits, h1), labels, loss_fn=_sum_ce, labels_shifted=True, seq_idx=seq_idx, scaling_factor=2.0, ignore_index=-1
     )
     torch.testing.assert_close(got, expected)

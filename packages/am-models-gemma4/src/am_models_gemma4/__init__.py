@@ -1,14 +1,16 @@
 """Gemma 4 (dense and MoE, sliding + full attention) in PyTorch with model-owned context parallelism.
 
 Text decoder and causal LM (`model`), the vision-language model around HF's vision tower (`vlm`), the MoE block
-(`moe`), attention with ring CP (`attention`, `cp`, `kernels`), HF checkpoint conversion (`state_dict_adapter`,
-`checkpoint`). Importing this package never imports am-pipelining, am-capabilities or transformer_engine.
+(`moe`), attention with ring CP (`attention`, `cp`, `kernels`), generation with a KV cache (`generation`, `cache`),
+HF checkpoint conversion (`state_dict_adapter`, `checkpoint`). Importing this package never imports am-pipelining,
+am-capabilities or transformer_engine.
 """
 
 from __future__ import annotations
 
 from am_models_gemma4._version import __version__
 from am_models_gemma4.attention import AttentionInputs, Gemma4Attention, SharedKVStates, build_attention_mask
+from am_models_gemma4.cache import Gemma4HybridCache
 from am_models_gemma4.checkpoint import load_pretrained, read_safetensors_folder, save_pretrained
 from am_models_gemma4.config import (
     is_moe_config,
@@ -20,6 +22,7 @@ from am_models_gemma4.config import (
 )
 from am_models_gemma4.cp import ContextParallelHooks, active_ring_context
 from am_models_gemma4.decoder import Gemma4DecoderLayer
+from am_models_gemma4.generation import Gemma4GenerationMixin
 from am_models_gemma4.kernels import BlockSparseAttentionKernel, default_ring_kernel
 from am_models_gemma4.layers import Gemma4RMSNorm
 from am_models_gemma4.model import (
@@ -50,6 +53,9 @@ __all__ = [
     "AttentionInputs",
     "SharedKVStates",
     "build_attention_mask",
+    # generation
+    "Gemma4HybridCache",
+    "Gemma4GenerationMixin",
     # context parallelism
     "ContextParallelHooks",
     "active_ring_context",

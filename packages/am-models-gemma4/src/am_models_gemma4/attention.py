@@ -1,7 +1,7 @@
-"""Gemma 4 self-attention: QK-norm, value norm, per-layer-type RoPE and head dim, K=V, KV sharing, ring CP.
+"""Gemma 4 self-attention: QK-norm, value norm, per-layer-type RoPE and head dim, K=V, KV sharing, ring CP, KV cache.
 
 What it is for: `Gemma4Attention` computes what transformers' `Gemma4TextAttention` computes (same parameter
-names), and picks one of three attention paths:
+names), and picks one of four attention paths:
   1. ring — under context parallelism (`AttentionInputs.ring` is am-context-parallel's `RingAttentionContext`):
      `ring_attention` over the contiguous shards with global positions, packed-document ids and the layer's
      sliding window, so sliding layers fetch only the neighbouring ranks their window reaches;
@@ -9,9 +9,12 @@ names), and picks one of three attention paths:
      groups, built once per forward and layer type (`AttentionInputs.mask_for`);
   3. external mask — a 4-D mask handed in by a caller that built transformers' masks (pipeline stages). When a
      CP ring context is entered, such a mask (built from the local shard only) is ignored and the ring runs
-     instead, with the context's global positions and document ids — never local attention on one shard.
-What it must not do: keep any state between forwards, or route other modules' attention (the vision tower keeps
-transformers' attention even under CP).
+     instead, with the context's global positions and document ids — never local attention on one shard;
+  4. cached — a generation step after a prefill (`AttentionInputs.past_length > 0`): the new queries attend to the
+     K/V a `Gemma4HybridCache` returns (the cached tokens, at most the window on sliding layers, then the new ones).
+     The prefill itself (no past) takes path 2 and only stores its K/V in the cache.
+What it must not do: keep any state between forwards itself (the cache object the caller passes holds it), or route
+other modules' attention (the vision tower keeps transformers' attention even under CP).
 
 Masking rules (shared by the local path and the ring): key k is visible to query q when k <= q (causal), q - k <
 window on sliding layers, both tokens are in the same document and it is not padding (id 0). With vision groups
@@ -102,19 +105,32 @@ def build_attention_mask(
     doc_ids: torch.Tensor | None,
     vision_group_ids: torch.Tensor | None,
     sliding_window: int | None,
+    past_length: int = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Boolean "may attend" mask `[B or 1, 1, S, S]` and the rows that see any key `[B, 1, S, 1]`.
+    """Boolean "may attend" mask `[B or 1, 1, S, past + S]` and the rows that see any key `[B, 1, S, 1]`.
 
-    Returns `(None, None)` for a plain causal mask (SDPA's `is_causal`). Rows that see nothing (padding queries)
-    are given their own diagonal so softmax stays finite; the second value marks the real rows, whose outputs
-    the caller keeps (the others become 0).
+    Queries are tokens `past .. past + S - 1` of the sequence, keys tokens `0 .. past + S - 1` (past > 0: a generation
+    step after cached tokens; the caller keeps the mask's last columns when a sliding layer's cache returns fewer
+    keys). Returns `(None, None)` when no mask is needed: without past, plain causal attention (SDPA's
+    `is_causal`); with past, one query and no padding, which sees every key the cache returns. Rows that see nothing
+    (padding queries) are given their own diagonal so softmax stays finite; the second value marks the real rows,
+    whose outputs the caller keeps (the others become 0).
 
-    doc_ids: `[B, S]` document ids, 0 = padding; vision_group_ids: `[B, S]` image-run ids, -1 = text.
+    doc_ids: `[B, past + S]` document ids, 0 = padding; vision_group_ids: `[B, S]` image-run ids, -1 = text (only
+    without past: image tokens are in the prompt).
     """
-    if doc_ids is None and vision_group_ids is None and sliding_window is None:
-        return None, None
-    index = torch.arange(seq_len, device=device)
-    query, key = index.view(-1, 1), index.view(1, -1)
+    if past_length and vision_group_ids is not None:
+        raise ValueError(
+            "vision_group_ids (bidirectional image attention) apply to the prompt only; pass them with the prefill, "
+            "not with a cached generation step"
+        )
+    if doc_ids is None and vision_group_ids is None:
+        if past_length == 0 and sliding_window is None:
+            return None, None
+        if past_length and seq_len == 1:
+            return None, None
+    query = torch.arange(past_length, past_length + seq_len, device=device).view(-1, 1)
+    key = torch.arange(past_length + seq_len, device=device).view(1, -1)
     allowed = (key <= query).unsqueeze(0)
     if vision_group_ids is not None:
         same_group = (vision_group_ids.unsqueeze(-1) == vision_group_ids.unsqueeze(-2)) & (
@@ -125,7 +141,8 @@ def build_attention_mask(
         allowed = allowed & (key > query - sliding_window).unsqueeze(0)
     if doc_ids is None:
         return allowed.unsqueeze(1), None
-    same_doc = (doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)) & (doc_ids > 0).unsqueeze(-1)
+    query_docs = doc_ids[:, past_length:]
+    same_doc = (query_docs.unsqueeze(-1) == doc_ids.unsqueeze(-2)) & (query_docs > 0).unsqueeze(-1)
     allowed = allowed & same_doc
     rows = allowed.any(dim=-1, keepdim=True)
     allowed = allowed | (~rows & (key == query).unsqueeze(0))
@@ -136,9 +153,10 @@ def build_attention_mask(
 class AttentionInputs:
     """What every attention layer of one forward needs besides its own tensors.
 
-    doc_ids: `[B, S]` (0 = padding) or None when every token is real and in one document. vision_group_ids:
+    doc_ids: `[B, past + S]` (0 = padding) or None when every token is real and in one document. vision_group_ids:
     `[B, S]` (-1 = text) for vision-bidirectional sliding layers, or None. ring: the `RingAttentionContext` of a
     CP step (then masks come from its global positions and doc ids, and the two fields above are unused).
+    past_length: tokens already in the generation cache before these S (0 in training and for a prefill).
     """
 
     seq_len: int
@@ -146,6 +164,7 @@ class AttentionInputs:
     doc_ids: torch.Tensor | None = None
     vision_group_ids: torch.Tensor | None = None
     ring: Any = None
+    past_length: int = 0
     _masks: dict[tuple[str, int | None], tuple[torch.Tensor | None, torch.Tensor | None]] = field(
         default_factory=dict, repr=False
     )
@@ -161,13 +180,14 @@ class AttentionInputs:
                 doc_ids=self.doc_ids,
                 vision_group_ids=self.vision_group_ids if layer_type == SLIDING else None,
                 sliding_window=sliding_window,
+                past_length=self.past_length,
             )
         return self._masks[key]
 
     def window_block_mask_for(self, layer_type: str, sliding_window: int) -> torch.Tensor | None:
         """The sliding-window path's per-block additive mask of a layer type (`_window_block_mask`), built once."""
         mask, _ = self.mask_for(layer_type, sliding_window)
-        if mask is None or self.seq_len <= 2 * sliding_window:
+        if mask is None or self.past_length or self.seq_len <= 2 * sliding_window:
             return None
         key = ("window_blocks", layer_type, sliding_window)
         if key not in self._block_masks:
@@ -360,8 +380,10 @@ class Gemma4Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
 
     def _keys_and_values(
-        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shared: Any
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shared: Any, cache: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's keys and values `[B, H_kv, S, d]` — with a cache, the cached ones first — or, on a "reuse"
+        layer, those its store layer published in this forward."""
         if self.is_kv_shared_layer:
             if shared is None or self.layer_type not in shared:
                 raise RuntimeError(
@@ -377,6 +399,8 @@ class Gemma4Attention(nn.Module):
         values = self.v_proj(hidden_states).view(shape) if self.v_proj is not None else keys
         keys = _rotary(self.k_norm(keys), cos, sin).transpose(1, 2)
         values = self.v_norm(values).transpose(1, 2)
+        if cache is not None:
+            keys, values = cache.update(keys, values, self.layer_idx)
         if self.store_full_length_kv and shared is not None:
             shared[self.layer_type] = (keys, values)
         return keys, values
@@ -389,17 +413,24 @@ class Gemma4Attention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         shared_kv_states: Any = None,
         attention_inputs: AttentionInputs | None = None,
+        cache: Any = None,
     ) -> torch.Tensor:
         """hidden_states `[B, S, H]`, cos/sin `[B or 1, S, d]` → `[B, S, H]`.
 
         `attention_inputs` (from our text model) wins; otherwise `attention_mask` is a transformers 4-D mask
         (bool "may attend" or additive float), and None means causal (plus the window on sliding layers).
+        `cache`: a `Gemma4HybridCache` while generating (needs `attention_inputs` with the cache's past length).
         """
+        if cache is not None and attention_inputs is None:
+            raise ValueError(
+                f"layer {self.layer_idx} got a KV cache without attention_inputs; generate through Gemma4TextModel "
+                "(or Gemma4ForCausalLM), which builds the masks of cached steps"
+            )
         cos, sin = position_embeddings
         batch, seq = hidden_states.shape[:2]
         queries = self.q_proj(hidden_states).view(batch, seq, -1, self.head_dim)
         queries = _rotary(self.q_norm(queries), cos, sin).transpose(1, 2)
-        keys, values = self._keys_and_values(hidden_states, cos, sin, shared_kv_states)
+        keys, values = self._keys_and_values(hidden_states, cos, sin, shared_kv_states, cache)
         dropout = self.attention_dropout if self.training else 0.0
 
         ring = attention_inputs.ring if attention_inputs is not None else active_ring_context()
@@ -411,6 +442,23 @@ class Gemma4Attention(nn.Module):
             out = ring.attention(
                 queries, keys, values, causal=True, sliding_window=self.sliding_window, scale=self.scaling
             )
+        elif attention_inputs is not None and attention_inputs.past_length:
+            # A cached step: the keys are the cache's (at most the window on sliding layers) then the new ones, i.e.
+            # the last columns of the mask over all tokens; None = every key visible (not causal: S = 1).
+            mask, rows = attention_inputs.mask_for(self.layer_type, self.sliding_window)
+            if mask is not None:
+                mask = mask[..., mask.shape[-1] - keys.shape[2] :]
+            out = F.scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                attn_mask=mask,
+                scale=self.scaling,
+                dropout_p=dropout,
+                enable_gqa=keys.shape[1] != queries.shape[1],
+            )
+            if rows is not None:
+                out = out * rows.to(out.dtype)
         elif attention_inputs is not None:
             mask, rows = attention_inputs.mask_for(self.layer_type, self.sliding_window)
             lookahead = attention_inputs.vision_group_ids is not None  # image tokens may see keys ahead

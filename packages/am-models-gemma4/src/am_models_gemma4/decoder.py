@@ -4,7 +4,8 @@ What it is for: the residual wiring of transformers' `Gemma4TextDecoderLayer` (s
 except the MoE block, which lives under `moe.` — see `moe.py`), callable both from our text model (with
 `attention_inputs`) and from a pipeline stage forward that passes transformers' masks:
 `layer(hidden, per_layer_input, shared_kv_states=..., position_embeddings=..., attention_mask=..., position_ids=...)`.
-What it must not do: cache K/V across calls (training only; `past_key_values` must be None).
+While generating, the text model passes its `Gemma4HybridCache` as `past_key_values` (with `attention_inputs`).
+What it must not do: accept another kind of cache (transformers' `DynamicCache` lays out K/V differently).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from transformers.activations import ACT2FN
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextMLP
 
 from am_models_gemma4.attention import AttentionInputs, Gemma4Attention
+from am_models_gemma4.cache import Gemma4HybridCache
 from am_models_gemma4.layers import Gemma4RMSNorm
 from am_models_gemma4.moe import Gemma4MoE
 
@@ -73,12 +75,15 @@ class Gemma4DecoderLayer(nn.Module):
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """hidden_states `[B, S, H]` → `[B, S, H]`; padding_mask `[B, S]` (True = pad) keeps pads out of the MoE."""
+        """hidden_states `[B, S, H]` → `[B, S, H]`; padding_mask `[B, S]` (True = pad) keeps pads out of the MoE.
+
+        past_key_values: None (training), or the text model's `Gemma4HybridCache` while generating.
+        """
         del position_ids, kwargs  # positions arrive as position_embeddings; extra HF kwargs are not needed
-        if past_key_values is not None:
-            raise NotImplementedError(
-                "am_models_gemma4 layers are for training and do not update a KV cache; pass past_key_values=None "
-                "(use transformers' Gemma4 for generation)"
+        if past_key_values is not None and not isinstance(past_key_values, Gemma4HybridCache):
+            raise TypeError(
+                f"past_key_values is a {type(past_key_values).__name__}; am_models_gemma4 layers read and write only "
+                "a Gemma4HybridCache (pass None for training, or generate through Gemma4ForCausalLM)"
             )
         residual = hidden_states
         hidden_states = self.self_attn(
@@ -87,6 +92,7 @@ class Gemma4DecoderLayer(nn.Module):
             attention_mask=attention_mask,
             shared_kv_states=shared_kv_states,
             attention_inputs=attention_inputs,
+            cache=past_key_values,
         )
         hidden_states = residual + self.post_attention_layernorm(hidden_states)
 

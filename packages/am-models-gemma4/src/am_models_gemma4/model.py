@@ -4,9 +4,11 @@ What it is for: the text stack of transformers' Gemma 4 — scaled embeddings, p
 RoPE (`Gemma4TextRotaryEmbedding`, proportional on full layers), mixed sliding/full layers keyed by their global
 index in a `ModuleDict` (so pipeline stages keep stable names), final norm, tied LM head with logit soft-capping —
 with the MoE path and the attention paths of this package (`moe.py`, `attention.py`).
+Generation: `Gemma4ForCausalLM.generate(...)` (transformers' `GenerationMixin`, see `generation.py`) runs a prefill
+and then one token per step through a `Gemma4HybridCache` (`cache.py`).
 What it must not do: import am-pipelining or am-capabilities (it declares what they read: `config.layer_types`,
 `rotary_emb(x, position_ids, layer_type)`, `layers["<i>"]`, `get_capabilities`, `_cp_layout` / `get_cp_options`),
-or keep a KV cache (training only).
+or create a KV cache unless asked (`use_cache=True` or a cache passed): training forwards pass none.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
 from am_context_parallel import cp_token_mean_loss
 from am_models_gemma4.attention import AttentionInputs, SharedKVStates
+from am_models_gemma4.cache import Gemma4HybridCache
 from am_models_gemma4.config import is_moe_config, text_config_of, validate_text_config
 from am_models_gemma4.cp import ContextParallelHooks, active_ring_context
 from am_models_gemma4.decoder import Gemma4DecoderLayer
+from am_models_gemma4.generation import Gemma4GenerationMixin
 from am_models_gemma4.layers import Gemma4RMSNorm
 from am_models_gemma4.moe import ExpertParallelHooks, Gemma4Experts, Gemma4Router
 
@@ -69,6 +73,37 @@ def _reject_unknown_kwargs(kwargs: dict[str, Any], where: str) -> None:
         raise NotImplementedError(f"{where}: output_attentions=True is not supported")
 
 
+def _generation_cache(config: Any, past_key_values: Any, use_cache: bool | None) -> Gemma4HybridCache | None:
+    """The cache of this forward: the one passed, a new one for `use_cache=True`, else None (training)."""
+    if past_key_values is None:
+        return Gemma4HybridCache(config) if use_cache else None
+    if not isinstance(past_key_values, Gemma4HybridCache):
+        raise TypeError(
+            f"past_key_values is a {type(past_key_values).__name__}; am_models_gemma4 generates with a "
+            "Gemma4HybridCache (pass use_cache=True to get one, or Gemma4HybridCache(model.config))"
+        )
+    return past_key_values
+
+
+def _check_cached_inputs(attention_mask: Any, *, ring: Any, packed: bool) -> None:
+    """Refuse, listing every problem, the inputs a cached (generation) forward cannot honour."""
+    problems = []
+    if ring is not None:
+        problems.append("a context-parallel ring context is entered: generate with cp=1, outside `with ctx():`")
+    if packed:
+        problems.append(
+            "_packed_seq_ids (packed documents) were given: generate each sequence in its own row with an "
+            "attention_mask"
+        )
+    if isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() != 2):
+        problems.append(
+            "attention_mask is a 4-D mask or a {layer_type: mask} mapping: pass the 2-D [B, past + S] mask "
+            "(1 = token, 0 = padding); the cached steps build their own masks"
+        )
+    if problems:
+        raise ValueError("these inputs cannot be combined with a KV cache:\n  - " + "\n  - ".join(problems))
+
+
 class Gemma4TextModel(nn.Module):
     """The decoder stack: input_ids `[B, S]` → last hidden state `[B, S, H]`.
 
@@ -77,6 +112,10 @@ class Gemma4TextModel(nn.Module):
     layer as is. `vision_group_ids` `[B, S]` (-1 = text) makes image tokens attend to each other on sliding layers
     (`use_bidirectional_attention="vision"`). Under CP (an entered context from `make_cp_batch_and_ctx(..., model=)`,
     contiguous shards) every layer runs the ring instead.
+
+    Generation: with `use_cache=True` or a `Gemma4HybridCache` in `past_key_values`, the K/V of this forward are
+    appended to the cache and the new tokens attend to the cached ones; `attention_mask` then covers the cached and
+    new tokens `[B, past + S]` (or the new ones `[B, S]`), and positions default to `past .. past + S - 1`.
     """
 
     def __init__(self, config: Any) -> None:
@@ -168,10 +207,10 @@ class Gemma4TextModel(nn.Module):
         vision_group_ids: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
-        """input_ids `[B, S]` (or inputs_embeds `[B, S, H]`) → `last_hidden_state` `[B, S, H]`."""
+        """input_ids `[B, S]` (or inputs_embeds `[B, S, H]`) → `last_hidden_state` `[B, S, H]` (and the cache, when
+        generating, as `past_key_values`)."""
         _reject_unknown_kwargs(kwargs, "Gemma4TextModel.forward")
-        if use_cache or past_key_values is not None:
-            raise NotImplementedError("am_models_gemma4 has no KV cache (training only); pass use_cache=False")
+        cache = _generation_cache(self.config, past_key_values, use_cache)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -186,6 +225,31 @@ class Gemma4TextModel(nn.Module):
 
         seq = inputs_embeds.shape[1]
         ring = active_ring_context()
+        if cache is not None:
+            _check_cached_inputs(attention_mask, ring=ring, packed=_packed_seq_ids is not None)
+            past = cache.get_seq_length()
+            if attention_mask is None and padding_mask is not None:
+                attention_mask = ~padding_mask.bool()
+            assert not isinstance(attention_mask, dict)  # refused by _check_cached_inputs
+            real = cache.step_mask(attention_mask, seq)  # [B, past + S] True = token, or None: nothing padded
+            padding_mask = None if real is None else ~real[:, -seq:]
+            if position_ids is None:
+                position_ids = torch.arange(past, past + seq, device=inputs_embeds.device).unsqueeze(0)
+            return self._run_layers(
+                inputs_embeds,
+                per_layer_inputs,
+                position_ids,
+                attention_inputs=AttentionInputs(
+                    seq_len=seq,
+                    device=inputs_embeds.device,
+                    doc_ids=None if real is None else real.long(),
+                    vision_group_ids=vision_group_ids,
+                    past_length=past,
+                ),
+                padding_mask=padding_mask,
+                cache=cache,
+            )
+
         # A 4-D mask, or transformers' {layer_type: mask} mapping, is handed to the layers as is (pipeline stages).
         external_mask: Any = None
         if isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() == 4):
@@ -219,6 +283,28 @@ class Gemma4TextModel(nn.Module):
                 vision_group_ids=vision_group_ids,
                 ring=ring,
             )
+        return self._run_layers(
+            inputs_embeds,
+            per_layer_inputs,
+            position_ids,
+            attention_inputs=attention_inputs,
+            external_mask=external_mask,
+            padding_mask=padding_mask,
+        )
+
+    def _run_layers(
+        self,
+        inputs_embeds: torch.Tensor,
+        per_layer_inputs: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        *,
+        attention_inputs: AttentionInputs | None,
+        external_mask: Any = None,
+        padding_mask: torch.Tensor | None,
+        cache: Gemma4HybridCache | None = None,
+    ) -> BaseModelOutputWithPast:
+        """RoPE per layer type, every layer in order (KV-shared layers read what their store layer published), the
+        final norm. per_layer_inputs: `[B, S, L, H_ple]` projected, or None; padding_mask: `[B, S]` True = pad."""
         position_embeddings = {
             layer_type: self.rotary_emb(inputs_embeds, position_ids, layer_type)
             for layer_type in sorted(set(self.config.layer_types))
@@ -239,16 +325,19 @@ class Gemma4TextModel(nn.Module):
                 ),
                 attention_inputs=attention_inputs,
                 padding_mask=padding_mask,
+                past_key_values=cache,
             )
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states)
+        # `past_key_values` is our Gemma4HybridCache, not a transformers `Cache`
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache)  # type: ignore[arg-type]
 
 
-class Gemma4ForCausalLM(ContextParallelHooks, ExpertParallelHooks, nn.Module):
+class Gemma4ForCausalLM(ContextParallelHooks, ExpertParallelHooks, nn.Module, Gemma4GenerationMixin):
     """Text-only Gemma 4 with a (tied) LM head: `logits = softcap(lm_head(model(...)))` `[B, S, V]`.
 
     Checkpoints: `from_pretrained` / `save_pretrained` read and write transformers' `Gemma4ForCausalLM` folders.
+    Generation: `generate(...)` (transformers' `GenerationMixin`) with a `Gemma4HybridCache`.
     """
 
     # The fp32-pinned tensors, listed once for the package (the VLM class reuses these lists; casting and checkpoint
@@ -269,6 +358,7 @@ class Gemma4ForCausalLM(ContextParallelHooks, ExpertParallelHooks, nn.Module):
         self.model = Gemma4TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        self._init_generation_config(config)
 
     @classmethod
     def get_capabilities(cls, config: Any) -> dict[str, bool]:
@@ -300,8 +390,9 @@ class Gemma4ForCausalLM(ContextParallelHooks, ExpertParallelHooks, nn.Module):
         Without CP, labels are unshifted (transformers' convention: shifted inside). Under CP (inside the context
         of `make_cp_batch_and_ctx`) labels are ALREADY shifted, as the CP batch contract requires, and `loss` is
         this rank's share of the global token mean (`cp_token_mean_loss`); sum gradients over the CP group.
+        With `use_cache=True` or a `Gemma4HybridCache` in `past_key_values` the output carries the cache.
         """
-        hidden = self.model(
+        outputs = self.model(
             input_ids,
             attention_mask,
             position_ids,
@@ -310,7 +401,8 @@ class Gemma4ForCausalLM(ContextParallelHooks, ExpertParallelHooks, nn.Module):
             per_layer_inputs,
             use_cache,
             **kwargs,
-        ).last_hidden_state
+        )
+        hidden = outputs.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]
         logits = softcap_logits(self.lm_head(hidden), getattr(self.config, "final_logit_softcapping", None))
@@ -321,7 +413,7 @@ class Gemma4ForCausalLM(ContextParallelHooks, ExpertParallelHooks, nn.Module):
                 loss, _ = cp_token_mean_loss(logits, labels, group=ring.group)
             else:
                 loss = causal_lm_loss(logits, labels)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
 
     @classmethod
     def from_pretrained(

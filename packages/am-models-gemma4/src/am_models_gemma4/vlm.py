@@ -5,7 +5,9 @@ What it is for: the module tree and state-dict names of transformers' `Gemma4For
 transformers' `Gemma4VisionModel` and `Gemma4MultimodalEmbedder`, `lm_head` is tied), with text-only and image+text
 forwards: media placeholder ids are embedded as the pad id, the pooled image features are scattered into the
 image-token rows, and `use_bidirectional_attention="vision"` lets an image's tokens see each other on sliding
-layers.
+layers. `generate(...)` (transformers' `GenerationMixin`, `generation.py`) takes images in the prompt and returns text:
+the prefill runs the vision tower and the bidirectional image mask, later steps only the text decoder with its
+`Gemma4HybridCache`.
 What it must not do: run audio or video towers (configs with `audio_config` are rejected at construction; video or
 audio inputs are rejected in forward), or import am-pipelining (whose Gemma 4 VLM forward reads `model.
 language_model`, `model.vision_tower`, `model.get_image_features(...).pooler_output` and `lm_head`).
@@ -32,6 +34,7 @@ from transformers.models.gemma4.modeling_gemma4 import (
 from am_context_parallel import cp_token_mean_loss
 from am_models_gemma4.config import normalize_text_config
 from am_models_gemma4.cp import ContextParallelHooks, active_ring_context, tokens_before_this_rank
+from am_models_gemma4.generation import Gemma4GenerationMixin
 from am_models_gemma4.model import (
     Gemma4ForCausalLM,
     Gemma4TextModel,
@@ -107,13 +110,15 @@ class Gemma4Model(nn.Module):
         return BaseModelOutputWithPooling(last_hidden_state=outputs.last_hidden_state, pooler_output=pooled)
 
 
-class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, nn.Module):
-    """Gemma 4 vision-language model: logits `[B, S, V]` for text-only or image+text inputs."""
+class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, nn.Module, Gemma4GenerationMixin):
+    """Gemma 4 vision-language model: logits `[B, S, V]` for text-only or image+text inputs; `generate(...)`."""
 
     # The text model's keep lists (substrings of names, so they match under `model.language_model.` too).
     _keep_in_fp32_modules_strict: ClassVar[list[str]] = Gemma4ForCausalLM._keep_in_fp32_modules_strict
     _keep_in_fp32_modules: ClassVar[list[str]] = Gemma4ForCausalLM._keep_in_fp32_modules
     _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
+    # The image inputs describe the prompt: after the prefill, steps carry new text tokens only.
+    _prefill_only_inputs: ClassVar[tuple[str, ...]] = ("image_position_ids", "mm_token_type_ids")
     supports_gradient_checkpointing = False
 
     def __init__(self, config: Any) -> None:
@@ -128,6 +133,7 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, 
         text_config = config.text_config
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
         self.tie_weights()
+        self._init_generation_config(config)
 
     @classmethod
     def get_capabilities(cls, config: Any) -> dict[str, bool]:
@@ -236,7 +242,7 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, 
             if ring is None:
                 vision_group_ids = get_block_sequence_ids_for_mask(mm_token_type_ids, device=inputs_embeds.device)
 
-        hidden = language_model(
+        outputs = language_model(
             None,
             attention_mask,
             position_ids,
@@ -247,7 +253,8 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, 
             padding_mask=padding_mask,
             _packed_seq_ids=_packed_seq_ids,
             vision_group_ids=vision_group_ids,
-        ).last_hidden_state
+        )
+        hidden = outputs.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]
         logits = softcap_logits(self.lm_head(hidden), getattr(text_config, "final_logit_softcapping", None))
@@ -258,7 +265,7 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, 
                 if ring is not None
                 else causal_lm_loss(logits, labels)
             )
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
 
     @classmethod
     def from_pretrained(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from am_models_nemotron._version import __version__
 from am_models_nemotron.attention import NemotronAttention, build_attention_mask
+from am_models_nemotron.backbone import NemotronV3Model
+from am_models_nemotron.backend import SUPPORTED_BACKENDS, default_backend, resolve_backend
 from am_models_nemotron.blocks import NemotronV3Block
 from am_models_nemotron.cache import NemotronHybridCache
 from am_models_nemotron.checkpoint import (
@@ -17,6 +19,7 @@ from am_models_nemotron.checkpoint import (
     write_safetensors_folder,
 )
 from am_models_nemotron.config import BLOCK_KINDS, NemotronConfig, as_hf_config, normalize_block_types
+from am_models_nemotron.inputs import BatchLayout, resolve_batch_layout
 from am_models_nemotron.mamba2 import Mamba2FP32Params, Mamba2Mixer, MambaRMSNormGated, mamba_kernels_available
 from am_models_nemotron.mamba2_cp import (
     Mamba2CPContext,
@@ -27,15 +30,19 @@ from am_models_nemotron.mamba2_cp import (
     prepend_conv_halo,
     ssd_chunked_scan_cp,
 )
-from am_models_nemotron.model import (
-    ModelClass,
-    NemotronHCausalLMOutputWithPast,
-    NemotronHForCausalLM,
-    NemotronV3Model,
-    default_backend,
-)
+from am_models_nemotron.model import ModelClass, NemotronHForCausalLM
 from am_models_nemotron.moe import ExpertParallelHooks, GroupedExperts, NemotronMLP, NemotronMoE, NemotronRouter, relu2
-from am_models_nemotron.mtp import MTPConfig, MTPModule, MTPSublayer, mtp_loss, roll_tensor, shift_labels
+from am_models_nemotron.mtp import (
+    MTPConfig,
+    MTPModule,
+    MTPSublayer,
+    mtp_depth_losses,
+    mtp_loss,
+    roll_tensor,
+    shift_labels,
+    shift_within_documents,
+)
+from am_models_nemotron.outputs import CombinedLoss, NemotronHCausalLMOutputWithPast, combined_causal_lm_loss
 from am_models_nemotron.ssd import segment_sum, ssd_chunked_scan, ssd_sequential_scan
 from am_models_nemotron.state_dict_adapter import NemotronV3StateDictAdapter
 
@@ -50,7 +57,16 @@ __all__ = [
     "NemotronHForCausalLM",
     "NemotronV3Model",
     "NemotronHCausalLMOutputWithPast",
+    # losses
+    "CombinedLoss",
+    "combined_causal_lm_loss",
+    # backends
+    "SUPPORTED_BACKENDS",
     "default_backend",
+    "resolve_backend",
+    # forward inputs (packing, padding, masks)
+    "BatchLayout",
+    "resolve_batch_layout",
     # blocks
     "NemotronV3Block",
     "NemotronAttention",
@@ -81,9 +97,11 @@ __all__ = [
     "MTPConfig",
     "MTPModule",
     "MTPSublayer",
+    "mtp_depth_losses",
     "mtp_loss",
     "roll_tensor",
     "shift_labels",
+    "shift_within_documents",
     # cache
     "NemotronHybridCache",
     # checkpoints

@@ -68,7 +68,7 @@ class NemotronAttention(nn.Module):
 
     def __init__(
         self,
-        config: NemotronConfig,
+        config: NemotronConfig | Any,
         layer_idx: int,
         *,
         backend: BackendConfig,
@@ -76,6 +76,7 @@ class NemotronAttention(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
+        config = NemotronConfig.from_any(config)  # a raw transformers / NVIDIA config works too
         if backend.attn not in SUPPORTED_ATTN_BACKENDS:
             raise ValueError(
                 f"BackendConfig.attn={backend.attn!r} is not implemented by am-models-nemotron; supported: "
@@ -109,12 +110,27 @@ class NemotronAttention(nn.Module):
         *,
         attention_mask: torch.Tensor | None = None,
         cache: Any | None = None,
+        ring: Any | None = None,
     ) -> torch.Tensor:
-        """attention_mask: boolean [B, 1, q, kv] from `build_attention_mask`, or None (causal)."""
+        """attention_mask: boolean [B, 1, q, kv] from `build_attention_mask`, or None (causal).
+
+        ring: an entered `am_context_parallel.RingAttentionContext` (context parallelism): this rank's block attends
+        causally over the whole sharded sequence within its documents (the context's positions and document ids);
+        no mask and no cache then."""
         batch, seqlen, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(batch, seqlen, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(hidden_states).view(batch, seqlen, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(batch, seqlen, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if ring is not None:
+            if cache is not None or attention_mask is not None or (self.training and self.dropout):
+                raise ValueError(
+                    f"NemotronAttention layer {self.layer_idx} under context parallelism takes no cache, no mask and "
+                    "no attention dropout (set attention_dropout=0)."
+                )
+            out = ring.attention(q, k, v, causal=True, scale=self.scaling)
+            out = out.transpose(1, 2).reshape(batch, seqlen, self.num_heads * self.head_dim)
+            ringed: torch.Tensor = self.o_proj(out)
+            return ringed
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         is_causal = attention_mask is None and seqlen > 1 and seqlen == k.shape[2]

@@ -35,7 +35,7 @@ class NemotronV3Block(nn.Module):
 
     def __init__(
         self,
-        config: NemotronConfig,
+        config: NemotronConfig | Any,
         layer_idx: int,
         *,
         backend: BackendConfig,
@@ -44,6 +44,7 @@ class NemotronV3Block(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
+        config = NemotronConfig.from_any(config)  # a raw transformers / NVIDIA config works too
         kind = block_type if block_type is not None else config.layers_block_type[layer_idx]
         if kind not in BLOCK_KINDS:
             raise ValueError(f"Invalid block_type {kind!r} for layer {layer_idx}; expected one of {BLOCK_KINDS}.")
@@ -97,15 +98,20 @@ class NemotronV3Block(nn.Module):
         padding_mask: torch.Tensor | None = None,
         seq_idx: torch.Tensor | None = None,
         cache: Any | None = None,
+        cp: Any | None = None,
     ) -> torch.Tensor:
         """attention_mask: boolean [B, 1, q, kv] or None; mamba_mask: [B, S] 1 keep / 0 pad;
-        padding_mask: [B, S] True = pad (MoE routing); seq_idx: [B, S] packed document ids."""
+        padding_mask: [B, S] True = pad (MoE routing); seq_idx: [B, S] packed document ids; cp: context
+        parallelism (`cp.NemotronCPContext`): Mamba passes states over `cp.mamba`, attention runs `cp.ring`'s ring,
+        MLP / MoE are token-local."""
         residual = hidden_states
         normed = self.norm(hidden_states)
         if self.block_type == "mamba":
-            out = self.mixer(normed, cache=cache, attention_mask=mamba_mask, seq_idx=seq_idx)
+            mamba_cp = cp.mamba if cp is not None else None
+            out = self.mixer(normed, cache=cache, attention_mask=mamba_mask, seq_idx=seq_idx, cp=mamba_cp)
         elif self.block_type == "attention":
-            out = self.mixer(normed, attention_mask=attention_mask, cache=cache)
+            ring = cp.ring if cp is not None else None
+            out = self.mixer(normed, attention_mask=attention_mask, cache=cache, ring=ring)
         elif self.block_type == "moe":
             out = self.mixer(normed, padding_mask=padding_mask)
         else:

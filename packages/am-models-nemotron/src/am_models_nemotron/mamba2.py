@@ -56,41 +56,54 @@ def _kernels() -> tuple[Any, Any]:
 
 
 class _CausalConv(torch.autograd.Function):
-    """Causal depthwise conv in the [B, S, C] layout: out[t] = bias + sum_k x[t - k] * weight[:, -1 - k].
+    """Causal depthwise conv in the [B, S, C] layout: out[t] = bias + sum_k x[t - k] * weight[:, -1 - k] * keep_k[t].
 
-    x: [B, S, C]; weight: [C, K] with K <= S; bias: [C] or None. Same forward as the autograd shift-and-add; the
-    backward accumulates the input gradient in place on shifted views (no zero-filled per-tap slice gradients).
+    x: [B, S, C]; weight: [C, K] with K <= S; bias: [C] or None; same: [B, S, K - 1] bool or None — tap k >= 1 of
+    position t counts only where `same[..., k - 1]` (packed rows: x[t - k] lies in t's document). Same forward as
+    the autograd shift-and-add; the backward accumulates the input gradient in place on shifted views and saves only
+    x, the weight and the boolean masks (no per-tap products, no zero-filled slice gradients).
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, same: torch.Tensor | None
+    ) -> torch.Tensor:
         taps, seqlen = weight.shape[1], x.shape[1]
         padded = F.pad(x, (0, 0, taps - 1, 0))
         out = x * weight[:, -1]
         for shift in range(1, taps):
-            out = torch.addcmul(out, padded[:, taps - 1 - shift : taps - 1 - shift + seqlen], weight[:, -1 - shift])
+            tap = padded[:, taps - 1 - shift : taps - 1 - shift + seqlen]
+            if same is not None:
+                tap = tap * same[..., shift - 1, None].to(x.dtype)
+            out = torch.addcmul(out, tap, weight[:, -1 - shift])
         if bias is not None:
             out = out + bias
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, weight, same)
         ctx.has_bias = bias is not None
         return out
 
     @staticmethod
     @once_differentiable  # second derivatives raise instead of silently missing terms
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
+        x, weight, same = ctx.saved_tensors
         taps = weight.shape[1]
         grad_x = grad_w = grad_b = None
+
+        def masked(shift: int) -> torch.Tensor:  # grad[t] for the positions where tap `shift` counted
+            part = grad[:, shift:]
+            return part if same is None else part * same[:, shift:, shift - 1, None].to(grad.dtype)
+
         if ctx.needs_input_grad[0]:
             grad_x = grad * weight[:, -1]
             for shift in range(1, taps):
-                grad_x[:, :-shift].addcmul_(grad[:, shift:], weight[:, -1 - shift])
+                grad_x[:, :-shift].addcmul_(masked(shift), weight[:, -1 - shift])
         if ctx.needs_input_grad[1]:
-            columns = [(grad[:, shift:] * x[:, : x.shape[1] - shift]).sum(dim=(0, 1)) for shift in range(taps)]
+            columns = [(grad * x).sum(dim=(0, 1))]
+            columns += [(masked(shift) * x[:, : x.shape[1] - shift]).sum(dim=(0, 1)) for shift in range(1, taps)]
             grad_w = torch.stack(columns[::-1], dim=-1)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.sum(dim=(0, 1))
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
 class Mamba2FP32Params(nn.Module):
@@ -162,7 +175,7 @@ class Mamba2Mixer(nn.Module):
 
     def __init__(
         self,
-        config: NemotronConfig,
+        config: NemotronConfig | Any,
         layer_idx: int,
         *,
         backend: BackendConfig,
@@ -170,6 +183,7 @@ class Mamba2Mixer(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
+        config = NemotronConfig.from_any(config)  # a raw transformers / NVIDIA config works too
         self.layer_idx = layer_idx
         self.num_heads = config.mamba_num_heads
         self.head_dim = config.mamba_head_dim
@@ -384,19 +398,12 @@ class Mamba2Mixer(nn.Module):
         # only while it lies in the same document.
         # The input is zero-padded once in front; each tap is a view of it, accumulated with one fused addcmul.
         taps = min(self.conv_kernel, seqlen)
-        if seq_idx is None:
-            return F.silu(_CausalConv.apply(xbc, weight[:, -taps:], self.conv1d.bias))
-        padded = F.pad(xbc, (0, 0, taps - 1, 0))
-        out = xbc * weight[:, -1]
-        for shift in range(1, taps):
-            tap = padded[:, taps - 1 - shift : taps - 1 - shift + seqlen]
-            if seq_idx is not None:
-                same = seq_idx[:, shift:] == seq_idx[:, :-shift]
-                tap = tap * F.pad(same, (shift, 0), value=False)[..., None].to(xbc.dtype)
-            out = torch.addcmul(out, tap, weight[:, -1 - shift])
-        if self.conv1d.bias is not None:
-            out = out + self.conv1d.bias
-        return F.silu(out)
+        same = None
+        if seq_idx is not None:  # tap k of position t reads t - k only within t's document
+            same = torch.zeros(*seq_idx.shape, taps - 1, dtype=torch.bool, device=xbc.device)
+            for shift in range(1, taps):
+                same[:, shift:, shift - 1] = seq_idx[:, shift:] == seq_idx[:, :-shift]
+        return F.silu(_CausalConv.apply(xbc, weight[:, -taps:], self.conv1d.bias, same))
 
     def _kernel_scan(
         self,

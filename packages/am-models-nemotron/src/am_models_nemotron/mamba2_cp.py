@@ -317,7 +317,7 @@ def ssd_chunked_scan_cp(
 
 
 def mamba_cp_bytes_per_layer(
-    config: NemotronConfig,
+    config: NemotronConfig | Any,
     *,
     batch_size: int,
     cp_rank: int,
@@ -332,6 +332,7 @@ def mamba_cp_bytes_per_layer(
     and their gradient back. States: one [B, heads, head_dim * state + 1] pair (state_dtype: fp32, fp64 for fp64
     models) per scan round in which this rank has a receiver, and its gradient back per round it received in.
     """
+    config = NemotronConfig.from_any(config)
     width = conv_halo_width(config.conv_kernel)
     conv_dim = config.mamba_intermediate_size + 2 * config.n_groups * config.ssm_state_size
     halo = batch_size * width * conv_dim * torch.empty((), dtype=conv_dtype).element_size()

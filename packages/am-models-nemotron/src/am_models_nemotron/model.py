@@ -1,35 +1,47 @@
-"""Nemotron-H model classes: `NemotronV3Model` (backbone), `NemotronHForCausalLM` (LM head, loss, MTP, generation,
-pipeline-stage forward, checkpoints) and `NemotronHCausalLMOutputWithPast`.
+"""`NemotronHForCausalLM`: the Nemotron-H causal LM — backbone, LM head, next-token loss, multi-token prediction,
+generation, pipeline-stage forward and checkpoints.
 
 What it is for: the forward of the whole model in three roles — a plain model (training, eval, generation through
-transformers' `GenerationMixin` with `NemotronHybridCache`), and a pruned pipeline stage (hidden states arrive in
-the `input_ids` slot, per-depth MTP embeddings travel between stages as extra positional tensors, the last stage
-returns `(logits, *mtp_hidden, seq_idx_int32)`).
+transformers' `GenerationMixin` with `NemotronHybridCache`), and a pruned pipeline stage (`pipeline_stage`). It
+accepts what NeMo AutoModel's forward accepts (packed rows through `seq_idx` / `_packed_seq_ids` / THD
+`cu_seqlens` / restarting `position_ids`, `padding_mask`, `causal_mask_mapping`, per-depth MTP inputs) with real
+semantics on its own SDPA path: a packed row gives each document the logits it gets alone.
 What it must not do: import am-pipelining or am-capabilities (they find the hooks by duck typing), mutate the
-`BackendConfig` it receives, or tie the input and output embeddings (the architecture has none; rejected).
+`BackendConfig` it receives, count the MTP loss into `loss` (see `outputs`), or tie the input and output
+embeddings (the architecture has none; rejected).
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers import GenerationConfig, GenerationMixin
-from transformers.utils import ModelOutput
 
+from am_context_parallel import ContiguousCPOptions
 from am_models_nemotron._init import weight_of
-from am_models_nemotron.attention import build_attention_mask
-from am_models_nemotron.blocks import NemotronV3Block
+from am_models_nemotron.backbone import NemotronV3Model, move_buffers_
+from am_models_nemotron.backend import default_backend, resolve_backend
 from am_models_nemotron.cache import NemotronHybridCache
 from am_models_nemotron.config import NemotronConfig, as_hf_config
+from am_models_nemotron.cp import (
+    NemotronCPContext,
+    block_cp_problems,
+    nemotron_cp_options,
+    prepare_batch_for_cp,
+    resolve_layout,
+)
+from am_models_nemotron.generation import NemotronGenerationMixin
+from am_models_nemotron.inputs import pop_layout_kwargs
 from am_models_nemotron.loss import cross_entropy
 from am_models_nemotron.moe import ExpertParallelHooks
-from am_models_nemotron.mtp import MTPConfig, MTPModule, mtp_loss, roll_tensor, shift_labels
-from am_precision import BackendConfig, initialize_linear_module, initialize_rms_norm_module, yield_fp32_model
+from am_models_nemotron.mtp import MTPConfig, MTPModule
+from am_models_nemotron.mtp_inputs import mtp_fusion_inputs
+from am_models_nemotron.outputs import NemotronHCausalLMOutputWithPast, combined_causal_lm_loss, select_hidden_states
+from am_models_nemotron.pipeline_stage import NemotronPipelineMixin
+from am_precision import BackendConfig, initialize_linear_module, yield_fp32_model
 
 __all__ = [
     "ModelClass",
@@ -39,197 +51,38 @@ __all__ = [
     "default_backend",
 ]
 
-# Keyword arguments that transformers' generate() or trainers pass and that change nothing here.
-_IGNORED_KWARGS = frozenset(
-    {"return_dict", "output_attentions", "num_items_in_batch", "position_ids", "cache_position"}
-)
+# Keyword arguments of transformers' generate() / Trainer that this forward takes but whose only value here is "off".
+_CP_KWARGS = ("cp_rank", "cp_size")
 
 
-def default_backend() -> BackendConfig:
-    """The plain-PyTorch backend this package implements: SDPA attention, torch linears, fp32 RMSNorm, torch experts."""
-    return BackendConfig(attn="sdpa", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
-
-
-@dataclass
-class NemotronHCausalLMOutputWithPast(ModelOutput):
-    """Output of `NemotronHForCausalLM.forward` off the pipeline.
-
-    loss: main next-token loss (+ `mtp_loss` when MTP ran); logits: [B, S_kept, V]; past_key_values: the cache when
-    `use_cache`; hidden_states: (embeddings, after each layer..., final normed) when requested; mtp_per_depth_h: D
-    hidden states [B, S, H] (training); mtp_loss: the scaled MTP term already included in `loss`.
-    """
-
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    past_key_values: Any = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    mtp_per_depth_h: tuple[torch.Tensor, ...] | None = None
-    mtp_loss: torch.Tensor | None = None
-    mtp_loss_scaling_factor: float | None = None
-
-
-class NemotronV3Model(nn.Module):
-    """Backbone: `embed_tokens`, `layers` (ModuleDict keyed by global index), final `norm`.
-
-    Any of the three may be None / partial on a pipeline stage. forward(...) -> hidden states [B, S, H].
-    """
-
-    # The fp32-pinned tensors, listed once for the package: the router's `e_score_correction_bias` and each Mamba
-    # mixer's `_fp32_params` holder (A_log, dt_bias, D). Casting (am-precision), checkpoints and the state dict
-    # adapter all derive from it.
-    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["e_score_correction_bias", "_fp32_params"]
-
-    def __init__(
-        self,
-        config: NemotronConfig,
-        *,
-        backend: BackendConfig,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens: nn.Embedding | None = nn.Embedding(
-            config.vocab_size, config.hidden_size, device=device, dtype=dtype
-        )
-        self.layers = nn.ModuleDict(
-            {
-                str(i): NemotronV3Block(config, i, backend=backend, device=device, dtype=dtype)
-                for i in range(config.num_hidden_layers)
-            }
-        )
-        self.norm: nn.Module | None = initialize_rms_norm_module(
-            backend.rms_norm, config.hidden_size, eps=config.layer_norm_epsilon, device=device, dtype=dtype
-        )
-        self.gradient_checkpointing = False
-
-    @torch.no_grad()
-    def initialize_weights(self) -> None:
-        """Embedding normal(0, initializer_range), norms ones, every block's own init (present modules only)."""
-        cfg = self.config
-        if self.embed_tokens is not None:
-            nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=cfg.initializer_range)
-        reset = getattr(self.norm, "reset_parameters", None)
-        if callable(reset):
-            reset()
-        for layer in self.layers.values():
-            layer.init_weights(  # type: ignore[operator]
-                num_hidden_layers=cfg.num_hidden_layers, rescale_prenorm_residual=cfg.rescale_prenorm_residual
-            )
-
-    def block_inputs(
-        self,
-        hidden_states: torch.Tensor,
-        *,
-        attention_mask: torch.Tensor | None = None,
-        padding_mask: torch.Tensor | None = None,
-        seq_idx: torch.Tensor | None = None,
-        cache: NemotronHybridCache | None = None,
-    ) -> dict[str, Any]:
-        """The per-block inputs (masks, seq_idx, cache) for hidden states [B, S, H] and a [B, past+S] 2-D mask."""
-        batch, seqlen = hidden_states.shape[:2]
-        past = cache.get_seq_length() if cache is not None else 0
-        mamba_mask = None
-        attn_mask: torch.Tensor | None = None
-        if attention_mask is not None and attention_mask.dim() == 4:
-            attn_mask = attention_mask  # already built by the caller (bool, True = attend, or additive float)
-        else:
-            if attention_mask is not None:
-                has_padding = bool((attention_mask[:, -seqlen:] == 0).any())
-                if has_padding and seqlen > 1:
-                    mamba_mask = attention_mask[:, -seqlen:].to(hidden_states.dtype)
-                if has_padding and padding_mask is None:
-                    padding_mask = attention_mask[:, -seqlen:] == 0
-            attn_mask = build_attention_mask(
-                batch_size=batch,
-                query_length=seqlen,
-                past_length=past,
-                attention_mask=attention_mask,
-                seq_idx=seq_idx,
-                device=hidden_states.device,
-            )
-        return {
-            "attention_mask": attn_mask,
-            "mamba_mask": mamba_mask,
-            "padding_mask": padding_mask,
-            "seq_idx": seq_idx,
-            "cache": cache,
-        }
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        *,
-        inputs_embeds: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        padding_mask: torch.Tensor | None = None,
-        seq_idx: torch.Tensor | None = None,
-        cache: NemotronHybridCache | None = None,
-        all_hidden_states: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """input_ids: [B, S] token ids, or [B, S, H] hidden states on a non-first pipeline stage."""
-        hidden = self.embed(input_ids, inputs_embeds)
-        inputs = self.block_inputs(
-            hidden, attention_mask=attention_mask, padding_mask=padding_mask, seq_idx=seq_idx, cache=cache
-        )
-        checkpointing = self.gradient_checkpointing and self.training and cache is None
-        for layer in self.layers.values():
-            if all_hidden_states is not None:
-                all_hidden_states.append(hidden)
-            if checkpointing:
-                hidden = checkpoint(functools.partial(layer, **inputs), hidden, use_reentrant=False)
-            else:
-                hidden = layer(hidden, **inputs)
-        if self.norm is not None:
-            hidden = self.norm(hidden)
-        if all_hidden_states is not None:
-            all_hidden_states.append(hidden)
-        return hidden
-
-    def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
-        if inputs_embeds is not None:
-            if input_ids is not None:
-                raise ValueError(
-                    "got both input_ids and inputs_embeds; pass exactly one (token ids [B, S], or embeddings [B, S, H])"
-                )
-            return inputs_embeds
-        if input_ids is None:
-            raise ValueError("input_ids must be provided if inputs_embeds is not provided.")
-        if self.embed_tokens is None:
-            if not input_ids.is_floating_point():
-                raise ValueError(
-                    "This pipeline stage has no embed_tokens, so it expects the previous stage's hidden states "
-                    f"[B, S, H] in the input_ids slot, got an integer tensor of shape {tuple(input_ids.shape)}."
-                )
-            return input_ids
-        if input_ids.is_floating_point():
-            raise ValueError(
-                f"input_ids must hold token ids, got a floating tensor of shape {tuple(input_ids.shape)}; pass "
-                "embeddings as inputs_embeds."
-            )
-        return self.embed_tokens(input_ids)
-
-
-class NemotronHForCausalLM(ExpertParallelHooks, nn.Module, GenerationMixin):
+class NemotronHForCausalLM(
+    ExpertParallelHooks, NemotronPipelineMixin, NemotronGenerationMixin, nn.Module, GenerationMixin
+):
     """Nemotron-H causal LM with optional multi-token prediction.
 
     Args:
         config: transformers `NemotronHConfig`, a NVIDIA remote-code config, any attribute object or a dict.
-        backend: kernel choices; default `default_backend()`. Never mutated.
+        backend: kernel choices; None: `default_backend()` (plain PyTorch). Any `BackendConfig` — including
+            `BackendConfig()` with its machine-dependent defaults — is mapped to the choices implemented here by
+            `resolve_backend` (one logged line when something changes). Never mutated.
         dtype: parameter dtype at construction (fp32-pinned tensors are fp32 regardless).
-        device: construction device ("meta" defers allocation; then load a checkpoint with `assign=True`).
+        device: construction device ("meta" defers allocation; then load a checkpoint with `assign=True`, or
+            `to_empty(...)` and `initialize_weights(buffer_device=...)`).
         num_nextn_predict_layers: overrides the config's MTP depth count (0 disables MTP).
         mtp_loss_scaling_factor: weight of the mean MTP depth loss.
         mtp_use_repeated_layer: one physical MTP depth applied at every depth.
 
     Raises:
         NotImplementedError: `tie_word_embeddings=True`.
-        ValueError: invalid config or unsupported backend choices (all listed).
+        ValueError: invalid config or backend choices that cannot be resolved (all listed).
     """
 
     # The same list as the backbone's (one source: the keep list is defined once, on NemotronV3Model).
     _keep_in_fp32_modules_strict: ClassVar[list[str]] = NemotronV3Model._keep_in_fp32_modules_strict
     _pp_keep_self_forward: ClassVar[bool] = True
+    pipeline_output_names: ClassVar[tuple[str, ...]] = ("logits", "mtp_per_depth_h", "seq_idx")
+    """What each position of the last pipeline stage's tuple is (am-pipelining reads it by these names; the MTP
+    hidden states take every position between logits and seq_idx). Without MTP the last stage returns bare logits."""
     _pp_plan: ClassVar[dict[str, tuple[list[str], list[str]]]] = {
         "model.embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "model.layers": (["hidden_states"], ["hidden_states"]),
@@ -240,12 +93,15 @@ class NemotronHForCausalLM(ExpertParallelHooks, nn.Module, GenerationMixin):
     main_input_name: ClassVar[str] = "input_ids"
     supports_gradient_checkpointing: ClassVar[bool] = True
 
+    # am-context-parallel: each rank one contiguous block (the Mamba2 recurrence passes its state rank to rank).
+    _cp_layout: ClassVar[str] = "contiguous"
+
     @classmethod
     def get_capabilities(cls, config: Any) -> dict[str, bool]:
-        """Capabilities for am-capabilities: PP yes; EP when the config has MoE blocks (`apply_expert_parallel`);
-        TP and CP not yet."""
+        """Capabilities for am-capabilities: PP and CP (contiguous) yes; EP when the config has MoE blocks
+        (implemented by `apply_expert_parallel`); no TP."""
         has_moe = NemotronConfig.from_any(config).has_moe
-        return {"supports_pp": True, "supports_ep": has_moe, "supports_tp": False, "supports_cp": False}
+        return {"supports_pp": True, "supports_ep": has_moe, "supports_tp": False, "supports_cp": True}
 
     def __init__(
         self,
@@ -269,8 +125,8 @@ class NemotronHForCausalLM(ExpertParallelHooks, nn.Module, GenerationMixin):
             )
         self.config = hf_config
         self.nemotron_config = cfg
-        self.backend = backend if backend is not None else default_backend()
-        self.model = NemotronV3Model(cfg, backend=self.backend, device=device, dtype=dtype)
+        self.backend = resolve_backend(backend, owner=type(self).__name__)
+        self.model = NemotronV3Model(cfg, self.backend, device=device, dtype=dtype)
         self.lm_head: nn.Module | None = initialize_linear_module(
             self.backend.linear, cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype
         )
@@ -290,6 +146,11 @@ class NemotronHForCausalLM(ExpertParallelHooks, nn.Module, GenerationMixin):
         if torch.device(device or "cpu").type != "meta":
             self.initialize_weights(dtype=dtype)
 
+    @classmethod
+    def from_config(cls, config: Any, backend: BackendConfig | None = None, **kwargs: Any) -> NemotronHForCausalLM:
+        """Build a randomly initialized model from a config (as the constructor; kwargs are its keyword options)."""
+        return cls(config, backend, **kwargs)
+
     # ------------------------------------------------------------------------------------------------------------
     # Basics
     # ------------------------------------------------------------------------------------------------------------
@@ -305,11 +166,6 @@ class NemotronHForCausalLM(ExpertParallelHooks, nn.Module, GenerationMixin):
                 return param.dtype
         return torch.float32
 
-    @property
-    def num_mtp_depths(self) -> int:
-        """MTP depths D from the config (also on pipeline stages whose `mtp` module was pruned)."""
-        return self.mtp_config.num_layers if self.mtp_config.enabled else 0
-
     def get_input_embeddings(self) -> nn.Module | None:
         return self.model.embed_tokens
 
@@ -322,21 +178,18 @@ class NemotronHForCausalLM(ExpertParallelHooks, nn.Module, GenerationMixin):
     def set_output_embeddings(self, value: nn.Module) -> None:
         self.lm_head = value
 
-    @classmethod
-    def can_generate(cls) -> bool:
-        return True
-
-    def get_experts_implementation(self) -> dict[str, str]:
-        """GenerationMixin hook: our experts have one implementation, nothing to switch while decoding."""
-        return {}
-
-    def set_experts_implementation(self, implementation: Any) -> None:
-        """GenerationMixin hook (no-op, see `get_experts_implementation`)."""
-
     @torch.no_grad()
-    def initialize_weights(self, *, dtype: torch.dtype | None = None) -> None:
-        """Random init sampled in fp32 (then cast once to `dtype`, default the current dtype; pinned stay fp32)."""
+    def initialize_weights(
+        self, buffer_device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        """Random init sampled in fp32, then cast once to `dtype` (default: the current dtype; pinned stay fp32).
+
+        buffer_device: where buffers are (re)created before their init (after `to_empty` of a meta-built model);
+        None keeps them in place.
+        """
         cfg = self.nemotron_config
+        if buffer_device is not None:
+            move_buffers_(self, buffer_device)
         with yield_fp32_model(self, restore_dtype=dtype):
             self.model.initialize_weights()
             if self.lm_head is not None:
@@ -361,97 +214,179 @@ class NemotronHForCausalLM(ExpertParallelHooks, nn.Module, GenerationMixin):
 
     @property
     def is_gradient_checkpointing(self) -> bool:
-        return self.model.gradient_checkpointing
+        return bool(self.model.gradient_checkpointing)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Context parallelism (am-context-parallel's contiguous path, declared by `_cp_layout`)
+    # ------------------------------------------------------------------------------------------------------------
+
+    def get_cp_options(self) -> ContiguousCPOptions:
+        """What `make_cp_batch_and_ctx(mesh, batch, model=self)` shards besides the defaults: the MTP keys."""
+        return nemotron_cp_options(mtp=self.num_mtp_depths > 0)
+
+    def prepare_batch_for_cp(
+        self, batch: dict[str, Any], *, labels_shifted: bool = False, ignore_index: int = -100
+    ) -> dict[str, Any]:
+        """The batch, ready to shard: next-token `labels`, global document ids `_packed_seq_ids` (0 = padding),
+        `padding_mask` and, while MTP runs (training, or `compute_mtp_in_eval`), the per-depth MTP inputs and
+        targets — all computed on the whole sequences (see `cp.prepare_batch_for_cp`). Call it before
+        `make_cp_batch_and_ctx(mesh, batch, model=model)`; `labels_shifted`: the batch's labels are already the
+        next-token targets."""
+        depths = self.num_mtp_depths if (self.training or self.compute_mtp_in_eval) else 0
+        return prepare_batch_for_cp(batch, mtp_depths=depths, labels_shifted=labels_shifted, ignore_index=ignore_index)
 
     # ------------------------------------------------------------------------------------------------------------
     # Forward
     # ------------------------------------------------------------------------------------------------------------
 
-    def _is_pipeline_stage(self) -> bool:
-        return (
-            self.lm_head is None
-            or self.model.embed_tokens is None
-            or len(self.model.layers) != self.nemotron_config.num_hidden_layers
-        )
-
-    def _mtp_embeddings(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> list[torch.Tensor]:
-        """Depth d's fusion input: the embedding of the ids rolled left d + 1 times (zero fill)."""
-        depths = self.num_mtp_depths
-        if input_ids is not None and not input_ids.is_floating_point():
-            if self.model.embed_tokens is None:
-                raise ValueError("MTP embeddings need embed_tokens, which this pipeline stage does not hold.")
-            return [self.model.embed_tokens(roll_tensor(input_ids, -(d + 1), dim=-1)) for d in range(depths)]
-        if inputs_embeds is None:
-            raise ValueError("MTP needs token ids or inputs_embeds to build its per-depth inputs.")
-        return [roll_tensor(inputs_embeds, -(d + 1), dim=1) for d in range(depths)]
-
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
         *mtp_embed_inputs: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | dict[str, Any] | None = None,
+        causal_mask_mapping: dict[str, Any] | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         past_key_values: NemotronHybridCache | None = None,
         use_cache: bool | None = None,
-        seq_idx: torch.Tensor | None = None,
+        cache_position: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        mtp_per_depth_input_ids: Sequence[torch.Tensor] | torch.Tensor | None = None,
+        mtp_per_depth_position_ids: Sequence[torch.Tensor] | torch.Tensor | None = None,
         padding_mask: torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        output_hidden_states: bool | None = None,
+        output_hidden_states: bool | int | Sequence[int] | None = None,
+        return_dict: bool | None = None,
         compute_logits: bool = True,
+        shift_labels: torch.Tensor | None = None,
+        mtp_per_depth_targets: Sequence[torch.Tensor] | torch.Tensor | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Causal LM forward.
+        """Causal LM forward (NeMo AutoModel's signature; every accepted input takes effect or is refused).
 
-        input_ids: [B, S] ids, or [B, S, H] hidden states on a non-first pipeline stage (then `mtp_embed_inputs`
-        are the D per-depth embeddings [B, S, H] sent by the previous stage). attention_mask: [B, S] (1 keep, 0 pad)
-        or [B, past + S] while generating. labels: [B, S] unshifted (the loss shifts by one). seq_idx: [B, S]
-        document ids of packed rows (also accepted as `_packed_seq_ids`, 1-based with 0 = padding).
+        input_ids: [B, S] ids ([T] with qkv_format="thd"), or [B, S, H] hidden states on a non-first pipeline stage
+        (then `mtp_embed_inputs` are the D per-depth embeddings [B, S, H] the previous stage sent; off the pipeline
+        they are precomputed per-depth MTP embeddings). attention_mask: [B, past + S] (1 keep, 0 pad), a 4-D mask, or
+        a transformers mask mapping. causal_mask_mapping: {"full_attention": [B, 1, S, past + S] mask for the
+        attention layers, "linear_attention": [B, S] for the Mamba layers}. labels: [B, S] unshifted (the loss
+        shifts by one; positions and targets that are padding are ignored). padding_mask: [B, S] True = padding
+        (excluded from MoE routing, zeroed in Mamba, never attended to).
+        Packed rows (documents reset the Mamba state and conv window, attention is document-masked, targets and MTP
+        inputs never cross a document): `seq_idx` [B, S] document ids, `_packed_seq_ids` [B, S] (1-based, 0 = pad),
+        `qkv_format="thd"` with `cu_seqlens` [N + 1] (+ `cu_seqlens_padded`, `max_seqlen`) on one row, or
+        `position_ids` that restart at each document. The attention has no positional encoding, so positions matter
+        only as document starts. mtp_per_depth_input_ids: D [B, S] ids (already shifted, e.g. before CP sharding)
+        instead of shifting `input_ids`; mtp_per_depth_position_ids: their positions (shape-checked; NoPE).
+        output_hidden_states: None -> `config.output_hidden_states`; True, an index or indices (transformers).
+        num_items_in_batch (kwarg): the loss becomes the cross-entropy sum / num_items_in_batch (transformers).
+        shift_labels: [B, S] next-token targets already shifted (transformers' name; instead of `labels`);
+        mtp_per_depth_targets: D [B, S] MTP targets (or [B, D, S]) precomputed with them; both come from
+        `prepare_batch_for_cp` under context parallelism, and the targets are kept on the output for `combined_loss`.
+
+        Context parallelism: inside the `RingAttentionContext` of `make_cp_batch_and_ctx(mesh, batch, model=model)`
+        (contiguous layout; prepare the batch with `prepare_batch_for_cp` first) this rank's block runs exactly its
+        rows of the single-process forward: ring attention, Mamba2 state passing, MTP from the pre-shifted inputs.
+        `labels` (shifted here), a cache, THD boundaries and explicit masks are refused there, on every rank, before
+        any transfer; `loss` is then this rank's share (a local mean; use `combined_loss` with a global-count
+        `loss_fn` for the global loss). cp_size / cp_rank (kwargs): must match the entered context (1 / 0 outside).
 
         Returns:
-            Off the pipeline: `NemotronHCausalLMOutputWithPast`. Pipeline stages: the first / middle stage returns
-            hidden [B, S, H] (and the D MTP embeddings when MTP is configured); the last stage returns logits
-            [B, S, V] (and D MTP hidden states plus an int32 seq_idx [B, S] when MTP is configured).
-        """
-        packed_ids = kwargs.pop("_packed_seq_ids", None)
-        if kwargs.get("output_attentions"):
-            raise ValueError("output_attentions is not supported (SDPA does not return attention weights).")
-        unknown = sorted(set(kwargs) - _IGNORED_KWARGS)
-        if unknown:
-            raise TypeError(f"{type(self).__name__}.forward got unexpected keyword arguments {unknown}.")
-        if packed_ids is not None:
-            if seq_idx is None:
-                seq_idx = packed_ids.to(torch.int32)
-            if padding_mask is None:
-                padding_mask = packed_ids == 0
+            Off the pipeline: `NemotronHCausalLMOutputWithPast` (a tuple with `return_dict=False`); `loss` is the
+            next-token loss only, `mtp_loss` separate. Pipeline stages: see `pipeline_stage`.
 
+        Raises:
+            TypeError: unknown keyword arguments. ValueError: every invalid or contradictory input (one message).
+        """
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        if kwargs.pop("output_attentions", None):
+            raise ValueError("output_attentions is not supported (SDPA does not return attention weights).")
+        cp_kwargs = {name: kwargs.pop(name) for name in _CP_KWARGS if name in kwargs}
+        layout_kwargs = pop_layout_kwargs(kwargs)
+        if kwargs:
+            raise TypeError(f"{type(self).__name__}.forward got unexpected keyword arguments {sorted(kwargs)}.")
+        if isinstance(attention_mask, dict):  # transformers passes its mask mapping as attention_mask
+            if causal_mask_mapping is not None:
+                raise ValueError("got a mask mapping as attention_mask and causal_mask_mapping; pass one of them")
+            causal_mask_mapping, attention_mask = attention_mask, None
+        if layout_kwargs.get("qkv_format") == "thd":  # one packed row may come as [T] / [T, H]
+            input_ids = input_ids[None] if input_ids is not None and input_ids.dim() == 1 else input_ids
+            inputs_embeds = (
+                inputs_embeds[None] if inputs_embeds is not None and inputs_embeds.dim() == 2 else inputs_embeds
+            )
+            labels = labels[None] if labels is not None and labels.dim() == 1 else labels
+        if position_ids is not None:
+            layout_kwargs["position_ids"] = position_ids
+        if padding_mask is not None:
+            layout_kwargs["padding_mask"] = padding_mask
+        if labels is not None and shift_labels is not None:
+            raise ValueError("pass labels (unshifted) or shift_labels (already shifted), not both")
+
+        reference = input_ids if input_ids is not None else inputs_embeds
+        if reference is None:
+            raise ValueError("input_ids must be provided if inputs_embeds is not provided.")
+        seqlen = reference.shape[1]
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        mtp_runs = self.mtp is not None and past_key_values is None and not use_cache
+        mtp_runs = mtp_runs and (self.training or self.compute_mtp_in_eval)
+        per_depth_given = bool(mtp_embed_inputs) or mtp_per_depth_input_ids is not None
+
+        def cp_problems(cp: NemotronCPContext) -> list[str]:
+            blocks = [*self.model.layers.values(), *(self.mtp.layers if self.mtp is not None and mtp_runs else [])]
+            problems = block_cp_problems(blocks, seqlen=seqlen, training=self.training)
+            problems += _cp_kwarg_problems(cp_kwargs, cp.size, cp.rank)
+            if labels is not None:
+                problems.append(
+                    "labels would be shifted here, across block edges; prepare the batch with "
+                    "model.prepare_batch_for_cp before sharding and pass its labels as shift_labels (or compute the "
+                    "loss with model.combined_loss(out, labels, labels_shifted=True))"
+                )
+            if use_cache or past_key_values is not None:
+                problems.append("a generation cache cannot be combined with context parallelism")
+            first_stage = self.model.embed_tokens is not None
+            needs_ids = mtp_runs or (self._is_pipeline_stage() and self.num_mtp_depths > 0)
+            if needs_ids and first_stage and not per_depth_given:
+                problems.append(
+                    "MTP needs mtp_per_depth_input_ids shifted on the whole sequence before sharding "
+                    "(model.prepare_batch_for_cp)"
+                )
+            if shift_labels is not None and mtp_runs and mtp_per_depth_targets is None:
+                problems.append("the MTP loss needs mtp_per_depth_targets from model.prepare_batch_for_cp")
+            return problems
+
+        layout = resolve_layout(
+            owner=type(self).__name__,
+            batch=reference.shape[0],
+            seqlen=seqlen,
+            device=reference.device,
+            past_length=past,
+            attention_mask=attention_mask,
+            causal_mask_mapping=causal_mask_mapping,
+            layout_kwargs=layout_kwargs,
+            cp_problems=cp_problems,
+        )
+        if layout.cp is None and _cp_kwarg_problems(cp_kwargs, 1, 0):
+            raise ValueError(
+                "; ".join(_cp_kwarg_problems(cp_kwargs, 1, 0)) + ": context parallelism runs inside the "
+                "RingAttentionContext of make_cp_batch_and_ctx(mesh, batch, model=model), after "
+                "model.prepare_batch_for_cp(batch)."
+            )
         if self._is_pipeline_stage():
             return self._stage_forward(
-                input_ids, mtp_embed_inputs, attention_mask=attention_mask, seq_idx=seq_idx, padding_mask=padding_mask
+                input_ids, mtp_embed_inputs, layout=layout, per_depth_input_ids=mtp_per_depth_input_ids
             )
-        if mtp_embed_inputs:
-            raise TypeError("Extra positional tensors (MTP embeddings) are only accepted by pruned pipeline stages.")
 
         cache = past_key_values
-        if seq_idx is not None and (cache is not None or use_cache):
-            raise ValueError(
-                "seq_idx / _packed_seq_ids (packed rows) cannot be combined with a generation cache; generate each "
-                "sequence in its own row with an attention_mask instead."
-            )
         if use_cache and cache is None:
-            reference = input_ids if input_ids is not None else inputs_embeds
-            assert reference is not None
-            cache = NemotronHybridCache(
-                self.nemotron_config, reference.shape[0], dtype=self.dtype, device=reference.device
-            )
-        hidden_list: list[torch.Tensor] | None = [] if output_hidden_states else None
+            cache = NemotronHybridCache(self.nemotron_config, reference.shape[0], self.dtype, reference.device)
+        if output_hidden_states is None:
+            output_hidden_states = getattr(self.config, "output_hidden_states", False)
+        hidden_list: list[torch.Tensor] | None = [] if output_hidden_states not in (False, None, []) else None
         hidden = self.model(
             input_ids,
             inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            padding_mask=padding_mask,
-            seq_idx=seq_idx,
-            cache=cache,
+            past_key_values=cache,
+            cache_position=cache_position,
+            layout=layout,
             all_hidden_states=hidden_list,
         )
         if cache is not None:
@@ -465,173 +400,112 @@ class NemotronHForCausalLM(ExpertParallelHooks, nn.Module, GenerationMixin):
                 "position. Pass logits_to_keep=0 (the default) when computing a loss."
             )
         if compute_logits:
-            kept = hidden if keep_all else _keep(hidden, logits_to_keep)
-            logits = self.lm_head(kept)
+            logits = self.lm_head(hidden if keep_all else _keep(hidden, logits_to_keep))
         else:
             if labels is not None:
                 raise ValueError("compute_logits=False cannot be combined with labels (the loss needs logits).")
             logits = hidden.new_empty(*hidden.shape[:-1], 0)
 
-        loss = None
-        if labels is not None:
-            targets = shift_labels(labels, 1, seq_idx=seq_idx)
-            loss = cross_entropy(logits, targets, ignore_index=-100)
-
         mtp_hidden: list[torch.Tensor] | None = None
-        mtp_term = None
-        mtp_active = self.mtp is not None and cache is None and (self.training or self.compute_mtp_in_eval)
-        if mtp_active:
+        if mtp_runs:
             assert self.mtp is not None
-            embeds = self._mtp_embeddings(input_ids, inputs_embeds)
-            block_inputs = self.model.block_inputs(
-                hidden, attention_mask=attention_mask, padding_mask=padding_mask, seq_idx=seq_idx
+            embeds = mtp_fusion_inputs(
+                depths=self.num_mtp_depths,
+                embed_tokens=self.model.embed_tokens,
+                input_ids=input_ids,
+                inputs_embeds=inputs_embeds,
+                seq_idx=layout.seq_idx,
+                embeds=mtp_embed_inputs,
+                per_depth_input_ids=mtp_per_depth_input_ids,
+                per_depth_position_ids=mtp_per_depth_position_ids,
             )
-            mtp_hidden = self.mtp(hidden, embed_inputs=embeds, **block_inputs)
-            if labels is not None:
-                mtp_term = mtp_loss(
-                    mtp_hidden,
-                    labels=labels,
-                    lm_head=self.lm_head,
-                    scaling_factor=self.mtp_config.loss_scaling_factor,
-                    seq_idx=seq_idx,
-                )
-                assert loss is not None
-                loss = loss + mtp_term
+            mtp_hidden = self.mtp(hidden, embed_inputs=embeds, **layout.block_inputs(hidden))
+        elif per_depth_given or mtp_per_depth_targets is not None:
+            raise ValueError("per-depth MTP inputs were given but MTP does not run (no MTP, eval, or a cache).")
 
-        return NemotronHCausalLMOutputWithPast(
+        depth_targets = _per_depth(mtp_per_depth_targets)
+        loss = mtp_term = None
+        targets = labels if labels is not None else shift_labels
+        if targets is not None:
+            combined = combined_causal_lm_loss(
+                logits,
+                targets,
+                mtp_per_depth_h=mtp_hidden,
+                lm_head=self.lm_head,
+                mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor,
+                seq_idx=layout.seq_idx,
+                loss_fn=_sum_over(num_items_in_batch) if num_items_in_batch is not None else None,
+                labels_shifted=shift_labels is not None,
+                mtp_per_depth_targets=depth_targets,
+                # padding is never a target, nor predicts one (under CP already applied before sharding)
+                padding_mask=layout.padding_mask if layout.cp is None else None,
+            )
+            loss, mtp_term = combined.lm_loss, combined.mtp_loss
+
+        output = NemotronHCausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=cache if use_cache or past_key_values is not None else None,
-            hidden_states=tuple(hidden_list) if hidden_list is not None else None,
-            mtp_per_depth_h=tuple(mtp_hidden) if mtp_hidden is not None else None,
+            past_key_values=cast(Any, cache) if use_cache or past_key_values is not None else None,
+            hidden_states=cast(Any, select_hidden_states(hidden_list, output_hidden_states)),
+            mtp_per_depth_h=mtp_hidden,
             mtp_loss=mtp_term,
             mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor if mtp_hidden is not None else None,
+            mtp_per_depth_targets=depth_targets,
         )
+        if return_dict is False:
+            return output.to_tuple()
+        return output
 
-    def _stage_forward(
+    def combined_loss(
         self,
-        input_ids: torch.Tensor | None,
-        mtp_embed_inputs: tuple[torch.Tensor, ...],
+        output: Any,
+        labels: torch.Tensor,
         *,
-        attention_mask: torch.Tensor | None,
-        seq_idx: torch.Tensor | None,
-        padding_mask: torch.Tensor | None,
-    ) -> Any:
-        """Pipeline-stage contract (see `forward`). MTP depths travel and run whatever the train/eval mode, so a
-        stage's output arity always equals `get_pipeline_stage_metas`."""
+        loss_fn: Any = None,
+        labels_shifted: bool = False,
+        seq_idx: torch.Tensor | None = None,
+        scaling_factor: float | None = None,
+        mtp_per_depth_targets: Sequence[torch.Tensor] | None = None,
+        ignore_index: int = -100,
+    ) -> torch.Tensor:
+        """THE training loss of one of this model's outputs: next-token loss + scaled MTP loss (`outputs`).
+
+        A duck-typed hook: am-pipelining's `PipelineCausalLMLoss` and the reference trainer call it when the model
+        has it. output: the forward's `NemotronHCausalLMOutputWithPast`, a last pipeline stage's tuple `(logits,
+        *D MTP hidden states, int32 seq_idx [B, S])`, or bare logits. labels: [B, S], unshifted unless
+        `labels_shifted` (the pipeline's convention). MTP counts while training (or with `compute_mtp_in_eval`);
+        seq_idx defaults to the stage tuple's tail. scaling_factor: default `mtp_config.loss_scaling_factor`.
+        ignore_index: the label value that is no target (also written where a target would cross a document).
+        """
         depths = self.num_mtp_depths
-        hidden = self.model(input_ids, attention_mask=attention_mask, padding_mask=padding_mask, seq_idx=seq_idx)
-        if depths and self.model.embed_tokens is not None:
-            assert input_ids is not None
-            mtp_embed_inputs = tuple(self._mtp_embeddings(input_ids, None))
-        if depths and len(mtp_embed_inputs) != depths:
-            raise ValueError(
-                f"This pipeline stage expects {depths} MTP embedding tensors after the hidden states, got "
-                f"{len(mtp_embed_inputs)}."
-            )
-        if self.lm_head is None:
-            return (hidden, *mtp_embed_inputs) if depths else hidden
-        logits = self.lm_head(hidden)
-        if not depths:
-            return logits
-        if self.mtp is None:
-            raise ValueError("The last pipeline stage must hold the `mtp` module (customize_pipeline_stage_modules).")
-        block_inputs = self.model.block_inputs(
-            hidden, attention_mask=attention_mask, padding_mask=padding_mask, seq_idx=seq_idx
-        )
-        mtp_hidden = self.mtp(hidden, embed_inputs=mtp_embed_inputs, **block_inputs)
-        if seq_idx is not None:
-            tail = seq_idx.to(torch.int32)
+        mtp_hidden: list[torch.Tensor] = []
+        if isinstance(output, tuple):
+            logits = output[0]
+            if depths and len(output) >= 1 + depths:
+                mtp_hidden = list(output[1 : 1 + depths])
+                if seq_idx is None and len(output) == depths + 2:
+                    seq_idx = output[-1]
+        elif isinstance(output, torch.Tensor):
+            logits = output
         else:
-            tail = torch.zeros(hidden.shape[:2], dtype=torch.int32, device=hidden.device)
-        return (logits, *mtp_hidden, tail)
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Pipeline hooks (duck-typed by am-pipelining)
-    # ------------------------------------------------------------------------------------------------------------
-
-    def customize_pipeline_stage_modules(
-        self, module_names_per_stage: list[list[str]], *, layers_prefix: str = "model.", text_model: Any = None
-    ) -> list[list[str]]:
-        """Copy of the per-stage module names with `mtp` appended to the last stage when the model has MTP."""
-        names = [list(stage) for stage in module_names_per_stage]
-        if self.mtp is not None and names and "mtp" not in names[-1]:
-            names[-1].append("mtp")
-        return names
-
-    def get_pipeline_stage_metas(
-        self, *, is_first: bool, microbatch_size: int, seq_len: int, dtype: torch.dtype
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Meta tensors of this stage's inputs and outputs (arity 1 + D, last stage 1 + D + int32 seq_idx tail)."""
-        cfg = self.nemotron_config
-        depths = self.num_mtp_depths
-        meta = torch.device("meta")
-
-        def hidden() -> torch.Tensor:
-            return torch.empty(microbatch_size, seq_len, cfg.hidden_size, dtype=dtype, device=meta, requires_grad=True)
-
-        if is_first:
-            inputs: tuple[torch.Tensor, ...] = (torch.empty(microbatch_size, seq_len, dtype=torch.long, device=meta),)
-        else:
-            inputs = (hidden(), *(hidden() for _ in range(depths)))
-        if self.lm_head is None:
-            outputs: tuple[torch.Tensor, ...] = (hidden(), *(hidden() for _ in range(depths)))
-        else:
-            logits = torch.empty(microbatch_size, seq_len, cfg.vocab_size, dtype=dtype, device=meta, requires_grad=True)
-            outputs = (logits,)
-            if depths:
-                tail = torch.empty(microbatch_size, seq_len, dtype=torch.int32, device=meta)
-                outputs = (logits, *(hidden() for _ in range(depths)), tail)
-        return inputs, outputs
-
-    def get_pipeline_kwargs_chunk_dims(self, kwargs: dict[str, Any]) -> dict[str, int]:
-        """Per-sample tensors in `kwargs` are split into micro-batches along dim 0."""
-        names = ("attention_mask", "seq_idx", "padding_mask", "_packed_seq_ids")
-        return {name: 0 for name in names if isinstance(kwargs.get(name), torch.Tensor)}
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Generation
-    # ------------------------------------------------------------------------------------------------------------
-
-    def prepare_inputs_for_generation(
-        self,
-        input_ids: torch.LongTensor,
-        next_sequence_length: int | None = None,
-        past_key_values: Any = None,
-        attention_mask: torch.LongTensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        is_first_iteration: bool | None = None,
-        **kwargs: Any,
-    ) -> dict[str, Any]:
-        """First call: the whole prompt and a fresh `NemotronHybridCache` (replacing a transformers cache); later
-        calls: only the last token."""
-        if not isinstance(past_key_values, NemotronHybridCache):
-            past_key_values = NemotronHybridCache(
-                self.nemotron_config, input_ids.shape[0], dtype=self.dtype, device=input_ids.device
-            )
-        if past_key_values.has_previous_state:
-            return {
-                "input_ids": input_ids[:, -1:],
-                "attention_mask": attention_mask,
-                "past_key_values": past_key_values,
-                "use_cache": True,
-                "logits_to_keep": 1,
-            }
-        model_inputs: dict[str, Any] = {
-            "attention_mask": attention_mask,
-            "past_key_values": past_key_values,
-            "use_cache": True,
-            "logits_to_keep": 1,
-        }
-        if inputs_embeds is not None:
-            model_inputs["inputs_embeds"] = inputs_embeds
-        else:
-            model_inputs["input_ids"] = input_ids
-        return model_inputs
-
-    def _reorder_cache(self, past_key_values: NemotronHybridCache, beam_idx: torch.LongTensor) -> NemotronHybridCache:
-        past_key_values.reorder_cache(beam_idx)
-        return past_key_values
+            logits = output.logits
+            mtp_hidden = list(output.mtp_per_depth_h or [])
+            if mtp_per_depth_targets is None:
+                mtp_per_depth_targets = getattr(output, "mtp_per_depth_targets", None)
+        if not (self.training or self.compute_mtp_in_eval):
+            mtp_hidden = []
+        return combined_causal_lm_loss(
+            logits,
+            labels,
+            mtp_per_depth_h=mtp_hidden,
+            lm_head=self.lm_head,
+            mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor if scaling_factor is None else scaling_factor,
+            seq_idx=seq_idx,
+            loss_fn=loss_fn,
+            labels_shifted=labels_shifted,
+            mtp_per_depth_targets=mtp_per_depth_targets,
+            ignore_index=ignore_index,
+        ).loss
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints
@@ -660,6 +534,33 @@ class NemotronHForCausalLM(ExpertParallelHooks, nn.Module, GenerationMixin):
         from am_models_nemotron.checkpoint import save_pretrained
 
         save_pretrained(self, path, max_shard_size=max_shard_size, state_dict=state_dict)
+
+
+def _per_depth(value: Sequence[torch.Tensor] | torch.Tensor | None) -> list[torch.Tensor] | None:
+    """D tensors from a sequence or a [B, D, S] tensor."""
+    if value is None:
+        return None
+    return list(value.unbind(1)) if isinstance(value, torch.Tensor) else list(value)
+
+
+def _cp_kwarg_problems(values: dict[str, Any], size: int, rank: int) -> list[str]:
+    """cp_size / cp_rank keyword arguments that disagree with the actual CP group (size, rank)."""
+    problems = []
+    if values.get("cp_size") is not None and int(values["cp_size"]) != size:
+        problems.append(f"cp_size={int(values['cp_size'])} but the CP group has {size} rank(s)")
+    if values.get("cp_rank") is not None and int(values["cp_rank"]) != rank:
+        problems.append(f"cp_rank={int(values['cp_rank'])} but this is CP rank {rank}")
+    return problems
+
+
+def _sum_over(count: Any) -> Any:
+    """transformers' `num_items_in_batch` normalization: cross-entropy sum over non-ignored targets / count."""
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        valid = (targets != -100).sum()
+        return cross_entropy(logits, targets, empty_is_zero=True) * valid / count
+
+    return loss
 
 
 def _keep(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:

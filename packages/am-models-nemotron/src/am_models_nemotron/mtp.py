@@ -10,7 +10,8 @@ What it must not do: import am-pipelining (it has its own `calculate_mtp_loss`; 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,16 @@ from am_models_nemotron.config import NemotronConfig
 from am_models_nemotron.loss import cross_entropy
 from am_precision import BackendConfig, initialize_linear_module, initialize_rms_norm_module
 
-__all__ = ["MTPConfig", "MTPModule", "MTPSublayer", "mtp_loss", "roll_tensor", "shift_labels"]
+__all__ = [
+    "MTPConfig",
+    "MTPModule",
+    "MTPSublayer",
+    "mtp_depth_losses",
+    "mtp_loss",
+    "roll_tensor",
+    "shift_labels",
+    "shift_within_documents",
+]
 
 
 @dataclass(frozen=True)
@@ -51,13 +61,14 @@ class MTPConfig:
     @classmethod
     def from_config(
         cls,
-        config: NemotronConfig,
+        config: NemotronConfig | Any,
         *,
         num_nextn_predict_layers: int | None = None,
         loss_scaling_factor: float = 0.1,
         use_repeated_layer: bool = False,
     ) -> MTPConfig:
-        """Depths from the config unless overridden (0 disables MTP)."""
+        """Depths from the config unless overridden (0 disables MTP); any config `NemotronConfig.from_any` reads."""
+        config = NemotronConfig.from_any(config)
         depths = config.num_nextn_predict_layers if num_nextn_predict_layers is None else num_nextn_predict_layers
         if depths < 0:
             raise ValueError(f"num_nextn_predict_layers={depths} must be >= 0")
@@ -75,21 +86,65 @@ def roll_tensor(tensor: torch.Tensor, shifts: int = -1, dim: int = -1, *, fill_v
     return rolled.index_fill(dim, torch.arange(start, start + count, device=tensor.device), fill_value)
 
 
+def shift_within_documents(
+    tensor: torch.Tensor, shift: int, *, seq_idx: torch.Tensor | None = None, fill_value: float = 0
+) -> torch.Tensor:
+    """Shift left along dim 1 without crossing documents: out[:, t] = tensor[:, t + shift], or `fill_value` past the
+    end of the row or when position t + shift lies in another document. tensor: [B, S, ...]; seq_idx: [B, S]."""
+    out = roll_tensor(tensor, -shift, dim=1, fill_value=fill_value)
+    if seq_idx is not None:
+        crosses = roll_tensor(seq_idx, -shift, dim=1, fill_value=-1) != seq_idx
+        out = out.masked_fill(crosses.view(*crosses.shape, *([1] * (tensor.dim() - 2))), fill_value)
+    return out
+
+
 def shift_labels(
     labels: torch.Tensor, shift: int, *, seq_idx: torch.Tensor | None = None, ignore_index: int = -100
 ) -> torch.Tensor:
     """Targets at distance `shift`: out[:, t] = labels[:, t + shift], or `ignore_index` past the end or when
     position t + shift lies in another packed sequence. labels, seq_idx: [B, S]."""
-    out = roll_tensor(labels, -shift, dim=-1, fill_value=ignore_index)
-    if seq_idx is not None:
-        crosses = roll_tensor(seq_idx, -shift, dim=-1, fill_value=-1) != seq_idx
-        out = out.masked_fill(crosses, ignore_index)
-    return out
+    return shift_within_documents(labels, shift, seq_idx=seq_idx, fill_value=ignore_index)
 
 
-def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
     """Mean over the non-ignored targets; 0 (not NaN) when a depth has none (short rows at deep depths)."""
     return cross_entropy(logits, targets, ignore_index=ignore_index, empty_is_zero=True)
+
+
+def mtp_depth_losses(
+    per_depth_hidden: Sequence[torch.Tensor],
+    *,
+    shifted_labels: torch.Tensor,
+    lm_head: Callable[[torch.Tensor], torch.Tensor],
+    seq_idx: torch.Tensor | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    targets: Sequence[torch.Tensor] | None = None,
+    ignore_index: int = -100,
+) -> list[torch.Tensor]:
+    """The unscaled loss of each MTP depth: depth k at position t against shifted_labels[t + k + 1] (= the token
+    t + k + 2), ignored where that lies past the row or in another document.
+
+    per_depth_hidden: D tensors [B, S, H]; shifted_labels: [B, S] next-token targets; targets: D precomputed [B, S]
+    targets instead (context parallelism shifts before sharding); loss_fn: default mean cross entropy (0 when a
+    depth has no target).
+
+    Raises:
+        ValueError: precomputed targets of the wrong count or shape.
+    """
+    depths = len(per_depth_hidden)
+    if targets is not None:
+        targets = list(targets)
+        if len(targets) != depths or any(t.shape != shifted_labels.shape for t in targets):
+            raise ValueError(
+                f"MTP: got {len(targets)} target tensors of shapes {[tuple(t.shape) for t in targets]} for {depths} "
+                f"depths; each must have the labels' shape {tuple(shifted_labels.shape)}."
+            )
+    else:
+        targets = [
+            shift_labels(shifted_labels, k + 1, seq_idx=seq_idx, ignore_index=ignore_index) for k in range(depths)
+        ]
+    fn = loss_fn or functools.partial(_mean_cross_entropy, ignore_index=ignore_index)
+    return [fn(lm_head(h), t) for h, t in zip(per_depth_hidden, targets, strict=True)]
 
 
 def mtp_loss(
@@ -105,10 +160,10 @@ def mtp_loss(
 
     per_depth_hidden: D tensors [B, S, H]; labels: [B, S] unshifted token ids (as for the main loss).
     """
-    losses = []
-    for depth, hidden in enumerate(per_depth_hidden):
-        targets = shift_labels(labels, depth + 2, seq_idx=seq_idx, ignore_index=ignore_index)
-        losses.append(_mean_cross_entropy(lm_head(hidden), targets, ignore_index))
+    shifted = shift_labels(labels, 1, seq_idx=seq_idx, ignore_index=ignore_index)
+    losses = mtp_depth_losses(
+        per_depth_hidden, shifted_labels=shifted, lm_head=lm_head, seq_idx=seq_idx, ignore_index=ignore_index
+    )
     return torch.stack(losses).sum() * scaling_factor / len(losses)
 
 
@@ -120,7 +175,7 @@ class MTPSublayer(NemotronV3Block):
 
     def __init__(
         self,
-        config: NemotronConfig,
+        config: NemotronConfig | Any,
         layer_idx: int,
         *,
         block_type: str,
@@ -173,7 +228,7 @@ class MTPModule(nn.Module):
 
     def __init__(
         self,
-        config: NemotronConfig,
+        config: NemotronConfig | Any,
         mtp_config: MTPConfig,
         *,
         backend: BackendConfig,
@@ -181,6 +236,7 @@ class MTPModule(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
+        config = NemotronConfig.from_any(config)
         if not mtp_config.enabled:
             raise ValueError(
                 f"MTPModule needs an enabled MTPConfig (num_layers > 0, non-empty pattern), got {mtp_config}"

@@ -7,18 +7,9 @@ and draw the schedule with its bubble fraction.
 
 from am_pipelining._version import __version__
 from am_pipelining.autopipeline import AutoPipeline, PipelineConfig, PipelineInfo
-from am_pipelining.functional import (
-    build_pipeline_schedule,
-    build_stage_modules,
-    calculate_virtual_stages,
-    generate_hf_model_fqn_per_model_part,
-    pipeline_model,
-    split_model_into_stages,
-    stage_ids_this_rank,
-    stage_metas,
-)
 from am_pipelining.hf_utils import (
     MULTIMODAL_SUFFIXES,
+    PIPELINE_FORWARDS,
     TEXT_MODULE_ATTRS,
     create_pipeline_forward_causal_lm,
     create_pipeline_forward_gemma4_text,
@@ -29,8 +20,10 @@ from am_pipelining.hf_utils import (
     init_hf_model_buffers,
     model_keeps_self_forward,
     patch_hf_model_for_pp,
+    register_pipeline_forward,
     validate_hf_model_for_pipeline_support,
 )
+from am_pipelining.layers import DecoderLayers, find_layers
 from am_pipelining.loss import (
     MTPLossConfig,
     MTPLossOutput,
@@ -40,6 +33,14 @@ from am_pipelining.loss import (
     roll_tensor,
     shift_packed_tensor,
 )
+from am_pipelining.outputs import StageOutput, read_stage_output
+from am_pipelining.planning import (
+    PipelinePlan,
+    PipelinePlanError,
+    calculate_virtual_stages,
+    plan_pipeline,
+    stage_ids_this_rank,
+)
 from am_pipelining.schedule_picture import (
     ScheduleTimeline,
     render_svg,
@@ -48,6 +49,9 @@ from am_pipelining.schedule_picture import (
     schedule_timeline,
     textbook_bubble_fraction,
 )
+from am_pipelining.schedules import build_pipeline_schedule, pipeline_model
+from am_pipelining.stage_modules import build_stage_modules, stage_metas
+from am_pipelining.stages import generate_hf_model_fqn_per_model_part, split_model_into_stages
 from am_pipelining.tied import sync_tied_embedding_grads, sync_tied_embedding_weights
 
 __all__ = [
@@ -55,6 +59,10 @@ __all__ = [
     "AutoPipeline",
     "PipelineConfig",
     "PipelineInfo",
+    # planning
+    "plan_pipeline",
+    "PipelinePlan",
+    "PipelinePlanError",
     # splitting and schedules
     "stage_ids_this_rank",
     "generate_hf_model_fqn_per_model_part",
@@ -64,6 +72,9 @@ __all__ = [
     "stage_metas",
     "build_pipeline_schedule",
     "pipeline_model",
+    # where the layers live
+    "find_layers",
+    "DecoderLayers",
     # HF forwards
     "TEXT_MODULE_ATTRS",
     "MULTIMODAL_SUFFIXES",
@@ -74,6 +85,8 @@ __all__ = [
     "create_pipeline_forward_gemma4_vlm",
     "create_pipeline_forward_mistral3_vlm",
     "patch_hf_model_for_pp",
+    "PIPELINE_FORWARDS",
+    "register_pipeline_forward",
     "init_hf_model_buffers",
     "model_keeps_self_forward",
     "validate_hf_model_for_pipeline_support",
@@ -85,6 +98,9 @@ __all__ = [
     "get_mtp_loss_scaling_factor",
     "roll_tensor",
     "shift_packed_tensor",
+    # what the last stage returns
+    "StageOutput",
+    "read_stage_output",
     # tied embeddings
     "sync_tied_embedding_grads",
     "sync_tied_embedding_weights",

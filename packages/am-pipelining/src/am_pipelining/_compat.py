@@ -1,9 +1,10 @@
 """The one place that touches private internals of `torch.distributed.pipelining` and torch's checkpoint wrapper.
 
-torch renames and reshapes these internals between releases (static stage metadata moved from
-`_configure_outputs_meta` to `_user_meta` in 2.12; schedule action lists live in `pipeline_order`). Every access is
-feature-detected with `hasattr`, so a torch upgrade touches this file only. Nothing else in the package may import a
-private torch pipelining name. This module must not import transformers.
+torch renames and reshapes these internals between releases (static stage metadata lives in `_user_meta` since
+2.12; schedule action lists live in `pipeline_order`). Written for the declared floor (torch >= 2.13) and checked
+against 2.13 and 2.15; an internal that a future torch drops is reported as a clear error here, so a torch upgrade
+touches this file only. Nothing else in the package may import a private torch pipelining name. This module must not
+import transformers.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from torch.distributed.pipelining import schedules as _schedules
 
 __all__ = [
     "ComputeAction",
+    "SCHEDULE_NAMES",
     "get_schedule_class",
+    "is_schedule_class",
     "is_multi_stage_schedule",
     "is_runtime_schedule",
     "schedule_class_name",
@@ -40,9 +43,26 @@ ComputeAction = tuple[int, str, int]
 _COMPUTE_KINDS = ("F", "B", "I", "W")
 
 
+SCHEDULE_NAMES: tuple[str, ...] = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+"""The runnable schedules torch's `get_schedule_class` knows (it also maps the abstract base classes)."""
+
+
 def get_schedule_class(name: str) -> type:
     """Map a schedule name (case-insensitive, e.g. "1f1b", "interleaved1f1b") to torch's schedule class."""
     return _schedules.get_schedule_class(name)
+
+
+def is_schedule_class(candidate: type) -> bool:
+    """True for torch pipeline schedule classes (single- or multi-stage)."""
+    return issubclass(candidate, (_schedules.PipelineScheduleSingle, _schedules.PipelineScheduleMulti))
 
 
 def is_multi_stage_schedule(schedule_class: type) -> bool:
@@ -52,23 +72,15 @@ def is_multi_stage_schedule(schedule_class: type) -> bool:
 
 def runtime_schedule_class() -> type:
     """The class that runs a schedule loaded from a CSV file."""
-    if not hasattr(_schedules, "_PipelineScheduleRuntime"):
-        raise RuntimeError(
-            "This torch has no _PipelineScheduleRuntime, so CSV pipeline schedules cannot run; "
-            "upgrade torch (>= 2.6) or pass a schedule name instead of a CSV path."
-        )
     return _schedules._PipelineScheduleRuntime
 
 
 def is_runtime_schedule(schedule: Any) -> bool:
-    runtime = getattr(_schedules, "_PipelineScheduleRuntime", None)
-    return runtime is not None and isinstance(schedule, runtime)
+    return isinstance(schedule, _schedules._PipelineScheduleRuntime)
 
 
 def load_schedule_csv(schedule: Any, path: str) -> None:
     """Load a compute-only CSV schedule (one row per rank, actions like `0F1`) into a runtime schedule."""
-    if not hasattr(schedule, "_load_csv"):
-        raise RuntimeError(f"{type(schedule).__name__} cannot load CSV schedules in this torch version.")
     schedule._load_csv(path)
 
 
@@ -178,10 +190,9 @@ def replicate_chunk_spec() -> Any:
 
 
 def _meta_like(tensors: tuple[torch.Tensor, ...]) -> Any:
-    from torch.distributed.pipelining import stage as _stage
+    from torch.distributed.pipelining._utils import extract_tensor_metas
 
-    extract = getattr(_stage, "extract_tensor_metas", None)
-    return extract(tensors) if extract is not None else None
+    return extract_tensor_metas(tensors)
 
 
 def reset_stage_shapes(
@@ -201,21 +212,15 @@ def reset_stage_shapes(
     """
     for stage, (inputs, outputs) in zip(stages, new_metas, strict=True):
         user_meta = getattr(stage, "_user_meta", None)
-        if user_meta is not None and hasattr(user_meta, "inputs"):
-            user_meta.inputs = _meta_like(inputs)
-            user_meta.outputs = _meta_like(outputs)
-            for field in ("input_grads", "output_grads"):
-                if hasattr(user_meta, field):
-                    setattr(user_meta, field, None)
-        elif callable(getattr(stage, "_configure_outputs_meta", None)):
-            stage.inputs_meta = inputs
-            stage._outputs_meta = None
-            stage._configure_outputs_meta(outputs)
-        else:
+        if user_meta is None or not hasattr(user_meta, "inputs"):
             raise RuntimeError(
                 f"{type(stage).__name__} exposes no known static-metadata API in torch {torch.__version__}; "
                 "update am_pipelining._compat.reset_stage_shapes for this torch."
             )
+        user_meta.inputs = _meta_like(inputs)
+        user_meta.outputs = _meta_like(outputs)
+        user_meta.input_grads = None
+        user_meta.output_grads = None
         stage_meta = getattr(stage, "_stage_meta", None)
         if stage_meta is not None:
             for field in ("inputs", "outputs", "input_grads", "output_grads"):
@@ -234,8 +239,6 @@ def reset_stage_shapes(
         "_stage_backward_initialized",
         "_stages_forward_initialized",
         "_stages_backward_initialized",
-        "_stage_initialized",
-        "_stages_initialized",
     ):
         if hasattr(schedule, flag):
             setattr(schedule, flag, False)
@@ -276,16 +279,11 @@ def preserve_grads_across_stage_reinit(stage: Any) -> None:
 
 def is_reentrant_checkpoint_wrapper(module: nn.Module) -> bool:
     """True when `module` is torch's `CheckpointWrapper` configured with the reentrant implementation."""
-    try:
-        from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _cw
-    except ImportError:  # pragma: no cover - torch without the wrapper
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _cw
+
+    if not isinstance(module, _cw.CheckpointWrapper):
         return False
-    wrapper_cls = getattr(_cw, "CheckpointWrapper", None)
-    impl_enum = getattr(_cw, "CheckpointImpl", None)
-    if wrapper_cls is None or impl_enum is None or not isinstance(module, wrapper_cls):
-        return False
-    impl = getattr(module, "checkpoint_impl", None)
-    if impl == getattr(impl_enum, "REENTRANT", object()):
+    if getattr(module, "checkpoint_impl", None) == _cw.CheckpointImpl.REENTRANT:
         return True
     # A wrapper built with a custom checkpoint_fn may carry use_reentrant in a functools.partial.
     checkpoint_fn = getattr(module, "checkpoint_fn", None)

@@ -2,4 +2,4 @@
 metadata, see `[tool.hatch.version]` in pyproject.toml), so a vendored copy reports its own version without any
 installed metadata."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -18,13 +18,35 @@ from torch import nn
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
 from am_pipelining import _compat
-from am_pipelining.functional import pipeline_model, stage_metas
 from am_pipelining.hf_utils import statically_defines, validate_hf_model_for_pipeline_support
+from am_pipelining.planning import plan_pipeline
+from am_pipelining.schedules import check_step_shapes, pipeline_model
+from am_pipelining.stage_modules import stage_metas
 from am_pipelining.tied import sync_tied_embedding_grads
 
 __all__ = ["AutoPipeline", "PipelineConfig", "PipelineInfo"]
 
 logger = logging.getLogger(__name__)
+
+
+def _refuse_unsupported_backward_options(patch_stage_backward: bool, defer_fsdp_grad_sync: bool) -> None:
+    """Upstream's stage-backward options that torch.distributed.pipelining decides itself (kept in the signature,
+    refused when set to what we cannot honour)."""
+    problems = []
+    if patch_stage_backward:
+        problems.append(
+            "patch_stage_backward_maybe_with_nosync=True is not supported: torch's PipelineStage already runs every "
+            "microbatch's backward without FSDP gradient sync and reduces once after the last one; there is no "
+            "MoE-specific replacement to install. Leave it False."
+        )
+    if not defer_fsdp_grad_sync:
+        problems.append(
+            "defer_fsdp_grad_sync=False is not supported: torch's pipeline schedules always defer the FSDP gradient "
+            "reduce-scatter to after the last microbatch (one reduction per step), and cannot reduce per microbatch. "
+            "Leave it True."
+        )
+    if problems:
+        raise ValueError("\n".join(problems))
 
 
 @dataclass
@@ -41,10 +63,13 @@ class PipelineConfig:
     patch_inner_model: bool = True
     patch_causal_lm_model: bool = True
     patch_stage_backward_maybe_with_nosync: bool = False
+    """Must stay False (torch already defers FSDP gradient sync to the last microbatch); True is refused."""
     dtype: torch.dtype | None = None
     scale_grads_in_schedule: bool = False
     loss_fn: Callable[..., torch.Tensor] | None = None
     pp_seq_len: int | None = None
+    stages_per_rank: int | None = field(default=None, kw_only=True)
+    """Run exactly this many stages per rank (instead of `layers_per_stage`); see `plan_pipeline`."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,16 +124,33 @@ class AutoPipeline:
         dtype: torch.dtype | None = None,
         scale_grads_in_schedule: bool = False,
         pp_seq_len: int | None = None,
+        *,
+        stages_per_rank: int | None = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
     ) -> None:
-        if pp_schedule is None and pp_schedule_csv is None:
-            raise ValueError("Either pipeline_parallel_schedule or pipeline_parallel_schedule_csv must be provided")
-        if pp_microbatch_size < 1 or pp_batch_size % pp_microbatch_size != 0:
-            raise ValueError(
-                f"local_batch_size must be divisible by microbatch_size: pp_batch_size={pp_batch_size}, "
-                f"pp_microbatch_size={pp_microbatch_size}. Pick a batch size that is a multiple of the microbatch size."
-            )
         if world_mesh is None:
             raise ValueError("world_mesh must be provided (DeviceMesh with 'pp' axis)")
+        _refuse_unsupported_backward_options(patch_stage_backward_maybe_with_nosync, defer_fsdp_grad_sync)
+        names = getattr(world_mesh, "mesh_dim_names", None)
+        self.pp_mesh = world_mesh[pp_axis_name] if names is not None and len(names) > 1 else world_mesh
+        # Everything that can be checked without the model is checked now; layers_per_stage needs the model's
+        # layer count and is planned in build().
+        plan_pipeline(
+            None,
+            self.pp_mesh.size(),
+            pp_schedule,
+            csv=pp_schedule_csv,
+            stages_per_rank=stages_per_rank,
+            num_stages=len(module_fqns_per_model_part) if module_fqns_per_model_part is not None else None,
+            local_batch_size=pp_batch_size,
+            microbatch_size=pp_microbatch_size,
+            option_labels={
+                "local_batch_size": f"pp_batch_size={pp_batch_size}",
+                "microbatch_size": f"pp_microbatch_size={pp_microbatch_size}",
+                "schedule": f"pp_schedule={pp_schedule!r}",
+                "num_stages": "module_fqns_per_model_part",
+            },
+        )
         self.world_mesh = world_mesh
         self.moe_mesh = moe_mesh
         self.pp_axis_name = pp_axis_name
@@ -132,16 +174,14 @@ class AutoPipeline:
         self.dtype = dtype
         self.scale_grads_in_schedule = scale_grads_in_schedule
         self.pp_seq_len = pp_seq_len
-        names = getattr(world_mesh, "mesh_dim_names", None)
-        self.pp_mesh = world_mesh[pp_axis_name] if names is not None and len(names) > 1 else world_mesh
+        self.stages_per_rank = stages_per_rank
+        self.loss_fn = loss_fn
         self._info = PipelineInfo()
         self._model_config: Any = None
 
     @classmethod
     def from_config(cls, config: PipelineConfig, *, world_mesh: Any, **kwargs: Any) -> AutoPipeline:
-        options = config.to_dict()
-        options.pop("loss_fn")
-        return cls(world_mesh=world_mesh, **options, **kwargs)
+        return cls(world_mesh=world_mesh, **config.to_dict(), **kwargs)
 
     # ---------------------------------------------------------------------------------------------------------
 
@@ -152,7 +192,16 @@ class AutoPipeline:
         loss_fn: Callable[..., torch.Tensor] | None = None,
         parallelize_fn: Callable[..., Any] | None = None,
     ) -> AutoPipeline:
-        """Validate, split, parallelize each part and build the schedule; returns self."""
+        """Validate, plan, split, parallelize each part and build the schedule; returns self.
+
+        `loss_fn` defaults to the one given to the constructor (or `PipelineConfig.loss_fn`); giving both is an
+        error unless they are the same object.
+        """
+        if loss_fn is not None and self.loss_fn is not None and loss_fn is not self.loss_fn:
+            raise ValueError(
+                "build(loss_fn=...) and the AutoPipeline / PipelineConfig loss_fn differ: give the loss function once."
+            )
+        loss_fn = loss_fn if loss_fn is not None else self.loss_fn
         if loss_fn is None:
             raise ValueError("loss_fn must be provided: the last stage computes loss_fn(output, target).")
         if not isinstance(model, nn.Module):
@@ -183,6 +232,7 @@ class AutoPipeline:
             round_to_pp_multiple=self.round_virtual_stages_to_pp_multiple,
             seq_len=self.pp_seq_len,
             tensor_dtype=self.dtype,
+            stages_per_rank=self.stages_per_rank,
         )
         self._info = PipelineInfo(True, schedule, has_first, has_last, parts, stages)
         self._model_config = getattr(model, "config", None)
@@ -234,11 +284,15 @@ class AutoPipeline:
 
         `model_input` goes only to ranks holding the first stage; `kwargs` (attention_mask, position_ids, pixel
         values, ...) reach every local stage, chunked along dim 0 unless the model's
-        `get_pipeline_kwargs_chunk_dims(kwargs) -> {name: dim}` says otherwise.
+        `get_pipeline_kwargs_chunk_dims(kwargs) -> {name: dim}` says otherwise. Pass `model_input` (and `target`) on
+        every rank: with static shapes every rank checks them first and refuses another sequence length or batch
+        (call `update_seq_len` first) instead of waiting on a send of the wrong size.
         """
         schedule = self._info.schedule
         if schedule is None:
             raise RuntimeError("AutoPipeline.build() must be called before running a PP schedule step")
+        stages = self._info.stages or []
+        check_step_shapes(stages, self.pp_batch_size // self.pp_microbatch_size, [model_input], target)
         args = (model_input,) if self._info.has_first_stage and model_input is not None else ()
         spec = self._kwargs_chunk_spec(kwargs)
         with _compat.kwargs_chunk_spec_override(schedule, spec):
@@ -265,6 +319,8 @@ class AutoPipeline:
             for stage in stages
         ]
         _compat.reset_stage_shapes(self._info.schedule, stages, metas)
+        for stage in stages:
+            stage._am_static_shape = (self.pp_microbatch_size, seq_len)
         self.pp_seq_len = seq_len
 
     # ---------------------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from am_pipelining.outputs import pipeline_output_names, read_stage_output
+
 __all__ = [
     "roll_tensor",
     "shift_packed_tensor",
@@ -148,6 +150,15 @@ def _resolve_seq_idx(
     return seq_idx
 
 
+def _refuse_grad_reduce_group(group: Any) -> None:
+    if group is not None:
+        raise ValueError(
+            "grad_reduce_group is not supported: this loss runs locally on the last pipeline stage and never "
+            "materializes a sharded LM-head weight, so there are no gradients to reduce over a group (FSDP2 reduces "
+            "parameter gradients itself). Leave it None."
+        )
+
+
 def calculate_mtp_loss(
     loss_fn: Callable[..., torch.Tensor],
     *,
@@ -181,7 +192,7 @@ def calculate_mtp_loss(
         ValueError: both or neither per-depth inputs, bad target count/shape, targets with seq metadata,
             seq_idx shape mismatch, no lm_head for hidden states.
     """
-    del grad_reduce_group  # reserved: the loss is computed locally on the last stage
+    _refuse_grad_reduce_group(grad_reduce_group)
     if (mtp_per_depth_h is None) == (mtp_per_depth_logits is None):
         raise ValueError("Provide exactly one of mtp_per_depth_h or mtp_per_depth_logits")
     outputs = list(mtp_per_depth_h if mtp_per_depth_h is not None else mtp_per_depth_logits or [])
@@ -223,9 +234,17 @@ def calculate_mtp_loss(
 class PipelineCausalLMLoss(nn.Module):
     """The schedule's `loss_fn` for the last stage: main LM loss plus MTP depths when the stage emits them.
 
-    The last stage may return logits [B, S, V], or a tuple `(logits, mtp_1, ..., mtp_D[, seq_idx])` where the
-    MTP entries are hidden states (or logits when `model.mtp_outputs_are_logits`) and an optional trailing 2-D int32
-    tensor carries the micro-batch's packed-sequence ids. MTP is added only while `model.training`.
+    The last stage returns logits [B, S, V], a `StageOutput`, or a plain tuple read by the names the stage module
+    declares in `pipeline_output_names` (e.g. `("logits", "mtp_per_depth_h", "seq_idx")`, see
+    `am_pipelining.outputs`); an undeclared tuple is upstream's `(logits, mtp_1, ..., mtp_D)`, the MTP entries being
+    hidden states (or logits when `model.mtp_outputs_are_logits`). Nothing is inferred from dtypes or shapes. MTP is
+    added only while `model.training`.
+
+    A model that owns its training-loss rule (e.g. Nemotron-H's next-token + MTP loss) provides the duck-typed hook
+    `model.combined_loss(output, labels, *, loss_fn, labels_shifted, seq_idx, scaling_factor, ignore_index)`; the
+    loss then calls it (labels already shifted; seq_idx from the output's int32 tail or from `cu_seqlens`, else
+    None; scaling_factor None means the model's own), so the pipeline, the single-process trainer and the model
+    compute one rule. Without the hook the generic rule below applies.
 
     Args:
         loss_fn: `(logits, labels) -> scalar`, e.g. a token-sum cross entropy.
@@ -248,57 +267,50 @@ class PipelineCausalLMLoss(nn.Module):
         self.__dict__["model"] = model
         self.scaling_factor = scaling_factor
         self.ignore_index = ignore_index
-        self.grad_reduce_group = grad_reduce_group
+        _refuse_grad_reduce_group(grad_reduce_group)
         self.cu_seqlens: torch.Tensor | None = None
 
-    @staticmethod
-    def _extract_seq_idx_tail(output: Any) -> tuple[Any, torch.Tensor | None]:
-        if (
-            isinstance(output, tuple)
-            and len(output) > 1
-            and isinstance(output[-1], torch.Tensor)
-            and output[-1].dim() == 2
-            and output[-1].dtype == torch.int32
-        ):
-            return output[:-1], output[-1]
-        return output, None
-
     def forward(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
-        output, seq_idx = self._extract_seq_idx_tail(output)
-        mtp_h = mtp_logits = None
-        scaling = self.scaling_factor
         model = self.model
-        if isinstance(output, tuple):
-            logits = output[0]
-            rest = list(output[1:])
-            if rest:
-                if getattr(model, "mtp_outputs_are_logits", False):
-                    mtp_logits = rest
-                else:
-                    mtp_h = rest
-        else:
-            mtp_h = getattr(output, "mtp_per_depth_h", None)
-            mtp_logits = getattr(output, "mtp_per_depth_logits", None)
-            if scaling is None:
-                scaling = getattr(output, "mtp_loss_scaling_factor", None)
-            logits = getattr(output, "logits", None)
-            if logits is None:
-                logits = output
-        loss = _call_loss(self.loss_fn, logits, labels, None)
+        parts = read_stage_output(
+            output,
+            names=pipeline_output_names(model),
+            mtp_outputs_are_logits=bool(getattr(model, "mtp_outputs_are_logits", False)),
+        )
+        scaling = self.scaling_factor
+        if scaling is None and not isinstance(output, (torch.Tensor, tuple, list)):
+            scaling = getattr(output, "mtp_loss_scaling_factor", None)
+        combined_loss = getattr(model, "combined_loss", None)
+        if callable(combined_loss):
+            seq_idx = parts.seq_idx
+            if seq_idx is None and self.cu_seqlens is not None:
+                seq_idx = _resolve_seq_idx(labels, None, self.cu_seqlens)
+            # A stage tuple is handed on as (logits, *mtp) with its seq_idx apart; a model output object as is.
+            named = (parts.logits, *parts.mtp_per_depth_h) if isinstance(output, (tuple, list)) else output
+            return combined_loss(
+                named,
+                labels,
+                loss_fn=self.loss_fn,
+                labels_shifted=True,
+                seq_idx=seq_idx,
+                scaling_factor=scaling,
+                ignore_index=self.ignore_index,
+            )
+        loss = _call_loss(self.loss_fn, parts.logits, labels, None)
         training = bool(getattr(model, "training", True))
-        if training and (mtp_h or mtp_logits):
+        if training and (parts.mtp_per_depth_h or parts.mtp_per_depth_logits):
             if scaling is None:
                 scaling = get_mtp_loss_scaling_factor(model)
             loss = loss + calculate_mtp_loss(  # type: ignore[operator]
                 self.loss_fn,
-                mtp_per_depth_h=mtp_h or None,
-                mtp_per_depth_logits=mtp_logits or None,
+                mtp_per_depth_h=parts.mtp_per_depth_h or None,
+                mtp_per_depth_logits=parts.mtp_per_depth_logits or None,
                 labels=labels,
                 model=model,
                 scaling_factor=scaling,
                 ignore_index=self.ignore_index,
-                seq_idx=seq_idx,
-                cu_seqlens=self.cu_seqlens if seq_idx is None else None,
+                seq_idx=parts.seq_idx,
+                cu_seqlens=self.cu_seqlens if parts.seq_idx is None else None,
             )
         return loss
 
@@ -313,6 +325,5 @@ class MTPLossConfig:
     def build(
         self, loss_fn: Callable[..., torch.Tensor], model: Any, *, grad_reduce_group: Any = None
     ) -> PipelineCausalLMLoss:
-        return PipelineCausalLMLoss(
-            loss_fn, model, self.scaling_factor, ignore_index=self.ignore_index, grad_reduce_group=grad_reduce_group
-        )
+        _refuse_grad_reduce_group(grad_reduce_group)
+        return PipelineCausalLMLoss(loss_fn, model, self.scaling_factor, ignore_index=self.ignore_index)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from am_pipelining import _compat
-from am_pipelining.functional import schedule_placement_style
+from am_pipelining.planning import plan_pipeline
 
 __all__ = [
     "TimelineAction",
@@ -202,16 +202,12 @@ def schedule_timeline(
         stages_per_rank = stages_per_rank or (first.num_stages // pp_size)
     if pp_size is None or n_microbatches is None:
         raise ValueError("schedule_timeline needs pp_size and n_microbatches for a schedule name or class.")
-    stages_per_rank = stages_per_rank or (2 if multi else 1)
-    num_stages = pp_size * stages_per_rank
+    plan = plan_pipeline(None, pp_size, schedule_class, stages_per_rank=stages_per_rank)
+    stages_per_rank, num_stages = plan.stages_per_rank, plan.num_stages
     d = {**_DEFAULT_DURATIONS, **(durations or {})}
     mapping = _compat.schedule_stage_to_rank(schedule) if built and multi else None
     if mapping is None:
-        style = schedule_placement_style(schedule_class)
-        mapping = {
-            s: (s % pp_size if style == "loop" else (s if s < pp_size else num_stages - 1 - s))
-            for s in range(num_stages)
-        }
+        mapping = {s: plan.rank_of_stage(s) for s in range(num_stages)}
     order = _compat.schedule_compute_actions(
         schedule, pp_size=pp_size, n_microbatches=n_microbatches, stages_per_rank=stages_per_rank
     )

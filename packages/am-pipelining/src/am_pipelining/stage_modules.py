@@ -1,0 +1,223 @@
+"""Build the module of each pipeline stage from a full model, and describe a stage's input/output shapes.
+
+Stages are built by construction, never by tracing: for each stage the modules it does not keep are detached from
+the model for the duration of one `copy.deepcopy`, so only the kept parts are copied (nothing is allocated for a
+meta-device model) and the original is restored untouched. Layer containers become `nn.ModuleDict`s keyed by the
+ORIGINAL layer index, so parameter names stay those of the unsplit model. Each stage's forward is patched
+(`hf_utils`) unless the model keeps its own, and wrapped to emit only tensors.
+
+What it must not do: need a process group, decide how many stages there are (that is `planning`), or import a
+model package (hooks are found by duck typing: `_pp_keep_self_forward`, `get_pipeline_stage_metas`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from am_pipelining.hf_utils import (
+    _uses_reentrant_checkpointing,
+    model_keeps_self_forward,
+    patch_hf_model_for_pp,
+    statically_defines,
+)
+from am_pipelining.outputs import pipeline_output_names, read_stage_output
+
+__all__ = ["build_stage_modules", "stage_metas"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Building stage modules without copying the whole model
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _has_kept_descendant(fqn: str, keep: set[str]) -> bool:
+    prefix = fqn + "."
+    return any(name.startswith(prefix) for name in keep)
+
+
+def _detach_unkept(module: nn.Module, prefix: str, keep: set[str], undo: list[tuple[nn.Module, str, Any]]) -> None:
+    """Replace, in place and reversibly, every child of `module` the stage does not keep (see `build_stage_modules`)."""
+    for name, child in list(module._modules.items()):
+        if child is None:
+            continue
+        fqn = f"{prefix}{name}"
+        if fqn in keep:
+            continue
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            keys = list(child._modules.keys())
+            kept = [k for k in keys if f"{fqn}.{k}" in keep or _has_kept_descendant(f"{fqn}.{k}", keep)]
+            replacement = nn.ModuleDict({k: child._modules[k] for k in kept})
+            undo.append((module, name, child))
+            module._modules[name] = replacement
+            for k in kept:
+                if f"{fqn}.{k}" not in keep:
+                    _detach_unkept(child._modules[k], f"{fqn}.{k}.", keep, undo)
+            continue
+        if not _has_kept_descendant(fqn, keep):
+            undo.append((module, name, child))
+            module._modules[name] = None
+            continue
+        _detach_unkept(child, f"{fqn}.", keep, undo)
+
+
+def _copy_kept(model: nn.Module, keep: set[str]) -> nn.Module:
+    undo: list[tuple[nn.Module, str, Any]] = []
+    try:
+        _detach_unkept(model, "", keep, undo)
+        return copy.deepcopy(model)
+    finally:
+        for parent, name, child in reversed(undo):
+            parent._modules[name] = child
+
+
+def _check_activation_checkpointing(model: nn.Module) -> None:
+    reentrant = _uses_reentrant_checkpointing(model)
+    if reentrant:
+        raise ValueError(
+            f"Reentrant activation checkpointing is enabled on {', '.join(reentrant[:4])}: pipeline stages run "
+            "torch.autograd.grad on their inputs, which reentrant checkpointing cannot serve (the stage backward "
+            "fails or hangs on stages 1..N-1). Fix: enable checkpointing with use_reentrant=False "
+            "(HF: activation_checkpointing_kwargs={'use_reentrant': False}; torch: "
+            "checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.NO_REENTRANT))."
+        )
+
+
+def _wrap_stage_forward_to_emit_tensor(stage_model: nn.Module, *, stage_index: int = -1) -> nn.Module:
+    """Make the stage return tensors only: `ModelOutput` -> `.logits`; anything else that is not a tensor or a
+    tuple of tensors raises a ValueError (it could not travel to the next stage). Idempotent."""
+    original = stage_model.forward
+    if getattr(original, "_pp_unwraps_model_output", False):
+        return stage_model
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        output = original(*args, **kwargs)
+        if isinstance(output, torch.Tensor):
+            return output
+        logits = getattr(output, "logits", None)
+        if logits is not None and not isinstance(output, tuple) and hasattr(output, "keys"):
+            return logits
+        if isinstance(output, tuple) and type(output) is not tuple:
+            raise ValueError(
+                f"Pipeline stage {stage_index} returned a {type(output).__name__} (a tuple subclass): torch's pipeline "
+                "treats only a plain tuple as several outputs, so this would travel as ONE non-tensor value and "
+                "the last stage's backward would fail. Fix: return a plain tuple and declare what each position is "
+                "in `pipeline_output_names` (see am_pipelining.outputs)."
+            )
+        if isinstance(output, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in output):
+            return tuple(output)
+        described = (
+            f"a {type(output).__name__} holding {[type(o).__name__ for o in output]}"
+            if isinstance(output, (tuple, list))
+            else f"a {type(output).__name__}"
+        )
+        raise ValueError(
+            f"Pipeline stage {stage_index} returned {described}; only tensors (or a tuple of tensors) can travel "
+            "between stages. Fix: return masks/caches/metadata as tensors, or rebuild them on each stage "
+            "(e.g. causal masks are rebuilt and cached per stage)."
+        )
+
+    forward._pp_unwraps_model_output = True  # type: ignore[attr-defined]
+    stage_model.forward = forward
+    return stage_model
+
+
+def build_stage_modules(
+    model: nn.Module,
+    module_names_per_stage: Sequence[Sequence[str]],
+    stage_ids: Sequence[int],
+    *,
+    patch_inner_model: bool = True,
+    patch_causal_lm_model: bool = True,
+) -> list[nn.Module]:
+    """One pruned, patched copy of `model` per stage id (no process group needed).
+
+    Only the modules a stage keeps are copied: the others are detached from `model` during the copy and put back
+    after, so `model` is unchanged and a meta-device model allocates nothing. In each copy, modules not kept are
+    `None`, `ModuleList`s become `ModuleDict`s keyed by the original index strings, and tied weights stay tied
+    when both ends are kept.
+    """
+    _check_activation_checkpointing(model)
+    keep_self_forward = model_keeps_self_forward(model)
+    stage_models = []
+    for stage_id in stage_ids:
+        keep = set(module_names_per_stage[stage_id])
+        stage_model = _copy_kept(model, keep)
+        for module in stage_model.modules():
+            module.__dict__.pop("_pp_causal_mask_cache", None)
+            module.__dict__.pop("_pp_mask_builds", None)
+        if not keep_self_forward:
+            patch_hf_model_for_pp(
+                stage_model, patch_inner_model=patch_inner_model, patch_causal_lm_model=patch_causal_lm_model
+            )
+        stage_model._pp_stage_index = stage_id  # type: ignore[assignment]
+        _wrap_stage_forward_to_emit_tensor(stage_model, stage_index=stage_id)
+        stage_models.append(stage_model)
+    return stage_models
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Static stage shapes
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _get_hidden_and_vocab_size(config: Any) -> tuple[int, int]:
+    text_config = getattr(config, "text_config", None)
+    sizes = []
+    for field in ("hidden_size", "vocab_size"):
+        value = getattr(config, field, None)
+        if value is None and text_config is not None:
+            value = getattr(text_config, field, None)
+        if value is None:
+            raise ValueError(
+                f"Cannot determine {field} from {type(config).__name__}. Expected either model_config.{field} or "
+                f"model_config.text_config.{field}."
+            )
+        sizes.append(int(value))
+    return sizes[0], sizes[1]
+
+
+def stage_metas(
+    stage_model: Any,
+    *,
+    is_first: bool,
+    is_last: bool,
+    microbatch_size: int,
+    seq_len: int,
+    dtype: torch.dtype | None = None,
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Meta tensors describing a stage's input and output, so torch skips its shape-inference round trip.
+
+    A model's `get_pipeline_stage_metas(*, is_first, microbatch_size, seq_len, dtype)` wins when defined (on the
+    last stage, its outputs must fit the model's `pipeline_output_names` when it declares them).
+    Otherwise: first stage input `[mb, S]` int64, others `[mb, S, H]`; output `[mb, S, V]` when the stage has
+    an `lm_head` (and does not return hidden states), else `[mb, S, H]`.
+    """
+    if dtype is None:
+        first_param = next(stage_model.parameters(), None)
+        dtype = first_param.dtype if first_param is not None else torch.float32
+    if statically_defines(stage_model, "get_pipeline_stage_metas"):
+        hook_inputs, hook_outputs = stage_model.get_pipeline_stage_metas(
+            is_first=is_first, microbatch_size=microbatch_size, seq_len=seq_len, dtype=dtype
+        )
+        names = pipeline_output_names(stage_model)
+        if is_last and names is not None:
+            read_stage_output(tuple(hook_outputs), names=names)  # the declaration must fit the declared shapes
+        return tuple(hook_inputs), tuple(hook_outputs)
+    hidden, vocab = _get_hidden_and_vocab_size(stage_model.config)
+    meta = torch.device("meta")
+    if is_first:
+        inputs: tuple[torch.Tensor, ...] = (torch.empty(microbatch_size, seq_len, dtype=torch.long, device=meta),)
+    else:
+        inputs = (torch.empty(microbatch_size, seq_len, hidden, dtype=dtype, device=meta, requires_grad=True),)
+    has_head = getattr(stage_model, "lm_head", None) is not None and is_last
+    returns_hidden = getattr(stage_model, "_pp_return_hidden_states", False) is True
+    width = vocab if has_head and not returns_hidden else hidden
+    outputs = (torch.empty(microbatch_size, seq_len, width, dtype=dtype, device=meta, requires_grad=True),)
+    return inputs, outputs
