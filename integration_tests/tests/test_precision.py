@@ -24,7 +24,8 @@ def initial_norms() -> dict[str, torch.Tensor]:
     spec = preset_spec("llama", hidden_size=32, num_layers=4, mtp_depths=0, tie_embeddings=False, vocab_size=None)
     model = build_model(spec, seed=1234)  # the trainer's default --seed
     norms = {name: p.detach().clone() for name, p in model.named_parameters() if "norm" in name}
-    assert len(norms) == 9 and all(torch.all(t == 1.0) for t in norms.values())
+    assert len(norms) == 9
+    assert all(torch.all(t == 1.0) for t in norms.values())
     return norms
 
 
