@@ -216,8 +216,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     # 2. Process group and mesh.
     device = init_distributed(timeout_s=cfg.timeout)
     rank = dist.get_rank()
-    if cfg.overwrite and ckpt.existing_checkpoints(cfg.out):  # validated: a fresh run, asked to replace them
-        if rank == 0:
+    if cfg.overwrite:  # validated: a fresh run, asked to replace old checkpoints. Every rank waits on the same
+        # condition (the flag, not the folder, which rank 0 may already have deleted when another rank looks).
+        if rank == 0 and ckpt.existing_checkpoints(cfg.out):
             shutil.rmtree(ckpt.checkpoint_root(cfg.out))
             print(f"--overwrite: deleted the checkpoints under {cfg.out}", file=sys.stderr, flush=True)
         dist.barrier()
