@@ -145,6 +145,6 @@ def test_verify_checkpoint_names_what_is_missing(tmp_path) -> None:
     assert verify_checkpoint(tmp_path / "nothing") == [f"checkpoint {tmp_path / 'nothing'} does not exist"]
     (tmp_path / "ckpt").mkdir()
     (problem,) = verify_checkpoint(tmp_path / "ckpt")
-    assert "has no trainer_state.json: it is incomplete" in problem
-    (tmp_path / "ckpt" / "trainer_state.json").write_text(json.dumps({"manifest": {"dcp/x": "0" * 64}}))
+    assert "has no manifest.json: it is incomplete" in problem
+    (tmp_path / "ckpt" / "manifest.json").write_text(json.dumps({"files": {"dcp/x": "0" * 64}}))
     assert verify_checkpoint(tmp_path / "ckpt") == [f"checkpoint {tmp_path / 'ckpt'}: dcp/x is missing"]

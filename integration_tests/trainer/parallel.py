@@ -1,7 +1,7 @@
 """How the reference trainer parallelizes a model: process group, DeviceMesh, precision, pipeline, CP, FSDP2.
 
 What it is for: the functions the train loop applies to a model, in this fixed order:
-    init_distributed -> build_mesh -> apply_precision -> split_pipeline (pp > 1) -> apply_fsdp (dp x cp > 1)
+    init_distributed -> build_mesh -> apply_precision -> split_pipeline (pp > 1) -> apply_fsdp (`uses_fsdp`)
 and `shard_batch_for_cp` on every batch when cp > 1. Everything model-specific is read from the model through the
 am-* protocols (keep-in-fp32 rules, pipeline hooks, the CP batch hook); nothing here names a model class.
 What it must not do: decide what is valid (config.py and am-capabilities do that, before any collective), or touch
@@ -12,11 +12,20 @@ each rank's loss is the token SUM of its own tokens divided by the token count o
 pipeline schedule sums microbatch gradients (`scale_grads=False`); FSDP2 reduces over the flattened `dp_cp` axis
 with divide factor 1 (a sum, not a mean); the ring attention of CP already sends dK/dV back to the ranks that own the
 keys. Summing every rank's contribution is therefore exactly the single-process gradient.
+
+Precision (`PRECISIONS`, one rule for every layout): `--dtype bf16` (the default) is mixed precision: fp32 master
+weights, gradients and AdamW state, bf16 compute through FSDP2's `MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)`. Without sharding (dp x cp = 1) the same FSDP2 wrap runs over a mesh of one rank: no
+communication, the identical cast-on-forward rule, so a single-process run and a sharded run compute alike.
+fp32-pinned modules (strict keep rules) are FSDP2 groups of their own with an fp32 policy: stored and computed in
+fp32. `--dtype bf16-pure` stores everything unpinned in bf16 (am-precision's `cast_model_to_dtype`), optimizer
+state included: half the memory, but an AdamW update below half a bf16 ulp of a weight is rounded away.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +38,36 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from am_pipelining import find_layers
 from am_precision import cast_model_to_dtype, fp32_keep_rules
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+@dataclass(frozen=True)
+class Precision:
+    """What `--dtype` means: `storage` of parameters, gradients and optimizer state; `compute` of forward and
+    backward (activations, the dtype sent between pipeline stages); `reduce` of FSDP2's gradient reduction."""
+
+    storage: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype
+    warning: str | None = None
+
+
+PRECISIONS = {
+    "bf16": Precision(storage=torch.float32, compute=torch.bfloat16, reduce=torch.float32),
+    "bf16-pure": Precision(
+        storage=torch.bfloat16,
+        compute=torch.bfloat16,
+        reduce=torch.float32,
+        warning="--dtype bf16-pure stores weights and AdamW state in bf16: updates below half a bf16 ulp of a weight "
+        "are rounded away (norm weights may never move); the default --dtype bf16 keeps fp32 master weights",
+    ),
+    "fp32": Precision(storage=torch.float32, compute=torch.float32, reduce=torch.float32),
+}
+
+
+def uses_fsdp(*, dtype: str, dp: int, cp: int) -> bool:
+    """Whether the model parts are wrapped with FSDP2: when sharded over dp x cp, and whenever the compute dtype is
+    not the storage dtype (mixed precision: FSDP2's cast-on-forward, over a mesh of one rank if need be)."""
+    precision = PRECISIONS[dtype]
+    return dp * cp > 1 or precision.compute != precision.storage
 
 
 def init_distributed(*, timeout_s: float) -> torch.device:
@@ -68,9 +106,11 @@ def build_mesh(*, pp: int, dp: int, cp: int, device: torch.device) -> tuple[Devi
 
 
 def apply_precision(model: nn.Module, *, dtype: str) -> None:
-    """bf16 storage with the model's fp32-pinned tensors kept bit-exactly (am-precision), or nothing for fp32."""
-    if DTYPES[dtype] != torch.float32:
-        cast_model_to_dtype(model, DTYPES[dtype])
+    """The storage dtype of `--dtype`: bf16 (`bf16-pure`) with the model's fp32-pinned tensors kept bit-exactly
+    (am-precision), or nothing (fp32 storage: `fp32`, and the mixed-precision default `bf16`)."""
+    storage = PRECISIONS[dtype].storage
+    if storage != torch.float32:
+        cast_model_to_dtype(model, storage)
 
 
 def split_pipeline(
@@ -90,7 +130,7 @@ def split_pipeline(
         plan=plan,
         microbatch_size=cfg.microbatch_size,
         seq_len=cfg.seq_len,
-        tensor_dtype=DTYPES[cfg.dtype],
+        tensor_dtype=PRECISIONS[cfg.dtype].compute,
     )
 
 
@@ -126,11 +166,12 @@ def apply_fsdp(model: nn.Module, *, shard_mesh: DeviceMesh, dtype: str) -> nn.Mo
 
     Strict-fp32 modules get their own group with an fp32 policy (FSDP2 all-gathers a group in one dtype, so they
     must not share a group with bf16 weights), kept unsharded from forward to backward; everything else computes in
-    `dtype` and reduces gradients in fp32.
+    the compute dtype of `dtype` (`PRECISIONS`) and reduces gradients in fp32. A mesh of one rank is fine: then this
+    is only the mixed-precision cast-on-forward.
     Gradients are SUMMED over dp_cp (divide factor 1): the loss is already normalized by the global token count.
     """
-    compute = DTYPES[dtype]
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    precision = PRECISIONS[dtype]
+    policy = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=precision.reduce)
     fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for module in _strict_fp32_modules(model):
         # reshard_after_forward=False: a holder such as Nemotron's `_fp32_params` hands its parameters to the caller,

@@ -65,10 +65,11 @@ def test_missing_and_unexpected_keys_are_all_listed(hf_folder, tmp_path: Path) -
     with pytest.raises(ValueError, match="does not match") as info:
         NemotronHForCausalLM.from_pretrained(target, num_nextn_predict_layers=0)
     message = str(info.value)
-    assert "model.layers.0.mixer._fp32_params.A_log" in message
-    assert "lm_head.weight" in message
-    assert "model.layers.9.norm.weight" in message
-    assert "model.layers.2.mixer.q_proj.weight: checkpoint (5, 5) vs model (32, 32)" in message
+    # The checkpoint's own names, not the internal ones (`model.layers.0.mixer._fp32_params.A_log`).
+    assert "missing keys (2): ['backbone.layers.0.mixer.A_log', 'lm_head.weight']" in message
+    assert "unexpected keys (1): ['backbone.layers.9.norm.weight']" in message
+    assert "_fp32_params" not in message
+    assert "backbone.layers.2.mixer.q_proj.weight: checkpoint (5, 5) vs model (32, 32)" in message
 
 
 def test_incomplete_expert_set_is_reported(hf_folder, tmp_path: Path) -> None:

@@ -144,17 +144,20 @@ def load_pretrained(
     folder = Path(path)
     config = _load_config(folder)
     adapter = NemotronV3StateDictAdapter(config)
-    state_dict = adapter.from_hf(read_safetensors_folder(folder))
+    raw = read_safetensors_folder(folder)
+    state_dict = adapter.from_hf(raw)
+    file_names = {adapter._internal_name(key): key for key in raw}  # internal name -> the file's own name
     # A checkpoint written elsewhere may hold pinned tensors in bf16; they are loaded (assigned) as fp32.
     state_dict = {
         k: (v.float() if v.is_floating_point() and adapter.forced_fp32(k) else v) for k, v in state_dict.items()
     }
     model = cls(config, backend, device="meta", **model_kwargs)
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
+    # Reported in the checkpoint's own naming (`backbone.layers.0.mixer.A_log`, per-expert tensors), not ours.
+    missing = sorted(adapter.to_hf({k: expected[k] for k in set(expected) - set(state_dict)}))
+    unexpected = sorted(file_names.get(k, k) for k in set(state_dict) - set(expected))
     mismatched = sorted(
-        f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(expected[k].shape)}"
+        f"{file_names.get(k, k)}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(expected[k].shape)}"
         for k in set(expected) & set(state_dict)
         if tuple(state_dict[k].shape) != tuple(expected[k].shape)
     )
