@@ -351,9 +351,7 @@ def _is_vlm(model: nn.Module) -> bool:
     return inner is not None and any(getattr(inner, attr, None) is not None for attr in ("vision_tower", "visual"))
 
 
-def patch_hf_model_for_pp(
-    model: Any, *, patch_inner_model: bool = True, patch_causal_lm_model: bool = True
-) -> nn.Module:
+def patch_hf_model_for_pp(model: Any, patch_inner_model: bool = True, patch_causal_lm_model: bool = True) -> nn.Module:
     """Bind pipeline-friendly forwards onto `model` (in place) and return it.
 
     Skip this for models with `_pp_keep_self_forward = True`. The model's `PIPELINE_FORWARDS` entry (if any) picks
@@ -435,7 +433,7 @@ def validate_hf_model_for_pipeline_support(model: nn.Module) -> None:
         name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None) or type(model).__name__
         if getattr(config, "is_encoder_decoder", False):
             issues.append(
-                "Encoder-decoder models with cross-attention are not supported yet for pipeline parallelism: the "
+                "Encoder-Decoder models with cross-attention are not supported yet for pipeline parallelism: the "
                 "decoder stages would need the encoder output. Train it with FSDP2/TP instead."
             )
         entry = _pipeline_forward_for(model)
