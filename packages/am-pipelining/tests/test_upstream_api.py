@@ -176,7 +176,7 @@ def test_pipeline_config_and_autopipeline_constructor():
     pipe = AutoPipeline(mesh, None, "pp", ("dp",), pp_schedule="1f1b", pp_microbatch_size=1, pp_batch_size=4)
     with pytest.raises(RuntimeError, match="Autopipeline not built"):
         _ = pipe.parts
-    with pytest.raises(RuntimeError, match="AutoPipeline.build\\(\\) must be called before update_seq_len"):
+    with pytest.raises(RuntimeError, match=r"AutoPipeline\.build\(\) must be called before update_seq_len"):
         pipe.update_seq_len(8)
     with pytest.raises(ValueError, match="world_mesh must be provided"):
         AutoPipeline()
