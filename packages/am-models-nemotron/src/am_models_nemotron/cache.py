@@ -35,9 +35,9 @@ class NemotronHybridCache:
         self,
         config: Any,
         batch_size: int,
-        *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        *,
         ssm_state_dtype: torch.dtype = torch.float32,
     ) -> None:
         cfg = NemotronConfig.from_any(config)
