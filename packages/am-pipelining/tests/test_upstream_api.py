@@ -68,6 +68,42 @@ def test_functional_module_names():
         assert hasattr(F, name), name
 
 
+def test_pipeline_model_accepts_upstream_keywords():
+    params = inspect.signature(F.pipeline_model).parameters
+    upstream = [
+        "model",
+        "world_mesh",
+        "moe_mesh",
+        "pp_axis_name",
+        "dp_axis_names",
+        "cp_axis_name",
+        "tp_axis_name",
+        "ep_axis_name",
+        "ep_shard_axis_names",
+        "layers_per_stage",
+        "pipeline_parallel_schedule_csv",
+        "pipeline_parallel_schedule",
+        "microbatch_size",
+        "local_batch_size",
+        "device",
+        "loss_fn",
+        "parallelize_fn",
+        "module_fqns_per_model_part",
+        "patch_inner_model",
+        "patch_causal_lm_model",
+        "scale_grads",
+        "round_to_pp_multiple",
+        "patch_stage_backward_maybe_with_nosync",
+        "reduce_grad_per_microbatch",
+        "seq_len",
+        "tensor_dtype",
+    ]
+    assert set(upstream) <= set(params)
+    assert list(params)[:3] == ["model", "world_mesh", "moe_mesh"]
+    with pytest.raises(ValueError, match="reduce_grad_per_microbatch=True are not supported"):
+        F.pipeline_model(M.llama(2), object(), reduce_grad_per_microbatch=True)
+
+
 def test_get_text_module():
     assert get_text_module(None) is None
     holder = nn.Module()

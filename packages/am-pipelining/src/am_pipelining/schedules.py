@@ -232,6 +232,8 @@ def pipeline_model(
     seq_len: int | None = None,
     tensor_dtype: torch.dtype | None = None,
     stages_per_rank: int | None = None,
+    patch_stage_backward_maybe_with_nosync: bool = False,
+    reduce_grad_per_microbatch: bool = False,
 ) -> tuple[Any, list[nn.Module], bool, bool, list[PipelineStage]]:
     """Plan, split, parallelize each stage module (e.g. FSDP2 over the dp axes), and build the schedule.
 
@@ -242,9 +244,16 @@ def pipeline_model(
         (schedule, model_parts, has_first_stage, has_last_stage, stages) for this rank.
 
     Raises:
-        ValueError: the pipeline axis has size 1, or any error of `split_model_into_stages` /
-            `build_pipeline_schedule`.
+        ValueError: the pipeline axis has size 1, `patch_stage_backward_maybe_with_nosync` or
+            `reduce_grad_per_microbatch` is True (upstream options torch's stage already covers), or any error of
+            `split_model_into_stages` / `build_pipeline_schedule`.
     """
+    if patch_stage_backward_maybe_with_nosync or reduce_grad_per_microbatch:
+        raise ValueError(
+            "patch_stage_backward_maybe_with_nosync=True / reduce_grad_per_microbatch=True are not supported: torch's "
+            "PipelineStage already runs every microbatch's backward without FSDP gradient sync and reduces once "
+            "after the last one. Leave both False."
+        )
     if parallelize_fn is None:
         _refuse_options_without_parallelize_fn(
             moe_mesh=moe_mesh,
