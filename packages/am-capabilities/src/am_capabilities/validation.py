@@ -40,8 +40,8 @@ def validate_for_mesh(model: nn.Module, mesh: Any) -> None:
 
     Raises:
         ValueError: ``"Unsupported configuration for <Class> (<n> problems):"`` (upstream's opening) followed by
-            one ``"  - "`` line per problem, e.g. ``"  - pp_size=2: <Class> cannot use pipeline parallelism: <reason>. Fix: set
-            pp_size=1, or ..."``.
+            one ``"  - "`` line per problem, e.g. ``"  - pp_size=2: <Class> cannot use pipeline parallelism:
+            <reason>. Fix: set pp_size=1, or ..."``.
     """
     if mesh is None:
         return
