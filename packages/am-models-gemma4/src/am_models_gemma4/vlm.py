@@ -170,8 +170,8 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, nn.Module, Gemma4Gene
             )
         self.config = config
         self.model = Gemma4Model(config)
-        text_config = config.text_config
-        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        text = config.text_config
+        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_weights()
         self._init_generation_config(config)
 
