@@ -191,7 +191,7 @@ def test_validation_lists_every_blocker_with_its_fix():
         validate_hf_model_for_pipeline_support(model)
     message = str(error.value)
     for expected in (
-        "1. Encoder-decoder",
+        "1. Encoder-Decoder",
         "2. Gemma 4 per-layer inputs",
         "3. num_kv_shared_layers=2",
         "4. Reentrant activation checkpointing",

@@ -16,7 +16,6 @@ experts).
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -197,7 +196,7 @@ def _decide_tp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
         return _Verdict(True)
     return _Verdict(
         False,
-        "it has no tensor-parallel plan (`_tp_plan` is missing or empty) and declares no capabilities",
+        "it has no TP plan (`_tp_plan` is missing or empty) and declares no capabilities",
         "set tp_size=1, or give the model a non-empty `_tp_plan`",
     )
 
@@ -209,7 +208,8 @@ def _decide_pp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
         return _Verdict(True)
     return _Verdict(
         False,
-        "it has no pipeline plan (`_pp_plan` is missing or empty) and declares no capabilities",
+        "pipeline parallelism requires a _pp_plan attribute, but `_pp_plan` is missing or empty and it declares no "
+        "capabilities",
         "set pp_size=1, or give the model a non-empty `_pp_plan`",
     )
 
@@ -316,9 +316,11 @@ def _has_packing_attention(model: nn.Module) -> bool:
 class ModelSupports:
     """Capability flags of one live model, optionally for a given mesh.
 
-    Holds the model through a weak reference (a model does not keep itself alive through its own
-    ``supports``); every flag is recomputed on access, so it follows live changes such as ``backend.attn`` or
-    ``mtp_config.enabled``.
+    Holds an ordinary (strong) reference to the model, so ``ModelSupports(make())`` works when the caller keeps no
+    other reference. Upstream refers to the model weakly only because it caches this object on the model (a cycle
+    otherwise); nothing here is ever stored on the model (``model.supports`` is built per access), so a model is
+    still freed by reference counting alone. Every flag is recomputed on access, so it follows live changes such
+    as ``backend.attn`` or ``mtp_config.enabled``.
 
     Args:
         model: the model instance.
@@ -327,10 +329,9 @@ class ModelSupports:
 
     Raises:
         ValueError: the mesh has invalid sizes.
-        ReferenceError: (on attribute access) the model has been garbage-collected.
     """
 
-    __slots__ = ("__weakref__", "_mesh", "_model_cls", "_model_ref")
+    __slots__ = ("__weakref__", "_mesh", "_model", "_model_cls")
 
     _FLAGS: tuple[str, ...] = (
         "supports_tp",
@@ -350,7 +351,7 @@ class ModelSupports:
     )
 
     def __init__(self, model: nn.Module, mesh: Any = None) -> None:
-        self._model_ref: weakref.ref[nn.Module] = weakref.ref(model)
+        self._model: nn.Module = model
         self._model_cls: type = type(model)
         self._mesh: MeshContext | None = None if mesh is None else MeshContext.from_mesh(mesh)
 
@@ -359,17 +360,11 @@ class ModelSupports:
     @property
     def model(self) -> nn.Module:
         """The model these flags describe."""
-        model = self._model_ref()
-        if model is None:
-            raise ReferenceError(
-                f"ModelSupports: the {self._model_cls.__name__} it describes has been garbage-collected; "
-                "keep a reference to the model while using its capabilities."
-            )
-        return model
+        return self._model
 
     def describes(self, model: nn.Module) -> bool:
         """Whether this object describes exactly ``model`` (not a copy of it)."""
-        return self._model_ref() is model
+        return self._model is model
 
     @property
     def mesh(self) -> MeshContext | None:
@@ -509,8 +504,6 @@ class ModelSupports:
     # ---- copying / printing ----------------------------------------------------------------------------------
 
     def __repr__(self) -> str:
-        if self._model_ref() is None:
-            return f"ModelSupports({self._model_cls.__name__}, <model garbage-collected>)"
         flags = ", ".join(f"{_short(name)}={getattr(self, name)}" for name in self._FLAGS)
         mesh = "" if self._mesh is None else f", mesh={self._mesh}"
         return f"ModelSupports({self._model_cls.__name__}: {flags}{mesh})"
@@ -519,20 +512,17 @@ class ModelSupports:
         return self._clone()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ModelSupports:
-        # A weak reference cannot be deep-copied meaningfully: the copy still describes the same model.
-        # An attached model's copies describe themselves: `model.supports` is built per access from the copied mesh
+        # The copy still describes the same model (copying the model is the model's business): an attached model's
+        # copies describe themselves: `model.supports` is built per access from the copied mesh
         # (see validation.attach_capabilities_and_validate).
         return self._clone()
 
     def __reduce__(self) -> Any:
-        raise TypeError(
-            "ModelSupports holds a weak reference to its model and cannot be pickled; pickle the model "
-            "(an attached model carries its mesh and describes itself after unpickling)."
-        )
+        return (ModelSupports, (self._model, self._mesh))
 
     def _clone(self) -> ModelSupports:
         clone = ModelSupports.__new__(ModelSupports)
-        clone._model_ref = self._model_ref
+        clone._model = self._model
         clone._model_cls = self._model_cls
         clone._mesh = self._mesh
         return clone

@@ -40,9 +40,9 @@ def validate_for_mesh(model: nn.Module, mesh: Any) -> None:
         mesh: ``MeshContext``, ``DeviceMesh`` with named dims, or any object with ``<axis>_size`` attributes.
 
     Raises:
-        ValueError: ``"Unsupported mesh for <Class> (<n> problems):"`` followed by one ``"  - "`` line per
-            problem, e.g. ``"  - pp_size=2: <Class> cannot use pipeline parallelism: <reason>. Fix: set
-            pp_size=1, or ..."``.
+        ValueError: ``"Unsupported configuration for <Class> (<n> problems):"`` (upstream's opening) followed by
+            one ``"  - "`` line per problem, e.g. ``"  - pp_size=2: <Class> cannot use pipeline parallelism:
+            <reason>. Fix: set pp_size=1, or ..."``.
     """
     if mesh is None:
         return
@@ -68,7 +68,7 @@ def validate_for_mesh(model: nn.Module, mesh: Any) -> None:
             )
     if problems:
         count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
-        raise ValueError(f"Unsupported mesh for {name} ({count}):\n  - " + "\n  - ".join(problems))
+        raise ValueError(f"Unsupported configuration for {name} ({count}):\n  - " + "\n  - ".join(problems))
 
 
 def attach_capabilities_and_validate(model: nn.Module, mesh: Any = None) -> nn.Module:
@@ -133,8 +133,8 @@ class _Forward:
         attributes = vars(instance)
         if _MESH_ATTR not in attributes:
             raise AttributeError(self.flag or "supports")
-        # Built per access (a weak reference and the mesh): nothing that refers back to the model is stored on it,
-        # so copies never describe their original and the model is freed by reference counting alone.
+        # Built per access (the model and the mesh): nothing that refers back to the model is stored on it, so
+        # copies never describe their original and the model is freed by reference counting alone.
         supports = ModelSupports(instance, attributes[_MESH_ATTR])
         return supports if self.flag is None else getattr(supports, self.flag)
 

@@ -19,6 +19,8 @@ gradients, summed over the CP group, are the full-sequence gradients.
 
 from __future__ import annotations
 
+import copy
+import logging
 import os
 from typing import Any, ClassVar
 
@@ -55,6 +57,9 @@ _UNSUPPORTED_MEDIA_KWARGS = (
     "input_features_mask",
     "num_frames_per_video",
 )
+
+
+_logger = logging.getLogger(__name__)
 
 
 class Gemma4Model(nn.Module):
@@ -121,8 +126,44 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, 
     _prefill_only_inputs: ClassVar[tuple[str, ...]] = ("image_position_ids", "mm_token_type_ids")
     supports_gradient_checkpointing = False
 
-    def __init__(self, config: Any) -> None:
+    def __init__(
+        self,
+        config: Any,
+        moe_config: Any = None,
+        backend: Any = None,
+        text_config: dict[str, Any] | None = None,
+    ) -> None:
+        """Build from a `Gemma4Config`, with upstream's calling convention.
+
+        Args:
+            config: `Gemma4Config` (text + optional vision sub-configs); not modified.
+            moe_config: must be None: the MoE block is built from the text config (`enable_moe_block`,
+                `num_experts`, `top_k_experts`, `moe_intermediate_size`).
+            backend: upstream's `BackendConfig`; Gemma 4 always runs its own PyTorch kernels (attention, RMSNorm,
+                linear), so a backend is accepted and one line is logged saying so.
+            text_config: overrides applied to a copy of `config.text_config` (upstream's dict override).
+
+        Raises:
+            NotImplementedError: `moe_config` is given.
+            ValueError: `config` has no text_config, or `text_config` names a field the text config lacks.
+        """
         super().__init__()
+        if moe_config is not None:
+            raise NotImplementedError(
+                "Gemma4ForConditionalGeneration builds its MoE block from the text config; pass moe_config=None and "
+                "set enable_moe_block / num_experts / top_k_experts / moe_intermediate_size in text_config instead"
+            )
+        if backend is not None:
+            _logger.info(
+                "Gemma4ForConditionalGeneration runs its own PyTorch kernels; backend=%r does not change them", backend
+            )
+        if text_config:
+            config = copy.deepcopy(config)
+            unknown = sorted(k for k in text_config if not hasattr(config.text_config, k))
+            if unknown:
+                raise ValueError(f"text_config overrides name fields the Gemma 4 text config lacks: {unknown}")
+            for key, value in text_config.items():
+                setattr(config.text_config, key, value)
         if getattr(config, "text_config", None) is None:
             raise ValueError(
                 f"Gemma4ForConditionalGeneration needs a Gemma4Config with a text_config; got {type(config).__name__}: "
@@ -130,8 +171,8 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, 
             )
         self.config = config
         self.model = Gemma4Model(config)
-        text_config = config.text_config
-        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        text = config.text_config
+        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_weights()
         self._init_generation_config(config)
 

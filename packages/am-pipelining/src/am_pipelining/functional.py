@@ -13,7 +13,13 @@ from am_pipelining.planning import (
     schedule_placement_style,
     stage_ids_this_rank,
 )
-from am_pipelining.schedules import ParallelizeFnProtocol, build_pipeline_schedule, pipeline_model
+from am_pipelining.schedules import (
+    ParallelizeFnProtocol,
+    build_pipeline_schedule,
+    pipeline_model,
+    reset_pp_stage_shapes,
+    scale_grads_by_divisor,
+)
 from am_pipelining.stage_modules import build_stage_modules, stage_metas
 from am_pipelining.stages import generate_hf_model_fqn_per_model_part, split_model_into_stages
 
@@ -26,6 +32,8 @@ __all__ = [
     "split_model_into_stages",
     "build_pipeline_schedule",
     "pipeline_model",
+    "reset_pp_stage_shapes",
+    "scale_grads_by_divisor",
     "stage_metas",
     "schedule_placement_style",
     "min_microbatches",

@@ -405,9 +405,7 @@ def _forward_plan(model: nn.Module) -> _ForwardPlan:
     return _ForwardPlan(model, "", text_factory, None, False)
 
 
-def patch_hf_model_for_pp(
-    model: Any, *, patch_inner_model: bool = True, patch_causal_lm_model: bool = True
-) -> nn.Module:
+def patch_hf_model_for_pp(model: Any, patch_inner_model: bool = True, patch_causal_lm_model: bool = True) -> nn.Module:
     """Bind pipeline-friendly forwards onto `model` (in place) and return it.
 
     Skip this for models with `_pp_keep_self_forward = True`. The model's `PIPELINE_FORWARDS` entry (if any) picks

@@ -83,7 +83,7 @@ def validate_hf_model_for_pipeline_support(model: nn.Module) -> None:
         name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None) or type(model).__name__
         if getattr(config, "is_encoder_decoder", False):
             issues.append(
-                "Encoder-decoder models with cross-attention are not supported yet for pipeline parallelism: the "
+                "Encoder-Decoder models with cross-attention are not supported yet for pipeline parallelism: the "
                 "decoder stages would need the encoder output. Train it with FSDP2/TP instead."
             )
         entry = _pipeline_forward_for(model)

@@ -192,8 +192,11 @@ def stage_metas(
     microbatch_size: int,
     seq_len: int,
     dtype: torch.dtype | None = None,
+    config: Any = None,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Meta tensors describing a stage's input and output, so torch skips its shape-inference round trip.
+
+    `config` (hidden and vocabulary sizes, `text_config` fallback) defaults to `stage_model.config`.
 
     A model's `get_pipeline_stage_metas(*, is_first, microbatch_size, seq_len, dtype)` wins when defined (on the
     last stage, its outputs must fit the model's `pipeline_output_names` when it declares them).
@@ -211,7 +214,7 @@ def stage_metas(
         if is_last and names is not None:
             read_stage_output(tuple(hook_outputs), names=names)  # the declaration must fit the declared shapes
         return tuple(hook_inputs), tuple(hook_outputs)
-    hidden, vocab = _get_hidden_and_vocab_size(stage_model.config)
+    hidden, vocab = _get_hidden_and_vocab_size(stage_model.config if config is None else config)
     meta = torch.device("meta")
     if is_first:
         inputs: tuple[torch.Tensor, ...] = (torch.empty(microbatch_size, seq_len, dtype=torch.long, device=meta),)

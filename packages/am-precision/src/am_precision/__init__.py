@@ -29,7 +29,10 @@ from am_precision.casting import (
     yield_fp32_model,
 )
 from am_precision.flags import (
+    HAVE_DEEP_EP,
+    HAVE_GMM,
     HAVE_TE,
+    HAVE_UCCL_EP,
     get_is_first_microbatch,
     get_is_optim_step,
     is_tensor_unallocated,
@@ -62,6 +65,9 @@ __all__ = [
     "FP8_RECIPES",
     # flags
     "HAVE_TE",
+    "HAVE_DEEP_EP",
+    "HAVE_UCCL_EP",
+    "HAVE_GMM",
     "te_usable",
     "get_is_first_microbatch",
     "set_is_first_microbatch",
