@@ -181,8 +181,8 @@ def cp_problems(cfg: RunConfig, *, cp_layout: str | None, pad_multiple: int) -> 
     unit = pad_multiple * cfg.cp
     if cfg.seq_len >= 1 and cfg.seq_len % unit:
         problems.append(
-            f"--seq-len {cfg.seq_len} is not divisible by {unit} ({pad_multiple} x --cp {cfg.cp}), the length the CP sharder "
-            "pads every sequence to; this trainer runs unpadded sequences only, so use --seq-len "
+            f"--seq-len {cfg.seq_len} is not divisible by {unit} ({pad_multiple} x --cp {cfg.cp}), the length the CP "
+            "sharder pads every sequence to; this trainer runs unpadded sequences only, so use --seq-len "
             f"{-(-cfg.seq_len // unit) * unit} or another --cp"
         )
     if cfg.pp > 1 and cp_layout not in (None, "contiguous"):
