@@ -236,8 +236,9 @@ def shard_pipeline_batch_for_cp(
     context, whose document ids are per row. So every microbatch is prepared and sharded on its own (exactly as
     pp = 1 does), the shards are concatenated back along the batch dim (the schedule splits them again, into the
     same rows), and the context of the first microbatch is kept — after checking that every microbatch's context
-    is the same (document ids, lengths); a batch whose microbatches differ (packed documents placed differently) is
-    refused rather than run with the wrong masks.
+    is the same (document ids, positions, lengths); a batch whose microbatches differ (packed documents placed
+    differently), or whose position ids are not the context's global positions (a later stage could not see them),
+    is refused rather than run with the wrong masks or rotary embeddings.
 
     Returns the context factory, the first stage's inputs (`input_ids` [B, S_local] and the model's per-token
     kwargs, all split along dim 0 by the schedule) and the target: labels [B, S_local], or [B, S_local, 1 + D]
@@ -260,6 +261,13 @@ def shard_pipeline_batch_for_cp(
                 "parallelism one ring context serves every microbatch of a step, so their packing must match"
             )
     merged = {key: torch.cat([shard[key] for shard in shards]) for key in shards[0]}
+    positions = merged.get("position_ids")
+    if positions is not None and not bool((positions == first.positions.to(positions.device)).all()):
+        raise ValueError(
+            "the batch has per-row position ids that differ from the ring context's global positions; under pipeline "
+            "x context parallelism a non-first stage receives hidden states only and takes its positions from the "
+            "context, so such a batch is refused"
+        )
     main, mtp = split_cp_targets(merged)
     target = main if mtp is None else torch.stack([main, *mtp], dim=-1)
     return first, merged, target
