@@ -90,15 +90,19 @@ def tests(session: nox.Session, package: str) -> None:
     allowed = _workspace_closure(package)
     session.run("python", "tools/check_isolation.py", json.dumps(sorted(allowed)), json.dumps(PACKAGES))
     junit = ROOT / ".nox" / f"junit-{package}.xml"
+    # tools/test_readme_examples.py runs every ```python block of the package README in this same venv, so an
+    # example that needs anything the package does not declare fails here.
     session.run(
         "python",
         "-m",
         "pytest",
         f"packages/{package}/tests",
+        "tools/test_readme_examples.py",
         f"--junitxml={junit}",
         "-p",
         "no:cacheprovider",
         *session.posargs,
+        env={"AM_README": f"packages/{package}/README.md"},
     )
 
 
@@ -194,10 +198,13 @@ def integration(session: nox.Session) -> None:
         "-m",
         "pytest",
         "integration_tests/tests",
+        "tools/test_readme_examples.py",
+        "tools/test_vendoring.py",
         f"--junitxml={junit}",
         "-p",
         "no:cacheprovider",
         *session.posargs,
+        env={"AM_README": "README.md"},  # the repository README's examples need every package
     )
 
 

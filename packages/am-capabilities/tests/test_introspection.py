@@ -13,7 +13,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from am_capabilities import MeshContext, ModelCapabilities, ModelSupports, is_hybrid_model
+from am_capabilities import (
+    MeshContext,
+    ModelCapabilities,
+    ModelSupports,
+    implements_expert_parallelism,
+    is_hybrid_model,
+)
 
 # ================================================================================================================
 # Real HuggingFace models
@@ -241,6 +247,13 @@ class MoECustom(Custom):
     _am_is_moe = True
 
 
+class ExpertParallelMoE(MoECustom):
+    """An MoE model that implements expert parallelism (the hook our MoE model classes have)."""
+
+    def apply_expert_parallel(self, ep_mesh: Any) -> list[nn.Module]:
+        return []
+
+
 HYBRID = _cfg(layers_block_type=["mamba", "attention"])
 
 
@@ -318,18 +331,20 @@ def test_plans_decide_tp_and_pp_on_undeclared_models():
     assert supports.supports_pp_plan is supports.supports_pp
 
 
-def test_moe_marker_gives_ep_and_pp():
-    model, plain = MoECustom(), Custom()  # ModelSupports holds models weakly: keep them alive
-    supports = ModelSupports(model)
-    assert supports.supports_ep
-    assert supports.supports_pp
+def test_moe_marker_gives_pp_and_the_hook_gives_ep():
+    marked, hooked, plain = MoECustom(), ExpertParallelMoE(), Custom()  # ModelSupports holds models weakly
+    assert ModelSupports(marked).supports_pp
+    assert not ModelSupports(marked).supports_ep  # an MoE model, but nothing would shard its experts
+    assert ModelSupports(hooked).supports_ep
     assert not ModelSupports(plain).supports_ep
+    assert implements_expert_parallelism(hooked)
+    assert not implements_expert_parallelism(marked)
 
 
 # ---- declarations combined with introspection -------------------------------------------------------------------
 
 
-class DeclaredNoPP(MoECustom):
+class DeclaredNoPP(ExpertParallelMoE):
     """Like upstream's Gemma4 MoE: an MoE model whose declaration says PP is unsupported."""
 
     class ModelCapabilities:
@@ -479,7 +494,7 @@ def test_gradient_checkpointing_mro_plain_value_rule(cls, expected):
 
 
 def test_gradient_checkpointing_off_for_moe_under_expert_parallelism():
-    class MoEGC(MoECustom):
+    class MoEGC(ExpertParallelMoE):
         supports_gradient_checkpointing = True
 
     model = MoEGC()

@@ -7,7 +7,13 @@ a trainer, or (at import time) transformers.
 
 from am_capabilities._version import __version__
 from am_capabilities.declarative import ModelCapabilities, declared_capabilities, query_capabilities
-from am_capabilities.introspection import ModelSupports, is_hybrid_model
+from am_capabilities.introspection import (
+    EXPERT_PARALLEL_HOOK,
+    ModelSupports,
+    expert_split_problem,
+    implements_expert_parallelism,
+    is_hybrid_model,
+)
 from am_capabilities.mesh import MODEL_AXES, MeshContext, read_mesh_sizes
 from am_capabilities.registry import (
     ENTRY_POINT_GROUP,
@@ -26,6 +32,9 @@ __all__ = [
     # introspection of live models
     "ModelSupports",
     "is_hybrid_model",
+    "implements_expert_parallelism",
+    "expert_split_problem",
+    "EXPERT_PARALLEL_HOOK",
     # validation
     "validate_for_mesh",
     "attach_capabilities_and_validate",

@@ -5,10 +5,12 @@ trainer or transformers is imported. Each parallel axis is decided by one ``_dec
 returns a verdict *with its reason and fix*, so ``ModelSupports`` and ``validate_for_mesh`` can never disagree.
 
 Rule between declared and introspected capabilities: when the model class declares capabilities
-(``ModelCapabilities`` / ``get_capabilities``, see ``declarative``), the declaration decides TP, PP and EP
+(``ModelCapabilities`` / ``get_capabilities``, see ``declarative``), the declaration decides TP and PP
 outright — it is the model author's statement, and the structural heuristics (plans, MoE marker) only stand
-in for it on undeclared models. For CP a declaration of ``False`` vetoes; ``True`` still requires a CP-capable
-attention backend on this instance, since the backend is a runtime choice the class cannot vouch for.
+in for it on undeclared models. For CP and EP a declaration of ``False`` vetoes, and ``True`` still needs the
+implementation on this instance: a CP-capable attention backend (a runtime choice the class cannot vouch for),
+and for EP the ``apply_expert_parallel`` hook (``implements_expert_parallelism``: without it nothing shards the
+experts).
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ from am_capabilities.declarative import ModelCapabilities, declared_capabilities
 from am_capabilities.mesh import MeshContext
 from am_capabilities.registry import is_registered_model_class
 
-__all__ = ["ModelSupports", "is_hybrid_model"]
+__all__ = [
+    "EXPERT_PARALLEL_HOOK",
+    "ModelSupports",
+    "expert_split_problem",
+    "implements_expert_parallelism",
+    "is_hybrid_model",
+]
 
 # Block-type names of state-space / linear-attention layers, in both NemotronH vocabularies
 # (NVIDIA checkpoints: "mamba"; transformers >= 5.13: "linear_attention") plus the pattern letter "M".
@@ -34,6 +42,10 @@ _PLAIN_BLOCK_NAMES = frozenset({"attention", "full_attention", "sliding_attentio
 _HYBRID_CONFIG_FIELDS = ("layers_block_type", "hybrid_override_pattern", "layer_types")
 
 _TE = "te"
+# The method a model implements expert parallelism with (see `implements_expert_parallelism`).
+EXPERT_PARALLEL_HOOK = "apply_expert_parallel"
+# Config fields holding a layer's number of routed experts (DeepSeek/Nemotron-H, Gemma 4/Qwen, Mixtral names).
+_EXPERT_COUNT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts")
 _MAGI = "magi"
 
 
@@ -131,6 +143,14 @@ def _is_moe(model: nn.Module) -> bool:
     return getattr(type(model), "_am_is_moe", False) is True
 
 
+def implements_expert_parallelism(model: nn.Module) -> bool:
+    """Whether the model implements expert parallelism: it has a callable ``apply_expert_parallel(ep_mesh)`` (the
+    hook a trainer calls to shard the experts over the ep ranks). The one rule every EP decision uses; being a
+    mixture-of-experts model (``_am_is_moe``) or declaring ``supports_ep=True`` is not enough — without the hook
+    nothing would shard the experts, and ``ep_size > 1`` would silently run replicated experts."""
+    return callable(getattr(model, EXPERT_PARALLEL_HOOK, None))
+
+
 def _supports_seq_lens(model: nn.Module) -> bool:
     """Whether ``forward`` accepts ``seq_lens`` (explicitly or through ``**kwargs``)."""
     try:
@@ -195,15 +215,45 @@ def _decide_pp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
 
 
 def _decide_ep(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:
-    if declared is not None:
-        return _veto(declared, "supports_ep", "ep") or _Verdict(True)
-    if _is_moe(model):
+    vetoed = _veto(declared, "supports_ep", "ep")
+    if vetoed is not None:
+        return vetoed
+    if implements_expert_parallelism(model):
         return _Verdict(True)
+    said = "its capability declaration says supports_ep=True, but " if declared is not None else ""
     return _Verdict(
         False,
-        "expert parallelism needs a mixture-of-experts model, and the class does not set `_am_is_moe = True`",
-        "set ep_size=1",
+        f"{said}it has no `{EXPERT_PARALLEL_HOOK}(ep_mesh)` method, so nothing would shard its experts over the ep "
+        "ranks and send tokens to them",
+        f"set ep_size=1 (every data-parallel rank then holds all experts), or use a model class that implements "
+        f"`{EXPERT_PARALLEL_HOOK}` (e.g. am_models_nemotron.NemotronHForCausalLM or am_models_gemma4's MoE models)",
     )
+
+
+def expert_split_problem(model: nn.Module, ep_size: int) -> str | None:
+    """Why the model's experts cannot be split over ``ep_size`` ranks (``None`` when they can or are unknown).
+
+    Reads the expert count of every config the model carries (``n_routed_experts``, ``num_experts``,
+    ``num_local_experts``; see ``_candidate_configs``); each must be divisible by ``ep_size``.
+    """
+    first_name: dict[int, str] = {}  # one field per distinct count (configs often alias the same number)
+    for name, count in _expert_counts(model):
+        first_name.setdefault(count, name)
+    uneven = [f"{name}={count}" for count, name in sorted(first_name.items()) if count % ep_size]
+    if not uneven:
+        return None
+    return (
+        f"its experts cannot be split evenly over ep_size={ep_size} ranks ({', '.join(uneven)} "
+        f"not divisible by {ep_size})"
+    )
+
+
+def _expert_counts(model: nn.Module) -> Iterator[tuple[str, int]]:
+    for config in _candidate_configs(model):
+        for name in _EXPERT_COUNT_FIELDS:
+            count = _field(config, name)
+            if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+                yield name, count
 
 
 def _decide_cp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:
@@ -368,7 +418,7 @@ class ModelSupports:
 
     @property
     def supports_ep(self) -> bool:
-        """Declared, or an MoE model (``_am_is_moe = True``)."""
+        """The model implements expert parallelism (``apply_expert_parallel``) and no declaration says otherwise."""
         model = self.model
         return _decide_ep(model, _declared(model)).ok
 
@@ -435,7 +485,7 @@ class ModelSupports:
 
     @property
     def supports_gradient_checkpointing(self) -> bool:
-        """False for an MoE model when ``ep_size > 1``; otherwise the first plain class-level
+        """False for an expert-parallel model when ``ep_size > 1``; otherwise the first plain class-level
         ``supports_gradient_checkpointing`` value in the MRO decides (properties and methods skipped)."""
         model = self.model
         if self.ep_size > 1 and _decide_ep(model, _declared(model)).ok:

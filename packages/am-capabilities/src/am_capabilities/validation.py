@@ -18,7 +18,7 @@ from typing import Any
 import torch.nn as nn
 
 from am_capabilities.declarative import ModelCapabilities
-from am_capabilities.introspection import FORWARDED_FLAGS, ModelSupports, _decide, _declared
+from am_capabilities.introspection import FORWARDED_FLAGS, ModelSupports, _decide, _declared, expert_split_problem
 from am_capabilities.mesh import MODEL_AXES, MeshContext, read_mesh_sizes
 
 __all__ = ["attach_capabilities_and_validate", "validate_for_mesh"]
@@ -31,8 +31,9 @@ _MESH_ATTR = "_am_capabilities_mesh"
 def validate_for_mesh(model: nn.Module, mesh: Any) -> None:
     """Raise if ``model`` cannot run on ``mesh``; do nothing when ``mesh`` is ``None`` or everything holds.
 
-    Axes of size 1 never fail. An invalid size (``< 1``, non-integer, bool) is itself reported, next to the
-    capability problems of the other axes.
+    Axes of size 1 never fail. ``ep_size > 1`` also needs every expert count of the model's configs to be
+    divisible by it (see ``expert_split_problem``). An invalid size (``< 1``, non-integer, bool) is itself
+    reported, next to the capability problems of the other axes.
 
     Args:
         model: the model instance.
@@ -59,6 +60,11 @@ def validate_for_mesh(model: nn.Module, mesh: Any) -> None:
             problems.append(
                 f"{axis}_size={size}: {name} cannot use {titles[axis]} parallelism: {verdict.reason}. "
                 f"Fix: {verdict.fix}."
+            )
+        elif axis == "ep" and (uneven := expert_split_problem(model, size)) is not None:
+            problems.append(
+                f"ep_size={size}: {name} cannot use expert parallelism: {uneven}. Fix: choose an ep_size that "
+                "divides the number of experts."
             )
     if problems:
         count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"

@@ -32,7 +32,7 @@ from am_models_gemma4.model import (
     gemma4_capabilities,
     softcap_logits,
 )
-from am_models_gemma4.moe import Gemma4Experts, Gemma4MoE, Gemma4Router
+from am_models_gemma4.moe import ExpertParallelHooks, Gemma4Experts, Gemma4MoE, Gemma4Router
 from am_models_gemma4.state_dict_adapter import Gemma4StateDictAdapter
 from am_models_gemma4.vlm import Gemma4ForConditionalGeneration, Gemma4Model
 
@@ -47,6 +47,7 @@ __all__ = [
     "Gemma4MoE",
     "Gemma4Router",
     "Gemma4Experts",
+    "ExpertParallelHooks",
     "Gemma4RMSNorm",
     # attention inputs
     "AttentionInputs",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -150,15 +151,61 @@ def load_pretrained(
     return model
 
 
-def save_pretrained(model: nn.Module, folder: str | os.PathLike[str], *, max_shard_size: int | None = None) -> None:
-    """Write `config.json` and the weights with transformers' names (tied LM head once; shards above the size)."""
+def _state_dict_to_save(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The state dict `save_pretrained` writes: `state_dict` when given (it must name exactly the model's keys),
+    else `model.state_dict()`; every tensor must be full (no sharded DTensor). Raises one ValueError listing every
+    problem."""
+    from torch.distributed.tensor import DTensor
+
+    own = model.state_dict()
+    tensors = dict(own if state_dict is None else state_dict)
+    problems = []
+    if state_dict is not None:
+        missing = sorted(set(own) - set(tensors))
+        unexpected = sorted(set(tensors) - set(own))
+        if missing:
+            problems.append(f"state_dict lacks {len(missing)} of the model's keys: {missing[:5]}")
+        if unexpected:
+            problems.append(f"state_dict has {len(unexpected)} keys the model does not: {unexpected[:5]}")
+    sharded = sorted(k for k, v in tensors.items() if isinstance(v, DTensor))
+    if sharded:
+        problems.append(
+            f"{len(sharded)} tensors are sharded DTensors (expert parallel / FSDP2), e.g. {sharded[:3]}: gather "
+            "them on every rank first — `{**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` for "
+            "expert parallelism, `get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` "
+            "with FSDP2 — and pass the result as state_dict= on one rank"
+        )
+    if problems:
+        raise ValueError("save_pretrained needs the full state dict of the model:\n  - " + "\n  - ".join(problems))
+    return tensors
+
+
+def save_pretrained(
+    model: nn.Module,
+    folder: str | os.PathLike[str],
+    *,
+    max_shard_size: int | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Write `config.json` and the weights with transformers' names (tied LM head once; shards above the size).
+
+    state_dict: the full state dict to write instead of `model.state_dict()` (transformers' `save_pretrained`
+    option). For an expert-parallel model every rank calls
+    `full = {**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` (collective: the experts are gathered
+    back to `[E, out, in]`), then one rank calls `save_pretrained(model, folder, state_dict=full)`.
+
+    Raises:
+        ValueError: sharded DTensors (expert parallel / FSDP2) in what would be written, or a state_dict whose keys
+            differ from the model's (all listed).
+    """
+    tensors = _state_dict_to_save(model, state_dict)
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
     config: Any = model.config
     config.architectures = [type(model).__name__]
     config.save_pretrained(str(root))
     tied = bool(getattr(config, "tie_word_embeddings", True))
-    state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    state = {k: v for k, v in tensors.items() if not (tied and k == "lm_head.weight")}
     hf_state = {k: v.detach().contiguous().cpu() for k, v in Gemma4StateDictAdapter.to_hf(state).items()}
     metadata = {"format": "pt"}
     total = sum(t.numel() * t.element_size() for t in hf_state.values())

@@ -30,7 +30,7 @@ from am_models_gemma4.cp import ContextParallelHooks, active_ring_context
 from am_models_gemma4.decoder import Gemma4DecoderLayer
 from am_models_gemma4.generation import Gemma4GenerationMixin
 from am_models_gemma4.layers import Gemma4RMSNorm
-from am_models_gemma4.moe import Gemma4Experts, Gemma4Router
+from am_models_gemma4.moe import ExpertParallelHooks, Gemma4Experts, Gemma4Router
 
 __all__ = ["Gemma4ForCausalLM", "Gemma4TextModel", "causal_lm_loss", "gemma4_capabilities", "softcap_logits"]
 
@@ -53,7 +53,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: 
 
 
 def gemma4_capabilities(config: Any) -> dict[str, bool]:
-    """Declared capabilities for am-capabilities: dense → PP and CP; MoE → CP and EP.
+    """Declared capabilities for am-capabilities: dense → PP and CP; MoE → CP and EP (`apply_expert_parallel`).
 
     PP is not declared for variants with per-layer inputs or KV sharing (a stage would need token ids or another
     stage's K/V).
@@ -340,7 +340,7 @@ class Gemma4TextModel(nn.Module):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache)  # type: ignore[arg-type]
 
 
-class Gemma4ForCausalLM(ContextParallelHooks, nn.Module, Gemma4GenerationMixin):
+class Gemma4ForCausalLM(ContextParallelHooks, ExpertParallelHooks, nn.Module, Gemma4GenerationMixin):
     """Text-only Gemma 4 with a (tied) LM head: `logits = softcap(lm_head(model(...)))` `[B, S, V]`.
 
     Checkpoints: `from_pretrained` / `save_pretrained` read and write transformers' `Gemma4ForCausalLM` folders.
@@ -431,8 +431,16 @@ class Gemma4ForCausalLM(ContextParallelHooks, nn.Module, Gemma4GenerationMixin):
 
         return load_pretrained(cls, folder, dtype=dtype, device=device)
 
-    def save_pretrained(self, folder: str | os.PathLike[str], *, max_shard_size: int | None = None) -> None:
-        """Write a folder transformers' `Gemma4ForCausalLM.from_pretrained` loads (tied head saved once)."""
+    def save_pretrained(
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        max_shard_size: int | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Write a folder transformers' `Gemma4ForCausalLM.from_pretrained` loads (tied head saved once); `state_dict`
+        (full tensors) replaces the model's own, e.g. the gathered experts of an expert-parallel model (see
+        `checkpoint.save_pretrained`)."""
         from am_models_gemma4.checkpoint import save_pretrained
 
-        save_pretrained(self, folder, max_shard_size=max_shard_size)
+        save_pretrained(self, folder, max_shard_size=max_shard_size, state_dict=state_dict)

@@ -42,6 +42,7 @@ from am_models_gemma4.model import (
     gemma4_capabilities,
     softcap_logits,
 )
+from am_models_gemma4.moe import ExpertParallelHooks
 
 __all__ = ["Gemma4ForConditionalGeneration", "Gemma4Model"]
 
@@ -109,7 +110,7 @@ class Gemma4Model(nn.Module):
         return BaseModelOutputWithPooling(last_hidden_state=outputs.last_hidden_state, pooler_output=pooled)
 
 
-class Gemma4ForConditionalGeneration(ContextParallelHooks, nn.Module, Gemma4GenerationMixin):
+class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, nn.Module, Gemma4GenerationMixin):
     """Gemma 4 vision-language model: logits `[B, S, V]` for text-only or image+text inputs; `generate(...)`."""
 
     # The text model's keep lists (substrings of names, so they match under `model.language_model.` too).
@@ -275,8 +276,16 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, nn.Module, Gemma4Gene
 
         return load_pretrained(cls, folder, dtype=dtype, device=device)
 
-    def save_pretrained(self, folder: str | os.PathLike[str], *, max_shard_size: int | None = None) -> None:
-        """Write a folder transformers' `Gemma4ForConditionalGeneration.from_pretrained` loads."""
+    def save_pretrained(
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        max_shard_size: int | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Write a folder transformers' `Gemma4ForConditionalGeneration.from_pretrained` loads; `state_dict` (full
+        tensors) replaces the model's own, e.g. the gathered experts of an expert-parallel model (see
+        `checkpoint.save_pretrained`)."""
         from am_models_gemma4.checkpoint import save_pretrained
 
-        save_pretrained(self, folder, max_shard_size=max_shard_size)
+        save_pretrained(self, folder, max_shard_size=max_shard_size, state_dict=state_dict)

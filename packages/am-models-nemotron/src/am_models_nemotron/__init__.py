@@ -31,7 +31,7 @@ from am_models_nemotron.mamba2_cp import (
     ssd_chunked_scan_cp,
 )
 from am_models_nemotron.model import ModelClass, NemotronHForCausalLM
-from am_models_nemotron.moe import GroupedExperts, NemotronMLP, NemotronMoE, NemotronRouter, relu2
+from am_models_nemotron.moe import ExpertParallelHooks, GroupedExperts, NemotronMLP, NemotronMoE, NemotronRouter, relu2
 from am_models_nemotron.mtp import (
     MTPConfig,
     MTPModule,
@@ -79,6 +79,7 @@ __all__ = [
     "NemotronMoE",
     "NemotronRouter",
     "GroupedExperts",
+    "ExpertParallelHooks",
     "relu2",
     # SSD scan
     "ssd_chunked_scan",

@@ -5,13 +5,15 @@ names with `NemotronV3StateDictAdapter`, load strictly) and `save_pretrained` (N
 `model.safetensors.index.json` above `max_shard_size` bytes). Tensors pinned by the model's
 `_keep_in_fp32_modules_strict` (the adapter's `forced_fp32`) are loaded as fp32 and stored as F32.
 What it must not do: load partially. Missing or unexpected keys and shape mismatches raise one error listing all of
-them; an unreadable, truncated or corrupt file raises an error naming the file.
+them; an unreadable, truncated or corrupt file raises an error naming the file. Save a sharded model (expert
+parallel or FSDP2 DTensors): gather it into an unsharded model first (see `save_pretrained`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import am_moe
 from am_models_nemotron.config import as_hf_config
 from am_models_nemotron.state_dict_adapter import NemotronV3StateDictAdapter
 from am_precision import cast_model_to_dtype
@@ -105,6 +108,12 @@ def write_safetensors_folder(
     (root / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
+def _is_dtensor(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 def _load_config(folder: Path) -> Any:
     from transformers import AutoConfig
 
@@ -163,14 +172,71 @@ def load_pretrained(
         )
     target = torch.device(device) if device is not None else torch.device("cpu")
     model.load_state_dict({k: v.to(target) for k, v in state_dict.items()}, strict=True, assign=True)
+    _materialize_unsaved_buffers(model, target)
     if dtype is not None:
         cast_model_to_dtype(model, dtype)
     return model
 
 
-def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_size: int | None = None) -> None:
+def _materialize_unsaved_buffers(model: Any, device: torch.device) -> None:
+    """Buffers no checkpoint holds are still on the meta device after an `assign=True` load: am-moe's per-expert load
+    counters (non-persistent) start at zero on `device`; anything else left on meta is an error, never a silent hole."""
+    for _, experts in am_moe.expert_modules(model):
+        if experts.tokens_per_expert.is_meta:
+            experts.tokens_per_expert = torch.zeros_like(experts.tokens_per_expert, device=device)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{type(model).__name__}: tensors left uninitialized (meta) after loading: {left}")
+
+
+def _state_dict_to_save(model: Any, state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The state dict `save_pretrained` writes: `state_dict` when given (it must name exactly the model's keys),
+    else `model.state_dict()`; every tensor must be full (no sharded DTensor). Raises one ValueError listing every
+    problem."""
+    own = model.state_dict()
+    tensors = dict(own if state_dict is None else state_dict)
+    problems = []
+    if state_dict is not None:
+        missing = sorted(set(own) - set(tensors))
+        unexpected = sorted(set(tensors) - set(own))
+        if missing:
+            problems.append(f"state_dict lacks {len(missing)} of the model's keys: {missing[:5]}")
+        if unexpected:
+            problems.append(f"state_dict has {len(unexpected)} keys the model does not: {unexpected[:5]}")
+    sharded = sorted(k for k, v in tensors.items() if _is_dtensor(v))
+    if sharded:
+        problems.append(
+            f"{len(sharded)} tensors are sharded DTensors (expert parallel / FSDP2), e.g. {sharded[:3]}: gather "
+            "them on every rank first — `{**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` for "
+            "expert parallelism, `get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` "
+            "with FSDP2 — and pass the result as state_dict= on one rank"
+        )
+    if problems:
+        raise ValueError("save_pretrained needs the full state dict of the model:\n  - " + "\n  - ".join(problems))
+    return tensors
+
+
+def save_pretrained(
+    model: Any,
+    path: str | os.PathLike[str],
+    *,
+    max_shard_size: int | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> None:
     """Write config.json (transformers' NemotronHConfig) and the weights in NVIDIA's naming; fp32-pinned tensors
-    (`_keep_in_fp32_modules_strict`) are stored as F32 even from a model cast with a plain `.to(bfloat16)`."""
+    (`_keep_in_fp32_modules_strict`) are stored as F32 even from a model cast with a plain `.to(bfloat16)`.
+
+    state_dict: the full state dict to write instead of `model.state_dict()` (transformers' `save_pretrained`
+    option). For an expert-parallel model every rank calls
+    `full = {**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` (collective: the experts are gathered
+    back to `[E, out, in]`), then one rank calls `save_pretrained(model, path, state_dict=full)`; the adapter writes
+    the per-expert keys of the file.
+
+    Raises:
+        ValueError: sharded DTensors (expert parallel / FSDP2) in what would be written, or a state_dict whose keys
+            differ from the model's (all listed).
+    """
+    tensors = _state_dict_to_save(model, state_dict)
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     config = as_hf_config(model.config)
@@ -179,6 +245,6 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_size:
     config.num_nextn_predict_layers = model.mtp_config.num_layers if model.mtp is not None else 0
     config.save_pretrained(str(folder))
     adapter = NemotronV3StateDictAdapter(config)
-    tensors = adapter.to_hf(model.state_dict())
+    tensors = adapter.to_hf(tensors)
     tensors = {k: (v.float() if adapter.forced_fp32(k) else v) for k, v in tensors.items()}
     write_safetensors_folder(tensors, folder, max_shard_size=max_shard_size)

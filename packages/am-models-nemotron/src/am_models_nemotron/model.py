@@ -36,6 +36,7 @@ from am_models_nemotron.cp import (
 from am_models_nemotron.generation import NemotronGenerationMixin
 from am_models_nemotron.inputs import pop_layout_kwargs
 from am_models_nemotron.loss import cross_entropy
+from am_models_nemotron.moe import ExpertParallelHooks
 from am_models_nemotron.mtp import MTPConfig, MTPModule
 from am_models_nemotron.mtp_inputs import mtp_fusion_inputs
 from am_models_nemotron.outputs import NemotronHCausalLMOutputWithPast, combined_causal_lm_loss, select_hidden_states
@@ -54,7 +55,9 @@ __all__ = [
 _CP_KWARGS = ("cp_rank", "cp_size")
 
 
-class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Module, GenerationMixin):
+class NemotronHForCausalLM(
+    ExpertParallelHooks, NemotronPipelineMixin, NemotronGenerationMixin, nn.Module, GenerationMixin
+):
     """Nemotron-H causal LM with optional multi-token prediction.
 
     Args:
@@ -95,7 +98,8 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
 
     @classmethod
     def get_capabilities(cls, config: Any) -> dict[str, bool]:
-        """Capabilities for am-capabilities: PP and CP (contiguous) yes; EP when the config has MoE blocks; no TP."""
+        """Capabilities for am-capabilities: PP and CP (contiguous) yes; EP when the config has MoE blocks
+        (implemented by `apply_expert_parallel`); no TP."""
         has_moe = NemotronConfig.from_any(config).has_moe
         return {"supports_pp": True, "supports_ep": has_moe, "supports_tp": False, "supports_cp": True}
 
@@ -522,11 +526,14 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
 
         return load_pretrained(cls, path, backend=backend, dtype=dtype, device=device, **model_kwargs)
 
-    def save_pretrained(self, path: Any, *, max_shard_size: int | None = None) -> None:
-        """Write config.json + safetensors in NVIDIA's naming. See `checkpoint.save_pretrained`."""
+    def save_pretrained(
+        self, path: Any, *, max_shard_size: int | None = None, state_dict: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Write config.json + safetensors in NVIDIA's naming; `state_dict` (full tensors) replaces the model's own,
+        e.g. the gathered experts of an expert-parallel model. See `checkpoint.save_pretrained`."""
         from am_models_nemotron.checkpoint import save_pretrained
 
-        save_pretrained(self, path, max_shard_size=max_shard_size)
+        save_pretrained(self, path, max_shard_size=max_shard_size, state_dict=state_dict)
 
 
 def _per_depth(value: Sequence[torch.Tensor] | torch.Tensor | None) -> list[torch.Tensor] | None:

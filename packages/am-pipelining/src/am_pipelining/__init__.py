@@ -7,15 +7,23 @@ and draw the schedule with its bubble fraction.
 
 from am_pipelining._version import __version__
 from am_pipelining.autopipeline import AutoPipeline, PipelineConfig, PipelineInfo
+from am_pipelining.hf_transforms import (
+    FORWARD_TRANSFORMS,
+    LAYER_LEVEL_CONFIG_KEYS,
+    UNSUPPORTED_FORWARD_FEATURES,
+    ForwardTransform,
+)
 from am_pipelining.hf_utils import (
     MULTIMODAL_SUFFIXES,
     PIPELINE_FORWARDS,
     TEXT_MODULE_ATTRS,
+    check_forward_reproduction,
     create_pipeline_forward_causal_lm,
     create_pipeline_forward_gemma4_text,
     create_pipeline_forward_gemma4_vlm,
     create_pipeline_forward_inner,
     create_pipeline_forward_mistral3_vlm,
+    forward_reproduction_problems,
     get_text_module,
     init_hf_model_buffers,
     model_keeps_self_forward,
@@ -90,6 +98,13 @@ __all__ = [
     "init_hf_model_buffers",
     "model_keeps_self_forward",
     "validate_hf_model_for_pipeline_support",
+    "forward_reproduction_problems",
+    "check_forward_reproduction",
+    # what the model's own forward does around its layers
+    "ForwardTransform",
+    "FORWARD_TRANSFORMS",
+    "LAYER_LEVEL_CONFIG_KEYS",
+    "UNSUPPORTED_FORWARD_FEATURES",
     # loss
     "PipelineCausalLMLoss",
     "MTPLossConfig",

@@ -20,12 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_pipelining.hf_utils import (
-    _uses_reentrant_checkpointing,
-    model_keeps_self_forward,
-    patch_hf_model_for_pp,
-    statically_defines,
-)
+from am_pipelining.hf_utils import model_keeps_self_forward, patch_hf_model_for_pp, statically_defines
+from am_pipelining.hf_validation import _uses_reentrant_checkpointing, check_forward_reproduction
 from am_pipelining.outputs import pipeline_output_names, read_stage_output
 
 __all__ = ["build_stage_modules", "stage_metas"]
@@ -142,8 +138,13 @@ def build_stage_modules(
     after, so `model` is unchanged and a meta-device model allocates nothing. In each copy, modules not kept are
     `None`, `ModuleList`s become `ModuleDict`s keyed by the original index strings, and tied weights stay tied
     when both ends are kept.
+
+    Raises:
+        ValueError: listing every forward-level feature of `model` the pipeline forwards would not reproduce
+            (`check_forward_reproduction`), before any stage is built.
     """
     _check_activation_checkpointing(model)
+    check_forward_reproduction(model)
     keep_self_forward = model_keeps_self_forward(model)
     stage_models = []
     for stage_id in stage_ids:
