@@ -71,7 +71,8 @@ def test_every_problem_is_listed_once_and_every_rank_exits_before_any_collective
     (tmp_path / "a-file").write_text("not a folder")
     args = [
         "--model", "nemotron", *PARITY,
-        "--pp", "2", "--cp", "2",  # world size 2 != 4; nemotron has no CP (am-capabilities); pp x cp not combined
+        "--pp", "2", "--cp", "2",  # world size 2 != 4 (pp x cp itself is accepted for nemotron's contiguous layout)
+        "--seq-len", "18",  # not divisible by 2 x cp = 4, the length the CP sharder pads to
         "--global-batch", "5", "--microbatch-size", "2",  # 5 sequences cannot make microbatches of 2
         "--schedule", "ZeroBubbleFantasy",  # unknown schedule
         "--resume", str(tmp_path / "no-such-checkpoint"),  # missing checkpoint
@@ -86,10 +87,9 @@ def test_every_problem_is_listed_once_and_every_rank_exits_before_any_collective
     assert "refusing to start" not in out1
     expected = [
         "the world size is 2 but pp x dp x cp = 2 x 1 x 2 = 4",
-        "cp_size=2: ",  # am-capabilities' line for the unsupported axis
         "--global-batch 5 / --dp 1 = 5) is not divisible by --microbatch-size 2",
         "--schedule 'ZeroBubbleFantasy' is unknown",
-        "does not combine pipeline and context parallelism",
+        "--seq-len 18 is not divisible by 4 (2 x --cp 2)",
         "no-such-checkpoint does not exist",
         f"--data {tmp_path / 'corpus.txt'} is not UTF-8 text: byte offset 17 holds b'\\xc3'",
         "--lr nan: must be a finite number",

@@ -163,11 +163,6 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
         unused += [f"--schedule {cfg.schedule}"] if cfg.schedule.lower() != "1f1b" else []
         if unused:
             problems.append(f"{' and '.join(unused)} only apply with --pp > 1: drop them or raise --pp")
-    if cfg.pp > 1 and cfg.cp > 1:
-        problems.append(
-            f"--pp {cfg.pp} with --cp {cfg.cp}: this trainer does not combine pipeline and context parallelism yet; "
-            "use one of them (dp combines with either)"
-        )
     floats = {name: getattr(cfg, name) for name in _FLOAT_OPTIONS}
     not_finite = [name for name, value in floats.items() if not math.isfinite(value)]
     problems += [f"--{name.replace('_', '-')} {floats[name]}: must be a finite number" for name in not_finite]
@@ -201,6 +196,32 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
         problems.append(f"--model-path {cfg.model_path}: no config.json there (expected an HF-format folder)")
     if cfg.tie_embeddings and cfg.model != "llama":
         problems.append(f"--tie-embeddings applies to --model llama only, not {cfg.model}")
+    return problems
+
+
+def cp_problems(cfg: RunConfig, *, cp_layout: str | None, pad_multiple: int) -> list[str]:
+    """Every problem of `--cp` with this run (an empty list means go), seen before any collective.
+
+    cp_layout: the model's CP layout ("contiguous" or "load_balanced"; None when the model could not be built), and
+    pad_multiple: sequences are padded to a multiple of pad_multiple x cp before sharding. Whether the model supports
+    CP at all is am-capabilities' rule (the caller adds its lines).
+    """
+    if cfg.cp <= 1:
+        return []
+    problems = []
+    unit = pad_multiple * cfg.cp
+    if cfg.seq_len >= 1 and cfg.seq_len % unit:
+        problems.append(
+            f"--seq-len {cfg.seq_len} is not divisible by {unit} ({pad_multiple} x --cp {cfg.cp}), the length the CP "
+            "sharder pads every sequence to; this trainer runs unpadded sequences only, so use --seq-len "
+            f"{-(-cfg.seq_len // unit) * unit} or another --cp"
+        )
+    if cfg.pp > 1 and cp_layout not in (None, "contiguous"):
+        problems.append(
+            f"--pp {cfg.pp} with --cp {cfg.cp}: pipeline stages run context parallelism only for models that declare "
+            f'the contiguous CP layout (`_cp_layout = "contiguous"`), and --model {cfg.model} uses the {cp_layout} '
+            "layout; drop --pp or --cp"
+        )
     return problems
 
 

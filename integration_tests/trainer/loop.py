@@ -26,6 +26,7 @@ its fp32-pinned tensors after the FSDP2 wrap (`fp32_rank<r>.pt`), to check the f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -49,11 +50,16 @@ from trainer.data import BatchStream
 from trainer.models import ModelSpec
 from trainer.parallel import (
     PRECISIONS,
+    CPPipelineTargets,
     apply_fsdp,
     apply_precision,
     build_mesh,
+    cp_layout_name,
+    cp_local_seq_len,
     init_distributed,
     shard_batch_for_cp,
+    shard_pipeline_batch_for_cp,
+    split_cp_targets,
     split_pipeline,
     uses_fsdp,
 )
@@ -227,6 +233,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     shard_rank = dp_cp_mesh.get_local_rank()
 
     num_layers = find_layers(model).num_layers
+    cp_layout = cp_layout_name(model) if cfg.cp > 1 else None
     # 3. Model -> capabilities -> precision -> pipeline -> FSDP2.
     from am_capabilities import attach_capabilities_and_validate
 
@@ -237,7 +244,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     from am_pipelining import PipelineCausalLMLoss, build_pipeline_schedule, sync_tied_embedding_grads
 
     if cfg.pp > 1:
-        stages, parts = split_pipeline(model, mesh=mesh, plan=plan, cfg=cfg, device=device)
+        local_seq_len = cp_local_seq_len(model, seq_len=cfg.seq_len, cp=cfg.cp)
+        stages, parts = split_pipeline(model, mesh=mesh, plan=plan, cfg=cfg, device=device, seq_len=local_seq_len)
         del model  # each rank keeps only its stages
     else:
         stages, parts = [], [model]
@@ -251,7 +259,13 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     schedule = None
     if stages:
         schedule = build_pipeline_schedule(
-            None, cfg.schedule, cfg.microbatch_size, cfg.local_batch, stages, loss_fn=pipeline_loss, plan=plan
+            None,
+            cfg.schedule,
+            cfg.microbatch_size,
+            cfg.local_batch,
+            stages,
+            loss_fn=CPPipelineTargets(pipeline_loss) if cfg.cp > 1 else pipeline_loss,
+            plan=plan,
         )
     has_first = not stages or any(s.is_first for s in stages)
 
@@ -303,10 +317,17 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         input_ids, labels = input_ids[rows].to(device), labels[rows].to(device)
         if schedule is not None:
             losses: list[torch.Tensor] = []
-            if has_first:
-                schedule.step(input_ids, target=labels, losses=losses)
-            else:
-                schedule.step(target=labels, losses=losses)
+            step_ctx: Any = contextlib.nullcontext
+            first_inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
+            if cfg.cp > 1:  # every rank shards (the first stage needs the inputs, the last the targets)
+                step_ctx, first_inputs, labels = shard_pipeline_batch_for_cp(
+                    parts[0], input_ids, labels, mesh=mesh, microbatch_size=cfg.microbatch_size
+                )
+            with step_ctx():  # ring p2p (cp group) inside the schedule's p2p (pp group): see parallel.py
+                if has_first:
+                    schedule.step(first_inputs.pop("input_ids"), target=labels, losses=losses, **first_inputs)
+                else:
+                    schedule.step(target=labels, losses=losses)
             sync_tied_embedding_grads(parts)
             local = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=device)
         else:
@@ -333,7 +354,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         summary = {
             "model": spec.family,
             "mesh": {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp},
-            "layout": run_layout(cfg, plan, num_layers=num_layers),
+            "layout": run_layout(cfg, plan, num_layers=num_layers, cp_layout=cp_layout),
             "schedule": cfg.schedule if cfg.pp > 1 else None,
             "dtype": cfg.dtype,
             "precision": {  # what --dtype meant: parameters / grads / AdamW state, forward-backward, FSDP2 reduction
@@ -368,10 +389,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     return summary
 
 
-def run_layout(cfg: RunConfig, plan: Any, *, num_layers: int) -> dict[str, Any]:
-    """The layout that ran: mesh sizes, and the pipeline plan's stages, placement, layer split and microbatches (for
-    pp = 1: one stage holding every layer, microbatches = gradient-accumulation steps)."""
-    layout: dict[str, Any] = {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp}
+def run_layout(cfg: RunConfig, plan: Any, *, num_layers: int, cp_layout: str | None = None) -> dict[str, Any]:
+    """The layout that ran: mesh sizes, the CP layout (`cp_layout`: "contiguous" or "load_balanced", None at
+    cp = 1), and the pipeline plan's stages, placement, layer split and microbatches (for pp = 1: one stage holding
+    every layer, microbatches = gradient-accumulation steps)."""
+    layout: dict[str, Any] = {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "cp_layout": cp_layout}
     if plan is not None:
         layout.update({k: v for k, v in plan.layout().items() if k != "pp"})
     else:
@@ -399,9 +421,8 @@ def _forward_backward(
     mesh: Any,
 ) -> torch.Tensor:
     """pp = 1: forward and backward over the microbatches of this rank's batch, each CP-sharded when cp > 1 (the
-    ring context describes one microbatch's shard); returns this rank's share of the global loss (detached)."""
-    import contextlib
-
+    ring context describes one microbatch's shard; MTP targets computed before sharding go to the loss); returns
+    this rank's share of the global loss (detached)."""
     n_micro = input_ids.shape[0] // cfg.microbatch_size
     total = torch.zeros((), device=input_ids.device)
     sync = getattr(model, "set_requires_gradient_sync", None)
@@ -409,17 +430,19 @@ def _forward_backward(
         rows = slice(i * cfg.microbatch_size, (i + 1) * cfg.microbatch_size)
         batch: dict[str, torch.Tensor] = {"input_ids": input_ids[rows], "labels": labels[rows]}
         ctx: Any = contextlib.nullcontext
+        mtp_targets = None
         if cfg.cp > 1:
             ctx, batch = shard_batch_for_cp(model, batch, mesh=mesh)
-        mb_labels = batch.pop("labels")
-        batch.pop("loss_mask", None)
+            mb_labels, mtp_targets = split_cp_targets(batch)
+        else:
+            mb_labels = batch.pop("labels")
         if callable(sync):
             sync(i == n_micro - 1)  # FSDP2: reduce gradients once, after the last microbatch
         with ctx():
             output = model(**batch)
             # The pipeline's loss module, as at pp > 1: a model that owns its training loss (Nemotron-H: next-token
             # + scaled MTP, its `combined_loss` hook) computes it there with our loss_fn.
-            loss = loss_module(output, mb_labels)
+            loss = loss_module(output, mb_labels, **({"mtp_per_depth_targets": mtp_targets} if mtp_targets else {}))
             loss.backward()
         total += loss.detach().float()
     return total

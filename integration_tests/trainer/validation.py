@@ -20,9 +20,10 @@ from torch import nn
 
 from am_pipelining import find_layers
 from trainer import checkpoint as ckpt
-from trainer.config import RunConfig, find_problems, pipeline_plan
+from trainer.config import RunConfig, cp_problems, find_problems, pipeline_plan
 from trainer.data import load_tokens
 from trainer.models import ModelSpec, build_model, folder_spec, preset_spec
+from trainer.parallel import cp_layout_name, cp_pad_multiple
 
 EXIT_BAD_INPUT = 2
 
@@ -96,6 +97,13 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
             problems.append(str(exc))
     plan, plan_problems = pipeline_plan(cfg, num_layers=num_layers)
     problems += plan_problems
+    cp_layout, pad_multiple = None, 2
+    if model is not None and cfg.cp > 1:
+        try:
+            cp_layout, pad_multiple = cp_layout_name(model), cp_pad_multiple(model)
+        except (TypeError, ValueError) as exc:  # a malformed CP declaration on the model
+            problems.append(str(exc))
+    problems += cp_problems(cfg, cp_layout=cp_layout, pad_multiple=pad_multiple)
     if model is not None and min(cfg.pp, cfg.dp, cfg.cp) >= 1:
         try:
             validate_for_mesh(model, MeshContext(pp_size=cfg.pp, dp_size=cfg.dp, cp_size=cfg.cp))

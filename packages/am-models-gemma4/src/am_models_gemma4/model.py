@@ -192,6 +192,13 @@ class Gemma4TextModel(nn.Module):
         )
         return (self.per_layer_projection_norm(projection) + per_layer_inputs) * self.per_layer_input_scale
 
+    def pipeline_default_position_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """am-pipelining's hook for a stage that receives hidden states `[B, S_local, H]` only: under context
+        parallelism the entered ring context's global positions of this rank's tokens (`[1, S_local]` int64), so the
+        rotary embeddings of every stage match the unsharded model's; None otherwise (positions 0 .. S - 1)."""
+        ring = active_ring_context()
+        return None if ring is None else ring.positions.view(1, -1).to(hidden_states.device)
+
     def forward(
         self,
         input_ids: torch.Tensor | None = None,

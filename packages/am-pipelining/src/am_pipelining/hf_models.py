@@ -70,7 +70,7 @@ def create_pipeline_forward_gemma4_text() -> Callable[..., Any]:
             raise ValueError("input_ids or inputs_embeds must be provided")
         hidden = _embed_or_take_hidden(self, input_ids, inputs_embeds)
         given_position_ids = position_ids
-        position_ids = _default_positions(hidden, position_ids)
+        position_ids = _default_positions(self, hidden, position_ids)
         config = self.config
         layers = _layer_items(self)
         kinds = {_gemma4_layer_type(config, index, layer) for index, layer in layers}

@@ -135,9 +135,17 @@ def _embed_or_take_hidden(
     return apply_embedding_transforms(hidden, _config_of(text_module), training=text_module.training)
 
 
-def _default_positions(hidden: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+def _default_positions(module: Any, hidden: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """The stage's position ids: the given ones, else the module's duck-typed hook
+    `pipeline_default_position_ids(hidden) -> [B or 1, S] | None` (a model under context parallelism returns the
+    global positions of its shard: a non-first stage receives hidden states only), else `arange(S)`."""
     if position_ids is not None:
         return position_ids
+    hook = getattr(module, "pipeline_default_position_ids", None)
+    if callable(hook):
+        positions = hook(hidden)
+        if positions is not None:
+            return positions
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
@@ -224,7 +232,7 @@ def create_pipeline_forward_inner(model_class_name: str = "AutoModel") -> Callab
 
             past_key_values = DynamicCache(config=text_module.config)
         given_position_ids = position_ids
-        position_ids = _default_positions(hidden, position_ids)
+        position_ids = _default_positions(self, hidden, position_ids)
         layers = _layer_items(text_module)
         config = text_module.config
         kinds = {_layer_attention_type(config, index, layer) for index, layer in layers}
