@@ -208,7 +208,7 @@ def test_ep_is_refused_without_an_implementation(build, reason):
     model = build()
     assert not ModelSupports(model).supports_ep
     name = type(model).__name__
-    with pytest.raises(ValueError, match=rf"^Unsupported mesh for {name} \(1 problem\):") as info:
+    with pytest.raises(ValueError, match=rf"^Unsupported configuration for {name} \(1 problem\):") as info:
         validate_for_mesh(model, MeshContext(ep_size=2, dp_size=2))
     (problem,) = _problems(info)
     assert problem.startswith(f"ep_size=2: {name} cannot use expert parallelism: ")

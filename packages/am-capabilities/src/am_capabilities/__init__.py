@@ -9,7 +9,6 @@ from am_capabilities._version import __version__
 from am_capabilities.declarative import ModelCapabilities, declared_capabilities, query_capabilities
 from am_capabilities.introspection import (
     EXPERT_PARALLEL_HOOK,
-    ModelSupports,
     expert_split_problem,
     implements_expert_parallelism,
     is_hybrid_model,
@@ -26,6 +25,7 @@ from am_capabilities.registry import (
     registered_architectures,
     unregister_model,
 )
+from am_capabilities.supports import ModelSupports
 from am_capabilities.validation import attach_capabilities_and_validate, validate_for_mesh
 
 __all__ = [
