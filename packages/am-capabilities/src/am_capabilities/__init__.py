@@ -5,16 +5,16 @@ declarations) and a registry that model packages fill through entry points; neve
 a trainer, or (at import time) transformers.
 """
 
-from am_capabilities._version import __version__
-from am_capabilities.declarative import ModelCapabilities, declared_capabilities, query_capabilities
-from am_capabilities.introspection import (
+from ._version import __version__
+from .declarative import ModelCapabilities, declared_capabilities, query_capabilities
+from .introspection import (
     EXPERT_PARALLEL_HOOK,
     expert_split_problem,
     implements_expert_parallelism,
     is_hybrid_model,
 )
-from am_capabilities.mesh import MODEL_AXES, MeshContext, read_mesh_sizes
-from am_capabilities.registry import (
+from .mesh import MODEL_AXES, MeshContext, read_mesh_sizes
+from .registry import (
     ENTRY_POINT_GROUP,
     ModelRegistryError,
     clear_registry_cache,
@@ -25,8 +25,8 @@ from am_capabilities.registry import (
     registered_architectures,
     unregister_model,
 )
-from am_capabilities.supports import ModelSupports
-from am_capabilities.validation import attach_capabilities_and_validate, validate_for_mesh
+from .supports import ModelSupports
+from .validation import attach_capabilities_and_validate, validate_for_mesh
 
 __all__ = [
     # introspection of live models

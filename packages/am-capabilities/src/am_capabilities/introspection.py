@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch.nn as nn
 
-from am_capabilities.declarative import ModelCapabilities, declared_capabilities
+from .declarative import ModelCapabilities, declared_capabilities
 
 __all__ = [
     "EXPERT_PARALLEL_HOOK",

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from am_capabilities.declarative import ModelCapabilities
-from am_capabilities.introspection import (
+from .declarative import ModelCapabilities
+from .introspection import (
     _attn_backend,
     _decide_cp,
     _decide_ep,
@@ -27,8 +27,8 @@ from am_capabilities.introspection import (
     _uses_te_attention,
     is_hybrid_model,
 )
-from am_capabilities.mesh import MeshContext
-from am_capabilities.registry import is_registered_model_class
+from .mesh import MeshContext
+from .registry import is_registered_model_class
 
 __all__ = ["FORWARDED_FLAGS", "ModelSupports"]
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch.nn as nn
 
-from am_capabilities.declarative import ModelCapabilities
-from am_capabilities.introspection import _decide, _declared, expert_split_problem
-from am_capabilities.mesh import MODEL_AXES, MeshContext, read_mesh_sizes
-from am_capabilities.supports import FORWARDED_FLAGS, ModelSupports
+from .declarative import ModelCapabilities
+from .introspection import _decide, _declared, expert_split_problem
+from .mesh import MODEL_AXES, MeshContext, read_mesh_sizes
+from .supports import FORWARDED_FLAGS, ModelSupports
 
 __all__ = ["attach_capabilities_and_validate", "validate_for_mesh"]
 

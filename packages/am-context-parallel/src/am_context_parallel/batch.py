@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from am_context_parallel.context import RingAttentionContext
-from am_context_parallel.layouts import ContiguousLayout, Layout, LoadBalancedLayout
-from am_context_parallel.mesh import cp_rank, sub_mesh
-from am_context_parallel.model_protocol import ContiguousCPOptions, model_cp_options
-from am_context_parallel.thd import make_cp_batch_for_te
+from .context import RingAttentionContext
+from .layouts import ContiguousLayout, Layout, LoadBalancedLayout
+from .mesh import cp_rank, sub_mesh
+from .model_protocol import ContiguousCPOptions, model_cp_options
+from .thd import make_cp_batch_for_te
 
 __all__ = ["make_contiguous_shard_cp_batch_and_ctx", "make_cp_batch_and_ctx"]
 

@@ -22,9 +22,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from am_models_gemma4.config import kv_sharing_modes, text_config_of
-from am_models_gemma4.state_dict_adapter import Gemma4StateDictAdapter
 from am_precision import cast_model_to_dtype
+
+from .config import kv_sharing_modes, text_config_of
+from .state_dict_adapter import Gemma4StateDictAdapter
 
 __all__ = ["load_pretrained", "read_safetensors_folder", "save_pretrained"]
 

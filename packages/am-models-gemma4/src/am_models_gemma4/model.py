@@ -23,14 +23,15 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding, Gemma4TextScaledWordEmbedding
 
 from am_context_parallel import cp_token_mean_loss
-from am_models_gemma4.attention import AttentionInputs, SharedKVStates
-from am_models_gemma4.cache import Gemma4HybridCache
-from am_models_gemma4.config import is_moe_config, text_config_of, validate_text_config
-from am_models_gemma4.cp import ContextParallelHooks, active_ring_context
-from am_models_gemma4.decoder import Gemma4DecoderLayer
-from am_models_gemma4.generation import Gemma4GenerationMixin
-from am_models_gemma4.layers import Gemma4RMSNorm
-from am_models_gemma4.moe import ExpertParallelHooks, Gemma4Experts, Gemma4Router
+
+from .attention import AttentionInputs, SharedKVStates
+from .cache import Gemma4HybridCache
+from .config import is_moe_config, text_config_of, validate_text_config
+from .cp import ContextParallelHooks, active_ring_context
+from .decoder import Gemma4DecoderLayer
+from .generation import Gemma4GenerationMixin
+from .layers import Gemma4RMSNorm
+from .moe import ExpertParallelHooks, Gemma4Experts, Gemma4Router
 
 __all__ = ["Gemma4ForCausalLM", "Gemma4TextModel", "causal_lm_loss", "gemma4_capabilities", "softcap_logits"]
 
@@ -427,7 +428,7 @@ class Gemma4ForCausalLM(ContextParallelHooks, ExpertParallelHooks, nn.Module, Ge
         cls, folder: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: Any = None
     ) -> Gemma4ForCausalLM:
         """Load a transformers-format folder (config.json + safetensors); every parameter must be present."""
-        from am_models_gemma4.checkpoint import load_pretrained
+        from .checkpoint import load_pretrained
 
         return load_pretrained(cls, folder, dtype=dtype, device=device)
 
@@ -441,6 +442,6 @@ class Gemma4ForCausalLM(ContextParallelHooks, ExpertParallelHooks, nn.Module, Ge
         """Write a folder transformers' `Gemma4ForCausalLM.from_pretrained` loads (tied head saved once); `state_dict`
         (full tensors) replaces the model's own, e.g. the gathered experts of an expert-parallel model (see
         `checkpoint.save_pretrained`)."""
-        from am_models_gemma4.checkpoint import save_pretrained
+        from .checkpoint import save_pretrained
 
         save_pretrained(self, folder, max_shard_size=max_shard_size, state_dict=state_dict)

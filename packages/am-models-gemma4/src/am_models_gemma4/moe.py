@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import am_moe
-from am_models_gemma4.config import is_moe_config, moe_intermediate_size
-from am_models_gemma4.layers import Gemma4RMSNorm, rms_norm
 from am_moe import GroupedExperts
+
+from .config import is_moe_config, moe_intermediate_size
+from .layers import Gemma4RMSNorm, rms_norm
 
 __all__ = ["ExpertParallelHooks", "Gemma4Experts", "Gemma4MoE", "Gemma4Router"]
 

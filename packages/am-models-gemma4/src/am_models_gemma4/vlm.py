@@ -34,17 +34,18 @@ from transformers.models.gemma4.modeling_gemma4 import (
 )
 
 from am_context_parallel import cp_token_mean_loss
-from am_models_gemma4.config import normalize_text_config
-from am_models_gemma4.cp import ContextParallelHooks, active_ring_context, tokens_before_this_rank
-from am_models_gemma4.generation import Gemma4GenerationMixin
-from am_models_gemma4.model import (
+
+from .config import normalize_text_config
+from .cp import ContextParallelHooks, active_ring_context, tokens_before_this_rank
+from .generation import Gemma4GenerationMixin
+from .model import (
     Gemma4ForCausalLM,
     Gemma4TextModel,
     causal_lm_loss,
     gemma4_capabilities,
     softcap_logits,
 )
-from am_models_gemma4.moe import ExpertParallelHooks
+from .moe import ExpertParallelHooks
 
 __all__ = ["Gemma4ForConditionalGeneration", "Gemma4Model"]
 
@@ -313,7 +314,7 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, 
         cls, folder: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: Any = None
     ) -> Gemma4ForConditionalGeneration:
         """Load a transformers-format `Gemma4ForConditionalGeneration` folder; every parameter must be present."""
-        from am_models_gemma4.checkpoint import load_pretrained
+        from .checkpoint import load_pretrained
 
         return load_pretrained(cls, folder, dtype=dtype, device=device)
 
@@ -327,6 +328,6 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, 
         """Write a folder transformers' `Gemma4ForConditionalGeneration.from_pretrained` loads; `state_dict` (full
         tensors) replaces the model's own, e.g. the gathered experts of an expert-parallel model (see
         `checkpoint.save_pretrained`)."""
-        from am_models_gemma4.checkpoint import save_pretrained
+        from .checkpoint import save_pretrained
 
         save_pretrained(self, folder, max_shard_size=max_shard_size, state_dict=state_dict)

@@ -22,9 +22,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import am_moe
-from am_models_nemotron.config import as_hf_config
-from am_models_nemotron.state_dict_adapter import NemotronV3StateDictAdapter
 from am_precision import cast_model_to_dtype
+
+from .config import as_hf_config
+from .state_dict_adapter import NemotronV3StateDictAdapter
 
 __all__ = ["load_pretrained", "read_safetensors_folder", "save_pretrained", "write_safetensors_folder"]
 

@@ -21,27 +21,28 @@ from torch import nn
 from transformers import GenerationConfig, GenerationMixin
 
 from am_context_parallel import ContiguousCPOptions
-from am_models_nemotron._init import weight_of
-from am_models_nemotron.backbone import NemotronV3Model, move_buffers_
-from am_models_nemotron.backend import default_backend, resolve_backend
-from am_models_nemotron.cache import NemotronHybridCache
-from am_models_nemotron.config import NemotronConfig, as_hf_config
-from am_models_nemotron.cp import (
+from am_precision import BackendConfig, initialize_linear_module, yield_fp32_model
+
+from ._init import weight_of
+from .backbone import NemotronV3Model, move_buffers_
+from .backend import default_backend, resolve_backend
+from .cache import NemotronHybridCache
+from .config import NemotronConfig, as_hf_config
+from .cp import (
     NemotronCPContext,
     block_cp_problems,
     nemotron_cp_options,
     prepare_batch_for_cp,
     resolve_layout,
 )
-from am_models_nemotron.generation import NemotronGenerationMixin
-from am_models_nemotron.inputs import pop_layout_kwargs
-from am_models_nemotron.loss import cross_entropy
-from am_models_nemotron.moe import ExpertParallelHooks
-from am_models_nemotron.mtp import MTPConfig, MTPModule
-from am_models_nemotron.mtp_inputs import mtp_fusion_inputs
-from am_models_nemotron.outputs import NemotronHCausalLMOutputWithPast, combined_causal_lm_loss, select_hidden_states
-from am_models_nemotron.pipeline_stage import NemotronPipelineMixin
-from am_precision import BackendConfig, initialize_linear_module, yield_fp32_model
+from .generation import NemotronGenerationMixin
+from .inputs import pop_layout_kwargs
+from .loss import cross_entropy
+from .moe import ExpertParallelHooks
+from .mtp import MTPConfig, MTPModule
+from .mtp_inputs import mtp_fusion_inputs
+from .outputs import NemotronHCausalLMOutputWithPast, combined_causal_lm_loss, select_hidden_states
+from .pipeline_stage import NemotronPipelineMixin
 
 __all__ = [
     "ModelClass",
@@ -522,7 +523,7 @@ class NemotronHForCausalLM(
         **model_kwargs: Any,
     ) -> NemotronHForCausalLM:
         """Load an HF-format folder (config.json + safetensors, single or sharded). See `checkpoint.load_pretrained`."""
-        from am_models_nemotron.checkpoint import load_pretrained
+        from .checkpoint import load_pretrained
 
         return load_pretrained(cls, path, backend=backend, dtype=dtype, device=device, **model_kwargs)
 
@@ -531,7 +532,7 @@ class NemotronHForCausalLM(
     ) -> None:
         """Write config.json + safetensors in NVIDIA's naming; `state_dict` (full tensors) replaces the model's own,
         e.g. the gathered experts of an expert-parallel model. See `checkpoint.save_pretrained`."""
-        from am_models_nemotron.checkpoint import save_pretrained
+        from .checkpoint import save_pretrained
 
         save_pretrained(self, path, max_shard_size=max_shard_size, state_dict=state_dict)
 

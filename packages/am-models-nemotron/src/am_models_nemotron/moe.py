@@ -25,10 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import am_moe
-from am_models_nemotron._init import reset_linear_
-from am_models_nemotron.config import NemotronConfig
 from am_moe import GroupedExperts
 from am_precision import BackendConfig, initialize_linear_module
+
+from ._init import reset_linear_
+from .config import NemotronConfig
 
 __all__ = ["ExpertParallelHooks", "GroupedExperts", "NemotronMLP", "NemotronMoE", "NemotronRouter", "relu2"]
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from am_models_nemotron.loss import cross_entropy
-from am_models_nemotron.mtp import mtp_depth_losses, shift_labels, shift_within_documents
+from .loss import cross_entropy
+from .mtp import mtp_depth_losses, shift_labels, shift_within_documents
 
 __all__ = [
     "CombinedLoss",

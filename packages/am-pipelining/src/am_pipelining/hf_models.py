@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_pipelining.hf_masks import _build_or_reuse_pp_causal_mask, _layer_items
-from am_pipelining.hf_utils import (
+from .hf_masks import _build_or_reuse_pp_causal_mask, _layer_items
+from .hf_utils import (
     _FLOAT_DTYPES,
     _default_positions,
     _embed_or_take_hidden,

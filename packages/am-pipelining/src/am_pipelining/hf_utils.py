@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_pipelining._compat import bind_method
-from am_pipelining.hf_buffers import init_hf_model_buffers
-from am_pipelining.hf_masks import _build_or_reuse_pp_causal_mask, _layer_attention_type, _layer_items
-from am_pipelining.hf_transforms import active_forward_transforms, apply_embedding_transforms, apply_logit_transforms
+from ._compat import bind_method
+from .hf_buffers import init_hf_model_buffers
+from .hf_masks import _build_or_reuse_pp_causal_mask, _layer_attention_type, _layer_items
+from .hf_transforms import active_forward_transforms, apply_embedding_transforms, apply_logit_transforms
 
 __all__ = [
     "TEXT_MODULE_ATTRS",
@@ -450,12 +450,12 @@ def statically_defines(obj: Any, name: str) -> bool:
 
 # The built-in architecture-specific forwards register themselves in PIPELINE_FORWARDS on import; their upstream
 # names, and validation's, stay importable from here.
-from am_pipelining.hf_models import (  # noqa: E402
+from .hf_models import (  # noqa: E402
     create_pipeline_forward_gemma4_text,
     create_pipeline_forward_gemma4_vlm,
     create_pipeline_forward_mistral3_vlm,
 )
-from am_pipelining.hf_validation import (  # noqa: E402
+from .hf_validation import (  # noqa: E402
     check_forward_reproduction,
     forward_reproduction_problems,
     validate_hf_model_for_pipeline_support,

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from am_pipelining._compat import is_reentrant_checkpoint_wrapper
-from am_pipelining.hf_transforms import pipeline_forward_problems
-from am_pipelining.hf_utils import (
+from ._compat import is_reentrant_checkpoint_wrapper
+from .hf_transforms import pipeline_forward_problems
+from .hf_utils import (
     PIPELINE_FORWARDS,
     _config_of,
     _forward_plan,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_pipelining.outputs import pipeline_output_names, read_stage_output
+from .outputs import pipeline_output_names, read_stage_output
 
 __all__ = [
     "roll_tensor",

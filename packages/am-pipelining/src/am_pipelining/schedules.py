@@ -21,12 +21,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from am_pipelining import _compat
-from am_pipelining.layers import find_layers
-from am_pipelining.planning import PipelinePlan, csv_problems, plan_pipeline
-from am_pipelining.stage_modules import stage_metas
-from am_pipelining.stage_names import plan_for_module_names
-from am_pipelining.stages import split_model_into_stages
+from . import _compat
+from .layers import find_layers
+from .planning import PipelinePlan, csv_problems, plan_pipeline
+from .stage_modules import stage_metas
+from .stage_names import plan_for_module_names
+from .stages import split_model_into_stages
 
 __all__ = [
     "ParallelizeFnProtocol",

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_pipelining.hf_utils import model_keeps_self_forward, patch_hf_model_for_pp, statically_defines
-from am_pipelining.hf_validation import _uses_reentrant_checkpointing, check_forward_reproduction
-from am_pipelining.outputs import pipeline_output_names, read_stage_output
+from .hf_utils import model_keeps_self_forward, patch_hf_model_for_pp, statically_defines
+from .hf_validation import _uses_reentrant_checkpointing, check_forward_reproduction
+from .outputs import pipeline_output_names, read_stage_output
 
 __all__ = ["build_stage_modules", "stage_metas"]
 

@@ -19,19 +19,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from am_pipelining import _compat
-from am_pipelining.hf_validation import check_forward_reproduction
-from am_pipelining.layers import DecoderLayers, find_layers, module_at
-from am_pipelining.outputs import output_names_problems, pipeline_output_names
-from am_pipelining.planning import PipelinePlan, plan_pipeline
-from am_pipelining.stage_modules import build_stage_modules, stage_metas
-from am_pipelining.stage_names import (
+from . import _compat
+from .hf_validation import check_forward_reproduction
+from .layers import DecoderLayers, find_layers, module_at
+from .outputs import output_names_problems, pipeline_output_names
+from .planning import PipelinePlan, plan_pipeline
+from .stage_modules import build_stage_modules, stage_metas
+from .stage_names import (
     _default_module_names,
     generate_hf_model_fqn_per_model_part,
     module_names_problems,
     plan_for_module_names,
 )
-from am_pipelining.tied import TiedEmbeddingCopy, pair_group
+from .tied import TiedEmbeddingCopy, pair_group
 
 __all__ = ["generate_hf_model_fqn_per_model_part", "split_model_into_stages"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from am_precision import flags
+from . import flags
 
 __all__ = [
     "ATTN_BACKENDS",

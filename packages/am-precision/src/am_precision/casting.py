@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from am_precision.keep_rules import KeepRule, canonical_name, fp32_keep_rules, match_keep_rule
+from .keep_rules import KeepRule, canonical_name, fp32_keep_rules, match_keep_rule
 
 __all__ = [
     "cast_frozen_modules_to_compute_dtype",

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_precision.backend import LINEAR_BACKENDS, RMS_NORM_BACKENDS
+from .backend import LINEAR_BACKENDS, RMS_NORM_BACKENDS
 
 __all__ = ["Float32RMSNorm", "initialize_linear_module", "initialize_rms_norm_module"]
 
@@ -95,7 +95,7 @@ def _import_te_pytorch(option: str) -> Any:
             f"{option}='te' requires Transformer Engine with CUDA: `pip install am-precision[te]` on a machine "
             f"with a GPU, or choose another {option} implementation. Import failed: {err}"
         ) from err
-    from am_precision.te_patch import patch_te_modules
+    from .te_patch import patch_te_modules
 
     patch_te_modules()
     return te
