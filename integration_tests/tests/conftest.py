@@ -107,6 +107,9 @@ class RunCache:
         "llama-tied-pp2": (2, ["--model", "llama", "--tie-embeddings", "--pp", "2", *PARITY]),
         "gemma4": (1, ["--model", "gemma4", *PARITY]),
         "gemma4-pp2": (2, ["--model", "gemma4", "--pp", "2", *PARITY]),
+        "nemotron-cp2": (2, ["--model", "nemotron", "--cp", "2", *PARITY]),
+        "nemotron-pp2-cp2": (4, ["--model", "nemotron", "--pp", "2", "--cp", "2", *PARITY]),
+        "gemma4-pp2-cp2": (4, ["--model", "gemma4", "--pp", "2", "--cp", "2", *PARITY]),
     }
 
     def __init__(self, root: Path) -> None:

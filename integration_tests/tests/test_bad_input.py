@@ -1,87 +1,147 @@
-"""Bad input is refused before any collective, with ONE message listing every problem, and a non-zero exit code on
-every rank.
+"""Bad input is refused before any collective, with ONE message listing every problem, and exit code 2 on every
+rank.
 
-"Before any collective" is proven by launching the ranks by hand (no torchrun) with a rendezvous nobody else joins:
-a rank that reached `init_process_group` would wait there for its peers until the 60 s timeout; refused ranks exit
-at once with code 2.
+"Before any collective" is proven without a clock: the ranks are launched by hand (no torchrun) with MASTER_PORT
+pointing at a socket this test holds. A rank that reached `init_process_group` would connect to it (ranks > 0) or
+fail to bind it (rank 0, with another exit code); after the ranks exit, the socket must have seen no connection.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
-import time
 
+import torch
 from conftest import PARITY, TRAIN, launch
+from safetensors.torch import load_file, save_file
 
 EXIT_BAD_INPUT = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _launch_ranks_by_hand(args: list[str], *, world_size: int, timeout: float = 120) -> list[tuple[int, str, float]]:
-    port = str(_free_port())
+def _launch_ranks_by_hand(args: list[str], *, world_size: int, timeout: float = 240) -> list[tuple[int, str]]:
+    """(exit code, output) of each rank; fails if any rank tried to join the rendezvous."""
+    rendezvous = socket.socket()
+    rendezvous.bind(("", 0))  # every address: rank 0 cannot bind this port as the store server
+    rendezvous.listen(8)
+    port = str(rendezvous.getsockname()[1])
     procs = []
-    started = time.perf_counter()
-    for rank in range(world_size):
-        env = {
-            **os.environ,
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-        }  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(TRAIN), *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
+    try:
+        for rank in range(world_size):
+            env = {
+                **os.environ,
+                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+            }  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(TRAIN), *args],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
             )
-        )
-    results = []
-    for proc in procs:
+        results = []
+        for proc in procs:
+            try:
+                output, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                output, _ = proc.communicate()
+            results.append((proc.returncode, output))
+        rendezvous.setblocking(False)
         try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output, _ = proc.communicate()
-        results.append((proc.returncode, output, time.perf_counter() - started))
-    return results
+            peer, _ = rendezvous.accept()
+        except BlockingIOError:
+            peer = None
+        if peer is not None:
+            peer.close()
+        assert peer is None, "a rank connected to the rendezvous: it got past validation\n" + results[-1][1][-3000:]
+        return results
+    finally:
+        rendezvous.close()
 
 
 def test_every_problem_is_listed_once_and_every_rank_exits_before_any_collective(tmp_path) -> None:
+    (tmp_path / "corpus.txt").write_bytes(b"In the beginning\n\xc3\x28")  # a broken two-byte sequence
+    (tmp_path / "a-file").write_text("not a folder")
     args = [
         "--model", "nemotron", *PARITY,
-        "--pp", "2", "--cp", "2",  # world size 2 != 4; nemotron has no CP (am-capabilities); pp x cp not combined
+        "--pp", "2", "--cp", "2",  # world size 2 != 4 (pp x cp itself is accepted for nemotron's contiguous layout)
+        "--seq-len", "18",  # not divisible by 2 x cp = 4, the length the CP sharder pads to
         "--global-batch", "5", "--microbatch-size", "2",  # 5 sequences cannot make microbatches of 2
         "--schedule", "ZeroBubbleFantasy",  # unknown schedule
         "--resume", str(tmp_path / "no-such-checkpoint"),  # missing checkpoint
-        "--out", str(tmp_path / "out"),
-        "--timeout", "60",
+        "--data", str(tmp_path / "corpus.txt"),  # not UTF-8
+        "--lr", "nan", "--threads", "-1", "--timeout", "inf",
+        "--out", str(tmp_path / "a-file" / "out"),  # cannot be created
     ]  # fmt: skip
-    (code0, out0, _), (code1, out1, wall) = _launch_ranks_by_hand(args, world_size=2)
+    (code0, out0), (code1, out1) = _launch_ranks_by_hand(args, world_size=2)
     assert (code0, code1) == (EXIT_BAD_INPUT, EXIT_BAD_INPUT), out0[-3000:] + out1[-3000:]
-    assert wall < 60, "a rank waited for its peers: it reached a collective"
-    assert out0.count("refusing to start") == 1
+    assert out0.count("refusing to start (11 problems)") == 1, out0
+    assert "Traceback" not in out0 + out1
     assert "refusing to start" not in out1
     expected = [
         "the world size is 2 but pp x dp x cp = 2 x 1 x 2 = 4",
-        "cp_size=2: ",  # am-capabilities' line for the unsupported axis
         "--global-batch 5 / --dp 1 = 5) is not divisible by --microbatch-size 2",
         "--schedule 'ZeroBubbleFantasy' is unknown",
-        "does not combine pipeline and context parallelism",
+        "--seq-len 18 is not divisible by 4 (2 x --cp 2)",
         "no-such-checkpoint does not exist",
+        f"--data {tmp_path / 'corpus.txt'} is not UTF-8 text: byte offset 17 holds b'\\xc3'",
+        "--lr nan: must be a finite number",
+        "--threads -1: must be >= 0",
+        "--timeout inf: must be a finite number",
+        f"{tmp_path / 'a-file'} is a file, so the folder cannot be created",
     ]
     missing = [line for line in expected if line not in out0]
     assert not missing, f"not reported: {missing}\n{out0}"
-    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_a_fresh_run_into_checkpoints_and_a_model_path_missing_a_tensor_are_refused_on_every_rank(runs, tmp_path):
+    """Nothing is lost or silently re-initialized: an --out holding checkpoints needs --resume or --overwrite, and
+    an HF folder must supply every tensor (named as the file names it); a .pt that holds no tensor is listed in the
+    same message. (--pp above a folder's layers: test_pipeline_layout.py.)"""
+    previous = runs.get("llama-tied").check()
+    out = tmp_path / "out"
+    shutil.copytree(previous.out / "checkpoints", out / "checkpoints")
+    folder = tmp_path / "two-layers"
+    _save_llama(folder, layers=2)
+    (weights,) = folder.glob("*.safetensors")
+    tensors = load_file(weights)
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    torch.save({"ids": [1, 2, 3]}, tmp_path / "ids.pt")
+    args = [*PARITY, "--model-path", str(folder), "--pp", "2", "--data", str(tmp_path / "ids.pt"), "--out", str(out)]
+    (code0, out0), (code1, out1) = _launch_ranks_by_hand(args, world_size=2)
+    assert (code0, code1) == (EXIT_BAD_INPUT, EXIT_BAD_INPUT), out0[-3000:] + out1[-3000:]
+    assert "refusing to start (3 problems)" in out0, out0
+    for expected in (
+        f"--out {out} already holds checkpoints (step_00000003, latest): continue that run with --resume latest, "
+        "choose another --out, or pass --overwrite to delete them",
+        "missing keys (1): ['model.layers.0.mlp.up_proj.weight']",
+        f"--data {tmp_path / 'ids.pt'}: expected a 1-D integer tensor, got a dict",
+    ):
+        assert expected in out0, f"not reported: {expected}\n{out0}"
+    assert (out / "checkpoints" / "step_00000003" / "manifest.json").is_file(), "the old checkpoint is intact"
+
+
+def test_overwrite_replaces_the_old_checkpoints(runs, tmp_path) -> None:
+    previous = runs.get("llama-tied").check()
+    shutil.copytree(previous.out / "checkpoints", tmp_path / "checkpoints")
+    run = launch(["--model", "llama", *PARITY, "--steps", "1", "--overwrite"], nproc=1, out=tmp_path).check()
+    assert f"--overwrite: deleted the checkpoints under {tmp_path}" in run.output
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000001"]
+
+
+def _save_llama(folder, *, layers: int) -> None:
+    from trainer.models import build_model, preset_spec
+
+    spec = preset_spec("llama", hidden_size=32, num_layers=layers, mtp_depths=0, tie_embeddings=False, vocab_size=None)
+    spec.save(build_model(spec, seed=0), folder)
 
 
 def test_a_corrupt_checkpoint_is_refused(runs, tmp_path) -> None:
@@ -92,8 +152,13 @@ def test_a_corrupt_checkpoint_is_refused(runs, tmp_path) -> None:
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF  # one flipped bit pattern in the last tensor
     weights.write_bytes(bytes(data))
+    state_path = checkpoint / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    assert state["step"] == 3
+    state_path.write_text(json.dumps({**state, "step": 2}))  # a tampered step counter
 
     run = launch(["--model", "llama", "--tie-embeddings", *PARITY, "--resume", str(checkpoint)], nproc=1, out=tmp_path)
     assert run.returncode == EXIT_BAD_INPUT, run.output[-3000:]
     assert "model/model.safetensors is corrupt (its sha256 differs from the manifest)" in run.output
-    assert "refusing to start (1 problem)" in run.output
+    assert "trainer_state.json is corrupt (its sha256 differs from the manifest)" in run.output
+    assert "refusing to start (2 problems)" in run.output

@@ -1,4 +1,5 @@
-"""fp32 contract: after bf16 storage and the FSDP2 wrap, every fp32-pinned tensor is fp32 and holds its loaded value.
+"""fp32 contract: after bf16 storage (`--dtype bf16-pure`: the default, mixed precision, stores everything in fp32)
+and the FSDP2 wrap, every fp32-pinned tensor is fp32 and holds its loaded value.
 
 Nemotron-H pins the Mamba `_fp32_params` (A_log, dt_bias, D: FSDP2-sharded parameters in a group of their own) and
 the router's `e_score_correction_bias` (buffers). The trainer (AM_TRAIN_FP32_REPORT) dumps, on every rank, each
@@ -15,7 +16,7 @@ from trainer.models import build_model, preset_spec
 
 def test_pinned_tensors_are_fp32_and_exact_after_fsdp2_wrap(tmp_path) -> None:
     report = tmp_path / "fp32"
-    args = ["--model", "nemotron", "--dp", "2", "--dtype", "bf16", *TINY, "--steps", "1", "--no-progress"]
+    args = ["--model", "nemotron", "--dp", "2", "--dtype", "bf16-pure", *TINY, "--steps", "1", "--no-progress"]
     launch(args, nproc=2, out=tmp_path / "run", env={"AM_TRAIN_FP32_REPORT": str(report)}).check()
 
     spec = preset_spec("nemotron", hidden_size=32, num_layers=4, mtp_depths=1, tie_embeddings=False, vocab_size=None)

@@ -22,6 +22,9 @@ CASES = [
     ("gemma4-moe-cp2-dp2", "gemma4-moe"),  # CP x FSDP2 (FSDP2 over the flattened dp x cp axis)
     ("llama-tied-pp2", "llama-tied"),  # HF Llama, tied embeddings split across two stages
     ("gemma4-pp2", "gemma4"),  # Gemma 4 dense, tied head, pipeline
+    ("nemotron-cp2", "nemotron"),  # Nemotron-H under CP: ring attention, Mamba2 state passing, MTP targets
+    ("nemotron-pp2-cp2", "nemotron"),  # pipeline x CP (4 ranks): each stage runs its layers under the CP group
+    ("gemma4-pp2-cp2", "gemma4"),  # pipeline x CP with sliding + full attention and a tied head
 ]
 
 
@@ -58,3 +61,17 @@ def test_single_process_run_learns(runs, reference: str) -> None:
     assert all(math.isfinite(loss) for loss in run.summary["losses"])
     assert all(norm > 0 for norm in run.summary["grad_norms"])
     assert len(set(run.summary["losses"])) == len(run.summary["losses"])
+
+
+@pytest.mark.parametrize(
+    ("case", "pp", "cp"), [("nemotron-cp2", 1, 2), ("nemotron-pp2-cp2", 2, 2), ("gemma4-pp2-cp2", 2, 2)]
+)
+def test_summary_records_the_cp_size_and_layout(runs, case: str, pp: int, cp: int) -> None:
+    """summary.json's layout names the CP size and the CP layout that ran (both models use the contiguous one)."""
+    layout = runs.get(case).check().summary["layout"]
+    assert (layout["pp"], layout["dp"], layout["cp"]) == (pp, 1, cp)
+    assert layout["cp_layout"] == "contiguous"
+
+
+def test_summary_records_no_cp_layout_without_cp(runs) -> None:
+    assert runs.get("nemotron").check().summary["layout"]["cp_layout"] is None

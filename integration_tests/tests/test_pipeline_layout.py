@@ -5,9 +5,9 @@ Contract: `--stages-per-rank k` runs exactly k x pp stages (it used to be turned
 back, so 8 layers, pp=2, 3 per rank silently ran 4 stages); `summary.json` records the layout that ran, and the run
 trains exactly like the single-process one. A configuration with several pipeline problems, or a `--model-path`
 model with too few layers, ends on every rank with exit code 2 and ONE message listing every problem, before the
-process group exists. Exit code 2 is the proof: only `validate()` raises `BadInput`, and it runs before
-`init_process_group` (a rank that got further would fail on its peer with another code). No wall-clock bound is
-asserted: on a loaded 2-core machine starting two Python processes alone can take a minute.
+process group exists: exit code 2 (only `validate()` raises `BadInput`, before `init_process_group`) and no rank
+connecting to the rendezvous (`_launch_ranks_by_hand`). No wall-clock bound is asserted: on a loaded 2-core machine
+starting two Python processes alone can take a minute.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_several_pipeline_problems_are_refused_before_any_collective(tmp_path) -
         "--global-batch", "5", "--microbatch-size", "2",  # 5 sequences cannot make microbatches of 2
         "--out", str(tmp_path / "out"),
     ]  # fmt: skip
-    (code0, out0, _), (code1, out1, _) = _launch_ranks_by_hand(args, world_size=2)
+    (code0, out0), (code1, out1) = _launch_ranks_by_hand(args, world_size=2)
     assert (code0, code1) == (EXIT_BAD_INPUT, EXIT_BAD_INPUT), out0[-3000:] + out1[-3000:]
     assert out0.count("refusing to start (3 problems)") == 1, out0
     assert "refusing to start" not in out1
@@ -84,6 +84,6 @@ def test_a_model_path_with_too_few_layers_is_refused(tmp_path) -> None:
         "--pp", "2", "--schedule", "Interleaved1F1B", "--stages-per-rank", "2",
         "--out", str(tmp_path / "out"),
     ]  # fmt: skip
-    (code0, out0, _), (code1, out1, _) = _launch_ranks_by_hand(args, world_size=2)
+    (code0, out0), (code1, out1) = _launch_ranks_by_hand(args, world_size=2)
     assert (code0, code1) == (EXIT_BAD_INPUT, EXIT_BAD_INPUT), out0[-3000:] + out1[-3000:]
     assert "Number of stages (4) cannot exceed number of layers (2)" in out0, out0

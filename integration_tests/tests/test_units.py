@@ -145,6 +145,44 @@ def test_verify_checkpoint_names_what_is_missing(tmp_path) -> None:
     assert verify_checkpoint(tmp_path / "nothing") == [f"checkpoint {tmp_path / 'nothing'} does not exist"]
     (tmp_path / "ckpt").mkdir()
     (problem,) = verify_checkpoint(tmp_path / "ckpt")
-    assert "has no trainer_state.json: it is incomplete" in problem
-    (tmp_path / "ckpt" / "trainer_state.json").write_text(json.dumps({"manifest": {"dcp/x": "0" * 64}}))
+    assert "has no manifest.json: it is incomplete" in problem
+    (tmp_path / "ckpt" / "manifest.json").write_text(json.dumps({"files": {"dcp/x": "0" * 64}}))
     assert verify_checkpoint(tmp_path / "ckpt") == [f"checkpoint {tmp_path / 'ckpt'}: dcp/x is missing"]
+
+
+def test_cp_problems_name_the_sequence_length_and_the_layout_the_pipeline_needs() -> None:
+    from trainer.config import cp_problems
+
+    ok = parse_args(["--pp", "2", "--cp", "2", "--seq-len", "16"])
+    assert cp_problems(ok, cp_layout="contiguous", pad_multiple=2) == []
+    assert cp_problems(parse_args(["--seq-len", "18"]), cp_layout=None, pad_multiple=2) == [], "cp = 1: nothing"
+    bad = parse_args(["--model", "llama", "--pp", "2", "--cp", "2", "--seq-len", "18"])
+    problems = cp_problems(bad, cp_layout="load_balanced", pad_multiple=2)
+    assert len(problems) == 2, problems
+    assert "--seq-len 18 is not divisible by 4 (2 x --cp 2)" in problems[0]
+    assert "use --seq-len 20" in problems[0]
+    assert "--model llama uses the load_balanced layout" in problems[1]
+
+
+def test_validate_lists_every_cp_problem_at_once_before_any_process_group() -> None:
+    """`validate` (no process group) refuses pp x cp for a load-balanced model, a CP size that does not divide the
+    sequence, and the rest of the run's problems, in ONE BadInput."""
+    import torch.distributed as dist
+    from trainer.loop import BadInput, validate
+
+    cfg = parse_args([
+        "--model", "llama", "--pp", "2", "--cp", "3", "--seq-len", "16", "--hidden-size", "32", "--layers", "4",
+        "--global-batch", "4", "--lr", "-1",
+    ])  # fmt: skip
+    with pytest.raises(BadInput) as caught:
+        validate(cfg, world_size=4)
+    text = str(caught.value)
+    assert "refusing to start (4 problems)" in text, text
+    for expected in (
+        "the world size is 4 but pp x dp x cp = 2 x 1 x 3 = 6",
+        "--seq-len 16 is not divisible by 6 (2 x --cp 3)",
+        "pipeline stages run context parallelism only for models that declare the contiguous CP layout",
+        "--lr -1.0",
+    ):
+        assert expected in text, f"not reported: {expected}\n{text}"
+    assert not dist.is_initialized()

@@ -6,12 +6,14 @@ A checkpoint is a folder `<out>/checkpoints/step_<N>/`:
     model/               the full model in HF format (config.json + safetensors), loadable by transformers / our
                          `from_pretrained`; written by rank 0
     rng/rank<r>.pt       each rank's torch RNG state
-    trainer_state.json   step, data-stream position, run arguments, loss history and a sha256 manifest of every file
+    trainer_state.json   step, data-stream position, run arguments, loss history
+    manifest.json        the sha256 of every other file of the folder, trainer_state.json included
 `<out>/checkpoints/latest` names the newest complete checkpoint.
 
-Writes are atomic: every rank writes under `step_<N>.tmp/`; after a barrier rank 0 writes the manifest, renames
-the folder and then replaces `latest`. A run killed mid-write leaves a `.tmp` folder that resume ignores.
-`verify_checkpoint` runs before any process group exists, so a missing or corrupt checkpoint is refused up front.
+Writes are atomic: every rank writes under `step_<N>.tmp/`; after a barrier rank 0 writes the trainer state, then
+the manifest, renames the folder and then replaces `latest`. A run killed mid-write leaves a `.tmp` folder that
+resume ignores. `verify_checkpoint` runs before any process group exists, so a missing, corrupt or tampered
+checkpoint (a changed step counter too) is refused up front; so is a file the manifest does not list.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -66,17 +69,21 @@ def _sha256(path: Path) -> str:
 
 
 def verify_checkpoint(folder: Path) -> list[str]:
-    """Problems that make `folder` unusable for resume (empty list = fine). Reads files only; no collectives."""
+    """Problems that make `folder` unusable for resume (empty list = fine). Reads files only; no collectives.
+
+    Every file of the folder must be listed in `manifest.json` with its sha256, and every listed file must exist
+    and match.
+    """
     if not folder.is_dir():
         return [f"checkpoint {folder} does not exist"]
-    state_path = folder / STATE_FILE
     try:
-        state = json.loads(state_path.read_text())
-        manifest: dict[str, str] = state["manifest"]
+        manifest = json.loads((folder / MANIFEST_FILE).read_text())["files"]
+        if not isinstance(manifest, dict):
+            raise TypeError(f"'files' is a {type(manifest).__name__}, not an object")
     except FileNotFoundError:
-        return [f"checkpoint {folder} has no {STATE_FILE}: it is incomplete (was the run killed while writing it?)"]
-    except (json.JSONDecodeError, KeyError) as exc:
-        return [f"checkpoint {folder}: {STATE_FILE} is corrupt ({exc})"]
+        return [f"checkpoint {folder} has no {MANIFEST_FILE}: it is incomplete (was the run killed while writing it?)"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        return [f"checkpoint {folder}: {MANIFEST_FILE} is corrupt ({type(exc).__name__}: {exc})"]
     problems = []
     for relative, expected in sorted(manifest.items()):
         path = folder / relative
@@ -84,7 +91,47 @@ def verify_checkpoint(folder: Path) -> list[str]:
             problems.append(f"checkpoint {folder}: {relative} is missing")
         elif _sha256(path) != expected:
             problems.append(f"checkpoint {folder}: {relative} is corrupt (its sha256 differs from the manifest)")
+    present = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} - {MANIFEST_FILE}
+    problems += [
+        f"checkpoint {folder}: {relative} is not in the manifest (added after the checkpoint was written?)"
+        for relative in sorted(present - set(manifest))
+    ]
+    if STATE_FILE not in manifest and not problems:
+        problems.append(f"checkpoint {folder}: the manifest does not cover {STATE_FILE}")
     return problems
+
+
+def existing_checkpoints(out_dir: Path) -> list[str]:
+    """Names of the complete checkpoints (and the `latest` pointer) under `<out>/checkpoints`, oldest first."""
+    root = checkpoint_root(out_dir)
+    if not root.is_dir():
+        return []
+    found = sorted(p.name for p in root.iterdir() if p.name.startswith("step_") and not p.name.endswith(".tmp"))
+    return found + (["latest"] if (root / "latest").exists() else [])
+
+
+def out_dir_problems(out_dir: Path) -> list[str]:
+    """Why the run could not write into `out_dir` (empty list = it can). Creates nothing that stays: the folder is
+    probed with a temporary file (or, when it does not exist yet, its nearest existing parent with a temporary
+    folder)."""
+    import tempfile
+
+    if out_dir.exists() and not out_dir.is_dir():
+        return [f"--out {out_dir} is a file, not a folder; choose another --out"]
+    probe_in = out_dir
+    while not probe_in.exists():
+        probe_in = probe_in.parent
+    if not probe_in.is_dir():
+        return [f"--out {out_dir}: {probe_in} is a file, so the folder cannot be created; choose another --out"]
+    try:
+        if probe_in == out_dir:
+            with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-probe-"):
+                pass
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=probe_in, prefix=".write-probe-"))
+    except OSError as exc:
+        return [f"--out {out_dir} is not writable ({exc.strerror or exc}); choose another --out"]
+    return []
 
 
 def read_trainer_state(folder: Path) -> dict[str, Any]:
@@ -137,10 +184,10 @@ def save_checkpoint(
     export_hf(tmp / "model")
     dist.barrier()
     if rank == 0:
+        (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=1))
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {str(p.relative_to(tmp)): _sha256(p) for p in files}
-        state = {**trainer_state, "step": step, "manifest": manifest}
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+        (tmp / MANIFEST_FILE).write_text(json.dumps({"files": manifest}, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         pointer_tmp = root / "latest.tmp"

@@ -9,11 +9,13 @@ problem at once, before a process group exists.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 MODELS = ("nemotron", "gemma4", "gemma4-moe", "llama")
+DTYPE_CHOICES = ("bf16", "bf16-pure", "fp32")  # their meaning: parallel.PRECISIONS
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "runs" / "default"  # integration_tests/runs/ is git-ignored
 
 
@@ -44,6 +46,7 @@ class RunConfig:
     out: Path
     ckpt_every: int
     resume: str | None
+    overwrite: bool
     tie_embeddings: bool
     mtp_depths: int
     hidden_size: int
@@ -91,12 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0 disables)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter storage / compute dtype")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="bf16",
+        help="bf16: mixed precision (fp32 master weights and AdamW state, bf16 compute); bf16-pure: bf16 storage "
+        "too (half the memory, small updates round away); fp32: fp32 everywhere",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--data", default=None, help=".txt (bytes), .pt (int tensor) or .bin (uint16) corpus")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (checkpoints, loss curve, summary)")
     p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--resume", default=None, help="checkpoint folder, or 'latest' under --out")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="a fresh run into an --out that holds checkpoints deletes them (without it the run is refused)",
+    )
     p.add_argument("--tie-embeddings", action="store_true", help="llama: tie lm_head to the input embeddings")
     p.add_argument("--mtp-depths", type=int, default=1, help="nemotron: multi-token-prediction depths")
     p.add_argument("--hidden-size", type=int, default=64, help="preset width")
@@ -112,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> RunConfig:
     ns = build_parser().parse_args(argv)
     return RunConfig(**vars(ns))
+
+
+_FLOAT_OPTIONS = ("lr", "min_lr", "weight_decay", "adam_eps", "grad_clip", "timeout")
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
@@ -145,17 +163,19 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
         unused += [f"--schedule {cfg.schedule}"] if cfg.schedule.lower() != "1f1b" else []
         if unused:
             problems.append(f"{' and '.join(unused)} only apply with --pp > 1: drop them or raise --pp")
-    if cfg.pp > 1 and cfg.cp > 1:
-        problems.append(
-            f"--pp {cfg.pp} with --cp {cfg.cp}: this trainer does not combine pipeline and context parallelism yet; "
-            "use one of them (dp combines with either)"
-        )
-    if cfg.warmup_steps < 0 or cfg.lr <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr:
+    floats = {name: getattr(cfg, name) for name in _FLOAT_OPTIONS}
+    not_finite = [name for name, value in floats.items() if not math.isfinite(value)]
+    problems += [f"--{name.replace('_', '-')} {floats[name]}: must be a finite number" for name in not_finite]
+    if not {"lr", "min_lr"} & set(not_finite) and (
+        cfg.warmup_steps < 0 or cfg.lr <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr
+    ):
         problems.append(
             f"--lr {cfg.lr}, --min-lr {cfg.min_lr}, --warmup-steps {cfg.warmup_steps}: need lr > 0, "
             "0 <= min-lr <= lr and warmup-steps >= 0"
         )
-    if cfg.grad_clip < 0 or cfg.weight_decay < 0 or cfg.adam_eps <= 0:
+    if not {"grad_clip", "weight_decay", "adam_eps"} & set(not_finite) and (
+        cfg.grad_clip < 0 or cfg.weight_decay < 0 or cfg.adam_eps <= 0
+    ):
         problems.append(
             f"--grad-clip {cfg.grad_clip}, --weight-decay {cfg.weight_decay}, --adam-eps {cfg.adam_eps}: need "
             "grad-clip >= 0, weight-decay >= 0 and adam-eps > 0"
@@ -164,12 +184,44 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
         problems.append(f"--ckpt-every {cfg.ckpt_every}: must be >= 0 (0 writes a checkpoint at the end only)")
     if cfg.mtp_depths < 0:
         problems.append(f"--mtp-depths {cfg.mtp_depths}: must be >= 0 (0 disables multi-token prediction)")
-    if cfg.timeout <= 0:
-        problems.append(f"--timeout {cfg.timeout}: must be > 0 seconds")
+    if "timeout" not in not_finite and not 0 < cfg.timeout <= MAX_TIMEOUT_S:
+        problems.append(f"--timeout {cfg.timeout}: must be > 0 and at most {MAX_TIMEOUT_S:.0f} seconds (a week)")
+    if cfg.threads < 0:
+        problems.append(f"--threads {cfg.threads}: must be >= 0 (0: the cores divided by the processes)")
+    if cfg.overwrite and cfg.resume is not None:
+        problems.append(
+            f"--overwrite with --resume {cfg.resume}: a resumed run keeps its checkpoints; drop one of the two"
+        )
     if cfg.model_path is not None and not (Path(cfg.model_path) / "config.json").is_file():
         problems.append(f"--model-path {cfg.model_path}: no config.json there (expected an HF-format folder)")
     if cfg.tie_embeddings and cfg.model != "llama":
         problems.append(f"--tie-embeddings applies to --model llama only, not {cfg.model}")
+    return problems
+
+
+def cp_problems(cfg: RunConfig, *, cp_layout: str | None, pad_multiple: int) -> list[str]:
+    """Every problem of `--cp` with this run (an empty list means go), seen before any collective.
+
+    cp_layout: the model's CP layout ("contiguous" or "load_balanced"; None when the model could not be built), and
+    pad_multiple: sequences are padded to a multiple of pad_multiple x cp before sharding. Whether the model supports
+    CP at all is am-capabilities' rule (the caller adds its lines).
+    """
+    if cfg.cp <= 1:
+        return []
+    problems = []
+    unit = pad_multiple * cfg.cp
+    if cfg.seq_len >= 1 and cfg.seq_len % unit:
+        problems.append(
+            f"--seq-len {cfg.seq_len} is not divisible by {unit} ({pad_multiple} x --cp {cfg.cp}), the length the CP "
+            "sharder pads every sequence to; this trainer runs unpadded sequences only, so use --seq-len "
+            f"{-(-cfg.seq_len // unit) * unit} or another --cp"
+        )
+    if cfg.pp > 1 and cp_layout not in (None, "contiguous"):
+        problems.append(
+            f"--pp {cfg.pp} with --cp {cfg.cp}: pipeline stages run context parallelism only for models that declare "
+            f'the contiguous CP layout (`_cp_layout = "contiguous"`), and --model {cfg.model} uses the {cp_layout} '
+            "layout; drop --pp or --cp"
+        )
     return problems
 
 

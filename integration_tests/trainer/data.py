@@ -38,26 +38,27 @@ def load_tokens(path: str | Path | None, *, vocab_size: int) -> torch.Tensor:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: unknown suffix, empty corpus, or ids outside `[0, vocab_size)`.
+        ValueError: unknown suffix, empty file, a `.txt` that is not UTF-8 (file and byte offset named), a `.pt`
+            that cannot be read or holds no 1-D integer tensor, or ids outside `[0, vocab_size)`.
     """
     path = Path(path) if path is not None else DEFAULT_TEXT
     if not path.is_file():
         raise FileNotFoundError(f"--data {path}: no such file (give a .txt, .pt or .bin file)")
     suffix = path.suffix.lower()
-    if suffix == ".txt":
-        tokens = ByteTokenizer().encode(path.read_text(encoding="utf-8"))
-    elif suffix == ".pt":
-        tokens = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.is_floating_point():
-            raise ValueError(f"--data {path}: expected a 1-D integer tensor, got {type(tokens).__name__}")
-        tokens = tokens.to(torch.int64)
-    elif suffix == ".bin":
-        raw = path.read_bytes()
-        if len(raw) % 2:
-            raise ValueError(f"--data {path}: a .bin file holds uint16 ids, but its size {len(raw)} is odd")
-        tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint16).to(torch.int64)
-    else:
+    if suffix not in (".txt", ".pt", ".bin"):
         raise ValueError(f"--data {path}: unknown format {suffix!r}; use .txt, .pt (int tensor) or .bin (uint16)")
+    if suffix == ".pt":
+        tokens = _load_pt(path)
+    else:
+        raw = path.read_bytes()
+        if not raw:
+            raise ValueError(f"--data {path}: the file is empty; give a corpus with at least --seq-len + 2 tokens")
+        if suffix == ".txt":
+            tokens = ByteTokenizer().encode(_utf8_text(path, raw))
+        else:
+            if len(raw) % 2:
+                raise ValueError(f"--data {path}: a .bin file holds uint16 ids, but its size {len(raw)} is odd")
+            tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint16).to(torch.int64)
     if tokens.numel() == 0:
         raise ValueError(f"--data {path}: the corpus is empty")
     low, high = int(tokens.min()), int(tokens.max())
@@ -67,6 +68,36 @@ def load_tokens(path: str | Path | None, *, vocab_size: int) -> torch.Tensor:
             "re-tokenize the data or build the model with a larger vocab_size"
         )
     return tokens
+
+
+def _utf8_text(path: Path, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"--data {path} is not UTF-8 text: byte offset {exc.start} holds {raw[exc.start : exc.start + 1]!r} "
+            f"({exc.reason}); convert the file to UTF-8, or give token ids as .pt or .bin"
+        ) from None
+
+
+def _load_pt(path: Path) -> torch.Tensor:
+    """A 1-D integer tensor from a `torch.save` file (weights-only unpickling: no code runs)."""
+    try:
+        tokens = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # unpickling raises many types (UnpicklingError, RuntimeError, EOFError, ...)
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ValueError(
+            f"--data {path}: cannot be read as a torch.save file ({type(exc).__name__}: {first_line}); save a 1-D "
+            "integer tensor with torch.save(ids, path)"
+        ) from None
+    if not isinstance(tokens, torch.Tensor):
+        raise ValueError(f"--data {path}: expected a 1-D integer tensor, got a {type(tokens).__name__}")
+    if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise ValueError(
+            f"--data {path}: expected a 1-D integer tensor of token ids, got a {tokens.dtype} tensor of shape "
+            f"{tuple(tokens.shape)}"
+        )
+    return tokens.to(torch.int64)
 
 
 @dataclass

@@ -1,12 +1,13 @@
 """The reference training loop: validate, build, parallelize, train, checkpoint, report — top to bottom.
 
 What it is for: `run(cfg)` is the whole job, in the order a reader expects (torchtitan's train loop is the model):
-    1. validate everything that can be checked without a process group (arguments, the pipeline plan against the
-       built model's layers through am-pipelining's plan_pipeline, data, checkpoint, and the mesh against the model's
-       capabilities through am-capabilities' MeshContext): ONE message, exit code 2
+    1. validate everything that can be checked without a process group (trainer/validation.py: arguments, --out,
+       the model and its folder, the pipeline plan against its layers, the mesh against its capabilities, data,
+       checkpoint): ONE message, exit code 2
     2. process group (gloo on the CPU, NCCL on GPUs) and one DeviceMesh ("pp", "dp", "cp")
     3. model: fp32, seeded, identical on every rank -> attach_capabilities_and_validate(model, mesh)
-       -> precision (bf16 storage, fp32-pinned tensors kept) -> pipeline stages (pp > 1) -> FSDP2 over dp x cp
+       -> storage dtype (fp32; bf16 only for --dtype bf16-pure, fp32-pinned tensors kept) -> pipeline stages
+       (pp > 1) -> FSDP2 over dp x cp (also over one rank for mixed precision: bf16 compute, fp32 master weights)
     4. AdamW per model part, warm-up + cosine LR, global gradient-norm clipping across stages and shards
     5. steps: the global batch is the same on every rank; each rank takes its dp slice, then its CP shard
     6. checkpoints (atomic, exact resume), progress bar, loss curve and a one-line summary on rank 0
@@ -25,9 +26,11 @@ its fp32-pinned tensors after the FSDP2 wrap (`fp32_rank<r>.pt`), to check the f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -42,25 +45,26 @@ from torch import nn
 
 from am_pipelining import find_layers
 from trainer import checkpoint as ckpt
-from trainer.config import RunConfig, find_problems, pipeline_plan
-from trainer.data import BatchStream, load_tokens
-from trainer.models import ModelSpec, build_model, folder_spec, preset_spec
+from trainer.config import RunConfig
+from trainer.data import BatchStream
+from trainer.models import ModelSpec
 from trainer.parallel import (
-    DTYPES,
+    PRECISIONS,
+    CPPipelineTargets,
     apply_fsdp,
     apply_precision,
     build_mesh,
+    cp_layout_name,
+    cp_local_seq_len,
     init_distributed,
     shard_batch_for_cp,
+    shard_pipeline_batch_for_cp,
+    split_cp_targets,
     split_pipeline,
+    uses_fsdp,
 )
 from trainer.progress import Progress, save_loss_curve
-
-EXIT_BAD_INPUT = 2
-
-
-class BadInput(Exception):
-    """Raised before any collective when the run cannot start; its message lists every problem."""
+from trainer.validation import EXIT_BAD_INPUT, BadInput, validate
 
 
 class TokenSumLoss:
@@ -83,96 +87,6 @@ def lr_at(step: int, cfg: RunConfig) -> float:
         return cfg.lr * step / max(cfg.warmup_steps, 1)
     progress = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# 1. Validation before any collective
-# ------------------------------------------------------------------------------------------------------------------
-
-
-def model_spec(cfg: RunConfig, *, vocab_size: int | None = None) -> ModelSpec:
-    if cfg.model_path is not None:
-        return folder_spec(cfg.model_path)
-    return preset_spec(
-        cfg.model,
-        hidden_size=cfg.hidden_size,
-        num_layers=cfg.layers,
-        mtp_depths=cfg.mtp_depths,
-        tie_embeddings=cfg.tie_embeddings,
-        vocab_size=vocab_size,
-    )
-
-
-def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, torch.Tensor, Path | None, Any]:
-    """Everything checkable without a process group. Returns (spec, fp32 model, tokens, resume folder, pipeline
-    plan or None for pp = 1).
-
-    Raises:
-        BadInput: listing every problem found (arguments, the pipeline plan against the model's layers, mesh vs
-            model capabilities, data, checkpoint).
-    """
-    from am_capabilities import MeshContext, validate_for_mesh
-
-    problems = find_problems(cfg, world_size=world_size)
-    spec = model = tokens = None
-    try:
-        spec = model_spec(cfg)
-        model = build_model(spec, seed=cfg.seed)
-    except Exception as exc:  # a broken --model-path folder or preset: report it with the rest
-        problems.append(f"cannot build the model: {type(exc).__name__}: {exc}")
-    num_layers = None
-    if model is not None:
-        try:
-            num_layers = find_layers(model).num_layers
-        except ValueError as exc:
-            problems.append(str(exc))
-    plan, plan_problems = pipeline_plan(cfg, num_layers=num_layers)
-    problems += plan_problems
-    if model is not None and min(cfg.pp, cfg.dp, cfg.cp) >= 1:
-        try:
-            validate_for_mesh(model, MeshContext(pp_size=cfg.pp, dp_size=cfg.dp, cp_size=cfg.cp))
-        except ValueError as exc:
-            problems.extend(line.strip().removeprefix("- ") for line in str(exc).splitlines()[1:] if line.strip())
-    try:
-        tokens = load_tokens(cfg.data, vocab_size=spec.vocab_size if spec is not None else 256)
-        if tokens.numel() < cfg.seq_len + 2:
-            problems.append(f"--data has {tokens.numel()} tokens, too few for --seq-len {cfg.seq_len}")
-    except (OSError, ValueError) as exc:
-        problems.append(str(exc))
-    resume_dir = None
-    if cfg.resume is not None:
-        try:
-            resume_dir = ckpt.resolve_resume_dir(cfg.resume, cfg.out)
-            found = ckpt.verify_checkpoint(resume_dir)
-            problems += found
-            if not found:
-                problems += _resume_mismatches(cfg, ckpt.read_trainer_state(resume_dir))
-        except FileNotFoundError as exc:
-            problems.append(str(exc))
-    if problems:
-        listed = "\n".join(f"  - {p}" for p in problems)
-        raise BadInput(f"refusing to start ({len(problems)} problem{'s' * (len(problems) > 1)}):\n{listed}")
-    assert spec is not None
-    assert model is not None
-    assert tokens is not None
-    return spec, model, tokens, resume_dir, plan
-
-
-_MUST_MATCH_ON_RESUME = (
-    "model", "model_path", "pp", "dp", "cp", "schedule", "stages_per_rank", "global_batch", "microbatch_size",
-    "seq_len", "dtype", "seed", "data", "tie_embeddings", "mtp_depths", "hidden_size", "layers",
-)  # fmt: skip
-
-
-def _resume_mismatches(cfg: RunConfig, state: dict[str, Any]) -> list[str]:
-    saved = state.get("args", {})
-    now = json.loads(json.dumps(asdict(cfg), default=str))
-    return [
-        f"--resume {cfg.resume}: the checkpoint was written with {key}={saved.get(key)!r}, this run has "
-        f"{key}={now[key]!r}; resume with the same value"
-        for key in _MUST_MATCH_ON_RESUME
-        if saved.get(key) != now[key]
-    ]
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -296,19 +210,30 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     """The training job (see the module docstring). Returns the summary on rank 0, {} elsewhere."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local_world))
+    # A negative --threads is refused by validate(); meanwhile use the default.
+    torch.set_num_threads(cfg.threads if cfg.threads > 0 else max(1, (os.cpu_count() or 1) // local_world))
 
     # 1. Validate before any collective.
     spec, model, tokens, resume_dir, plan = validate(cfg, world_size=world_size)
+    precision = PRECISIONS[cfg.dtype]
+    if precision.warning and int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: {precision.warning}", file=sys.stderr, flush=True)
 
     # 2. Process group and mesh.
     device = init_distributed(timeout_s=cfg.timeout)
     rank = dist.get_rank()
+    if cfg.overwrite:  # validated: a fresh run, asked to replace old checkpoints. Every rank waits on the same
+        # condition (the flag, not the folder, which rank 0 may already have deleted when another rank looks).
+        if rank == 0 and ckpt.existing_checkpoints(cfg.out):
+            shutil.rmtree(ckpt.checkpoint_root(cfg.out))
+            print(f"--overwrite: deleted the checkpoints under {cfg.out}", file=sys.stderr, flush=True)
+        dist.barrier()
     mesh, dp_cp_mesh = build_mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, device=device)
     dp_rank = mesh["dp"].get_local_rank()
     shard_rank = dp_cp_mesh.get_local_rank()
 
     num_layers = find_layers(model).num_layers
+    cp_layout = cp_layout_name(model) if cfg.cp > 1 else None
     # 3. Model -> capabilities -> precision -> pipeline -> FSDP2.
     from am_capabilities import attach_capabilities_and_validate
 
@@ -319,21 +244,28 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     from am_pipelining import PipelineCausalLMLoss, build_pipeline_schedule, sync_tied_embedding_grads
 
     if cfg.pp > 1:
-        stages, parts = split_pipeline(model, mesh=mesh, plan=plan, cfg=cfg, device=device)
+        local_seq_len = cp_local_seq_len(model, seq_len=cfg.seq_len, cp=cfg.cp)
+        stages, parts = split_pipeline(model, mesh=mesh, plan=plan, cfg=cfg, device=device, seq_len=local_seq_len)
         del model  # each rank keeps only its stages
     else:
         stages, parts = [], [model]
-    if cfg.dp * cfg.cp > 1:
+    if uses_fsdp(dtype=cfg.dtype, dp=cfg.dp, cp=cfg.cp):
         parts = [apply_fsdp(part, shard_mesh=dp_cp_mesh, dtype=cfg.dtype) for part in parts]
     if os.environ.get("AM_TRAIN_FP32_REPORT"):
-        _dump_fp32_tensors(parts, os.environ["AM_TRAIN_FP32_REPORT"], rank, storage_dtype=DTYPES[cfg.dtype])
+        _dump_fp32_tensors(parts, os.environ["AM_TRAIN_FP32_REPORT"], rank, storage_dtype=precision.storage)
     # Every rank passes a loss: torch's schedules run backward only when they have one. Only the last stage calls it.
     last_part = next((s.submod for s in stages if s.is_last), parts[-1])
     pipeline_loss = PipelineCausalLMLoss(loss_fn, model=last_part)
     schedule = None
     if stages:
         schedule = build_pipeline_schedule(
-            None, cfg.schedule, cfg.microbatch_size, cfg.local_batch, stages, loss_fn=pipeline_loss, plan=plan
+            None,
+            cfg.schedule,
+            cfg.microbatch_size,
+            cfg.local_batch,
+            stages,
+            loss_fn=CPPipelineTargets(pipeline_loss) if cfg.cp > 1 else pipeline_loss,
+            plan=plan,
         )
     has_first = not stages or any(s.is_first for s in stages)
 
@@ -385,10 +317,17 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         input_ids, labels = input_ids[rows].to(device), labels[rows].to(device)
         if schedule is not None:
             losses: list[torch.Tensor] = []
-            if has_first:
-                schedule.step(input_ids, target=labels, losses=losses)
-            else:
-                schedule.step(target=labels, losses=losses)
+            step_ctx: Any = contextlib.nullcontext
+            first_inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
+            if cfg.cp > 1:  # every rank shards (the first stage needs the inputs, the last the targets)
+                step_ctx, first_inputs, labels = shard_pipeline_batch_for_cp(
+                    parts[0], input_ids, labels, mesh=mesh, microbatch_size=cfg.microbatch_size
+                )
+            with step_ctx():  # ring p2p (cp group) inside the schedule's p2p (pp group): see parallel.py
+                if has_first:
+                    schedule.step(first_inputs.pop("input_ids"), target=labels, losses=losses, **first_inputs)
+                else:
+                    schedule.step(target=labels, losses=losses)
             sync_tied_embedding_grads(parts)
             local = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=device)
         else:
@@ -415,9 +354,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         summary = {
             "model": spec.family,
             "mesh": {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp},
-            "layout": run_layout(cfg, plan, num_layers=num_layers),
+            "layout": run_layout(cfg, plan, num_layers=num_layers, cp_layout=cp_layout),
             "schedule": cfg.schedule if cfg.pp > 1 else None,
             "dtype": cfg.dtype,
+            "precision": {  # what --dtype meant: parameters / grads / AdamW state, forward-backward, FSDP2 reduction
+                key: str(getattr(precision, key)).removeprefix("torch.") for key in ("storage", "compute", "reduce")
+            },
             "steps": cfg.steps,
             "resumed_from": start_step or None,
             "losses": [loss for _, loss, _ in history],
@@ -447,10 +389,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     return summary
 
 
-def run_layout(cfg: RunConfig, plan: Any, *, num_layers: int) -> dict[str, Any]:
-    """The layout that ran: mesh sizes, and the pipeline plan's stages, placement, layer split and microbatches (for
-    pp = 1: one stage holding every layer, microbatches = gradient-accumulation steps)."""
-    layout: dict[str, Any] = {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp}
+def run_layout(cfg: RunConfig, plan: Any, *, num_layers: int, cp_layout: str | None = None) -> dict[str, Any]:
+    """The layout that ran: mesh sizes, the CP layout (`cp_layout`: "contiguous" or "load_balanced", None at
+    cp = 1), and the pipeline plan's stages, placement, layer split and microbatches (for pp = 1: one stage holding
+    every layer, microbatches = gradient-accumulation steps)."""
+    layout: dict[str, Any] = {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "cp_layout": cp_layout}
     if plan is not None:
         layout.update({k: v for k, v in plan.layout().items() if k != "pp"})
     else:
@@ -478,9 +421,8 @@ def _forward_backward(
     mesh: Any,
 ) -> torch.Tensor:
     """pp = 1: forward and backward over the microbatches of this rank's batch, each CP-sharded when cp > 1 (the
-    ring context describes one microbatch's shard); returns this rank's share of the global loss (detached)."""
-    import contextlib
-
+    ring context describes one microbatch's shard; MTP targets computed before sharding go to the loss); returns
+    this rank's share of the global loss (detached)."""
     n_micro = input_ids.shape[0] // cfg.microbatch_size
     total = torch.zeros((), device=input_ids.device)
     sync = getattr(model, "set_requires_gradient_sync", None)
@@ -488,17 +430,19 @@ def _forward_backward(
         rows = slice(i * cfg.microbatch_size, (i + 1) * cfg.microbatch_size)
         batch: dict[str, torch.Tensor] = {"input_ids": input_ids[rows], "labels": labels[rows]}
         ctx: Any = contextlib.nullcontext
+        mtp_targets = None
         if cfg.cp > 1:
             ctx, batch = shard_batch_for_cp(model, batch, mesh=mesh)
-        mb_labels = batch.pop("labels")
-        batch.pop("loss_mask", None)
+            mb_labels, mtp_targets = split_cp_targets(batch)
+        else:
+            mb_labels = batch.pop("labels")
         if callable(sync):
             sync(i == n_micro - 1)  # FSDP2: reduce gradients once, after the last microbatch
         with ctx():
             output = model(**batch)
             # The pipeline's loss module, as at pp > 1: a model that owns its training loss (Nemotron-H: next-token
             # + scaled MTP, its `combined_loss` hook) computes it there with our loss_fn.
-            loss = loss_module(output, mb_labels)
+            loss = loss_module(output, mb_labels, **({"mtp_per_depth_targets": mtp_targets} if mtp_targets else {}))
             loss.backward()
         total += loss.detach().float()
     return total
@@ -519,4 +463,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["DTYPES", "BadInput", "TokenSumLoss", "clip_grad_norm", "lr_at", "main", "run", "validate"]
+__all__ = ["BadInput", "TokenSumLoss", "clip_grad_norm", "lr_at", "main", "run", "validate"]

@@ -206,9 +206,52 @@ def folder_spec(folder: str | Path) -> ModelSpec:
     def build_hf() -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="sdpa")
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=torch.float32, attn_implementation="sdpa", output_loading_info=True
+        )
+        check_loaded_keys(folder, info)
+        return model
 
     return ModelSpec(model_type or "hf", build_hf, _save_hf, vocab_size)
+
+
+# Keys a folder may lack, or hold in excess, without being refused (regular expressions on the file's key names).
+# Tied heads are not listed: transformers neither expects nor reports the output copy of a tied embedding.
+ALLOWED_MISSING: tuple[str, ...] = ()
+ALLOWED_UNEXPECTED: tuple[str, ...] = (r"(^|\.)rotary_emb\.inv_freq$",)  # a buffer old checkpoints saved
+
+
+def check_loaded_keys(folder: Path, info: dict[str, Any]) -> None:
+    """Refuse a transformers load that was not complete: every tensor the model needs must come from `folder`.
+
+    `info` is `from_pretrained(..., output_loading_info=True)`'s report; its key names are the file's own. (Our
+    registered model classes load strictly themselves and raise the same way.)
+
+    Raises:
+        ValueError: listing every missing, unexpected and shape-mismatched key.
+    """
+    import re
+
+    def allowed(key: str, patterns: tuple[str, ...]) -> bool:
+        return any(re.search(pattern, key) for pattern in patterns)
+
+    missing = sorted(k for k in info.get("missing_keys", ()) if not allowed(k, ALLOWED_MISSING))
+    unexpected = sorted(k for k in info.get("unexpected_keys", ()) if not allowed(k, ALLOWED_UNEXPECTED))
+    mismatched = sorted(str(entry) for entry in info.get("mismatched_keys", ()))
+    parts = [
+        f"{label} ({len(keys)}): {keys}"
+        for label, keys in (
+            ("missing keys", missing),
+            ("unexpected keys", unexpected),
+            ("shape mismatches", mismatched),
+        )
+        if keys
+    ]
+    if parts:
+        raise ValueError(
+            f"--model-path {folder} does not hold exactly the tensors of the model its config.json describes (a "
+            "missing tensor would train from a random init): " + "; ".join(parts)
+        )
 
 
 def build_model(spec: ModelSpec, *, seed: int) -> nn.Module:

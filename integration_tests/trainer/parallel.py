@@ -1,8 +1,9 @@
 """How the reference trainer parallelizes a model: process group, DeviceMesh, precision, pipeline, CP, FSDP2.
 
 What it is for: the functions the train loop applies to a model, in this fixed order:
-    init_distributed -> build_mesh -> apply_precision -> split_pipeline (pp > 1) -> apply_fsdp (dp x cp > 1)
-and `shard_batch_for_cp` on every batch when cp > 1. Everything model-specific is read from the model through the
+    init_distributed -> build_mesh -> apply_precision -> split_pipeline (pp > 1) -> apply_fsdp (`uses_fsdp`)
+and, when cp > 1, `shard_batch_for_cp` on every microbatch (pp = 1) or `shard_pipeline_batch_for_cp` on every step's
+batch (pp > 1). Everything model-specific is read from the model through the
 am-* protocols (keep-in-fp32 rules, pipeline hooks, the CP batch hook); nothing here names a model class.
 What it must not do: decide what is valid (config.py and am-capabilities do that, before any collective), or touch
 the data, the optimizer or the checkpoints.
@@ -12,11 +13,35 @@ each rank's loss is the token SUM of its own tokens divided by the token count o
 pipeline schedule sums microbatch gradients (`scale_grads=False`); FSDP2 reduces over the flattened `dp_cp` axis
 with divide factor 1 (a sum, not a mean); the ring attention of CP already sends dK/dV back to the ranks that own the
 keys. Summing every rank's contribution is therefore exactly the single-process gradient.
+
+Precision (`PRECISIONS`, one rule for every layout): `--dtype bf16` (the default) is mixed precision: fp32 master
+weights, gradients and AdamW state, bf16 compute through FSDP2's `MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)`. Without sharding (dp x cp = 1) the same FSDP2 wrap runs over a mesh of one rank: no
+communication, the identical cast-on-forward rule, so a single-process run and a sharded run compute alike.
+fp32-pinned modules (strict keep rules) are FSDP2 groups of their own with an fp32 policy: stored and computed in
+fp32. `--dtype bf16-pure` stores everything unpinned in bf16 (am-precision's `cast_model_to_dtype`), optimizer
+state included: half the memory, but an AdamW update below half a bf16 ulp of a weight is rounded away.
+
+Pipeline x context parallelism (mesh pp x dp x cp): the CP layout is the model's (contiguous for models that declare
+it; the load-balanced layout is refused with pp > 1 by config.py). The step's batch is sequence-sharded BEFORE the
+schedule splits it into microbatches, one microbatch at a time so the ring context (document ids, positions) is
+exactly each microbatch's; the whole `schedule.step` runs inside that context. Two kinds of point-to-point traffic
+then interleave, on separate process groups so neither can match the other's messages:
+  - pipeline p2p (activations forward, gradients backward) on the "pp" group: rank (s, d, c) talks only to the ranks
+    (s +- 1, d, c) of the same dp and cp coordinates;
+  - ring p2p (K/V blocks, Mamba2 states and conv halos) and the models' CP flag all-gathers on the "cp" group: the
+    ranks (s, d, *) of one stage.
+Ordering, and why it cannot deadlock: every rank of a cp group holds the same stage, so it runs the same schedule
+actions in the same order; the ring transfers of one action are issued by all of them inside that action, after its
+pipeline receive completed and before its pipeline send. A rank waits on a pipeline receive only from its own cp
+coordinate in the neighbour stage, whose cp peers run the same action list, so every wait is matched by an action all
+peers of a group reach in the same order (induction over the schedule's actions).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +54,36 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from am_pipelining import find_layers
 from am_precision import cast_model_to_dtype, fp32_keep_rules
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+@dataclass(frozen=True)
+class Precision:
+    """What `--dtype` means: `storage` of parameters, gradients and optimizer state; `compute` of forward and
+    backward (activations, the dtype sent between pipeline stages); `reduce` of FSDP2's gradient reduction."""
+
+    storage: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype
+    warning: str | None = None
+
+
+PRECISIONS = {
+    "bf16": Precision(storage=torch.float32, compute=torch.bfloat16, reduce=torch.float32),
+    "bf16-pure": Precision(
+        storage=torch.bfloat16,
+        compute=torch.bfloat16,
+        reduce=torch.float32,
+        warning="--dtype bf16-pure stores weights and AdamW state in bf16: updates below half a bf16 ulp of a weight "
+        "are rounded away (norm weights may never move); the default --dtype bf16 keeps fp32 master weights",
+    ),
+    "fp32": Precision(storage=torch.float32, compute=torch.float32, reduce=torch.float32),
+}
+
+
+def uses_fsdp(*, dtype: str, dp: int, cp: int) -> bool:
+    """Whether the model parts are wrapped with FSDP2: when sharded over dp x cp, and whenever the compute dtype is
+    not the storage dtype (mixed precision: FSDP2's cast-on-forward, over a mesh of one rank if need be)."""
+    precision = PRECISIONS[dtype]
+    return dp * cp > 1 or precision.compute != precision.storage
 
 
 def init_distributed(*, timeout_s: float) -> torch.device:
@@ -68,17 +122,20 @@ def build_mesh(*, pp: int, dp: int, cp: int, device: torch.device) -> tuple[Devi
 
 
 def apply_precision(model: nn.Module, *, dtype: str) -> None:
-    """bf16 storage with the model's fp32-pinned tensors kept bit-exactly (am-precision), or nothing for fp32."""
-    if DTYPES[dtype] != torch.float32:
-        cast_model_to_dtype(model, DTYPES[dtype])
+    """The storage dtype of `--dtype`: bf16 (`bf16-pure`) with the model's fp32-pinned tensors kept bit-exactly
+    (am-precision), or nothing (fp32 storage: `fp32`, and the mixed-precision default `bf16`)."""
+    storage = PRECISIONS[dtype].storage
+    if storage != torch.float32:
+        cast_model_to_dtype(model, storage)
 
 
 def split_pipeline(
-    model: nn.Module, *, mesh: DeviceMesh, plan: Any, cfg: Any, device: torch.device
+    model: nn.Module, *, mesh: DeviceMesh, plan: Any, cfg: Any, device: torch.device, seq_len: int
 ) -> tuple[list[Any], list[nn.Module]]:
     """This rank's pipeline stages and their modules (am-pipelining), exactly as `plan` (validated before any
-    collective) lays them out, with static shapes for the microbatches. The model's hooks (e.g. Nemotron's `mtp` on
-    the last stage) are honoured by am-pipelining."""
+    collective) lays them out, with static shapes [microbatch, seq_len] for the microbatches (`seq_len`: this rank's
+    tokens per sequence, the CP shard's length when cp > 1). The model's hooks (e.g. Nemotron's `mtp` on the last
+    stage) are honoured by am-pipelining."""
     from am_pipelining import split_model_into_stages
 
     return split_model_into_stages(
@@ -89,8 +146,8 @@ def split_pipeline(
         device,
         plan=plan,
         microbatch_size=cfg.microbatch_size,
-        seq_len=cfg.seq_len,
-        tensor_dtype=DTYPES[cfg.dtype],
+        seq_len=seq_len,
+        tensor_dtype=PRECISIONS[cfg.dtype].compute,
     )
 
 
@@ -126,11 +183,12 @@ def apply_fsdp(model: nn.Module, *, shard_mesh: DeviceMesh, dtype: str) -> nn.Mo
 
     Strict-fp32 modules get their own group with an fp32 policy (FSDP2 all-gathers a group in one dtype, so they
     must not share a group with bf16 weights), kept unsharded from forward to backward; everything else computes in
-    `dtype` and reduces gradients in fp32.
+    the compute dtype of `dtype` (`PRECISIONS`) and reduces gradients in fp32. A mesh of one rank is fine: then this
+    is only the mixed-precision cast-on-forward.
     Gradients are SUMMED over dp_cp (divide factor 1): the loss is already normalized by the global token count.
     """
-    compute = DTYPES[dtype]
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    precision = PRECISIONS[dtype]
+    policy = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=precision.reduce)
     fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for module in _strict_fp32_modules(model):
         # reshard_after_forward=False: a holder such as Nemotron's `_fp32_params` hands its parameters to the caller,
@@ -146,13 +204,131 @@ def apply_fsdp(model: nn.Module, *, shard_mesh: DeviceMesh, dtype: str) -> nn.Mo
     return model
 
 
+def cp_layout_name(model: nn.Module) -> str:
+    """The CP layout `model` runs under (am-context-parallel's `model_cp_options`): "contiguous" for a model that
+    declares `_cp_layout = "contiguous"` (Gemma 4, Nemotron-H), else "load_balanced" (the head-tail layout)."""
+    from am_context_parallel import model_cp_options
+
+    return "contiguous" if model_cp_options(model) is not None else "load_balanced"
+
+
+def cp_pad_multiple(model: nn.Module) -> int:
+    """Sequences are padded to a multiple of `cp_pad_multiple(model) x cp` before sharding (2 unless the model's
+    contiguous options say otherwise; the load-balanced layout needs 2 chunks per rank)."""
+    from am_context_parallel import model_cp_options
+
+    options = model_cp_options(model)
+    return options.pad_multiple if options is not None else 2
+
+
+def cp_local_seq_len(model: nn.Module, *, seq_len: int, cp: int) -> int:
+    """Tokens per rank and sequence after CP sharding (the static sequence length of the pipeline stages)."""
+    if cp <= 1:
+        return seq_len
+    unit = cp_pad_multiple(model) * cp
+    return -(-seq_len // unit) * unit // cp
+
+
 def shard_batch_for_cp(model: nn.Module, batch: dict[str, torch.Tensor], *, mesh: DeviceMesh) -> tuple[Any, dict]:
     """This rank's CP shard of `batch` and the context to run forward and backward in (am-context-parallel).
 
-    A model that declares `_cp_layout = "contiguous"` (Gemma 4) gets the contiguous shard and the ring context its
-    layers read; other models get the load-balanced layout with ring attention routed through transformers'
-    attention registry. The model is read, never asked to shard.
+    batch: `input_ids` [B, S] and `labels` [B, S], ALREADY shifted (the trainer's convention). A model with the
+    `prepare_batch_for_cp(batch, *, labels_shifted)` hook (Nemotron-H: document ids, padding mask, the per-depth MTP
+    inputs and targets) prepares the WHOLE sequences first, so everything that is shifted is right at block edges.
+    A model that declares `_cp_layout = "contiguous"` then gets the contiguous shard and the ring context its layers
+    read; other models get the load-balanced layout with ring attention routed through transformers' attention
+    registry. The model is read, never asked to shard. The returned context describes exactly these B rows.
     """
     from am_context_parallel import make_cp_batch_and_ctx
 
+    prepare = getattr(model, "prepare_batch_for_cp", None)
+    if callable(prepare):
+        batch = prepare(batch, labels_shifted=True)
     return make_cp_batch_and_ctx(mesh, batch, model=model)
+
+
+# Keys of a CP-sharded batch that are not forward inputs: the main labels, MTP targets (both go to the loss) and the
+# load-balanced path's loss mask.
+_TARGET_KEYS = ("labels", "mtp_per_depth_targets", "loss_mask")
+
+
+def split_cp_targets(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """Pop the loss targets from a CP-sharded batch: (labels [B, S_local], D MTP targets [B, S_local] or None).
+
+    The MTP targets were computed on the whole sequences (`prepare_batch_for_cp`); the loss must use them instead of
+    rolling the local labels, which would be wrong at block edges."""
+    labels = batch.pop("labels")
+    mtp = batch.pop("mtp_per_depth_targets", None)
+    batch.pop("loss_mask", None)
+    return labels, (list(mtp.unbind(1)) if mtp is not None else None)
+
+
+def shard_pipeline_batch_for_cp(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    mesh: DeviceMesh,
+    microbatch_size: int,
+) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor]:
+    """pp > 1 and cp > 1: (ring context, first-stage inputs, schedule target) for one step's local batch.
+
+    The schedule splits the batch into microbatches of `microbatch_size` rows but the step runs inside ONE entered
+    context, whose document ids are per row. So every microbatch is prepared and sharded on its own (exactly as
+    pp = 1 does), the shards are concatenated back along the batch dim (the schedule splits them again, into the
+    same rows), and the context of the first microbatch is kept — after checking that every microbatch's context
+    is the same (document ids, positions, lengths); a batch whose microbatches differ (packed documents placed
+    differently), or whose position ids are not the context's global positions (a later stage could not see them),
+    is refused rather than run with the wrong masks or rotary embeddings.
+
+    Returns the context factory, the first stage's inputs (`input_ids` [B, S_local] and the model's per-token
+    kwargs, all split along dim 0 by the schedule) and the target: labels [B, S_local], or [B, S_local, 1 + D]
+    (labels, then the D MTP targets) when the model prepared MTP targets (see `CPPipelineTargets`).
+    """
+    shards: list[dict[str, torch.Tensor]] = []
+    contexts: list[Any] = []
+    for start in range(0, input_ids.shape[0], microbatch_size):
+        rows = slice(start, start + microbatch_size)
+        ctx, shard = shard_batch_for_cp(model, {"input_ids": input_ids[rows], "labels": labels[rows]}, mesh=mesh)
+        contexts.append(ctx)
+        shards.append(shard)
+    first = contexts[0]
+    for index, ctx in enumerate(contexts[1:], start=1):
+        same = (ctx.seq_len, ctx.padded_len) == (first.seq_len, first.padded_len)
+        same = same and _same_tensor(ctx.doc_ids, first.doc_ids) and _same_tensor(ctx.positions, first.positions)
+        if not same:
+            raise ValueError(
+                f"microbatch {index} has other document boundaries than microbatch 0; under pipeline x context "
+                "parallelism one ring context serves every microbatch of a step, so their packing must match"
+            )
+    merged = {key: torch.cat([shard[key] for shard in shards]) for key in shards[0]}
+    positions = merged.get("position_ids")
+    if positions is not None and not bool((positions == first.positions.to(positions.device)).all()):
+        raise ValueError(
+            "the batch has per-row position ids that differ from the ring context's global positions; under pipeline "
+            "x context parallelism a non-first stage receives hidden states only and takes its positions from the "
+            "context, so such a batch is refused"
+        )
+    main, mtp = split_cp_targets(merged)
+    target = main if mtp is None else torch.stack([main, *mtp], dim=-1)
+    return first, merged, target
+
+
+def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+class CPPipelineTargets:
+    """The schedule's loss under pp x cp: unpacks a stacked target [B, S_local, 1 + D] (labels, then the MTP
+    targets computed before sharding; the sequence stays on dim 1, where the schedule checks it) into
+    `loss(output, labels, mtp_per_depth_targets=[...])`; a plain [B, S] target goes through unchanged."""
+
+    def __init__(self, loss: Any) -> None:
+        self.loss = loss
+
+    def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        if target.dim() == 3:
+            return self.loss(output, target[..., 0], mtp_per_depth_targets=list(target[..., 1:].unbind(-1)))
+        return self.loss(output, target)

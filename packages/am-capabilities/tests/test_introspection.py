@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import pickle
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,7 +14,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from am_capabilities import MeshContext, ModelCapabilities, ModelSupports, is_hybrid_model
+from am_capabilities import (
+    MeshContext,
+    ModelCapabilities,
+    ModelSupports,
+    implements_expert_parallelism,
+    is_hybrid_model,
+)
 
 # ================================================================================================================
 # Real HuggingFace models
@@ -241,6 +248,13 @@ class MoECustom(Custom):
     _am_is_moe = True
 
 
+class ExpertParallelMoE(MoECustom):
+    """An MoE model that implements expert parallelism (the hook our MoE model classes have)."""
+
+    def apply_expert_parallel(self, ep_mesh: Any) -> list[nn.Module]:
+        return []
+
+
 HYBRID = _cfg(layers_block_type=["mamba", "attention"])
 
 
@@ -261,8 +275,7 @@ HYBRID = _cfg(layers_block_type=["mamba", "attention"])
     ids=["te", "flex", "magi", "sdpa", "hybrid-te", "hybrid-sdpa", "hybrid-flex", "hybrid-magi", "moe-flex", "moe-te"],
 )
 def test_custom_cp_support_table(build, expected):
-    model = build()  # ModelSupports refers to its model weakly: keep it alive
-    assert ModelSupports(model).supports_cp is expected
+    assert ModelSupports(build()).supports_cp is expected
 
 
 def test_cp_sdpa_flag_admits_sdpa():
@@ -318,18 +331,20 @@ def test_plans_decide_tp_and_pp_on_undeclared_models():
     assert supports.supports_pp_plan is supports.supports_pp
 
 
-def test_moe_marker_gives_ep_and_pp():
-    model, plain = MoECustom(), Custom()  # ModelSupports holds models weakly: keep them alive
-    supports = ModelSupports(model)
-    assert supports.supports_ep
-    assert supports.supports_pp
+def test_moe_marker_gives_pp_and_the_hook_gives_ep():
+    marked, hooked, plain = MoECustom(), ExpertParallelMoE(), Custom()
+    assert ModelSupports(marked).supports_pp
+    assert not ModelSupports(marked).supports_ep  # an MoE model, but nothing would shard its experts
+    assert ModelSupports(hooked).supports_ep
     assert not ModelSupports(plain).supports_ep
+    assert implements_expert_parallelism(hooked)
+    assert not implements_expert_parallelism(marked)
 
 
 # ---- declarations combined with introspection -------------------------------------------------------------------
 
 
-class DeclaredNoPP(MoECustom):
+class DeclaredNoPP(ExpertParallelMoE):
     """Like upstream's Gemma4 MoE: an MoE model whose declaration says PP is unsupported."""
 
     class ModelCapabilities:
@@ -479,7 +494,7 @@ def test_gradient_checkpointing_mro_plain_value_rule(cls, expected):
 
 
 def test_gradient_checkpointing_off_for_moe_under_expert_parallelism():
-    class MoEGC(MoECustom):
+    class MoEGC(ExpertParallelMoE):
         supports_gradient_checkpointing = True
 
     model = MoEGC()
@@ -524,16 +539,23 @@ def test_mesh_sizes_are_read_from_any_mesh_form():
         ModelSupports(model, SimpleNamespace(cp_size=0))
 
 
-def test_model_supports_holds_a_weak_reference():
-    model = Custom()
+def test_model_supports_keeps_its_model_alive():
+    """Changed from a weak reference: ``ModelSupports(make())`` works when the caller keeps no other reference."""
+    model = Custom("te")
     supports = ModelSupports(model)
     assert supports.model is model
     assert supports.describes(model)
+    alive = weakref.ref(model)
     del model
     gc.collect()
-    with pytest.raises(ReferenceError, match="garbage-collected"):
-        _ = supports.supports_cp
-    assert "garbage-collected" in repr(supports)
+    assert alive() is not None
+    assert supports.supports_cp
+
+    temporary = ModelSupports(Custom("te"))
+    gc.collect()
+    assert temporary.supports_cp
+    assert "cp=True" in repr(temporary)
+    assert not ModelSupports(Custom("flex")).supports_cp
 
 
 def test_repr_lists_every_flag():
@@ -555,11 +577,13 @@ def test_repr_lists_every_flag():
         assert flag in text, flag
 
 
-def test_copies_describe_the_same_model_and_pickling_is_refused():
+def test_copies_describe_the_same_model_and_pickle_carries_model_and_mesh():
     model = Custom()
     supports = ModelSupports(model, MeshContext(tp_size=2))
     for clone in (copy.copy(supports), copy.deepcopy(supports)):
         assert clone.describes(model)
         assert clone.mesh == supports.mesh
-    with pytest.raises(TypeError, match="cannot be pickled"):
-        pickle.dumps(supports)
+    restored = pickle.loads(pickle.dumps(supports))
+    assert type(restored.model) is Custom
+    assert restored.mesh == supports.mesh
+    assert restored.supports_cp == supports.supports_cp

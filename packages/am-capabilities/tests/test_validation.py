@@ -38,7 +38,14 @@ class HybridCustom(Plain):
         self.config = SimpleNamespace(layers_block_type=["mamba", "attention"])
 
 
-class DeclaredMoE(Plain):
+class ExpertParallelHook:
+    """What our MoE model classes implement: the hook that shards the experts over the ep ranks."""
+
+    def apply_expert_parallel(self, ep_mesh: Any) -> list[nn.Module]:
+        return []
+
+
+class DeclaredMoE(ExpertParallelHook, Plain):
     """Upstream's Gemma4-MoE shape: an MoE model that declares PP unsupported."""
 
     _am_is_moe = True
@@ -49,7 +56,7 @@ class DeclaredMoE(Plain):
         supports_cp = True
 
 
-class Everything(Plain):
+class Everything(ExpertParallelHook, Plain):
     _am_is_moe = True
     _tp_plan: ClassVar[dict[str, str]] = {"proj": "colwise"}
     _owns_cp_attention = True
@@ -83,11 +90,15 @@ def test_size_one_axes_never_fail(mesh):
         ("tp", r"^tp_size=2: Plain cannot use tensor parallelism: .*`_tp_plan`.*\. Fix: set tp_size=1"),
         ("pp", r"^pp_size=2: Plain cannot use pipeline parallelism: .*`_pp_plan`.*\. Fix: set pp_size=1"),
         ("cp", r"^cp_size=2: Plain cannot use context parallelism: .*_supports_sdpa.*\. Fix: set cp_size=1"),
-        ("ep", r"^ep_size=2: Plain cannot use expert parallelism: .*_am_is_moe.*\. Fix: set ep_size=1"),
+        (
+            "ep",
+            r"^ep_size=2: Plain cannot use expert parallelism: .*`apply_expert_parallel\(ep_mesh\)`.*\. "
+            r"Fix: set ep_size=1",
+        ),
     ],
 )
 def test_each_axis_error_names_axis_size_reason_and_fix(axis, pattern):
-    with pytest.raises(ValueError, match=r"^Unsupported mesh for Plain \(1 problem\):") as info:
+    with pytest.raises(ValueError, match=r"^Unsupported configuration for Plain \(1 problem\):") as info:
         validate_for_mesh(Plain(), SimpleNamespace(**{f"{axis}_size": 2}))
     (problem,) = _problems(info)
     assert re.search(pattern, problem), problem
@@ -103,7 +114,7 @@ def test_every_violation_is_reported_at_once():
 
 def test_invalid_sizes_are_listed_with_capability_problems():
     mesh = SimpleNamespace(tp_size=0, pp_size=2.0, cp_size=2, ep_size="1")
-    with pytest.raises(ValueError, match=r"^Unsupported mesh for ") as info:
+    with pytest.raises(ValueError, match=r"^Unsupported configuration for ") as info:
         validate_for_mesh(Plain(), mesh)
     problems = _problems(info)
     assert len(problems) == 4
@@ -119,7 +130,7 @@ def test_supported_mesh_passes():
 
 
 def test_hybrid_cp_messages_depend_on_backend(tiny_nemotron_h):
-    with pytest.raises(ValueError, match=r"^Unsupported mesh for ") as info:
+    with pytest.raises(ValueError, match=r"^Unsupported configuration for ") as info:
         validate_for_mesh(HybridCustom("flex"), MeshContext(cp_size=2))
     (problem,) = _problems(info)
     assert "hybrid model" in problem
@@ -128,7 +139,7 @@ def test_hybrid_cp_messages_depend_on_backend(tiny_nemotron_h):
     validate_for_mesh(HybridCustom("sdpa"), MeshContext(cp_size=2))
 
     hf_model = tiny_nemotron_h(layers_block_type=["linear_attention", "full_attention"])
-    with pytest.raises(ValueError, match=r"^Unsupported mesh for ") as info:
+    with pytest.raises(ValueError, match=r"^Unsupported configuration for ") as info:
         validate_for_mesh(hf_model, MeshContext(cp_size=2))
     (problem,) = _problems(info)
     assert problem.startswith("cp_size=2: NemotronHForCausalLM cannot use context parallelism")
@@ -138,7 +149,7 @@ def test_hybrid_cp_messages_depend_on_backend(tiny_nemotron_h):
 def test_real_hf_models_on_a_full_mesh(tiny_llama, tiny_nemotron_h):
     mesh = MeshContext(tp_size=2, pp_size=2, cp_size=2, ep_size=1, dp_size=2)
     validate_for_mesh(tiny_llama(), mesh)
-    with pytest.raises(ValueError, match=r"^Unsupported mesh for ") as info:
+    with pytest.raises(ValueError, match=r"^Unsupported configuration for ") as info:
         validate_for_mesh(tiny_nemotron_h(hybrid_override_pattern="M*"), mesh)
     assert [p.split(":")[0] for p in _problems(info)] == ["pp_size=2", "cp_size=2"]
 
@@ -147,11 +158,96 @@ def test_declared_capabilities_and_validator_agree():
     """The upstream disagreement: an MoE model declaring pp=False must be rejected for PP."""
     model = DeclaredMoE()
     assert not ModelSupports(model).supports_pp
-    with pytest.raises(ValueError, match=r"^Unsupported mesh for ") as info:
+    with pytest.raises(ValueError, match=r"^Unsupported configuration for ") as info:
         validate_for_mesh(model, MeshContext(pp_size=2, ep_size=2, cp_size=2))
     (problem,) = _problems(info)
     assert problem.startswith("pp_size=2:")
     assert "supports_pp=False" in problem
+
+
+# ---- expert parallelism: the hook, not a marker or a declaration, is what makes ep_size > 1 run ----------------
+
+
+class MarkedMoE(Plain):
+    """An MoE model (marker) that does not implement expert parallelism."""
+
+    _am_is_moe = True
+
+
+class DeclaredWithoutHook(Plain):
+    """Declares supports_ep=True but has nothing that would shard its experts."""
+
+    class ModelCapabilities:
+        supports_ep = True
+
+
+class HookDeclaredOff(ExpertParallelHook, Plain):
+    """Implements the hook, but its declaration for this config says no (e.g. a dense config)."""
+
+    @classmethod
+    def get_capabilities(cls, config: Any) -> dict[str, bool]:
+        return {"supports_ep": config.moe}
+
+
+class HookWithExperts(ExpertParallelHook, Plain):
+    def __init__(self, **config: Any) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(**config)
+
+
+@pytest.mark.parametrize(
+    ("build", "reason"),
+    [
+        (MarkedMoE, r"parallelism: it has no `apply_expert_parallel\(ep_mesh\)` method, so nothing would shard"),
+        (DeclaredWithoutHook, r"declaration says supports_ep=True, but it has no `apply_expert_parallel"),
+        (lambda: _with_config(HookDeclaredOff(), moe=False), r"its capability declaration says supports_ep=False"),
+    ],
+    ids=["moe_marker_only", "declared_without_hook", "hook_but_declared_off"],
+)
+def test_ep_is_refused_without_an_implementation(build, reason):
+    model = build()
+    assert not ModelSupports(model).supports_ep
+    name = type(model).__name__
+    with pytest.raises(ValueError, match=rf"^Unsupported configuration for {name} \(1 problem\):") as info:
+        validate_for_mesh(model, MeshContext(ep_size=2, dp_size=2))
+    (problem,) = _problems(info)
+    assert problem.startswith(f"ep_size=2: {name} cannot use expert parallelism: ")
+    assert re.search(reason, problem), problem
+    assert "Fix: set ep_size=1" in problem
+
+
+def _with_config(model: nn.Module, **config: Any) -> nn.Module:
+    model.config = SimpleNamespace(**config)
+    return model
+
+
+def test_ep_runs_for_models_with_the_hook():
+    hook, declared_on = HookWithExperts(n_routed_experts=8), _with_config(HookDeclaredOff(), moe=True)
+    for model in (hook, declared_on, DeclaredMoE()):
+        assert ModelSupports(model).supports_ep
+        validate_for_mesh(model, MeshContext(ep_size=4, dp_size=4))
+
+
+def test_hf_moe_model_without_the_hook_is_refused(tiny_nemotron_h):
+    model = tiny_nemotron_h(hybrid_override_pattern="ME")  # transformers' NemotronH: MoE, no expert parallelism
+    assert not ModelSupports(model).supports_ep
+    with pytest.raises(ValueError, match="NemotronHForCausalLM cannot use expert parallelism: it has no `apply_exp"):
+        validate_for_mesh(model, MeshContext(ep_size=2))
+
+
+def test_indivisible_experts_are_listed_with_every_other_problem():
+    model = HookWithExperts(n_routed_experts=6, text_config=SimpleNamespace(num_experts=12))
+    with pytest.raises(ValueError, match=r"\(2 problems\)") as info:
+        validate_for_mesh(model, MeshContext(ep_size=4, tp_size=2))
+    problems = _problems(info)
+    assert problems[0].startswith("tp_size=2:")
+    assert problems[1] == (
+        "ep_size=4: HookWithExperts cannot use expert parallelism: its experts cannot be split evenly over "
+        "ep_size=4 ranks (n_routed_experts=6 not divisible by 4). Fix: choose an ep_size that divides the number "
+        "of experts."
+    )
+    validate_for_mesh(model, MeshContext(ep_size=2))
+    validate_for_mesh(HookWithExperts(num_local_experts=8, num_experts=None), MeshContext(ep_size=8))
 
 
 class DynamicNoConfig(Plain):
@@ -297,6 +393,8 @@ def test_attached_model_is_freed_by_reference_counting():
     model = attach_capabilities_and_validate(Plain(), MeshContext(dp_size=2))
     supports = model.supports
     assert supports.describes(model)
+    assert not supports.supports_tp
+    del supports  # a ModelSupports the caller holds keeps the model alive, like any reference
     alive = weakref.ref(model)
     gc.disable()
     try:
@@ -304,8 +402,6 @@ def test_attached_model_is_freed_by_reference_counting():
         assert alive() is None
     finally:
         gc.enable()
-    with pytest.raises(ReferenceError, match="garbage-collected"):
-        _ = supports.supports_tp
 
 
 def test_deep_copy_gets_its_own_supports(tiny_llama):

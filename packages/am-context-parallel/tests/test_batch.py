@@ -379,6 +379,30 @@ def test_no_mesh_or_cp1_is_identity() -> None:
     assert "attention_mask" in out
 
 
+@pytest.mark.parametrize("declared", [False, True], ids=["identity", "contiguous"])
+def test_float_token_ids_and_labels_of_another_batch_size_are_refused(declared: bool) -> None:
+    """Checked before any path is chosen, so also at C = 1, where the batch would otherwise pass unchanged."""
+
+    class Declared(torch.nn.Module):
+        _cp_layout = "contiguous"
+
+    model = Declared() if declared else None
+    batch = _full_batch()
+    with pytest.raises(ValueError, match="cannot shard the batch for context parallelism") as info:
+        make_cp_batch_and_ctx(
+            None, {**batch, "input_ids": batch["input_ids"].float(), "labels": batch["labels"][:1]}, model=model
+        )
+    message = str(info.value)
+    assert "'input_ids' must be an integer tensor of token ids; got torch.float32" in message
+    assert "'labels' has batch size 1 (shape (1, 7)) but 'input_ids' has B=2" in message
+    with pytest.raises(
+        ValueError, match=r"'labels' must be an integer tensor of token ids \(-100 = ignore\); got torch.float32"
+    ):
+        make_cp_batch_and_ctx(None, {**batch, "labels": batch["labels"].float()}, model=model)
+    with pytest.raises(ValueError, match=r"'labels' has batch size 3 \(shape \(3, 7\)\) but 'input_ids' has B=2"):
+        make_cp_batch_and_ctx(None, {**batch, "labels": torch.zeros(3, 7, dtype=torch.long)}, model=model)
+
+
 def test_declared_model_gets_the_contiguous_shard_and_its_context(results: list[dict[str, Any]]) -> None:
     """7 tokens, pad_multiple 3 -> padded to 12 (6 per rank); the model's extra key pads with its own value, an
     absent declared key is skipped, extra_seq_buffers are sharded too; kernel and routing come from the options."""

@@ -180,6 +180,10 @@ def test_am_capabilities_reads_the_declaration() -> None:
         am_capabilities.validate_for_mesh(moe_model, mesh)
     assert "cp_size" not in str(info.value)
     assert "ep_size" not in str(info.value)
+    with pytest.raises(ValueError, match="num_experts=4 not divisible by 3"):
+        am_capabilities.validate_for_mesh(moe_model, type("Mesh", (), {"ep_size": 3})())
+    with pytest.raises(ValueError, match="ep_size=2: Gemma4ForCausalLM cannot use expert parallelism"):
+        am_capabilities.validate_for_mesh(dense_model, mesh)
 
 
 def test_unknown_arguments_are_rejected() -> None:

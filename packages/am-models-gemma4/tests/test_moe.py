@@ -46,10 +46,8 @@ def test_router_and_experts_match_transformers_modules() -> None:
         hf_experts.gate_up_proj.normal_(std=0.1)
         hf_experts.down_proj.normal_(std=0.1)
     ours = Gemma4MoE(config)
-    with torch.no_grad():
-        ours.router.load_state_dict(hf_router.state_dict())
-        ours.experts.gate_up_proj.copy_(hf_experts.gate_up_proj.transpose(1, 2))
-        ours.experts.down_proj.copy_(hf_experts.down_proj.transpose(1, 2))
+    ours.router.load_state_dict(hf_router.state_dict())
+    ours.experts.load_state_dict(hf_experts.state_dict())  # the same names and [E, out, in] layout, no transpose
     residual, normed = torch.randn(3, 5, 32), torch.randn(3, 5, 32)
     _, hf_weights, hf_indices = hf_router(residual.reshape(-1, 32))
     expected = hf_experts(normed.reshape(-1, 32), hf_indices, hf_weights).reshape(3, 5, 32)
@@ -62,13 +60,13 @@ def test_experts_equal_a_per_token_loop() -> None:
     x = torch.randn(9, 32)
     indices = torch.randint(0, 4, (9, 2))
     weights = torch.rand(9, 2)
-    out = experts(x, weights, indices)
+    out = experts(x, indices, weights)
     for t in range(9):
         want = torch.zeros(32)
         for slot in range(2):
             e = int(indices[t, slot])
-            gate, up = (x[t] @ experts.gate_up_proj[e]).chunk(2)
-            want += weights[t, slot] * ((F.gelu(gate, approximate="tanh") * up) @ experts.down_proj[e])
+            gate, up = (experts.gate_up_proj[e] @ x[t]).chunk(2)
+            want += weights[t, slot] * (experts.down_proj[e] @ (F.gelu(gate, approximate="tanh") * up))
         torch.testing.assert_close(out[t], want, rtol=1e-5, atol=1e-6)
 
 

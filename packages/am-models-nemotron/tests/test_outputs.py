@@ -172,3 +172,22 @@ def test_from_config_and_initialize_weights_on_a_buffer_device() -> None:
     assert meta.lm_head.weight.dtype == torch.bfloat16
     assert meta.model.layers["0"].mixer.A_log.dtype == torch.float32
     assert meta(tokens(1, 5)).logits.shape == (1, 5, VOCAB)
+
+
+def test_prepared_shifted_labels_keep_the_last_target_as_the_loss_does() -> None:
+    """`prepare_batch_for_cp(batch, labels_shifted=True)` gives the targets `combined_loss(..., labels_shifted=True)`
+    uses off CP: the last position keeps the caller's label (the token after the row, e.g. a trainer's window),
+    positions whose next token is padding are ignored, and MTP depth k ignores the last k + 1 positions."""
+    from am_models_nemotron.cp import prepare_batch_for_cp
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 0, 0]])
+    labels = torch.tensor([[6, 7, 8, 9, 10, 42], [12, 13, 14, 15, 0, 0]])
+    attention_mask = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
+    prepared = prepare_batch_for_cp(
+        {"input_ids": ids, "labels": labels, "attention_mask": attention_mask}, mtp_depths=1, labels_shifted=True
+    )
+    assert prepared["labels"].tolist() == [[6, 7, 8, 9, 10, 42], [12, 13, 14, -100, -100, -100]]
+    mtp_targets = prepared["mtp_per_depth_targets"][:, 0].tolist()
+    assert mtp_targets == [[7, 8, 9, 10, 42, -100], [13, 14, -100, -100, -100, -100]]
+    unpadded = prepare_batch_for_cp({"input_ids": ids[:1], "labels": labels[:1]}, mtp_depths=0, labels_shifted=True)
+    assert torch.equal(unpadded["labels"], labels[:1])

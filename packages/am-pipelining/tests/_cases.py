@@ -28,6 +28,7 @@ from am_pipelining import (
     split_model_into_stages,
     sync_tied_embedding_grads,
 )
+from am_pipelining.functional import reset_pp_stage_shapes, scale_grads_by_divisor
 from am_pipelining.schedule_picture import schedule_timeline
 
 REL_TOL = 1e-5
@@ -263,6 +264,22 @@ def autopipeline_case() -> None:
         losses: list[torch.Tensor] = []
         pipe.step(data["input_ids"], target=data["labels"], losses=losses)
         _compare(ref_model, pipe.parts, losses, ref_losses, pipe.info.has_last_stage)
+    # Upstream's free functions, called as upstream documents them: back to seq 8 through `reset_pp_stage_shapes`
+    # (positional schedule, stages, config, microbatch_size, seq_len), then `scale_grads_by_divisor`.
+    reset_pp_stage_shapes(pipe.info.schedule, pipe.info.stages, model.config, 1, 8)
+    data = M.batch("qwen3", 4, seed=308)
+    ref_losses = _reference(ref_model, "qwen3", data, 1)
+    for part in pipe.parts:
+        part.zero_grad(set_to_none=True)
+    losses = []
+    pipe.step(data["input_ids"], target=data["labels"], losses=losses)
+    _compare(ref_model, pipe.parts, losses, ref_losses, pipe.info.has_last_stage)
+    before = [p.grad.clone() for part in pipe.parts for p in part.parameters() if p.grad is not None]
+    scale_grads_by_divisor(pipe.info.stages, 2)
+    after = [p.grad for part in pipe.parts for p in part.parameters() if p.grad is not None]
+    assert before, "no gradients to scale"
+    for old, new in zip(before, after, strict=True):
+        torch.testing.assert_close(new, old / 2)
 
 
 def split_names_case(*, meta: bool) -> None:

@@ -191,7 +191,7 @@ def test_validation_lists_every_blocker_with_its_fix():
         validate_hf_model_for_pipeline_support(model)
     message = str(error.value)
     for expected in (
-        "1. Encoder-decoder",
+        "1. Encoder-Decoder",
         "2. Gemma 4 per-layer inputs",
         "3. num_kv_shared_layers=2",
         "4. Reentrant activation checkpointing",
@@ -267,3 +267,22 @@ def _tiny_vlm_of_another_kind():
     model = _tiny_llava()
     model.config.model_type = "not_registered_vlm"
     return model
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma4"])
+def test_a_stage_without_positions_asks_the_models_position_hook(name):
+    """A non-first stage receives hidden states only: its positions come from the text module's
+    `pipeline_default_position_ids(hidden)` hook (e.g. a CP shard's global positions) when it returns some, else
+    arange(S). Checked against the same stage given those positions explicitly."""
+    model = patch_hf_model_for_pp(copy.deepcopy(M.FACTORIES[name](2)))
+    inner = model.model
+    inner.embed_tokens = None
+    hidden = torch.randn(1, M.SEQ, inner.config.hidden_size)
+    shifted = torch.arange(M.SEQ, 2 * M.SEQ).unsqueeze(0)
+    plain = inner(hidden)
+    explicit = inner(hidden, position_ids=shifted)
+    assert not torch.allclose(plain, explicit), "positions matter to this stage"
+    inner.pipeline_default_position_ids = lambda h: shifted
+    torch.testing.assert_close(inner(hidden), explicit)
+    inner.pipeline_default_position_ids = lambda h: None
+    torch.testing.assert_close(inner(hidden), plain)

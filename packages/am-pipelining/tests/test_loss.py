@@ -276,3 +276,31 @@ def test_pipeline_loss_calls_the_models_combined_loss_hook():
         (logits, h1), labels, loss_fn=_sum_ce, labels_shifted=True, seq_idx=seq_idx, scaling_factor=2.0, ignore_index=-1
     )
     torch.testing.assert_close(got, expected)
+
+
+def test_pipeline_loss_uses_given_mtp_targets_instead_of_rolling_the_labels():
+    """Precomputed MTP targets (context parallelism: computed on the whole sequence before sharding) replace the
+    targets rolled from the local labels, in the generic rule and through the model's hook."""
+    model = _MTPModel()
+    logits, h1 = torch.randn(1, 8, 7), torch.randn(1, 8, 4)
+    labels = torch.randint(0, 7, (1, 8))
+    targets = torch.randint(0, 7, (1, 8))  # e.g. the next rank's labels reach the last positions
+    loss = PipelineCausalLMLoss(_sum_ce, model)
+    got = loss((logits, h1), labels, mtp_per_depth_targets=[targets])
+    expected = _sum_ce(logits, labels) + 0.5 * _sum_ce(model.lm_head(h1), targets)
+    torch.testing.assert_close(got, expected)
+    assert not torch.allclose(got, loss((logits, h1), labels)), "rolled targets differ from the given ones"
+
+    class _Hook(_MTPModel):
+        def combined_loss(self, output, labels, *, mtp_per_depth_targets=None, seq_idx=None, **options):
+            self.seen = (mtp_per_depth_targets, seq_idx)
+            return output[0].sum()
+
+    hooked = _Hook()
+    hooked.pipeline_output_names = ("logits", "mtp_per_depth_h", "seq_idx")
+    seq_idx = torch.zeros(1, 8, dtype=torch.int32)
+    PipelineCausalLMLoss(_sum_ce, hooked)((logits, h1, seq_idx), labels, mtp_per_depth_targets=[targets])
+    given, seen_seq_idx = hooked.seen
+    assert len(given) == 1
+    assert torch.equal(given[0], targets)
+    assert seen_seq_idx is None, "the targets already respect documents"

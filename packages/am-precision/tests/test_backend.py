@@ -93,6 +93,7 @@ _UNIMPLEMENTED_VALUES = {
     "enable_fsdp_optimizations": True,
     "te_fp8": TEFp8Config(),
     "compile_attn": True,
+    "enable_deepep": True,
 }
 
 

@@ -79,11 +79,11 @@ def test_linear_factory_torch_on_meta_then_materialized(bias):
 
 
 def test_unknown_implementations_list_the_allowed_ones():
-    with pytest.raises(ValueError, match="Unsupported RMSNorm implementation 'apex'") as err:
+    with pytest.raises(ValueError, match="Unsupported RMSNorm implementation: 'apex'") as err:
         initialize_rms_norm_module("apex", 4)
     for option in ("'torch'", "'torch_fp32'", "'te'", "'quack'"):
         assert option in str(err.value)
-    with pytest.raises(ValueError, match="Unsupported Linear implementation 'fp8'") as err:
+    with pytest.raises(ValueError, match="Unsupported Linear implementation: 'fp8'") as err:
         initialize_linear_module("fp8", 4, 4)
     for option in ("'torch'", "'te'", "'quack'"):
         assert option in str(err.value)

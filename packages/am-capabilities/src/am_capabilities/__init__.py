@@ -5,11 +5,16 @@ declarations) and a registry that model packages fill through entry points; neve
 a trainer, or (at import time) transformers.
 """
 
-from am_capabilities._version import __version__
-from am_capabilities.declarative import ModelCapabilities, declared_capabilities, query_capabilities
-from am_capabilities.introspection import ModelSupports, is_hybrid_model
-from am_capabilities.mesh import MODEL_AXES, MeshContext, read_mesh_sizes
-from am_capabilities.registry import (
+from ._version import __version__
+from .declarative import ModelCapabilities, declared_capabilities, query_capabilities
+from .introspection import (
+    EXPERT_PARALLEL_HOOK,
+    expert_split_problem,
+    implements_expert_parallelism,
+    is_hybrid_model,
+)
+from .mesh import MODEL_AXES, MeshContext, read_mesh_sizes
+from .registry import (
     ENTRY_POINT_GROUP,
     ModelRegistryError,
     clear_registry_cache,
@@ -20,12 +25,16 @@ from am_capabilities.registry import (
     registered_architectures,
     unregister_model,
 )
-from am_capabilities.validation import attach_capabilities_and_validate, validate_for_mesh
+from .supports import ModelSupports
+from .validation import attach_capabilities_and_validate, validate_for_mesh
 
 __all__ = [
     # introspection of live models
     "ModelSupports",
     "is_hybrid_model",
+    "implements_expert_parallelism",
+    "expert_split_problem",
+    "EXPERT_PARALLEL_HOOK",
     # validation
     "validate_for_mesh",
     "attach_capabilities_and_validate",

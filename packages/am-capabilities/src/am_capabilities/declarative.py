@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from am_capabilities.registry import get_model_class
+from .registry import get_model_class
 
 __all__ = ["ModelCapabilities", "declared_capabilities", "query_capabilities"]
 

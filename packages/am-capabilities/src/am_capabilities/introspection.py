@@ -1,30 +1,36 @@
-"""What a live model instance supports, derived by introspection: ``ModelSupports`` and its predicates.
+"""What a live model instance supports, derived by introspection: the predicates and one decision per axis.
+
+``ModelSupports`` (``supports.py``) reports these decisions; ``validate_for_mesh`` (``validation.py``) refuses by them.
 
 Everything is read from duck-typed attributes (see the package README for the full list); no model package,
 trainer or transformers is imported. Each parallel axis is decided by one ``_decide_<axis>`` function that
 returns a verdict *with its reason and fix*, so ``ModelSupports`` and ``validate_for_mesh`` can never disagree.
 
 Rule between declared and introspected capabilities: when the model class declares capabilities
-(``ModelCapabilities`` / ``get_capabilities``, see ``declarative``), the declaration decides TP, PP and EP
+(``ModelCapabilities`` / ``get_capabilities``, see ``declarative``), the declaration decides TP and PP
 outright — it is the model author's statement, and the structural heuristics (plans, MoE marker) only stand
-in for it on undeclared models. For CP a declaration of ``False`` vetoes; ``True`` still requires a CP-capable
-attention backend on this instance, since the backend is a runtime choice the class cannot vouch for.
+in for it on undeclared models. For CP and EP a declaration of ``False`` vetoes, and ``True`` still needs the
+implementation on this instance: a CP-capable attention backend (a runtime choice the class cannot vouch for),
+and for EP the ``apply_expert_parallel`` hook (``implements_expert_parallelism``: without it nothing shards the
+experts).
 """
 
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch.nn as nn
 
-from am_capabilities.declarative import ModelCapabilities, declared_capabilities
-from am_capabilities.mesh import MeshContext
-from am_capabilities.registry import is_registered_model_class
+from .declarative import ModelCapabilities, declared_capabilities
 
-__all__ = ["ModelSupports", "is_hybrid_model"]
+__all__ = [
+    "EXPERT_PARALLEL_HOOK",
+    "expert_split_problem",
+    "implements_expert_parallelism",
+    "is_hybrid_model",
+]
 
 # Block-type names of state-space / linear-attention layers, in both NemotronH vocabularies
 # (NVIDIA checkpoints: "mamba"; transformers >= 5.13: "linear_attention") plus the pattern letter "M".
@@ -34,6 +40,10 @@ _PLAIN_BLOCK_NAMES = frozenset({"attention", "full_attention", "sliding_attentio
 _HYBRID_CONFIG_FIELDS = ("layers_block_type", "hybrid_override_pattern", "layer_types")
 
 _TE = "te"
+# The method a model implements expert parallelism with (see `implements_expert_parallelism`).
+EXPERT_PARALLEL_HOOK = "apply_expert_parallel"
+# Config fields holding a layer's number of routed experts (DeepSeek/Nemotron-H, Gemma 4/Qwen, Mixtral names).
+_EXPERT_COUNT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts")
 _MAGI = "magi"
 
 
@@ -131,6 +141,14 @@ def _is_moe(model: nn.Module) -> bool:
     return getattr(type(model), "_am_is_moe", False) is True
 
 
+def implements_expert_parallelism(model: nn.Module) -> bool:
+    """Whether the model implements expert parallelism: it has a callable ``apply_expert_parallel(ep_mesh)`` (the
+    hook a trainer calls to shard the experts over the ep ranks). The one rule every EP decision uses; being a
+    mixture-of-experts model (``_am_is_moe``) or declaring ``supports_ep=True`` is not enough — without the hook
+    nothing would shard the experts, and ``ep_size > 1`` would silently run replicated experts."""
+    return callable(getattr(model, EXPERT_PARALLEL_HOOK, None))
+
+
 def _supports_seq_lens(model: nn.Module) -> bool:
     """Whether ``forward`` accepts ``seq_lens`` (explicitly or through ``**kwargs``)."""
     try:
@@ -177,7 +195,7 @@ def _decide_tp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
         return _Verdict(True)
     return _Verdict(
         False,
-        "it has no tensor-parallel plan (`_tp_plan` is missing or empty) and declares no capabilities",
+        "it has no TP plan (`_tp_plan` is missing or empty) and declares no capabilities",
         "set tp_size=1, or give the model a non-empty `_tp_plan`",
     )
 
@@ -189,21 +207,52 @@ def _decide_pp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
         return _Verdict(True)
     return _Verdict(
         False,
-        "it has no pipeline plan (`_pp_plan` is missing or empty) and declares no capabilities",
+        "pipeline parallelism requires a _pp_plan attribute, but `_pp_plan` is missing or empty and it declares no "
+        "capabilities",
         "set pp_size=1, or give the model a non-empty `_pp_plan`",
     )
 
 
 def _decide_ep(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:
-    if declared is not None:
-        return _veto(declared, "supports_ep", "ep") or _Verdict(True)
-    if _is_moe(model):
+    vetoed = _veto(declared, "supports_ep", "ep")
+    if vetoed is not None:
+        return vetoed
+    if implements_expert_parallelism(model):
         return _Verdict(True)
+    said = "its capability declaration says supports_ep=True, but " if declared is not None else ""
     return _Verdict(
         False,
-        "expert parallelism needs a mixture-of-experts model, and the class does not set `_am_is_moe = True`",
-        "set ep_size=1",
+        f"{said}it has no `{EXPERT_PARALLEL_HOOK}(ep_mesh)` method, so nothing would shard its experts over the ep "
+        "ranks and send tokens to them",
+        f"set ep_size=1 (every data-parallel rank then holds all experts), or use a model class that implements "
+        f"`{EXPERT_PARALLEL_HOOK}` (e.g. am_models_nemotron.NemotronHForCausalLM or am_models_gemma4's MoE models)",
     )
+
+
+def expert_split_problem(model: nn.Module, ep_size: int) -> str | None:
+    """Why the model's experts cannot be split over ``ep_size`` ranks (``None`` when they can or are unknown).
+
+    Reads the expert count of every config the model carries (``n_routed_experts``, ``num_experts``,
+    ``num_local_experts``; see ``_candidate_configs``); each must be divisible by ``ep_size``.
+    """
+    first_name: dict[int, str] = {}  # one field per distinct count (configs often alias the same number)
+    for name, count in _expert_counts(model):
+        first_name.setdefault(count, name)
+    uneven = [f"{name}={count}" for count, name in sorted(first_name.items()) if count % ep_size]
+    if not uneven:
+        return None
+    return (
+        f"its experts cannot be split evenly over ep_size={ep_size} ranks ({', '.join(uneven)} "
+        f"not divisible by {ep_size})"
+    )
+
+
+def _expert_counts(model: nn.Module) -> Iterator[tuple[str, int]]:
+    for config in _candidate_configs(model):
+        for name in _EXPERT_COUNT_FIELDS:
+            count = _field(config, name)
+            if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+                yield name, count
 
 
 def _decide_cp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:
@@ -257,245 +306,6 @@ def _has_packing_attention(model: nn.Module) -> bool:
         or getattr(model, "_owns_packed_attention", False) is True
     )
 
-
-# --------------------------------------------------------------------------------------------------------------
-# ModelSupports
-# --------------------------------------------------------------------------------------------------------------
-
-
-class ModelSupports:
-    """Capability flags of one live model, optionally for a given mesh.
-
-    Holds the model through a weak reference (a model does not keep itself alive through its own
-    ``supports``); every flag is recomputed on access, so it follows live changes such as ``backend.attn`` or
-    ``mtp_config.enabled``.
-
-    Args:
-        model: the model instance.
-        mesh: ``None``, a ``MeshContext``, a ``DeviceMesh`` with named dims, or any object with
-            ``<axis>_size`` attributes. Only needed for the mesh-dependent flags.
-
-    Raises:
-        ValueError: the mesh has invalid sizes.
-        ReferenceError: (on attribute access) the model has been garbage-collected.
-    """
-
-    __slots__ = ("__weakref__", "_mesh", "_model_cls", "_model_ref")
-
-    _FLAGS: tuple[str, ...] = (
-        "supports_tp",
-        "supports_pp",
-        "supports_cp",
-        "supports_ep",
-        "supports_sequence_packing",
-        "supports_cp_with_sequence_packing",
-        "supports_thd",
-        "supports_mtp_cp",
-        "supports_mtp_cp_pp",
-        "supports_cp_vision_frame_sharding",
-        "supports_gradient_checkpointing",
-        "supports_generate",
-        "mtp_enabled",
-        "is_custom_model",
-    )
-
-    def __init__(self, model: nn.Module, mesh: Any = None) -> None:
-        self._model_ref: weakref.ref[nn.Module] = weakref.ref(model)
-        self._model_cls: type = type(model)
-        self._mesh: MeshContext | None = None if mesh is None else MeshContext.from_mesh(mesh)
-
-    # ---- plumbing --------------------------------------------------------------------------------------------
-
-    @property
-    def model(self) -> nn.Module:
-        """The model these flags describe."""
-        model = self._model_ref()
-        if model is None:
-            raise ReferenceError(
-                f"ModelSupports: the {self._model_cls.__name__} it describes has been garbage-collected; "
-                "keep a reference to the model while using its capabilities."
-            )
-        return model
-
-    def describes(self, model: nn.Module) -> bool:
-        """Whether this object describes exactly ``model`` (not a copy of it)."""
-        return self._model_ref() is model
-
-    @property
-    def mesh(self) -> MeshContext | None:
-        return self._mesh
-
-    @property
-    def tp_size(self) -> int:
-        return 1 if self._mesh is None else self._mesh.tp_size
-
-    @property
-    def pp_size(self) -> int:
-        return 1 if self._mesh is None else self._mesh.pp_size
-
-    @property
-    def cp_size(self) -> int:
-        return 1 if self._mesh is None else self._mesh.cp_size
-
-    @property
-    def ep_size(self) -> int:
-        return 1 if self._mesh is None else self._mesh.ep_size
-
-    @property
-    def declared_capabilities(self) -> ModelCapabilities | None:
-        """The class's capability declaration for this model's config, or ``None`` if it declares none."""
-        return _declared(self.model)
-
-    # ---- parallel axes ---------------------------------------------------------------------------------------
-
-    @property
-    def supports_tp(self) -> bool:
-        """Declared, or a non-empty ``_tp_plan``."""
-        model = self.model
-        return _decide_tp(model, _declared(model)).ok
-
-    @property
-    def supports_pp(self) -> bool:
-        """Declared, or a non-empty ``_pp_plan``, or an MoE model (``_am_is_moe``) that pipelines itself."""
-        model = self.model
-        return _decide_pp(model, _declared(model)).ok
-
-    @property
-    def supports_cp(self) -> bool:
-        """Not vetoed by a declaration, and a CP-capable attention path (see ``_decide_cp``)."""
-        model = self.model
-        return _decide_cp(model, _declared(model)).ok
-
-    @property
-    def supports_ep(self) -> bool:
-        """Declared, or an MoE model (``_am_is_moe = True``)."""
-        model = self.model
-        return _decide_ep(model, _declared(model)).ok
-
-    # Aliases kept for upstream API parity.
-    supports_tp_plan = supports_tp
-    supports_pp_plan = supports_pp
-
-    # ---- declared-only flags ---------------------------------------------------------------------------------
-
-    def _declared_flag(self, name: str) -> bool:
-        declared = _declared(self.model)
-        return declared is not None and bool(getattr(declared, name))
-
-    @property
-    def supports_thd(self) -> bool:
-        return self._declared_flag("supports_thd")
-
-    @property
-    def supports_mtp_cp(self) -> bool:
-        return self._declared_flag("supports_mtp_cp")
-
-    @property
-    def supports_mtp_cp_pp(self) -> bool:
-        return self._declared_flag("supports_mtp_cp_pp")
-
-    @property
-    def supports_cp_vision_frame_sharding(self) -> bool:
-        return self._declared_flag("supports_cp_vision_frame_sharding")
-
-    # ---- sequence packing ------------------------------------------------------------------------------------
-
-    @property
-    def supports_sequence_packing(self) -> bool:
-        """``forward`` takes ``seq_lens`` (or ``**kwargs``) and the attention path handles packed sequences.
-
-        A hybrid model without a ``backend`` (the HuggingFace implementation) is excluded: its Mamba scan does
-        not reset state at document boundaries, so packed documents would leak into each other.
-        """
-        model = self.model
-        if not _supports_seq_lens(model) or not _has_packing_attention(model):
-            return False
-        return (
-            _has_backend(model)
-            or getattr(model, "_owns_packed_attention", False) is True
-            or not (is_hybrid_model(model))
-        )
-
-    @property
-    def supports_cp_with_sequence_packing(self) -> bool:
-        """Packing under this mesh's CP size: trivially when ``cp_size <= 1``, else a packed-CP attention path."""
-        if not self.supports_sequence_packing:
-            return False
-        if self.cp_size <= 1:
-            return True
-        model = self.model
-        packed_cp = _tuple_attr(model, "_packed_cp_attn_backends")
-        if packed_cp is not None:
-            return _supports_seq_lens(model) and _attn_backend(model) in packed_cp
-        if getattr(model, "_owns_cp_attention", False) is True:
-            return True
-        return _uses_te_attention(model) or _uses_magi_attention(model)
-
-    # ---- training / inference features -----------------------------------------------------------------------
-
-    @property
-    def supports_gradient_checkpointing(self) -> bool:
-        """False for an MoE model when ``ep_size > 1``; otherwise the first plain class-level
-        ``supports_gradient_checkpointing`` value in the MRO decides (properties and methods skipped)."""
-        model = self.model
-        if self.ep_size > 1 and _decide_ep(model, _declared(model)).ok:
-            return False
-        return _plain_class_value(type(model), "supports_gradient_checkpointing") is True
-
-    @property
-    def supports_generate(self) -> bool:
-        return callable(getattr(self.model, "generate", None))
-
-    @property
-    def mtp_enabled(self) -> bool:
-        """Live value of ``model.mtp_config.enabled`` (False without an MTP config)."""
-        return getattr(getattr(self.model, "mtp_config", None), "enabled", False) is True
-
-    @property
-    def is_custom_model(self) -> bool:
-        """Whether the model class (or a base) is registered as a custom model (entry point or register_model)."""
-        return is_registered_model_class(self._model_cls)
-
-    # ---- copying / printing ----------------------------------------------------------------------------------
-
-    def __repr__(self) -> str:
-        if self._model_ref() is None:
-            return f"ModelSupports({self._model_cls.__name__}, <model garbage-collected>)"
-        flags = ", ".join(f"{_short(name)}={getattr(self, name)}" for name in self._FLAGS)
-        mesh = "" if self._mesh is None else f", mesh={self._mesh}"
-        return f"ModelSupports({self._model_cls.__name__}: {flags}{mesh})"
-
-    def __copy__(self) -> ModelSupports:
-        return self._clone()
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> ModelSupports:
-        # A weak reference cannot be deep-copied meaningfully: the copy still describes the same model.
-        # An attached model's copies describe themselves: `model.supports` is built per access from the copied mesh
-        # (see validation.attach_capabilities_and_validate).
-        return self._clone()
-
-    def __reduce__(self) -> Any:
-        raise TypeError(
-            "ModelSupports holds a weak reference to its model and cannot be pickled; pickle the model "
-            "(an attached model carries its mesh and describes itself after unpickling)."
-        )
-
-    def _clone(self) -> ModelSupports:
-        clone = ModelSupports.__new__(ModelSupports)
-        clone._model_ref = self._model_ref
-        clone._model_cls = self._model_cls
-        clone._mesh = self._mesh
-        return clone
-
-
-def _short(name: str) -> str:
-    return name.removeprefix("supports_")
-
-
-# Names ``attach_capabilities_and_validate`` forwards from the model to its ``supports`` object.
-FORWARDED_FLAGS: tuple[str, ...] = tuple(
-    name for name in dir(ModelSupports) if name.startswith("supports_") or name == "is_custom_model"
-)
 
 _decide: dict[str, Callable[[nn.Module, ModelCapabilities | None], _Verdict]] = {
     "tp": _decide_tp,

@@ -177,12 +177,20 @@ def is_registered_model_class(cls: type) -> bool:
     Entry points are matched on ``module:qualname`` without importing them, so this never imports a model
     package and never fails because some unrelated entry point is broken. A class that merely shares an
     architecture name with a registered one (e.g. HuggingFace's ``NemotronHForCausalLM`` next to ours) does
-    not match.
+    not match. An entry point may name the defining module (``pkg.model:Cls``) or the package that re-exports
+    the class (``pkg:Cls``, matched when the class is defined in a submodule of ``pkg``).
     """
     with _lock:
         explicit = set(_explicit.values())
         entry_targets = {(record.module, record.attr) for record in _scan_entry_points().values()}
-    return any(klass in explicit or (klass.__module__, klass.__qualname__) in entry_targets for klass in cls.__mro__)
+    return any(klass in explicit or _names_entry_target(klass, entry_targets) for klass in cls.__mro__)
+
+
+def _names_entry_target(klass: type, targets: set[tuple[str, str]]) -> bool:
+    module, qualname = klass.__module__, klass.__qualname__
+    parts = module.split(".")
+    # The defining module itself, or any package above it that may re-export the class under the same name.
+    return any((".".join(parts[:depth]), qualname) in targets for depth in range(len(parts), 0, -1))
 
 
 def _scan_entry_points() -> dict[str, _EntryPointRecord]:

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch.nn as nn
 
-from am_capabilities.declarative import ModelCapabilities
-from am_capabilities.introspection import FORWARDED_FLAGS, ModelSupports, _decide, _declared
-from am_capabilities.mesh import MODEL_AXES, MeshContext, read_mesh_sizes
+from .declarative import ModelCapabilities
+from .introspection import _decide, _declared, expert_split_problem
+from .mesh import MODEL_AXES, MeshContext, read_mesh_sizes
+from .supports import FORWARDED_FLAGS, ModelSupports
 
 __all__ = ["attach_capabilities_and_validate", "validate_for_mesh"]
 
@@ -31,17 +32,18 @@ _MESH_ATTR = "_am_capabilities_mesh"
 def validate_for_mesh(model: nn.Module, mesh: Any) -> None:
     """Raise if ``model`` cannot run on ``mesh``; do nothing when ``mesh`` is ``None`` or everything holds.
 
-    Axes of size 1 never fail. An invalid size (``< 1``, non-integer, bool) is itself reported, next to the
-    capability problems of the other axes.
+    Axes of size 1 never fail. ``ep_size > 1`` also needs every expert count of the model's configs to be
+    divisible by it (see ``expert_split_problem``). An invalid size (``< 1``, non-integer, bool) is itself
+    reported, next to the capability problems of the other axes.
 
     Args:
         model: the model instance.
         mesh: ``MeshContext``, ``DeviceMesh`` with named dims, or any object with ``<axis>_size`` attributes.
 
     Raises:
-        ValueError: ``"Unsupported mesh for <Class> (<n> problems):"`` followed by one ``"  - "`` line per
-            problem, e.g. ``"  - pp_size=2: <Class> cannot use pipeline parallelism: <reason>. Fix: set
-            pp_size=1, or ..."``.
+        ValueError: ``"Unsupported configuration for <Class> (<n> problems):"`` (upstream's opening) followed by
+            one ``"  - "`` line per problem, e.g. ``"  - pp_size=2: <Class> cannot use pipeline parallelism:
+            <reason>. Fix: set pp_size=1, or ..."``.
     """
     if mesh is None:
         return
@@ -60,9 +62,14 @@ def validate_for_mesh(model: nn.Module, mesh: Any) -> None:
                 f"{axis}_size={size}: {name} cannot use {titles[axis]} parallelism: {verdict.reason}. "
                 f"Fix: {verdict.fix}."
             )
+        elif axis == "ep" and (uneven := expert_split_problem(model, size)) is not None:
+            problems.append(
+                f"ep_size={size}: {name} cannot use expert parallelism: {uneven}. Fix: choose an ep_size that "
+                "divides the number of experts."
+            )
     if problems:
         count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
-        raise ValueError(f"Unsupported mesh for {name} ({count}):\n  - " + "\n  - ".join(problems))
+        raise ValueError(f"Unsupported configuration for {name} ({count}):\n  - " + "\n  - ".join(problems))
 
 
 def attach_capabilities_and_validate(model: nn.Module, mesh: Any = None) -> nn.Module:
@@ -127,8 +134,8 @@ class _Forward:
         attributes = vars(instance)
         if _MESH_ATTR not in attributes:
             raise AttributeError(self.flag or "supports")
-        # Built per access (a weak reference and the mesh): nothing that refers back to the model is stored on it,
-        # so copies never describe their original and the model is freed by reference counting alone.
+        # Built per access (the model and the mesh): nothing that refers back to the model is stored on it, so
+        # copies never describe their original and the model is freed by reference counting alone.
         supports = ModelSupports(instance, attributes[_MESH_ATTR])
         return supports if self.flag is None else getattr(supports, self.flag)
 

@@ -9,27 +9,27 @@ Importing this package never imports transformers, transformer_engine or flash_a
 
 from __future__ import annotations
 
-from am_context_parallel._version import __version__
-from am_context_parallel.batch import (
+from ._version import __version__
+from .batch import (
     _synthesize_single_document_seq_ids,
     make_contiguous_shard_cp_batch_and_ctx,
     make_cp_batch_and_ctx,
 )
-from am_context_parallel.context import RingAttentionContext, current_ring_context
-from am_context_parallel.hf import (
+from .context import RingAttentionContext, current_ring_context
+from .hf import (
     RING_ATTENTION_NAME,
     hf_ring_attention_forward,
     register_ring_attention,
     routed_hf_attention,
 )
-from am_context_parallel.kernels import (
+from .kernels import (
     AttentionKernel,
     FlashCPUAttentionKernel,
     TorchAttentionKernel,
     merge_partial_attention,
     select_kernel,
 )
-from am_context_parallel.layouts import (
+from .layouts import (
     ContiguousLayout,
     IdentityLayout,
     Layout,
@@ -37,12 +37,12 @@ from am_context_parallel.layouts import (
     PackedLayout,
     pad_sequence_dim,
 )
-from am_context_parallel.model_protocol import CP_LAYOUTS, ContiguousCPOptions, model_cp_options
-from am_context_parallel.ring import ring_attention
-from am_context_parallel.ring_setup import ring_plan
-from am_context_parallel.ring_stats import RingCommStats, count_ring_bytes
-from am_context_parallel.thd import make_cp_batch_for_te, process_input_for_thd, split_batch_into_thd_chunks
-from am_context_parallel.training import all_reduce_cp_gradients, cp_token_mean_loss
+from .model_protocol import CP_LAYOUTS, ContiguousCPOptions, model_cp_options
+from .ring import ring_attention
+from .ring_setup import ring_plan
+from .ring_stats import RingCommStats, count_ring_bytes
+from .thd import make_cp_batch_for_te, process_input_for_thd, split_batch_into_thd_chunks
+from .training import all_reduce_cp_gradients, cp_token_mean_loss
 
 __all__ = [
     # layouts

@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from am_context_parallel.context import RingAttentionContext
-from am_context_parallel.layouts import ContiguousLayout, Layout, LoadBalancedLayout
-from am_context_parallel.mesh import cp_rank, sub_mesh
-from am_context_parallel.model_protocol import ContiguousCPOptions, model_cp_options
-from am_context_parallel.thd import make_cp_batch_for_te
+from .context import RingAttentionContext
+from .layouts import ContiguousLayout, Layout, LoadBalancedLayout
+from .mesh import cp_rank, sub_mesh
+from .model_protocol import ContiguousCPOptions, model_cp_options
+from .thd import make_cp_batch_for_te
 
 __all__ = ["make_contiguous_shard_cp_batch_and_ctx", "make_cp_batch_and_ctx"]
 
@@ -210,6 +210,35 @@ def _doc_ids_for_ring(batch: dict[str, Any], padding_mask: torch.Tensor | None) 
 _REMOVED_BATCH_HOOK = "_cp_make_batch_fn"
 
 
+def _check_token_tensors(batch: dict[str, Any]) -> None:
+    """Token ids and labels must be integer tensors and labels must have the batch size of the inputs: checked on
+    every path (identity included), since a float id or a label row that belongs to no input row trains wrongly
+    without an error further down (labels are not broadcast)."""
+    problems = []
+    for key in ("input_ids", "labels"):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and (
+            value.is_floating_point() or value.is_complex() or value.dtype == torch.bool
+        ):
+            problems.append(
+                f"'{key}' must be an integer tensor of token ids{' (-100 = ignore)' * (key == 'labels')}; got "
+                f"{value.dtype}: cast with .long()"
+                + (", or pass embeddings as 'inputs_embeds'" if key == "input_ids" else "")
+            )
+    labels = batch.get("labels")
+    primary_key = next((k for k in _PRIMARY_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
+    if isinstance(labels, torch.Tensor) and primary_key is not None:
+        primary = batch[primary_key]
+        if labels.dim() >= 1 and primary.dim() >= 1 and labels.shape[0] != primary.shape[0]:
+            problems.append(
+                f"'labels' has batch size {labels.shape[0]} (shape {tuple(labels.shape)}) but '{primary_key}' has "
+                f"B={primary.shape[0]} (shape {tuple(primary.shape)}); labels are not broadcast: give one label row "
+                "per input row"
+            )
+    if problems:
+        raise ValueError("cannot shard the batch for context parallelism:\n  - " + "\n  - ".join(problems))
+
+
 def _refuse_function_in_batch(batch: dict[str, Any]) -> None:
     if _REMOVED_BATCH_HOOK in batch:
         raise ValueError(
@@ -259,9 +288,11 @@ def make_cp_batch_and_ctx(
         ValueError: listing every problem (missing labels, both/neither of input_ids/inputs_embeds, sequence tensors
             of different lengths or with a sequence dim they do not have, missing extra buffers); for a batch that
             still carries the removed `_cp_make_batch_fn` hook; for THD options without `use_te`, or `use_te` with a
-            model that declares the contiguous layout.
+            model that declares the contiguous layout; on every path (C <= 1 included), for float (or bool) token ids
+            or labels and for labels whose batch size differs from the inputs'.
     """
     _refuse_function_in_batch(batch)
+    _check_token_tensors(batch)
     if not use_te and (num_chunks != 1 or seq_lens_padding_value != -1000):
         raise ValueError(
             f"num_chunks={num_chunks} and seq_lens_padding_value={seq_lens_padding_value} configure the THD path "

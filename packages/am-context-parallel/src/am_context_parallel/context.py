@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from am_context_parallel.kernels import AttentionKernel, select_kernel
-from am_context_parallel.layouts import Layout
-from am_context_parallel.ring import attend
-from am_context_parallel.ring_setup import RingState
+from .kernels import AttentionKernel, select_kernel
+from .layouts import Layout
+from .ring import attend
+from .ring_setup import RingState
 
 __all__ = ["RingAttentionContext", "current_ring_context"]
 
@@ -110,7 +110,7 @@ class RingAttentionContext:
         token = _CURRENT.set(self)
         try:
             if self.route_hf_attention:
-                from am_context_parallel.hf import routed_hf_attention
+                from .hf import routed_hf_attention
 
                 with routed_hf_attention():
                     yield self

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from am_context_parallel.context import current_ring_context
+from .context import current_ring_context
 
 __all__ = ["RING_ATTENTION_NAME", "hf_ring_attention_forward", "register_ring_attention", "routed_hf_attention"]
 

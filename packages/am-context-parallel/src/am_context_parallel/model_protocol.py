@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from am_context_parallel.kernels import AttentionKernel
+from .kernels import AttentionKernel
 
 __all__ = ["CP_LAYOUTS", "ContiguousCPOptions", "model_cp_options"]
 

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from am_context_parallel.kernels import AttentionKernel, accumulation_dtype, merge_partial_attention, select_kernel
-from am_context_parallel.ring_setup import RingSetup, RingState
-from am_context_parallel.ring_stats import nbytes, record
+from .kernels import AttentionKernel, accumulation_dtype, merge_partial_attention, select_kernel
+from .ring_setup import RingSetup, RingState
+from .ring_stats import nbytes, record
 
 __all__ = ["attend", "ring_attention"]
 

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from am_context_parallel.kernels import AttentionKernel
-from am_context_parallel.ring_stats import nbytes, record
+from .kernels import AttentionKernel
+from .ring_stats import nbytes, record
 
 __all__ = ["RingSetup", "RingState", "ring_plan"]
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from am_context_parallel.layouts import PackedLayout
-from am_context_parallel.mesh import cp_rank
+from .layouts import PackedLayout
+from .mesh import cp_rank
 
 __all__ = ["make_cp_batch_for_te", "process_input_for_thd", "split_batch_into_thd_chunks"]
 

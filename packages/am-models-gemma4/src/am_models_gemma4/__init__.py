@@ -8,11 +8,11 @@ am-capabilities or transformer_engine.
 
 from __future__ import annotations
 
-from am_models_gemma4._version import __version__
-from am_models_gemma4.attention import AttentionInputs, Gemma4Attention, SharedKVStates, build_attention_mask
-from am_models_gemma4.cache import Gemma4HybridCache
-from am_models_gemma4.checkpoint import load_pretrained, read_safetensors_folder, save_pretrained
-from am_models_gemma4.config import (
+from ._version import __version__
+from .attention import AttentionInputs, Gemma4Attention, SharedKVStates, build_attention_mask
+from .cache import Gemma4HybridCache
+from .checkpoint import load_pretrained, read_safetensors_folder, save_pretrained
+from .config import (
     is_moe_config,
     layer_head_dim,
     layer_num_kv_heads,
@@ -20,21 +20,21 @@ from am_models_gemma4.config import (
     text_config_of,
     validate_text_config,
 )
-from am_models_gemma4.cp import ContextParallelHooks, active_ring_context
-from am_models_gemma4.decoder import Gemma4DecoderLayer
-from am_models_gemma4.generation import Gemma4GenerationMixin
-from am_models_gemma4.kernels import BlockSparseAttentionKernel, default_ring_kernel
-from am_models_gemma4.layers import Gemma4RMSNorm
-from am_models_gemma4.model import (
+from .cp import ContextParallelHooks, active_ring_context
+from .decoder import Gemma4DecoderLayer
+from .generation import Gemma4GenerationMixin
+from .kernels import BlockSparseAttentionKernel, default_ring_kernel
+from .layers import Gemma4RMSNorm
+from .model import (
     Gemma4ForCausalLM,
     Gemma4TextModel,
     causal_lm_loss,
     gemma4_capabilities,
     softcap_logits,
 )
-from am_models_gemma4.moe import Gemma4Experts, Gemma4MoE, Gemma4Router
-from am_models_gemma4.state_dict_adapter import Gemma4StateDictAdapter
-from am_models_gemma4.vlm import Gemma4ForConditionalGeneration, Gemma4Model
+from .moe import ExpertParallelHooks, Gemma4Experts, Gemma4MoE, Gemma4Router
+from .state_dict_adapter import Gemma4StateDictAdapter
+from .vlm import Gemma4ForConditionalGeneration, Gemma4Model
 
 __all__ = [
     # models
@@ -47,6 +47,7 @@ __all__ = [
     "Gemma4MoE",
     "Gemma4Router",
     "Gemma4Experts",
+    "ExpertParallelHooks",
     "Gemma4RMSNorm",
     # attention inputs
     "AttentionInputs",

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
 
-from am_models_gemma4.config import SLIDING, kv_sharing_modes, layer_head_dim, layer_num_kv_heads
-from am_models_gemma4.cp import active_ring_context
-from am_models_gemma4.layers import Gemma4RMSNorm
+from .config import SLIDING, kv_sharing_modes, layer_head_dim, layer_num_kv_heads
+from .cp import active_ring_context
+from .layers import Gemma4RMSNorm
 
 __all__ = ["AttentionInputs", "Gemma4Attention", "SharedKVStates", "build_attention_mask"]
 

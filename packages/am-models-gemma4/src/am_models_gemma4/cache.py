@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from am_models_gemma4.config import SLIDING, kv_sharing_modes, text_config_of
+from .config import SLIDING, kv_sharing_modes, text_config_of
 
 __all__ = ["Gemma4HybridCache"]
 

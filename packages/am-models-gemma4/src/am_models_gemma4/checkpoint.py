@@ -14,22 +14,18 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from am_models_gemma4.config import kv_sharing_modes, text_config_of
-from am_models_gemma4.hf_io import (
-    LazyCheckpoint,
-    resolve_checkpoint_folder,
-    resolve_device,
-    resolve_dtype,
-    write_safetensors,
-)
-from am_models_gemma4.state_dict_adapter import Gemma4StateDictAdapter
 from am_precision import cast_model_to_dtype
+
+from .config import kv_sharing_modes, text_config_of
+from .hf_io import LazyCheckpoint, resolve_checkpoint_folder, resolve_device, resolve_dtype, write_safetensors
+from .state_dict_adapter import Gemma4StateDictAdapter
 
 __all__ = ["load_pretrained", "read_safetensors_folder", "save_pretrained"]
 
@@ -182,12 +178,42 @@ def load_pretrained(
     return model
 
 
+def _state_dict_to_save(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The state dict `save_pretrained` writes: `state_dict` when given (it must name exactly the model's keys),
+    else `model.state_dict()`; every tensor must be full (no sharded DTensor). Raises one ValueError listing every
+    problem."""
+    from torch.distributed.tensor import DTensor
+
+    own = model.state_dict()
+    tensors = dict(own if state_dict is None else state_dict)
+    problems = []
+    if state_dict is not None:
+        missing = sorted(set(own) - set(tensors))
+        unexpected = sorted(set(tensors) - set(own))
+        if missing:
+            problems.append(f"state_dict lacks {len(missing)} of the model's keys: {missing[:5]}")
+        if unexpected:
+            problems.append(f"state_dict has {len(unexpected)} keys the model does not: {unexpected[:5]}")
+    sharded = sorted(k for k, v in tensors.items() if isinstance(v, DTensor))
+    if sharded:
+        problems.append(
+            f"{len(sharded)} tensors are sharded DTensors (expert parallel / FSDP2), e.g. {sharded[:3]}: gather "
+            "them on every rank first — `{**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` for "
+            "expert parallelism, `get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` "
+            "with FSDP2 — and pass the result as state_dict= on one rank"
+        )
+    if problems:
+        raise ValueError("save_pretrained needs the full state dict of the model:\n  - " + "\n  - ".join(problems))
+    return tensors
+
+
 def save_pretrained(
     model: nn.Module,
     folder: str | os.PathLike[str],
     *,
     max_shard_size: int | str | None = "5GB",
     safe_serialization: bool = True,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Write `config.json` and the weights with transformers' names (tied LM head once).
 
@@ -195,7 +221,16 @@ def save_pretrained(
         max_shard_size: above it ("5GB", "200MB" or bytes) the weights are split into
             `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`; None: one file.
         safe_serialization: only True (safetensors) is supported; False is refused.
+        state_dict: the full state dict to write instead of `model.state_dict()` (transformers' `save_pretrained`
+            option). For an expert-parallel model every rank calls
+            `full = {**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` (collective: the experts are
+            gathered back to `[E, out, in]`), then one rank calls `save_pretrained(model, folder, state_dict=full)`.
+
+    Raises:
+        ValueError: sharded DTensors (expert parallel / FSDP2) in what would be written, or a state_dict whose keys
+            differ from the model's (all listed); safe_serialization=False.
     """
+    tensors = _state_dict_to_save(model, state_dict)
     root = Path(folder)
     if not safe_serialization:
         write_safetensors({}, root, max_shard_size=max_shard_size, safe_serialization=False)  # raises
@@ -204,5 +239,5 @@ def save_pretrained(
     config.architectures = [type(model).__name__]
     config.save_pretrained(str(root))
     tied = bool(getattr(config, "tie_word_embeddings", True))
-    state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    state = {k: v for k, v in tensors.items() if not (tied and k == "lm_head.weight")}
     write_safetensors(Gemma4StateDictAdapter.to_hf(state), root, max_shard_size=max_shard_size, safe_serialization=True)

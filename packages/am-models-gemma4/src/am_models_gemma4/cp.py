@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from am_context_parallel import ContiguousCPOptions, RingAttentionContext, current_ring_context
-from am_models_gemma4.kernels import default_ring_kernel
+
+from .kernels import default_ring_kernel
 
 __all__ = ["ContextParallelHooks", "active_ring_context", "tokens_before_this_rank"]
 

@@ -17,10 +17,10 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextMLP
 
-from am_models_gemma4.attention import AttentionInputs, Gemma4Attention
-from am_models_gemma4.cache import Gemma4HybridCache
-from am_models_gemma4.layers import Gemma4RMSNorm
-from am_models_gemma4.moe import Gemma4MoE
+from .attention import AttentionInputs, Gemma4Attention
+from .cache import Gemma4HybridCache
+from .layers import Gemma4RMSNorm
+from .moe import Gemma4MoE
 
 __all__ = ["Gemma4DecoderLayer"]
 

@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin
 from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL, GenerationMode
 
-from am_models_gemma4.cache import Gemma4HybridCache
+from .cache import Gemma4HybridCache
 
 __all__ = ["Gemma4GenerationMixin"]
 

@@ -23,14 +23,15 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding, Gemma4TextScaledWordEmbedding
 
 from am_context_parallel import cp_token_mean_loss
-from am_models_gemma4.attention import AttentionInputs, SharedKVStates
-from am_models_gemma4.cache import Gemma4HybridCache
-from am_models_gemma4.config import is_moe_config, text_config_of, validate_text_config
-from am_models_gemma4.cp import ContextParallelHooks, active_ring_context
-from am_models_gemma4.decoder import Gemma4DecoderLayer
-from am_models_gemma4.generation import Gemma4GenerationMixin
-from am_models_gemma4.layers import Gemma4RMSNorm
-from am_models_gemma4.moe import Gemma4Experts, Gemma4Router
+
+from .attention import AttentionInputs, SharedKVStates
+from .cache import Gemma4HybridCache
+from .config import is_moe_config, text_config_of, validate_text_config
+from .cp import ContextParallelHooks, active_ring_context
+from .decoder import Gemma4DecoderLayer
+from .generation import Gemma4GenerationMixin
+from .layers import Gemma4RMSNorm
+from .moe import ExpertParallelHooks, Gemma4Experts, Gemma4Router
 
 __all__ = ["Gemma4ForCausalLM", "Gemma4TextModel", "causal_lm_loss", "gemma4_capabilities", "softcap_logits"]
 
@@ -53,7 +54,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: 
 
 
 def gemma4_capabilities(config: Any) -> dict[str, bool]:
-    """Declared capabilities for am-capabilities: dense → PP and CP; MoE → CP and EP.
+    """Declared capabilities for am-capabilities: dense → PP and CP; MoE → CP and EP (`apply_expert_parallel`).
 
     PP is not declared for variants with per-layer inputs or KV sharing (a stage would need token ids or another
     stage's K/V).
@@ -191,6 +192,13 @@ class Gemma4TextModel(nn.Module):
             *inputs_embeds.shape[:-1], self.config.num_hidden_layers, self.hidden_size_per_layer_input
         )
         return (self.per_layer_projection_norm(projection) + per_layer_inputs) * self.per_layer_input_scale
+
+    def pipeline_default_position_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """am-pipelining's hook for a stage that receives hidden states `[B, S_local, H]` only: under context
+        parallelism the entered ring context's global positions of this rank's tokens (`[1, S_local]` int64), so the
+        rotary embeddings of every stage match the unsharded model's; None otherwise (positions 0 .. S - 1)."""
+        ring = active_ring_context()
+        return None if ring is None else ring.positions.view(1, -1).to(hidden_states.device)
 
     def forward(
         self,
@@ -333,7 +341,7 @@ class Gemma4TextModel(nn.Module):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache)  # type: ignore[arg-type]
 
 
-class Gemma4ForCausalLM(ContextParallelHooks, nn.Module, Gemma4GenerationMixin):
+class Gemma4ForCausalLM(ContextParallelHooks, ExpertParallelHooks, nn.Module, Gemma4GenerationMixin):
     """Text-only Gemma 4 with a (tied) LM head: `logits = softcap(lm_head(model(...)))` `[B, S, V]`.
 
     Checkpoints: `from_pretrained` / `save_pretrained` read and write transformers' `Gemma4ForCausalLM` folders.
@@ -434,7 +442,7 @@ class Gemma4ForCausalLM(ContextParallelHooks, nn.Module, Gemma4GenerationMixin):
         or one device; splitting is refused), `revision`, `config`, `cache_dir`, `token`, `local_files_only`,
         `force_download`. See `checkpoint.load_pretrained`.
         """
-        from am_models_gemma4.checkpoint import load_pretrained
+        from .checkpoint import load_pretrained
 
         return load_pretrained(
             cls,
@@ -453,11 +461,20 @@ class Gemma4ForCausalLM(ContextParallelHooks, nn.Module, Gemma4GenerationMixin):
         *,
         max_shard_size: int | str | None = "5GB",
         safe_serialization: bool = True,
+        state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Write a folder transformers' `Gemma4ForCausalLM.from_pretrained` loads.
 
-        The tied head is saved once; shards + index above `max_shard_size`; only `safe_serialization=True`.
+        The tied head is saved once; shards + index above `max_shard_size`; only `safe_serialization=True`;
+        `state_dict` (full tensors) replaces the model's own, e.g. the gathered experts of an expert-parallel model
+        (see `checkpoint.save_pretrained`).
         """
-        from am_models_gemma4.checkpoint import save_pretrained
+        from .checkpoint import save_pretrained
 
-        save_pretrained(self, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+        save_pretrained(
+            self,
+            save_directory,
+            max_shard_size=max_shard_size,
+            safe_serialization=safe_serialization,
+            state_dict=state_dict,
+        )

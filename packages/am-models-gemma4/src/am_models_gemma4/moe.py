@@ -1,31 +1,34 @@
-"""Gemma 4 mixture-of-experts block: fp32 router on the raw residual, GeGLU experts, vectorised dispatch.
+"""Gemma 4 mixture-of-experts block: fp32 router on the raw residual, GeGLU experts from am-moe.
 
 What it is for: `Gemma4Router` (RMSNorm without scale · `scale` · H^-0.5 → linear to E → softmax over all experts →
-top-k → renormalize → per-expert scale, all in fp32), `Gemma4Experts` (gelu-tanh(gate) · up → down, weights stored
-`[E, H, 2I]` / `[E, I, H]` so a token block is multiplied without a transpose) and `Gemma4MoE`, which routes on
-the un-normalized residual, computes the experts on the pre-normalized input and leaves padding tokens out of the
-dispatch (their output is 0).
+top-k → renormalize → per-expert scale, all in fp32), `Gemma4Experts` (`am_moe.GroupedExperts` with GeGLU,
+transformers' layout `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]`, one grouped GEMM per projection) and
+`Gemma4MoE`, which routes on the un-normalized residual, computes the experts on the pre-normalized input and keeps
+padding tokens out of the experts (their output is 0, they count in no expert's load). `ExpertParallelHooks` gives
+the Gemma 4 models `apply_expert_parallel(ep_mesh)`.
 What it must not do: change routing with the storage dtype (the router casts its input and weights to fp32 and its
-parameters are pinned fp32 by the model's `_keep_in_fp32_modules_strict`), or loop over tokens.
+parameters are pinned fp32 by the model's `_keep_in_fp32_modules_strict`), or compute experts itself (dispatch,
+grouped GEMMs, expert parallelism and load statistics are am-moe's).
 
-Layout versus transformers: HF keeps `experts.gate_up_proj [E, 2I, H]` and `experts.down_proj [E, H, I]` next to
-`router.*` in the decoder layer; ours are `moe.experts.gate_up_proj [E, H, 2I]`, `moe.experts.down_proj [E, I, H]`
-and `moe.router.*`. `state_dict_adapter.py` converts between the two (a transpose; nothing is folded, so the
-per-expert scale keeps its own gradient as in HF).
+Names versus transformers: HF keeps `router.*` and `experts.*` directly in the decoder layer; ours live under
+`moe.router.*` / `moe.experts.*` with the same tensors and layouts (`state_dict_adapter.py` renames, nothing else).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from am_models_gemma4.config import moe_intermediate_size
-from am_models_gemma4.layers import Gemma4RMSNorm, rms_norm
+import am_moe
+from am_moe import GroupedExperts
 
-__all__ = ["Gemma4Experts", "Gemma4MoE", "Gemma4Router"]
+from .config import is_moe_config, moe_intermediate_size
+from .layers import Gemma4RMSNorm, rms_norm
+
+__all__ = ["ExpertParallelHooks", "Gemma4Experts", "Gemma4MoE", "Gemma4Router"]
 
 
 class Gemma4Router(nn.Module):
@@ -56,66 +59,21 @@ class Gemma4Router(nn.Module):
         return weights * self.per_expert_scale.float()[indices], indices
 
 
-class Gemma4Experts(nn.Module):
-    """E GeGLU experts: `down(gelu_tanh(x @ W_gate) * (x @ W_up))`, combined with the routing weights.
+class Gemma4Experts(GroupedExperts):
+    """The E GeGLU experts of a Gemma 4 config: `am_moe.GroupedExperts(num_experts, hidden_size,
+    moe_intermediate_size, gated=True, activation="gelu_tanh")`, initialized normal(0, initializer_range).
 
-    gate_up_proj: `[E, H, 2I]` (gate columns first), down_proj: `[E, I, H]`.
+    gate_up_proj: `[E, 2I, H]` (gate rows first), down_proj: `[E, H, I]` — transformers' `Gemma4TextExperts`
+    layout. forward(hidden_states `[T, H]`, top_k_index `[T, K]`, top_k_weights `[T, K]`, *, token_mask `[T]`).
     """
 
     def __init__(self, config: Any) -> None:
-        super().__init__()
         intermediate = moe_intermediate_size(config)
         assert intermediate is not None
-        self.num_experts = int(config.num_experts)
-        self.hidden_dim = int(config.hidden_size)
-        self.intermediate_dim = intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, 2 * intermediate))
-        self.down_proj = nn.Parameter(torch.empty(self.num_experts, intermediate, self.hidden_dim))
-        nn.init.normal_(self.gate_up_proj, std=float(getattr(config, "initializer_range", 0.02)))
-        nn.init.normal_(self.down_proj, std=float(getattr(config, "initializer_range", 0.02)))
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        weights: torch.Tensor,
-        indices: torch.Tensor,
-        token_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """hidden_states `[T, H]`, weights/indices `[T, K]`, token_mask `[T]` (True = route) → `[T, H]`.
-
-        Token-expert pairs are sorted by expert once; each expert multiplies one contiguous block; results are
-        weighted and summed back with one `index_add`.
-        """
-        num_tokens, top_k = indices.shape
-        token_of_pair = torch.arange(num_tokens, device=indices.device).repeat_interleave(top_k)
-        expert_of_pair = indices.reshape(-1)
-        weight_of_pair = weights.reshape(-1)
-        if token_mask is not None:
-            keep = token_mask.reshape(-1).repeat_interleave(top_k)
-            token_of_pair, expert_of_pair, weight_of_pair = (
-                token_of_pair[keep],
-                expert_of_pair[keep],
-                weight_of_pair[keep],
-            )
-        order = torch.argsort(expert_of_pair, stable=True)
-        token_of_pair, weight_of_pair = token_of_pair[order], weight_of_pair[order]
-        counts = torch.bincount(expert_of_pair, minlength=self.num_experts).tolist()
-
-        routed = hidden_states.index_select(0, token_of_pair)
-        # unbind, not indexing: one backward (a stack) instead of a zero-filled [E, ...] gradient per expert
-        gate_up_weights, down_weights = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
-        blocks = []
-        for expert, block in enumerate(routed.split(counts)):
-            if block.shape[0] == 0:
-                continue
-            gate, up = (block @ gate_up_weights[expert]).chunk(2, dim=-1)
-            blocks.append((F.gelu(gate, approximate="tanh") * up) @ down_weights[expert])
-        out = hidden_states.new_zeros(hidden_states.shape)
-        if not blocks:
-            return out
-        expert_out = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
-        expert_out = (expert_out.float() * weight_of_pair.unsqueeze(-1)).to(hidden_states.dtype)
-        return out.index_add(0, token_of_pair, expert_out)
+        super().__init__(
+            int(config.num_experts), int(config.hidden_size), intermediate, gated=True, activation="gelu_tanh"
+        )
+        self.init_weights(std=float(getattr(config, "initializer_range", 0.02)))
 
 
 class Gemma4MoE(nn.Module):
@@ -140,5 +98,34 @@ class Gemma4MoE(nn.Module):
         shape = hidden_states.shape
         weights, indices = self.router(router_input.reshape(-1, shape[-1]))
         token_mask = None if padding_mask is None else ~padding_mask.reshape(-1).bool()
-        out = self.experts(hidden_states.reshape(-1, shape[-1]), weights, indices, token_mask)
+        out = self.experts(hidden_states.reshape(-1, shape[-1]), indices, weights, token_mask=token_mask)
         return out.reshape(shape)
+
+
+class ExpertParallelHooks:
+    """Mixin of the Gemma 4 models: expert parallelism (EP) of their MoE blocks through am-moe.
+
+    `apply_expert_parallel(ep_mesh)` is the hook a trainer calls and am-capabilities looks for (a model without it
+    is refused ep_size > 1). Routers and the dense MLP stay replicated; only the experts are sharded and fed by
+    all-to-all.
+    """
+
+    config: Any
+
+    def apply_expert_parallel(self, ep_mesh: Any) -> list[GroupedExperts]:
+        """Shard every layer's experts over the 1-D `ep_mesh` (rank r owns experts [r*E/ep, (r+1)*E/ep)) and switch
+        them to all-to-all dispatch; returns the sharded `GroupedExperts` (none on a pipeline stage without MoE
+        layers). Collective over `ep_mesh` (the weights are scattered from its first rank).
+
+        NOTE: apply after pipeline splitting and before FSDP2 (`am_moe.fully_shard_experts`, then `fully_shard`).
+
+        Raises:
+            ValueError: before any collective, when the config has no MoE block (`enable_moe_block`), num_experts is
+                not divisible by the ep size, the mesh is not 1-D, or the experts are already sharded (all listed).
+        """
+        if not is_moe_config(self.config):
+            raise ValueError(
+                f"{type(self).__name__}: expert parallelism needs the MoE block, but this config has "
+                "enable_moe_block=False (a dense Gemma 4); use ep=1"
+            )
+        return am_moe.apply_expert_parallel(cast(nn.Module, self), ep_mesh)

@@ -19,6 +19,8 @@ gradients, summed over the CP group, are the full-sequence gradients.
 
 from __future__ import annotations
 
+import copy
+import logging
 import os
 from typing import Any, ClassVar
 
@@ -32,16 +34,18 @@ from transformers.models.gemma4.modeling_gemma4 import (
 )
 
 from am_context_parallel import cp_token_mean_loss
-from am_models_gemma4.config import normalize_text_config
-from am_models_gemma4.cp import ContextParallelHooks, active_ring_context, tokens_before_this_rank
-from am_models_gemma4.generation import Gemma4GenerationMixin
-from am_models_gemma4.model import (
+
+from .config import normalize_text_config
+from .cp import ContextParallelHooks, active_ring_context, tokens_before_this_rank
+from .generation import Gemma4GenerationMixin
+from .model import (
     Gemma4ForCausalLM,
     Gemma4TextModel,
     causal_lm_loss,
     gemma4_capabilities,
     softcap_logits,
 )
+from .moe import ExpertParallelHooks
 
 __all__ = ["Gemma4ForConditionalGeneration", "Gemma4Model"]
 
@@ -54,6 +58,9 @@ _UNSUPPORTED_MEDIA_KWARGS = (
     "input_features_mask",
     "num_frames_per_video",
 )
+
+
+_logger = logging.getLogger(__name__)
 
 
 class Gemma4Model(nn.Module):
@@ -109,7 +116,7 @@ class Gemma4Model(nn.Module):
         return BaseModelOutputWithPooling(last_hidden_state=outputs.last_hidden_state, pooler_output=pooled)
 
 
-class Gemma4ForConditionalGeneration(ContextParallelHooks, nn.Module, Gemma4GenerationMixin):
+class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, nn.Module, Gemma4GenerationMixin):
     """Gemma 4 vision-language model: logits `[B, S, V]` for text-only or image+text inputs; `generate(...)`."""
 
     # The text model's keep lists (substrings of names, so they match under `model.language_model.` too).
@@ -120,8 +127,44 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, nn.Module, Gemma4Gene
     _prefill_only_inputs: ClassVar[tuple[str, ...]] = ("image_position_ids", "mm_token_type_ids")
     supports_gradient_checkpointing = False
 
-    def __init__(self, config: Any) -> None:
+    def __init__(
+        self,
+        config: Any,
+        moe_config: Any = None,
+        backend: Any = None,
+        text_config: dict[str, Any] | None = None,
+    ) -> None:
+        """Build from a `Gemma4Config`, with upstream's calling convention.
+
+        Args:
+            config: `Gemma4Config` (text + optional vision sub-configs); not modified.
+            moe_config: must be None: the MoE block is built from the text config (`enable_moe_block`,
+                `num_experts`, `top_k_experts`, `moe_intermediate_size`).
+            backend: upstream's `BackendConfig`; Gemma 4 always runs its own PyTorch kernels (attention, RMSNorm,
+                linear), so a backend is accepted and one line is logged saying so.
+            text_config: overrides applied to a copy of `config.text_config` (upstream's dict override).
+
+        Raises:
+            NotImplementedError: `moe_config` is given.
+            ValueError: `config` has no text_config, or `text_config` names a field the text config lacks.
+        """
         super().__init__()
+        if moe_config is not None:
+            raise NotImplementedError(
+                "Gemma4ForConditionalGeneration builds its MoE block from the text config; pass moe_config=None and "
+                "set enable_moe_block / num_experts / top_k_experts / moe_intermediate_size in text_config instead"
+            )
+        if backend is not None:
+            _logger.info(
+                "Gemma4ForConditionalGeneration runs its own PyTorch kernels; backend=%r does not change them", backend
+            )
+        if text_config:
+            config = copy.deepcopy(config)
+            unknown = sorted(k for k in text_config if not hasattr(config.text_config, k))
+            if unknown:
+                raise ValueError(f"text_config overrides name fields the Gemma 4 text config lacks: {unknown}")
+            for key, value in text_config.items():
+                setattr(config.text_config, key, value)
         if getattr(config, "text_config", None) is None:
             raise ValueError(
                 f"Gemma4ForConditionalGeneration needs a Gemma4Config with a text_config; got {type(config).__name__}: "
@@ -129,8 +172,8 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, nn.Module, Gemma4Gene
             )
         self.config = config
         self.model = Gemma4Model(config)
-        text_config = config.text_config
-        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        text = config.text_config
+        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_weights()
         self._init_generation_config(config)
 
@@ -285,7 +328,7 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, nn.Module, Gemma4Gene
         or one device; splitting is refused), `revision`, `config`, `cache_dir`, `token`, `local_files_only`,
         `force_download`. See `checkpoint.load_pretrained`.
         """
-        from am_models_gemma4.checkpoint import load_pretrained
+        from .checkpoint import load_pretrained
 
         return load_pretrained(
             cls,
@@ -304,11 +347,20 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, nn.Module, Gemma4Gene
         *,
         max_shard_size: int | str | None = "5GB",
         safe_serialization: bool = True,
+        state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Write a folder transformers' `Gemma4ForConditionalGeneration.from_pretrained` loads.
 
-        The tied head is saved once; shards + index above `max_shard_size`; only `safe_serialization=True`.
+        The tied head is saved once; shards + index above `max_shard_size`; only `safe_serialization=True`;
+        `state_dict` (full tensors) replaces the model's own, e.g. the gathered experts of an expert-parallel model
+        (see `checkpoint.save_pretrained`).
         """
-        from am_models_gemma4.checkpoint import save_pretrained
+        from .checkpoint import save_pretrained
 
-        save_pretrained(self, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+        save_pretrained(
+            self,
+            save_directory,
+            max_shard_size=max_shard_size,
+            safe_serialization=safe_serialization,
+            state_dict=state_dict,
+        )

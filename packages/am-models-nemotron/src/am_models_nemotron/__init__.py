@@ -6,17 +6,17 @@ Importing this package never imports mamba_ssm, causal_conv1d, am-pipelining or 
 
 from __future__ import annotations
 
-from am_models_nemotron._version import __version__
-from am_models_nemotron.attention import NemotronAttention, build_attention_mask
-from am_models_nemotron.backbone import NemotronV3Model
-from am_models_nemotron.backend import SUPPORTED_BACKENDS, default_backend, resolve_backend
-from am_models_nemotron.blocks import NemotronV3Block
-from am_models_nemotron.cache import NemotronHybridCache
-from am_models_nemotron.checkpoint import load_pretrained, read_safetensors_folder, save_pretrained
-from am_models_nemotron.config import BLOCK_KINDS, NemotronConfig, as_hf_config, normalize_block_types
-from am_models_nemotron.inputs import BatchLayout, resolve_batch_layout
-from am_models_nemotron.mamba2 import Mamba2FP32Params, Mamba2Mixer, MambaRMSNormGated, mamba_kernels_available
-from am_models_nemotron.mamba2_cp import (
+from ._version import __version__
+from .attention import NemotronAttention, build_attention_mask
+from .backbone import NemotronV3Model
+from .backend import SUPPORTED_BACKENDS, default_backend, resolve_backend
+from .blocks import NemotronV3Block
+from .cache import NemotronHybridCache
+from .checkpoint import load_pretrained, read_safetensors_folder, save_pretrained
+from .config import BLOCK_KINDS, NemotronConfig, as_hf_config, normalize_block_types
+from .inputs import BatchLayout, resolve_batch_layout
+from .mamba2 import Mamba2FP32Params, Mamba2Mixer, MambaRMSNormGated, mamba_kernels_available
+from .mamba2_cp import (
     Mamba2CPContext,
     MambaCPCommStats,
     conv_halo_width,
@@ -25,9 +25,9 @@ from am_models_nemotron.mamba2_cp import (
     prepend_conv_halo,
     ssd_chunked_scan_cp,
 )
-from am_models_nemotron.model import ModelClass, NemotronHForCausalLM
-from am_models_nemotron.moe import GroupedExperts, NemotronMLP, NemotronMoE, NemotronRouter, relu2
-from am_models_nemotron.mtp import (
+from .model import ModelClass, NemotronHForCausalLM
+from .moe import ExpertParallelHooks, GroupedExperts, NemotronMLP, NemotronMoE, NemotronRouter, relu2
+from .mtp import (
     MTPConfig,
     MTPModule,
     MTPSublayer,
@@ -37,9 +37,9 @@ from am_models_nemotron.mtp import (
     shift_labels,
     shift_within_documents,
 )
-from am_models_nemotron.outputs import CombinedLoss, NemotronHCausalLMOutputWithPast, combined_causal_lm_loss
-from am_models_nemotron.ssd import segment_sum, ssd_chunked_scan, ssd_sequential_scan
-from am_models_nemotron.state_dict_adapter import NemotronV3StateDictAdapter
+from .outputs import CombinedLoss, NemotronHCausalLMOutputWithPast, combined_causal_lm_loss
+from .ssd import segment_sum, ssd_chunked_scan, ssd_sequential_scan
+from .state_dict_adapter import NemotronV3StateDictAdapter
 
 __all__ = [
     # config
@@ -74,6 +74,7 @@ __all__ = [
     "NemotronMoE",
     "NemotronRouter",
     "GroupedExperts",
+    "ExpertParallelHooks",
     "relu2",
     # SSD scan
     "ssd_chunked_scan",

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from am_models_nemotron._init import reset_linear_
-from am_models_nemotron.config import NemotronConfig
 from am_precision import BackendConfig, initialize_linear_module
+
+from ._init import reset_linear_
+from .config import NemotronConfig
 
 __all__ = ["NemotronAttention", "build_attention_mask"]
 

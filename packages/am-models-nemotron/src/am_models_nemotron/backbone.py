@@ -17,12 +17,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from am_models_nemotron.backend import resolve_backend
-from am_models_nemotron.blocks import NemotronV3Block
-from am_models_nemotron.config import NemotronConfig
-from am_models_nemotron.cp import block_cp_problems, resolve_layout
-from am_models_nemotron.inputs import BatchLayout, pop_layout_kwargs
 from am_precision import BackendConfig, initialize_rms_norm_module
+
+from .backend import resolve_backend
+from .blocks import NemotronV3Block
+from .config import NemotronConfig
+from .cp import block_cp_problems, resolve_layout
+from .inputs import BatchLayout, pop_layout_kwargs
 
 __all__ = ["NemotronV3Model", "move_buffers_"]
 

@@ -31,7 +31,9 @@ class _FieldRule:
 
 
 # One row per BackendConfig field the model reads. `linear` and `rms_norm` are built by am-precision for every
-# value it accepts (torch, te, quack), so they need no row; `gate_precision` accepts any dtype.
+# value it accepts (torch, te, quack), so they need no row; `gate_precision` accepts any dtype. Fields no am-*
+# package implements (compile_attn=True, enable_fsdp_optimizations=True, enable_hf_state_dict_adapter=False,
+# te_fp8, fake_balanced_gate=True) never reach the model: am-precision's BackendConfig refuses them when built.
 _RULES: dict[str, _FieldRule] = {
     "attn": _FieldRule(
         supported=("sdpa",),
@@ -47,13 +49,6 @@ _RULES: dict[str, _FieldRule] = {
         supported=("torch",),
         nearest={"deepep": "torch", "hybridep": "torch", "uccl_ep": "torch", "mok": "torch"},
         why="tokens are dispatched locally (no expert-parallel all-to-all kernels)",
-    ),
-    "compile_attn": _FieldRule(supported=(False,), nearest={True: False}, why="the attention call is not compiled"),
-    "enable_fsdp_optimizations": _FieldRule(
-        supported=(False,), nearest={True: False}, why="there are no model-specific FSDP tweaks"
-    ),
-    "enable_hf_state_dict_adapter": _FieldRule(
-        supported=(True,), nearest={False: True}, why="checkpoints are always read and written in the HF layout"
     ),
 }
 
@@ -72,18 +67,12 @@ def resolve_backend(backend: BackendConfig | None, *, owner: str = "am-models-ne
     returned as is. The given config is never mutated.
 
     Raises:
-        ValueError: `fake_balanced_gate=True` (it would change the routing, not only the speed), or the resolved
-            combination is invalid (e.g. `te_fp8` left without a TE linear once experts leave TE) — every problem
-            listed, with the fix.
+        ValueError: a value this table does not know, or a resolved combination BackendConfig refuses — every
+            problem listed, with the fix.
     """
     if backend is None:
         return default_backend()
     problems = []
-    if backend.fake_balanced_gate:
-        problems.append(
-            "fake_balanced_gate=True is not implemented (Nemotron-H always routes with its trained router); pass "
-            "fake_balanced_gate=False"
-        )
     changes: dict[str, object] = {}
     for name, rule in _RULES.items():
         value = getattr(backend, name)

@@ -14,11 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_models_nemotron.attention import NemotronAttention
-from am_models_nemotron.config import BLOCK_KINDS, NemotronConfig
-from am_models_nemotron.mamba2 import Mamba2Mixer
-from am_models_nemotron.moe import NemotronMLP, NemotronMoE
 from am_precision import BackendConfig, initialize_rms_norm_module
+
+from .attention import NemotronAttention
+from .config import BLOCK_KINDS, NemotronConfig
+from .mamba2 import Mamba2Mixer
+from .moe import NemotronMLP, NemotronMoE
 
 __all__ = ["NemotronV3Block"]
 

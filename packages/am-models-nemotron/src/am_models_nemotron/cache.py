@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from am_models_nemotron.config import NemotronConfig
+from .config import NemotronConfig
 
 __all__ = ["NemotronHybridCache"]
 

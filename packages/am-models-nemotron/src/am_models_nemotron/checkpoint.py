@@ -7,28 +7,27 @@ and `save_pretrained` (NVIDIA naming; shards + `model.safetensors.index.json` ab
 huggingface_hub). Tensors pinned by the model's `_keep_in_fp32_modules_strict` (the adapter's `forced_fp32`) are
 loaded as fp32 and stored as F32.
 What it must not do: load partially. Missing or unexpected keys and shape mismatches raise one error listing all of
-them (in the file's naming and the model's); an unreadable, truncated or corrupt file raises an error naming it.
+them, in the file's own naming (`backbone.layers.0.mixer.A_log`, per-expert keys); an unreadable, truncated or
+corrupt file raises an error naming the file. Save a sharded model (expert parallel or FSDP2 DTensors): gather it
+into an unsharded model first (see `save_pretrained`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from am_models_nemotron.config import as_hf_config
-from am_models_nemotron.hf_io import (
-    LazyCheckpoint,
-    resolve_checkpoint_folder,
-    resolve_device,
-    resolve_dtype,
-    write_safetensors,
-)
-from am_models_nemotron.state_dict_adapter import NemotronV3StateDictAdapter
+import am_moe
 from am_precision import cast_model_to_dtype
+
+from .config import as_hf_config
+from .hf_io import LazyCheckpoint, resolve_checkpoint_folder, resolve_device, resolve_dtype, write_safetensors
+from .state_dict_adapter import NemotronV3StateDictAdapter
 
 __all__ = ["load_pretrained", "read_safetensors_folder", "save_pretrained"]
 
@@ -46,6 +45,12 @@ def read_safetensors_folder(folder: str | os.PathLike[str]) -> dict[str, torch.T
     """
     with LazyCheckpoint(folder) as checkpoint:
         return {key: checkpoint.read(key) for key in checkpoint.names()}
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _load_config(folder: Path) -> Any:
@@ -121,6 +126,7 @@ def load_pretrained(
                 tensor = tensor.to(target_dtype)
             _assign(model, name, tensor.to(target))
             del tensor  # before the next read: one tensor (group) in flight at a time
+    _materialize_unsaved_buffers(model, target)
     if target_dtype is not None:
         cast_model_to_dtype(model, target_dtype)
     return model
@@ -135,22 +141,20 @@ def _check_names_and_shapes(
     for key in checkpoint.names():
         sources.setdefault(adapter.internal_key(key), []).append(key)
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(converted))
-    unexpected = sorted(set(converted) - set(expected))
+    # Reported in the checkpoint's own naming (`backbone.layers.0.mixer.A_log`, per-expert tensors), not ours.
+    missing = sorted(adapter.to_hf({k: expected[k] for k in set(expected) - set(converted)}))
+    unexpected = sorted(key for k in set(converted) - set(expected) for key in sources[k])
     mismatched = sorted(
-        f"{k}: checkpoint {tuple(converted[k].shape)} vs model {tuple(expected[k].shape)} (file: {_short(sources[k])})"
+        f"{_short(sources[k])}: checkpoint {tuple(converted[k].shape)} vs model {tuple(expected[k].shape)}"
         for k in set(expected) & set(converted)
         if tuple(converted[k].shape) != tuple(expected[k].shape)
     )
     if missing or unexpected or mismatched:
         parts = []
         if missing:
-            named = [f"{k} (file: {_short(list(adapter.to_hf({k: expected[k]})))})" for k in missing]
-            parts.append(f"missing keys ({len(missing)}): {named}")
+            parts.append(f"missing keys ({len(missing)}): {missing}")
         if unexpected:
-            parts.append(
-                f"unexpected keys ({len(unexpected)}): {[f'{_short(sources[k])} (model: {k})' for k in unexpected]}"
-            )
+            parts.append(f"unexpected keys ({len(unexpected)}): {unexpected}")
         if mismatched:
             parts.append(f"shape mismatches ({len(mismatched)}): {mismatched}")
         raise ValueError(
@@ -174,12 +178,51 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         owner._buffers[attr] = tensor
 
 
+def _materialize_unsaved_buffers(model: Any, device: torch.device) -> None:
+    """Buffers no checkpoint holds are still on the meta device after an `assign=True` load: am-moe's per-expert load
+    counters (non-persistent) start at zero on `device`; anything else left on meta is an error, never a silent hole."""
+    for _, experts in am_moe.expert_modules(model):
+        if experts.tokens_per_expert.is_meta:
+            experts.tokens_per_expert = torch.zeros_like(experts.tokens_per_expert, device=device)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{type(model).__name__}: tensors left uninitialized (meta) after loading: {left}")
+
+
+def _state_dict_to_save(model: Any, state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The state dict `save_pretrained` writes: `state_dict` when given (it must name exactly the model's keys),
+    else `model.state_dict()`; every tensor must be full (no sharded DTensor). Raises one ValueError listing every
+    problem."""
+    own = model.state_dict()
+    tensors = dict(own if state_dict is None else state_dict)
+    problems = []
+    if state_dict is not None:
+        missing = sorted(set(own) - set(tensors))
+        unexpected = sorted(set(tensors) - set(own))
+        if missing:
+            problems.append(f"state_dict lacks {len(missing)} of the model's keys: {missing[:5]}")
+        if unexpected:
+            problems.append(f"state_dict has {len(unexpected)} keys the model does not: {unexpected[:5]}")
+    sharded = sorted(k for k, v in tensors.items() if _is_dtensor(v))
+    if sharded:
+        problems.append(
+            f"{len(sharded)} tensors are sharded DTensors (expert parallel / FSDP2), e.g. {sharded[:3]}: gather "
+            "them on every rank first — `{**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` for "
+            "expert parallelism, `get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` "
+            "with FSDP2 — and pass the result as state_dict= on one rank"
+        )
+    if problems:
+        raise ValueError("save_pretrained needs the full state dict of the model:\n  - " + "\n  - ".join(problems))
+    return tensors
+
+
 def save_pretrained(
     model: Any,
     path: str | os.PathLike[str],
     *,
     max_shard_size: int | str | None = "5GB",
     safe_serialization: bool = True,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Write config.json (transformers' NemotronHConfig) and the weights in NVIDIA's naming; fp32-pinned tensors
     (`_keep_in_fp32_modules_strict`) are stored as F32 even from a model cast with a plain `.to(bfloat16)`.
@@ -188,7 +231,17 @@ def save_pretrained(
         max_shard_size: above it ("5GB", "200MB" or bytes) the weights are split into
             `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`; None: one file.
         safe_serialization: only True (safetensors) is supported; False is refused.
+        state_dict: the full state dict to write instead of `model.state_dict()` (transformers' `save_pretrained`
+            option). For an expert-parallel model every rank calls
+            `full = {**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` (collective: the experts are
+            gathered back to `[E, out, in]`), then one rank calls `save_pretrained(model, path, state_dict=full)`;
+            the adapter writes the per-expert keys of the file.
+
+    Raises:
+        ValueError: sharded DTensors (expert parallel / FSDP2) in what would be written, or a state_dict whose keys
+            differ from the model's (all listed); safe_serialization=False.
     """
+    tensors = _state_dict_to_save(model, state_dict)
     folder = Path(path)
     if not safe_serialization:
         write_safetensors({}, folder, max_shard_size=max_shard_size, safe_serialization=False)  # raises
@@ -199,6 +252,6 @@ def save_pretrained(
     config.num_nextn_predict_layers = model.mtp_config.num_layers if model.mtp is not None else 0
     config.save_pretrained(str(folder))
     adapter = NemotronV3StateDictAdapter(config)
-    tensors = adapter.to_hf(model.state_dict())
+    tensors = adapter.to_hf(tensors)
     tensors = {k: (v.float() if adapter.forced_fp32(k) else v) for k, v in tensors.items()}
     write_safetensors(tensors, folder, max_shard_size=max_shard_size, safe_serialization=True)

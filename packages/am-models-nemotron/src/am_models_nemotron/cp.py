@@ -30,10 +30,11 @@ from am_context_parallel import (
     TorchAttentionKernel,
     current_ring_context,
 )
-from am_models_nemotron.inputs import BatchLayout, pop_layout_kwargs, resolve_batch_layout
-from am_models_nemotron.mamba2_cp import Mamba2CPContext, conv_halo_width
-from am_models_nemotron.mtp import shift_within_documents
-from am_models_nemotron.outputs import causal_lm_targets
+
+from .inputs import BatchLayout, pop_layout_kwargs, resolve_batch_layout
+from .mamba2_cp import Mamba2CPContext, conv_halo_width
+from .mtp import shift_within_documents
+from .outputs import causal_lm_targets
 
 __all__ = [
     "MTP_CP_KEYS",

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from am_models_nemotron.cache import NemotronHybridCache
+from .cache import NemotronHybridCache
 
 __all__ = ["NemotronGenerationMixin"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from am_models_nemotron.attention import build_attention_mask
+from .attention import build_attention_mask
 
 __all__ = [
     "LAYOUT_KWARGS",

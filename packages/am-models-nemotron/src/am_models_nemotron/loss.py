@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from am_models_nemotron.ssd import _compute_dtype
+from .ssd import _compute_dtype
 
 __all__ = ["cross_entropy"]
 

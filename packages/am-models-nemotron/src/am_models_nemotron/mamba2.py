@@ -25,11 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from am_models_nemotron._init import reset_linear_, weight_of
-from am_models_nemotron.config import NemotronConfig
-from am_models_nemotron.mamba2_cp import Mamba2CPContext, conv_halo_width, prepend_conv_halo, ssd_chunked_scan_cp
-from am_models_nemotron.ssd import ssd_chunked_scan
 from am_precision import BackendConfig, initialize_linear_module
+
+from ._init import reset_linear_, weight_of
+from .config import NemotronConfig
+from .mamba2_cp import Mamba2CPContext, conv_halo_width, prepend_conv_halo, ssd_chunked_scan_cp
+from .ssd import ssd_chunked_scan
 
 __all__ = ["CPU_SCAN_CHUNK_SIZE", "Mamba2FP32Params", "Mamba2Mixer", "MambaRMSNormGated", "mamba_kernels_available"]
 

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from am_models_nemotron.config import NemotronConfig
-from am_models_nemotron.ssd import _compute_dtype, ssd_chunked_scan
+from .config import NemotronConfig
+from .ssd import _compute_dtype, ssd_chunked_scan
 
 __all__ = [
     "Mamba2CPContext",

@@ -21,26 +21,28 @@ from torch import nn
 from transformers import GenerationConfig, GenerationMixin
 
 from am_context_parallel import ContiguousCPOptions
-from am_models_nemotron._init import weight_of
-from am_models_nemotron.backbone import NemotronV3Model, move_buffers_
-from am_models_nemotron.backend import default_backend, resolve_backend
-from am_models_nemotron.cache import NemotronHybridCache
-from am_models_nemotron.config import NemotronConfig, as_hf_config
-from am_models_nemotron.cp import (
+from am_precision import BackendConfig, initialize_linear_module, yield_fp32_model
+
+from ._init import weight_of
+from .backbone import NemotronV3Model, move_buffers_
+from .backend import default_backend, resolve_backend
+from .cache import NemotronHybridCache
+from .config import NemotronConfig, as_hf_config
+from .cp import (
     NemotronCPContext,
     block_cp_problems,
     nemotron_cp_options,
     prepare_batch_for_cp,
     resolve_layout,
 )
-from am_models_nemotron.generation import NemotronGenerationMixin
-from am_models_nemotron.inputs import pop_layout_kwargs
-from am_models_nemotron.loss import cross_entropy
-from am_models_nemotron.mtp import MTPConfig, MTPModule
-from am_models_nemotron.mtp_inputs import mtp_fusion_inputs
-from am_models_nemotron.outputs import NemotronHCausalLMOutputWithPast, combined_causal_lm_loss, select_hidden_states
-from am_models_nemotron.pipeline_stage import NemotronPipelineMixin
-from am_precision import BackendConfig, initialize_linear_module, yield_fp32_model
+from .generation import NemotronGenerationMixin
+from .inputs import pop_layout_kwargs
+from .loss import cross_entropy
+from .moe import ExpertParallelHooks
+from .mtp import MTPConfig, MTPModule
+from .mtp_inputs import mtp_fusion_inputs
+from .outputs import NemotronHCausalLMOutputWithPast, combined_causal_lm_loss, select_hidden_states
+from .pipeline_stage import NemotronPipelineMixin
 
 __all__ = [
     "ModelClass",
@@ -54,7 +56,9 @@ __all__ = [
 _CP_KWARGS = ("cp_rank", "cp_size")
 
 
-class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Module, GenerationMixin):
+class NemotronHForCausalLM(
+    ExpertParallelHooks, NemotronPipelineMixin, NemotronGenerationMixin, nn.Module, GenerationMixin
+):
     """Nemotron-H causal LM with optional multi-token prediction.
 
     Args:
@@ -95,7 +99,8 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
 
     @classmethod
     def get_capabilities(cls, config: Any) -> dict[str, bool]:
-        """Capabilities for am-capabilities: PP and CP (contiguous) yes; EP when the config has MoE blocks; no TP."""
+        """Capabilities for am-capabilities: PP and CP (contiguous) yes; EP when the config has MoE blocks
+        (implemented by `apply_expert_parallel`); no TP."""
         has_moe = NemotronConfig.from_any(config).has_moe
         return {"supports_pp": True, "supports_ep": has_moe, "supports_tp": False, "supports_cp": True}
 
@@ -526,7 +531,7 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
         or one device; splitting is refused), `revision`, `config`, `cache_dir`, `token`, `local_files_only`,
         `force_download`; other keywords are the constructor's. See `checkpoint.load_pretrained`.
         """
-        from am_models_nemotron.checkpoint import load_pretrained
+        from .checkpoint import load_pretrained
 
         return load_pretrained(
             cls,
@@ -541,13 +546,25 @@ class NemotronHForCausalLM(NemotronPipelineMixin, NemotronGenerationMixin, nn.Mo
         )
 
     def save_pretrained(
-        self, save_directory: Any, *, max_shard_size: int | str | None = "5GB", safe_serialization: bool = True
+        self,
+        save_directory: Any,
+        *,
+        max_shard_size: int | str | None = "5GB",
+        safe_serialization: bool = True,
+        state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Write config.json + safetensors in NVIDIA's naming (shards + index above `max_shard_size`; only
-        `safe_serialization=True`). See `checkpoint.save_pretrained`."""
-        from am_models_nemotron.checkpoint import save_pretrained
+        `safe_serialization=True`); `state_dict` (full tensors) replaces the model's own, e.g. the gathered experts
+        of an expert-parallel model. See `checkpoint.save_pretrained`."""
+        from .checkpoint import save_pretrained
 
-        save_pretrained(self, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+        save_pretrained(
+            self,
+            save_directory,
+            max_shard_size=max_shard_size,
+            safe_serialization=safe_serialization,
+            state_dict=state_dict,
+        )
 
 
 def _per_depth(value: Sequence[torch.Tensor] | torch.Tensor | None) -> list[torch.Tensor] | None:

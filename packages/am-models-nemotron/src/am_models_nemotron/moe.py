@@ -1,13 +1,15 @@
-"""ReLU² MLP, the sigmoid group-limited top-k router, grouped ReLU² experts and the Nemotron-H MoE block.
+"""ReLU² MLP, the sigmoid group-limited top-k router and the Nemotron-H MoE block around am-moe's experts.
 
 What it is for: `NemotronMLP` (dense blocks and the shared expert), `NemotronRouter` (router math in fp32:
 sigmoid scores, `e_score_correction_bias` for selection only, group-limited top-k over the sum of each group's top-2
-scores, normalized top-k weights × `routed_scaling_factor`), `GroupedExperts` (tokens sorted by expert, one matmul
-pair per expert on a contiguous slice, no per-token Python work) and `NemotronMoE` (latent projections when
-`moe_latent_size` is set, plus the shared expert).
-What it must not do: let padding take part in routing — padded tokens (`padding_mask` True) get no routed expert
-(their output is the shared expert alone) and never change another token's routing — or store
-`e_score_correction_bias` in anything but fp32 (a buffer pinned by `_keep_in_fp32_modules_strict`).
+scores, normalized top-k weights × `routed_scaling_factor`) and `NemotronMoE`: the router, the routed ReLU² experts
+(`am_moe.GroupedExperts`, stacked `up_proj [E, I, D]` / `down_proj [E, D, I]`, one grouped GEMM per projection; expert
+parallel after `NemotronHForCausalLM.apply_expert_parallel`), latent projections when `moe_latent_size` is set, and
+the shared expert.
+What it must not do: let padding take part in routing — padded tokens (`padding_mask` True) are removed before the
+router (their output is the shared expert alone) and never change another token's routing or the expert load — or
+store `e_score_correction_bias` in anything but fp32 (a buffer pinned by `_keep_in_fp32_modules_strict`). It
+computes no expert itself: the expert MLPs, dispatch and load statistics are am-moe's.
 
 Dropped groups are excluded with -inf before the top-k, as transformers' NemotronH router does (5.23, our parity
 reference). NeMo AutoModel multiplies them by 0 instead, which lets a dropped expert outrank a kept one whose
@@ -16,17 +18,25 @@ biased score is negative.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from am_models_nemotron._init import reset_linear_
-from am_models_nemotron.config import NemotronConfig
+import am_moe
+from am_moe import GroupedExperts
 from am_precision import BackendConfig, initialize_linear_module
 
-__all__ = ["GroupedExperts", "NemotronMLP", "NemotronMoE", "NemotronRouter", "relu2"]
+from ._init import reset_linear_
+from .config import NemotronConfig
 
-SUPPORTED_EXPERTS_BACKENDS: tuple[str, ...] = ("torch", "torch_mm")
+__all__ = ["ExpertParallelHooks", "GroupedExperts", "NemotronMLP", "NemotronMoE", "NemotronRouter", "relu2"]
+
+# BackendConfig.experts -> am_moe's grouped-GEMM backend, as upstream names them: "torch" is one matmul per expert,
+# "torch_mm" is torch._grouped_mm (refused, with the reason, where it cannot run).
+EXPERTS_GROUPED_MM: dict[str, str] = {"torch": "loop", "torch_mm": "grouped_mm"}
+SUPPORTED_EXPERTS_BACKENDS: tuple[str, ...] = tuple(EXPERTS_GROUPED_MM)
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -113,11 +123,11 @@ class NemotronRouter(nn.Module):
         choice = scores + self.e_score_correction_bias.to(scores.dtype)
         if self.n_group > 1:
             per_group = self.num_experts // self.n_group
-            grouped = choice.view(-1, self.n_group, per_group)
+            grouped = choice.view(choice.shape[0], self.n_group, per_group)  # not -1: a rank may route 0 tokens
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
             kept = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
             group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(-1, self.num_experts)
+            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(choice.shape)
         indices = choice.topk(self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, indices)
         if self.norm_topk_prob:
@@ -125,57 +135,12 @@ class NemotronRouter(nn.Module):
         return weights * self.routed_scaling_factor, indices
 
 
-class GroupedExperts(nn.Module):
-    """E ReLU² experts. `up_proj`: [E, I, D], `down_proj`: [E, D, I] (transformers' layout, D = hidden or latent).
-
-    x: [T, D], indices/weights: [T, K] -> [T, D]: sum_k weights[t, k] * expert_{indices[t, k]}(x[t]).
-    """
-
-    def __init__(
-        self,
-        num_experts: int,
-        dim: int,
-        intermediate_size: int,
-        *,
-        initializer_range: float,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        super().__init__()
-        self.num_experts = num_experts
-        self.initializer_range = initializer_range
-        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, dim, device=device, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate_size, device=device, dtype=dtype))
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        nn.init.normal_(self.up_proj, mean=0.0, std=self.initializer_range)
-        nn.init.normal_(self.down_proj, mean=0.0, std=self.initializer_range)
-
-    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        tokens, top_k = indices.shape
-        flat = indices.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        routed = x[order // top_k]  # [T*K, D], grouped by expert
-        outputs = []
-        # unbind, not up_proj[expert]: the weight gradient is then one stack, not a zero-filled [E, I, D] tensor
-        # accumulated per expert.
-        experts = zip(routed.split(counts), self.up_proj.unbind(0), self.down_proj.unbind(0), strict=True)
-        for part, up, down in experts:
-            if part.shape[0] == 0:
-                continue
-            outputs.append(F.linear(relu2(F.linear(part, up)), down))
-        if not outputs:
-            return x.new_zeros(tokens, x.shape[-1])
-        sorted_out = torch.cat(outputs)
-        # Undo the sort with a gather (deterministic; no atomics as index_add would use on GPU).
-        unsorted = sorted_out[torch.argsort(order)].view(tokens, top_k, -1)
-        return (unsorted * weights[..., None].to(unsorted.dtype)).sum(dim=1).to(x.dtype)
-
-
 class NemotronMoE(nn.Module):
-    """Routed ReLU² experts (optionally in a latent space) plus a shared expert. x: [B, S, H] -> [B, S, H]."""
+    """Routed ReLU² experts (optionally in a latent space) plus a shared expert. x: [B, S, H] -> [B, S, H].
+
+    `experts` is an `am_moe.GroupedExperts(n_routed_experts, D, moe_intermediate_size, gated=False,
+    activation="relu2")` with D the hidden or latent size; `backend.experts` picks its grouped-GEMM backend.
+    """
 
     def __init__(
         self,
@@ -194,18 +159,22 @@ class NemotronMoE(nn.Module):
             )
         if backend.dispatcher != "torch":
             raise ValueError(
-                f"BackendConfig.dispatcher={backend.dispatcher!r} is not implemented by am-models-nemotron (expert "
-                "parallel all-to-all is out of scope); pass BackendConfig(dispatcher='torch')."
+                f"BackendConfig.dispatcher={backend.dispatcher!r} is not implemented by am-models-nemotron: tokens "
+                "are dispatched by am-moe (locally, or over torch.distributed all-to-all after "
+                "apply_expert_parallel); pass BackendConfig(dispatcher='torch')."
             )
         gate_precision = backend.gate_precision if backend.gate_precision is not None else torch.float32
         self.gate = NemotronRouter(config, gate_precision=gate_precision, device=device, dtype=dtype)
         latent = config.moe_latent_size
         expert_dim = latent if latent is not None else config.hidden_size
+        self.initializer_range = config.initializer_range
         self.experts = GroupedExperts(
             config.n_routed_experts,
             expert_dim,
             config.moe_intermediate_size,
-            initializer_range=config.initializer_range,
+            gated=False,
+            activation="relu2",
+            grouped_mm=EXPERTS_GROUPED_MM[backend.experts],
             device=device,
             dtype=dtype,
         )
@@ -231,27 +200,54 @@ class NemotronMoE(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         self.gate.init_weights()
-        self.experts.init_weights()
+        self.experts.init_weights(std=self.initializer_range)
         self.shared_experts.init_weights()
         reset_linear_(self.fc1_latent_proj)
         reset_linear_(self.fc2_latent_proj)
 
     def forward(self, hidden_states: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """padding_mask: [B, S] bool, True for padding tokens (routed to no expert)."""
+        """padding_mask: [B, S] bool, True for padding tokens (removed before routing: no expert, no load)."""
         shape = hidden_states.shape
         flat = hidden_states.reshape(-1, shape[-1])
-        routed_out = flat.new_zeros(flat.shape)
+        real = None
+        tokens = flat
         if padding_mask is not None:
             real = (~padding_mask.reshape(-1).to(torch.bool)).nonzero().squeeze(-1)
             tokens = flat.index_select(0, real)
-        else:
-            real = None
-            tokens = flat
-        if tokens.shape[0] > 0:
-            weights, indices = self.gate(tokens)
-            expert_in = self.fc1_latent_proj(tokens) if self.fc1_latent_proj is not None else tokens
-            expert_out = self.experts(expert_in, indices, weights)
-            if self.fc2_latent_proj is not None:
-                expert_out = self.fc2_latent_proj(expert_out)
-            routed_out = expert_out if real is None else routed_out.index_copy(0, real, expert_out)
+        weights, indices = self.gate(tokens)
+        expert_in = self.fc1_latent_proj(tokens) if self.fc1_latent_proj is not None else tokens
+        # Called even with no token left: under expert parallelism every rank of the ep group joins the all-to-all.
+        expert_out = self.experts(expert_in, indices, weights)
+        if self.fc2_latent_proj is not None:
+            expert_out = self.fc2_latent_proj(expert_out)
+        routed_out = expert_out if real is None else flat.new_zeros(flat.shape).index_copy(0, real, expert_out)
         return routed_out.view(shape) + self.shared_experts(hidden_states)
+
+
+class ExpertParallelHooks:
+    """Mixin of `NemotronHForCausalLM`: expert parallelism (EP) of its MoE layers (backbone and MTP) through am-moe.
+
+    `apply_expert_parallel(ep_mesh)` is the hook a trainer calls and am-capabilities looks for (a model without it
+    is refused ep_size > 1). Routing, the padding exclusion and `e_score_correction_bias` stay replicated and
+    unchanged; only the experts are sharded and fed by all-to-all.
+    """
+
+    nemotron_config: NemotronConfig
+
+    def apply_expert_parallel(self, ep_mesh: Any) -> list[GroupedExperts]:
+        """Shard every routed expert over the 1-D `ep_mesh` (rank r owns experts [r*E/ep, (r+1)*E/ep)) and switch
+        the MoE layers to all-to-all dispatch; returns the sharded `GroupedExperts` (none on a pipeline stage
+        without MoE layers). Collective over `ep_mesh` (the weights are scattered from its first rank).
+
+        NOTE: apply after pipeline splitting and before FSDP2 (`am_moe.fully_shard_experts`, then `fully_shard`).
+
+        Raises:
+            ValueError: before any collective, when the config has no MoE block, n_routed_experts is not divisible
+                by the ep size, the mesh is not 1-D, or the experts are already sharded (all listed).
+        """
+        if not self.nemotron_config.has_moe:
+            raise ValueError(
+                f"{type(self).__name__}: expert parallelism needs MoE blocks, but this config has none (block kinds "
+                f"{sorted(set(self.nemotron_config.layers_block_type))}); use ep=1"
+            )
+        return am_moe.apply_expert_parallel(cast(nn.Module, self), ep_mesh)

@@ -18,11 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_models_nemotron._init import reset_linear_
-from am_models_nemotron.blocks import NemotronV3Block
-from am_models_nemotron.config import NemotronConfig
-from am_models_nemotron.loss import cross_entropy
 from am_precision import BackendConfig, initialize_linear_module, initialize_rms_norm_module
+
+from ._init import reset_linear_
+from .blocks import NemotronV3Block
+from .config import NemotronConfig
+from .loss import cross_entropy
 
 __all__ = [
     "MTPConfig",

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from am_models_nemotron.mtp import shift_within_documents
+from .mtp import shift_within_documents
 
 __all__ = ["mtp_fusion_inputs"]
 

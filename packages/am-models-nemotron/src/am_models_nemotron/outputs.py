@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from am_models_nemotron.loss import cross_entropy
-from am_models_nemotron.mtp import mtp_depth_losses, shift_labels, shift_within_documents
+from .loss import cross_entropy
+from .mtp import mtp_depth_losses, shift_labels, shift_within_documents
 
 __all__ = [
     "CombinedLoss",
@@ -90,8 +90,10 @@ def causal_lm_targets(
     shifted = labels if labels_shifted else shift_labels(labels, 1, seq_idx=seq_idx, ignore_index=ignore_index)
     if padding_mask is not None:
         shifted = shifted.masked_fill(padding_mask, ignore_index)
-        if labels_shifted:  # the target of position t is the token t + 1
-            shifted = shifted.masked_fill(shift_within_documents(padding_mask, 1, fill_value=True), ignore_index)
+        if labels_shifted:  # the target of position t is the token t + 1: ignored where that token is padding
+            # Past the row the caller's label stands (it names the token after the row; -100 where there is none),
+            # as without a padding mask; otherwise a trainer's full windows would lose their last target under CP.
+            shifted = shifted.masked_fill(shift_within_documents(padding_mask, 1, fill_value=False), ignore_index)
     targets = []
     for k in range(depths):
         target = shift_labels(shifted, k + 1, seq_idx=seq_idx, ignore_index=ignore_index)

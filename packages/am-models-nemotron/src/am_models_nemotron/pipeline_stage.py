@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from am_models_nemotron.inputs import BatchLayout
-from am_models_nemotron.mtp_inputs import mtp_fusion_inputs
+from .inputs import BatchLayout
+from .mtp_inputs import mtp_fusion_inputs
 
 __all__ = ["NemotronPipelineMixin"]
 

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from am_models_nemotron.config import NemotronConfig
-from am_models_nemotron.model import NemotronHForCausalLM
 from am_precision import fp32_keep_rules, match_keep_rule
+
+from .config import NemotronConfig
+from .model import NemotronHForCausalLM
 
 __all__ = ["NemotronV3StateDictAdapter"]
 

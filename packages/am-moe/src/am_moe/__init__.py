@@ -9,24 +9,24 @@ Depends on torch only; never imports a model package.
 
 from __future__ import annotations
 
-from am_moe._version import __version__
-from am_moe.dispatch import (
+from ._version import __version__
+from .dispatch import (
     AllToAllDispatcher,
     AllToAllStats,
     DispatchState,
     LocalDispatcher,
     count_all_to_all_bytes,
 )
-from am_moe.experts import EXPERT_ACTIVATIONS, GroupedExperts
-from am_moe.grouped_mm import (
+from .experts import EXPERT_ACTIVATIONS, GroupedExperts
+from .grouped_mm import (
     GROUPED_MM_BACKENDS,
     GroupedMMChoice,
     GroupLayout,
     grouped_linear,
     select_grouped_mm_backend,
 )
-from am_moe.load import ExpertLoad, expert_load, reset_expert_load
-from am_moe.parallel import (
+from .load import ExpertLoad, expert_load, reset_expert_load
+from .parallel import (
     ExpertParallelPlan,
     apply_expert_parallel,
     build_expert_meshes,
@@ -35,7 +35,7 @@ from am_moe.parallel import (
     gather_expert_state_dict,
     plan_expert_parallel,
 )
-from am_moe.routing import RoutingError, routing_problems
+from .routing import RoutingError, routing_problems
 
 __all__ = [
     "__version__",

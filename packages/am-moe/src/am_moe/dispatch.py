@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from am_moe.grouped_mm import GroupLayout
-from am_moe.routing import RoutingError, out_of_range_message
+from .grouped_mm import GroupLayout
+from .routing import RoutingError, out_of_range_message
 
 __all__ = ["AllToAllDispatcher", "AllToAllStats", "DispatchState", "LocalDispatcher", "count_all_to_all_bytes"]
 

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from am_moe.dispatch import AllToAllDispatcher, LocalDispatcher, combine_pairs
-from am_moe.grouped_mm import GroupedMMChoice, GroupLayout, grouped_linear, select_grouped_mm_backend
-from am_moe.routing import routing_problems
+from .dispatch import AllToAllDispatcher, LocalDispatcher, combine_pairs
+from .grouped_mm import GroupedMMChoice, GroupLayout, grouped_linear, select_grouped_mm_backend
+from .routing import routing_problems
 
 __all__ = ["EXPERT_ACTIVATIONS", "GroupedExperts"]
 

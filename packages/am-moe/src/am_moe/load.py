@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from am_moe.parallel import expert_modules
+from .parallel import expert_modules
 
 __all__ = ["ExpertLoad", "expert_load", "reset_expert_load"]
 

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from am_moe.dispatch import AllToAllDispatcher
-from am_moe.experts import GroupedExperts
+from .dispatch import AllToAllDispatcher
+from .experts import GroupedExperts
 
 __all__ = [
     "ExpertParallelPlan",

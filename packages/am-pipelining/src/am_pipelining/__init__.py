@@ -5,17 +5,25 @@ run any torch schedule, compute the pipeline loss (with multi-token prediction),
 and draw the schedule with its bubble fraction.
 """
 
-from am_pipelining._version import __version__
-from am_pipelining.autopipeline import AutoPipeline, PipelineConfig, PipelineInfo
-from am_pipelining.hf_utils import (
+from ._version import __version__
+from .autopipeline import AutoPipeline, PipelineConfig, PipelineInfo
+from .hf_transforms import (
+    FORWARD_TRANSFORMS,
+    LAYER_LEVEL_CONFIG_KEYS,
+    UNSUPPORTED_FORWARD_FEATURES,
+    ForwardTransform,
+)
+from .hf_utils import (
     MULTIMODAL_SUFFIXES,
     PIPELINE_FORWARDS,
     TEXT_MODULE_ATTRS,
+    check_forward_reproduction,
     create_pipeline_forward_causal_lm,
     create_pipeline_forward_gemma4_text,
     create_pipeline_forward_gemma4_vlm,
     create_pipeline_forward_inner,
     create_pipeline_forward_mistral3_vlm,
+    forward_reproduction_problems,
     get_text_module,
     init_hf_model_buffers,
     model_keeps_self_forward,
@@ -23,8 +31,8 @@ from am_pipelining.hf_utils import (
     register_pipeline_forward,
     validate_hf_model_for_pipeline_support,
 )
-from am_pipelining.layers import DecoderLayers, find_layers
-from am_pipelining.loss import (
+from .layers import DecoderLayers, find_layers
+from .loss import (
     MTPLossConfig,
     MTPLossOutput,
     PipelineCausalLMLoss,
@@ -33,15 +41,15 @@ from am_pipelining.loss import (
     roll_tensor,
     shift_packed_tensor,
 )
-from am_pipelining.outputs import StageOutput, read_stage_output
-from am_pipelining.planning import (
+from .outputs import StageOutput, read_stage_output
+from .planning import (
     PipelinePlan,
     PipelinePlanError,
     calculate_virtual_stages,
     plan_pipeline,
     stage_ids_this_rank,
 )
-from am_pipelining.schedule_picture import (
+from .schedule_picture import (
     ScheduleTimeline,
     render_svg,
     render_text,
@@ -49,10 +57,10 @@ from am_pipelining.schedule_picture import (
     schedule_timeline,
     textbook_bubble_fraction,
 )
-from am_pipelining.schedules import build_pipeline_schedule, pipeline_model
-from am_pipelining.stage_modules import build_stage_modules, stage_metas
-from am_pipelining.stages import generate_hf_model_fqn_per_model_part, split_model_into_stages
-from am_pipelining.tied import sync_tied_embedding_grads, sync_tied_embedding_weights
+from .schedules import build_pipeline_schedule, pipeline_model
+from .stage_modules import build_stage_modules, stage_metas
+from .stages import generate_hf_model_fqn_per_model_part, split_model_into_stages
+from .tied import sync_tied_embedding_grads, sync_tied_embedding_weights
 
 __all__ = [
     # facade
@@ -90,6 +98,13 @@ __all__ = [
     "init_hf_model_buffers",
     "model_keeps_self_forward",
     "validate_hf_model_for_pipeline_support",
+    "forward_reproduction_problems",
+    "check_forward_reproduction",
+    # what the model's own forward does around its layers
+    "ForwardTransform",
+    "FORWARD_TRANSFORMS",
+    "LAYER_LEVEL_CONFIG_KEYS",
+    "UNSUPPORTED_FORWARD_FEATURES",
     # loss
     "PipelineCausalLMLoss",
     "MTPLossConfig",

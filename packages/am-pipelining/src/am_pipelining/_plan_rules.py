@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from am_pipelining import _compat
+from . import _compat
 
 _V_SHAPED_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 _STAGES_PER_RANK_MICROBATCHES = ("Schedule1F1B", "ScheduleDualPipeV")

@@ -17,12 +17,11 @@ import torch
 from torch import nn
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
-from am_pipelining import _compat
-from am_pipelining.hf_utils import statically_defines, validate_hf_model_for_pipeline_support
-from am_pipelining.planning import plan_pipeline
-from am_pipelining.schedules import check_step_shapes, pipeline_model
-from am_pipelining.stage_modules import stage_metas
-from am_pipelining.tied import sync_tied_embedding_grads
+from . import _compat
+from .hf_utils import statically_defines, validate_hf_model_for_pipeline_support
+from .planning import plan_pipeline
+from .schedules import check_step_shapes, pipeline_model, reset_pp_stage_shapes
+from .tied import sync_tied_embedding_grads
 
 __all__ = ["AutoPipeline", "PipelineConfig", "PipelineInfo"]
 
@@ -306,21 +305,14 @@ class AutoPipeline:
             raise RuntimeError("AutoPipeline.build() must be called before update_seq_len()")
         if seq_len == self.pp_seq_len:
             return
-        stages = self._info.stages
-        metas = [
-            stage_metas(
-                stage.submod,
-                is_first=stage.is_first,
-                is_last=stage.is_last,
-                microbatch_size=self.pp_microbatch_size,
-                seq_len=seq_len,
-                dtype=self.dtype,
-            )
-            for stage in stages
-        ]
-        _compat.reset_stage_shapes(self._info.schedule, stages, metas)
-        for stage in stages:
-            stage._am_static_shape = (self.pp_microbatch_size, seq_len)
+        reset_pp_stage_shapes(
+            self._info.schedule,
+            self._info.stages,
+            None,
+            self.pp_microbatch_size,
+            seq_len,
+            tensor_dtype=self.dtype,
+        )
         self.pp_seq_len = seq_len
 
     # ---------------------------------------------------------------------------------------------------------
@@ -381,7 +373,7 @@ class AutoPipeline:
 
     def visualize_current_schedule(self, filename: str | None = None) -> Any:
         """Timeline of the built schedule (see `schedule_picture`); written to `filename` (.svg/.png/.txt)."""
-        from am_pipelining.schedule_picture import save_schedule_picture, schedule_timeline
+        from .schedule_picture import save_schedule_picture, schedule_timeline
 
         if self._info.schedule is None:
             raise RuntimeError("AutoPipeline.build() must be called before visualize_current_schedule()")

@@ -7,15 +7,21 @@ microbatches), `stage_modules` (pruned stage modules, static shapes), `stages` (
 
 from __future__ import annotations
 
-from am_pipelining.planning import (
+from .planning import (
     calculate_virtual_stages,
     min_microbatches,
     schedule_placement_style,
     stage_ids_this_rank,
 )
-from am_pipelining.schedules import ParallelizeFnProtocol, build_pipeline_schedule, pipeline_model
-from am_pipelining.stage_modules import build_stage_modules, stage_metas
-from am_pipelining.stages import generate_hf_model_fqn_per_model_part, split_model_into_stages
+from .schedules import (
+    ParallelizeFnProtocol,
+    build_pipeline_schedule,
+    pipeline_model,
+    reset_pp_stage_shapes,
+    scale_grads_by_divisor,
+)
+from .stage_modules import build_stage_modules, stage_metas
+from .stages import generate_hf_model_fqn_per_model_part, split_model_into_stages
 
 __all__ = [
     "ParallelizeFnProtocol",
@@ -26,6 +32,8 @@ __all__ = [
     "split_model_into_stages",
     "build_pipeline_schedule",
     "pipeline_model",
+    "reset_pp_stage_shapes",
+    "scale_grads_by_divisor",
     "stage_metas",
     "schedule_placement_style",
     "min_microbatches",

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_pipelining.hf_masks import _build_or_reuse_pp_causal_mask, _layer_items
-from am_pipelining.hf_utils import (
+from .hf_masks import _build_or_reuse_pp_causal_mask, _layer_items
+from .hf_utils import (
     _FLOAT_DTYPES,
     _default_positions,
     _embed_or_take_hidden,
@@ -70,7 +70,7 @@ def create_pipeline_forward_gemma4_text() -> Callable[..., Any]:
             raise ValueError("input_ids or inputs_embeds must be provided")
         hidden = _embed_or_take_hidden(self, input_ids, inputs_embeds)
         given_position_ids = position_ids
-        position_ids = _default_positions(hidden, position_ids)
+        position_ids = _default_positions(self, hidden, position_ids)
         config = self.config
         layers = _layer_items(self)
         kinds = {_gemma4_layer_type(config, index, layer) for index, layer in layers}

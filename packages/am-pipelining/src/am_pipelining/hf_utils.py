@@ -6,9 +6,9 @@ that contract for HF decoders and causal LMs (Llama, Qwen3, Mistral, ...) using 
 (`past_key_values`, `inputs_embeds`); causal masks are built once per stage and reused
 (`_build_or_reuse_pp_causal_mask`). Architectures that need their own forward (a VLM feeding a vision tower on stage
 0, Gemma 4's per-layer-type rotary embeddings) are entries of the `PIPELINE_FORWARDS` table keyed by `model_type`:
-`patch_hf_model_for_pp` and `validate_hf_model_for_pipeline_support` consult it, so supporting another one is
-`register_pipeline_forward(...)`, not a new branch here. The built-in entries (Gemma 4, Mistral 3) live in
-`hf_models`.
+`patch_hf_model_for_pp` and `validate_hf_model_for_pipeline_support` (in `hf_validation`) consult it, so
+supporting another one is `register_pipeline_forward(...)`, not a new branch here. The built-in entries (Gemma 4,
+Mistral 3) live in `hf_models`; what a model's forward does around its layers is `hf_transforms`.
 
 This module never imports a model package of this repository and never touches torch pipelining internals.
 transformers is imported lazily inside the functions that need it.
@@ -25,8 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_pipelining._compat import bind_method, is_reentrant_checkpoint_wrapper
-from am_pipelining.hf_masks import _build_or_reuse_pp_causal_mask, _layer_attention_type, _layer_items
+from ._compat import bind_method
+from .hf_buffers import init_hf_model_buffers
+from .hf_masks import _build_or_reuse_pp_causal_mask, _layer_attention_type, _layer_items
+from .hf_transforms import active_forward_transforms, apply_embedding_transforms, apply_logit_transforms
 
 __all__ = [
     "TEXT_MODULE_ATTRS",
@@ -40,6 +42,8 @@ __all__ = [
     "patch_hf_model_for_pp",
     "init_hf_model_buffers",
     "model_keeps_self_forward",
+    "forward_reproduction_problems",
+    "check_forward_reproduction",
     "validate_hf_model_for_pipeline_support",
     "PipelineForward",
     "PIPELINE_FORWARDS",
@@ -106,26 +110,42 @@ def _text_config(config: Any) -> Any:
 def _embed_or_take_hidden(
     text_module: nn.Module, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
 ) -> torch.Tensor:
-    """Embed token ids on the first stage; accept float hidden states (in the `input_ids` slot) elsewhere."""
-    if inputs_embeds is not None:
-        return inputs_embeds
+    """Embed token ids on the first stage; accept float hidden states (in the `input_ids` slot) elsewhere.
+
+    On the stage holding `embed_tokens`, the model's embedding transforms (e.g. Granite's `embedding_multiplier`,
+    see `hf_transforms.FORWARD_TRANSFORMS`) are applied to the embeddings, given or computed, as the model does.
+    """
     embed_tokens = getattr(text_module, "embed_tokens", None)
-    if input_ids is not None and input_ids.dtype in _FLOAT_DTYPES:
+    if inputs_embeds is not None:
+        hidden = inputs_embeds
+    elif input_ids is not None and input_ids.dtype in _FLOAT_DTYPES:
         return input_ids
-    if embed_tokens is not None:
+    elif embed_tokens is not None:
         if input_ids is None:
             raise ValueError("You must provide either input_ids or inputs_embeds")
-        return embed_tokens(input_ids)
-    raise ValueError(
-        "inputs_embeds must be provided for pipeline stages without embed_tokens: this stage has no embedding, so "
-        f"it expects float hidden states [B, S, H] in the input_ids slot, got "
-        f"{None if input_ids is None else input_ids.dtype}."
-    )
+        hidden = embed_tokens(input_ids)
+    else:
+        raise ValueError(
+            "inputs_embeds must be provided for pipeline stages without embed_tokens: this stage has no embedding, "
+            f"so it expects float hidden states [B, S, H] in the input_ids slot, got "
+            f"{None if input_ids is None else input_ids.dtype}."
+        )
+    if embed_tokens is None:
+        return hidden
+    return apply_embedding_transforms(hidden, _config_of(text_module), training=text_module.training)
 
 
-def _default_positions(hidden: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+def _default_positions(module: Any, hidden: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """The stage's position ids: the given ones, else the module's duck-typed hook
+    `pipeline_default_position_ids(hidden) -> [B or 1, S] | None` (a model under context parallelism returns the
+    global positions of its shard: a non-first stage receives hidden states only), else `arange(S)`."""
     if position_ids is not None:
         return position_ids
+    hook = getattr(module, "pipeline_default_position_ids", None)
+    if callable(hook):
+        positions = hook(hidden)
+        if positions is not None:
+            return positions
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
@@ -136,22 +156,41 @@ def _first_tensor(output: Any) -> torch.Tensor:
     return last_hidden_state if last_hidden_state is not None else output
 
 
-def _softcap(logits: torch.Tensor, config: Any) -> torch.Tensor:
-    cap = getattr(_text_config(config), "final_logit_softcapping", None) if config is not None else None
-    if cap is None:
-        return logits
-    return cap * torch.tanh(logits / cap)
-
-
 def _logits_or_hidden(model: nn.Module, hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-    """Apply the LM head (and Gemma's final soft-capping) on the last stage; pass hidden states elsewhere."""
+    """Apply the LM head and the model's logit transforms (scaling, soft-capping) on the last stage; pass hidden
+    states elsewhere.
+
+    Raises:
+        ValueError: `_pp_return_hidden_states` is set on a model whose logits are transformed (the caller's head
+            would skip the transform).
+    """
     if getattr(model, "_pp_return_hidden_states", False) is True:
+        active = active_forward_transforms(_config_of(model), "logits")
+        if active:
+            names = ", ".join(f"{t.feature} ({t.config_key}={v!r})" for t, v in active)
+            raise ValueError(
+                f"_pp_return_hidden_states=True on a model whose own forward transforms its logits: {names}. A loss "
+                "computed from the returned hidden states would skip it. Fix: let the last stage return logits."
+            )
         return hidden
     lm_head = getattr(model, "lm_head", None)
     if lm_head is None:
         return hidden
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    return _softcap(lm_head(hidden[:, keep, :]), _config_of(model))
+    return apply_logit_transforms(lm_head(hidden[:, keep, :]), _config_of(model))
+
+
+def _position_embeddings(
+    text_module: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]
+) -> dict[str | None, Any]:
+    """(cos, sin) per layer kind when the rotary embedding takes a `layer_type` (Gemma 3, OLMo 3: other RoPE
+    parameters for sliding layers), else one pair under the key None; empty without a rotary embedding or layers."""
+    rotary_emb = getattr(text_module, "rotary_emb", None)
+    if rotary_emb is None or not kinds:
+        return {}
+    if "layer_type" in inspect.signature(rotary_emb.forward).parameters:
+        return {kind: rotary_emb(hidden, position_ids, kind) for kind in sorted(kinds)}
+    return {None: rotary_emb(hidden, position_ids)}
 
 
 def _base_model_output(hidden: torch.Tensor, past_key_values: Any) -> Any:
@@ -193,7 +232,7 @@ def create_pipeline_forward_inner(model_class_name: str = "AutoModel") -> Callab
 
             past_key_values = DynamicCache(config=text_module.config)
         given_position_ids = position_ids
-        position_ids = _default_positions(hidden, position_ids)
+        position_ids = _default_positions(self, hidden, position_ids)
         layers = _layer_items(text_module)
         config = text_module.config
         kinds = {_layer_attention_type(config, index, layer) for index, layer in layers}
@@ -201,8 +240,7 @@ def create_pipeline_forward_inner(model_class_name: str = "AutoModel") -> Callab
             causal_mask_mapping = _build_or_reuse_pp_causal_mask(
                 text_module, hidden, attention_mask, cache_position, given_position_ids, mask_types=kinds
             )
-        rotary_emb = getattr(text_module, "rotary_emb", None)
-        position_embeddings = rotary_emb(hidden, position_ids) if rotary_emb is not None and layers else None
+        position_embeddings = _position_embeddings(text_module, hidden, position_ids, kinds if layers else set())
         for index, layer in layers:
             kind = _layer_attention_type(config, index, layer)
             mask = causal_mask_mapping.get(kind, causal_mask_mapping.get("full_attention"))
@@ -213,7 +251,7 @@ def create_pipeline_forward_inner(model_class_name: str = "AutoModel") -> Callab
                     position_ids=position_ids,
                     past_key_values=past_key_values,
                     use_cache=use_cache,
-                    position_embeddings=position_embeddings,
+                    position_embeddings=position_embeddings.get(kind, position_embeddings.get(None)),
                 )
             )
         norm = getattr(text_module, "norm", None)
@@ -229,7 +267,7 @@ def create_pipeline_forward_inner(model_class_name: str = "AutoModel") -> Callab
 def create_pipeline_forward_causal_lm() -> Callable[..., Any]:
     """Forward for an HF `*ForCausalLM`: inner model (when kept) then `lm_head` (when kept).
 
-    Returns logits [B, S, V] on the last stage (soft-capped when the config sets `final_logit_softcapping`),
+    Returns logits [B, S, V] on the last stage (with the model's logit scaling / soft-capping, `FORWARD_TRANSFORMS`),
     hidden states [B, S, H] elsewhere or when `_pp_return_hidden_states` is True. `labels` are ignored: the
     schedule's `loss_fn` computes the loss.
     """
@@ -351,9 +389,31 @@ def _is_vlm(model: nn.Module) -> bool:
     return inner is not None and any(getattr(inner, attr, None) is not None for attr in ("vision_tower", "visual"))
 
 
-def patch_hf_model_for_pp(
-    model: Any, *, patch_inner_model: bool = True, patch_causal_lm_model: bool = True
-) -> nn.Module:
+@dataclass(frozen=True)
+class _ForwardPlan:
+    """Which module gets which forward: one resolution shared by patching and validation."""
+
+    text_module: nn.Module
+    text_name: str
+    text_factory: Callable[[], Callable[..., Any]] | None  # None: the generic text forward
+    outer_factory: Callable[[], Callable[..., Any]] | None  # None: the generic causal-LM forward
+    has_outer: bool  # False: a bare decoder, patched as the text module itself
+
+
+def _forward_plan(model: nn.Module) -> _ForwardPlan:
+    entry = _pipeline_forward_for(model)
+    inner = getattr(model, "model", None)
+    language_model = getattr(inner, "language_model", None) if inner is not None else None
+    text_factory = entry.text_forward if entry is not None else None
+    outer_factory = entry.outer_forward if entry is not None else None
+    if entry is not None and entry.multimodal and language_model is not None:
+        return _ForwardPlan(language_model, "model.language_model", text_factory, outer_factory, True)
+    if inner is not None:
+        return _ForwardPlan(inner, "model", text_factory, outer_factory, True)
+    return _ForwardPlan(model, "", text_factory, None, False)
+
+
+def patch_hf_model_for_pp(model: Any, patch_inner_model: bool = True, patch_causal_lm_model: bool = True) -> nn.Module:
     """Bind pipeline-friendly forwards onto `model` (in place) and return it.
 
     Skip this for models with `_pp_keep_self_forward = True`. The model's `PIPELINE_FORWARDS` entry (if any) picks
@@ -361,119 +421,22 @@ def patch_hf_model_for_pp(
     inner `.model` (causal LM) or the model itself (a bare decoder) gets the text forward, and a causal LM's
     top-level model the generic causal-LM forward.
     """
-    entry = _pipeline_forward_for(model)
-    inner = getattr(model, "model", None)
-    language_model = getattr(inner, "language_model", None) if inner is not None else None
-    text_factory = entry.text_forward if entry is not None and entry.text_forward is not None else None
-    text_forward = text_factory() if text_factory is not None else create_pipeline_forward_inner("PipelineStage")
-    if entry is not None and entry.multimodal and language_model is not None:
-        text_module, outer_factory = language_model, entry.outer_forward
-    elif inner is not None:
-        text_module = inner
-        outer_factory = entry.outer_forward if entry is not None else None
-    else:
+    plan = _forward_plan(model)
+    factory = plan.text_factory
+    text_forward = factory() if factory is not None else create_pipeline_forward_inner("PipelineStage")
+    if not plan.has_outer:
         if patch_inner_model:
             bind_method(model, "forward", text_forward)
         return model
     if patch_inner_model:
-        bind_method(text_module, "forward", text_forward)
+        bind_method(plan.text_module, "forward", text_forward)
     if patch_causal_lm_model:
-        if outer_factory is not None:
-            bind_method(model, "forward", outer_factory())
+        if plan.outer_factory is not None:
+            bind_method(model, "forward", plan.outer_factory())
         else:
             bind_method(model, "forward", create_pipeline_forward_causal_lm())
             model._pp_return_hidden_states_supported = True
     return model
-
-
-def init_hf_model_buffers(model: nn.Module, device: torch.device | str) -> None:
-    """Recompute rotary-embedding buffers (`inv_freq`, per-layer-type variants) on `device`.
-
-    Needed after building a model on the meta device and materializing it with `to_empty`: non-persistent buffers
-    are not in checkpoints, so they would stay uninitialized. Each `*RotaryEmbedding` module with a `config` is
-    rebuilt on `device` (cheap: buffers only) and its buffers are copied over. Other modules are untouched.
-    """
-    for module in model.modules():
-        if not type(module).__name__.endswith("RotaryEmbedding") or getattr(module, "config", None) is None:
-            continue
-        with torch.device(device):
-            try:
-                fresh = type(module)(module.config)
-            except TypeError:
-                continue
-        for name, buffer in fresh.named_buffers(recurse=False):
-            persistent = name not in module._non_persistent_buffers_set
-            module.register_buffer(name, buffer, persistent=persistent)
-
-
-def _uses_reentrant_checkpointing(model: nn.Module) -> list[str]:
-    """Names of modules that run reentrant activation checkpointing (torch wrapper or HF's setting)."""
-    found = []
-    for name, module in model.named_modules():
-        if is_reentrant_checkpoint_wrapper(module):
-            found.append(name or "<root>")
-            continue
-        if getattr(module, "gradient_checkpointing", False) is True:
-            func = module.__dict__.get("_gradient_checkpointing_func")
-            keywords = getattr(func, "keywords", None) or {}
-            if keywords.get("use_reentrant", False) is True:
-                found.append(name or "<root>")
-    return found
-
-
-def validate_hf_model_for_pipeline_support(model: nn.Module) -> None:
-    """Raise one ValueError listing every reason `model` cannot run under pipeline parallelism, with the fix.
-
-    Tied input/output embeddings are supported (the last stage keeps a copy whose gradient is summed with the
-    first stage's, see `am_pipelining.tied`), so they are not rejected. Rejected: encoder-decoder models; VLMs
-    without a pipeline-aware forward; Gemma 4 per-layer inputs (PLE) and cross-layer KV sharing, which need data
-    no stage receives; reentrant activation checkpointing, which breaks the stage backward.
-    """
-    issues: list[str] = []
-    config = _config_of(model)
-    if config is not None:
-        name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None) or type(model).__name__
-        if getattr(config, "is_encoder_decoder", False):
-            issues.append(
-                "Encoder-decoder models with cross-attention are not supported yet for pipeline parallelism: the "
-                "decoder stages would need the encoder output. Train it with FSDP2/TP instead."
-            )
-        entry = _pipeline_forward_for(model)
-        if _is_vlm(model) and not model_keeps_self_forward(model) and not (entry is not None and entry.multimodal):
-            aware = ", ".join(sorted(t for t, e in PIPELINE_FORWARDS.items() if e.multimodal))
-            issues.append(
-                f"{type(model).__name__} (model_type={_model_type(config)!r}) is a multimodal model that is not on the "
-                f"pipeline-aware list ({aware}): images would never reach its vision tower. Fix: register its "
-                "forwards with `register_pipeline_forward(model_type, outer_forward=..., multimodal=True)`, or give "
-                "the class a PP-aware forward and set `_pp_keep_self_forward = True`, or train it without PP."
-            )
-        text_config = _text_config(config)
-        if getattr(text_config, "hidden_size_per_layer_input", 0):
-            issues.append(
-                "Gemma 4 per-layer inputs (hidden_size_per_layer_input="
-                f"{text_config.hidden_size_per_layer_input}) need the token ids on every stage, but only hidden "
-                "states travel between stages. Fix: use a variant without per-layer inputs (not the E-series) or pp=1."
-            )
-        if getattr(text_config, "num_kv_shared_layers", 0):
-            issues.append(
-                f"num_kv_shared_layers={text_config.num_kv_shared_layers}: layers that reuse another layer's keys and "
-                "values cannot be placed on a different stage from it. Fix: use a variant without KV sharing or pp=1."
-            )
-        prefix = f"Model '{name}' is not compatible with pipeline parallelism:"
-    else:
-        prefix = f"Model '{type(model).__name__}' is not compatible with pipeline parallelism:"
-    reentrant = _uses_reentrant_checkpointing(model)
-    if reentrant:
-        shown = ", ".join(reentrant[:4]) + (" ..." if len(reentrant) > 4 else "")
-        issues.append(
-            f"Reentrant activation checkpointing is enabled on {shown}: the stage backward calls "
-            "torch.autograd.grad on stage inputs, which reentrant checkpointing does not support. Fix: use "
-            "`use_reentrant=False` (HF: activation_checkpointing_enable(activation_checkpointing_kwargs="
-            "{'use_reentrant': False}); torch: checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.NO_REENTRANT))."
-        )
-    if issues:
-        numbered = "\n".join(f"{i}. {issue}" for i, issue in enumerate(issues, start=1))
-        raise ValueError(f"{prefix}\n\n{numbered}")
 
 
 def statically_defines(obj: Any, name: str) -> bool:
@@ -486,9 +449,14 @@ def statically_defines(obj: Any, name: str) -> bool:
 
 
 # The built-in architecture-specific forwards register themselves in PIPELINE_FORWARDS on import; their upstream
-# names stay importable from here.
-from am_pipelining.hf_models import (  # noqa: E402
+# names, and validation's, stay importable from here.
+from .hf_models import (  # noqa: E402
     create_pipeline_forward_gemma4_text,
     create_pipeline_forward_gemma4_vlm,
     create_pipeline_forward_mistral3_vlm,
+)
+from .hf_validation import (  # noqa: E402
+    check_forward_reproduction,
+    forward_reproduction_problems,
+    validate_hf_model_for_pipeline_support,
 )

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from am_pipelining.hf_utils import MULTIMODAL_SUFFIXES
+from .hf_utils import MULTIMODAL_SUFFIXES
 
 __all__ = ["DecoderLayers", "find_layers", "LAYER_PREFIX_CANDIDATES"]
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_pipelining.outputs import pipeline_output_names, read_stage_output
+from .outputs import pipeline_output_names, read_stage_output
 
 __all__ = [
     "roll_tensor",
@@ -244,7 +244,8 @@ class PipelineCausalLMLoss(nn.Module):
     `model.combined_loss(output, labels, *, loss_fn, labels_shifted, seq_idx, scaling_factor, ignore_index)`; the
     loss then calls it (labels already shifted; seq_idx from the output's int32 tail or from `cu_seqlens`, else
     None; scaling_factor None means the model's own), so the pipeline, the single-process trainer and the model
-    compute one rule. Without the hook the generic rule below applies.
+    compute one rule (with `mtp_per_depth_targets=` when the caller gives precomputed MTP targets). Without the hook
+    the generic rule below applies.
 
     Args:
         loss_fn: `(logits, labels) -> scalar`, e.g. a token-sum cross entropy.
@@ -270,7 +271,12 @@ class PipelineCausalLMLoss(nn.Module):
         _refuse_grad_reduce_group(grad_reduce_group)
         self.cu_seqlens: torch.Tensor | None = None
 
-    def forward(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, output: Any, labels: torch.Tensor, *, mtp_per_depth_targets: Sequence[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The loss of one microbatch. labels: [B, S] already shifted. mtp_per_depth_targets: D [B, S] MTP targets
+        computed on the whole sequences (context parallelism: a shard cannot roll its labels across a block edge);
+        None: they are rolled from `labels` within documents."""
         model = self.model
         parts = read_stage_output(
             output,
@@ -282,11 +288,12 @@ class PipelineCausalLMLoss(nn.Module):
             scaling = getattr(output, "mtp_loss_scaling_factor", None)
         combined_loss = getattr(model, "combined_loss", None)
         if callable(combined_loss):
-            seq_idx = parts.seq_idx
-            if seq_idx is None and self.cu_seqlens is not None:
+            seq_idx = parts.seq_idx if mtp_per_depth_targets is None else None  # targets already respect documents
+            if seq_idx is None and mtp_per_depth_targets is None and self.cu_seqlens is not None:
                 seq_idx = _resolve_seq_idx(labels, None, self.cu_seqlens)
             # A stage tuple is handed on as (logits, *mtp) with its seq_idx apart; a model output object as is.
             named = (parts.logits, *parts.mtp_per_depth_h) if isinstance(output, (tuple, list)) else output
+            extra = {} if mtp_per_depth_targets is None else {"mtp_per_depth_targets": list(mtp_per_depth_targets)}
             return combined_loss(
                 named,
                 labels,
@@ -295,6 +302,7 @@ class PipelineCausalLMLoss(nn.Module):
                 seq_idx=seq_idx,
                 scaling_factor=scaling,
                 ignore_index=self.ignore_index,
+                **extra,
             )
         loss = _call_loss(self.loss_fn, parts.logits, labels, None)
         training = bool(getattr(model, "training", True))
@@ -309,8 +317,9 @@ class PipelineCausalLMLoss(nn.Module):
                 model=model,
                 scaling_factor=scaling,
                 ignore_index=self.ignore_index,
-                seq_idx=parts.seq_idx,
-                cu_seqlens=self.cu_seqlens if parts.seq_idx is None else None,
+                mtp_per_depth_targets=mtp_per_depth_targets,
+                seq_idx=parts.seq_idx if mtp_per_depth_targets is None else None,
+                cu_seqlens=self.cu_seqlens if parts.seq_idx is None and mtp_per_depth_targets is None else None,
             )
         return loss
 

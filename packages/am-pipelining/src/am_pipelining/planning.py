@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from am_pipelining import _compat
-from am_pipelining._plan_rules import (
+from . import _compat
+from ._plan_rules import (
     Say,
     batch_problems,
     csv_problems,

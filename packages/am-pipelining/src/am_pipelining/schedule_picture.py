@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from am_pipelining import _compat
-from am_pipelining.planning import plan_pipeline
+from . import _compat
+from .planning import plan_pipeline
 
 __all__ = [
     "TimelineAction",

@@ -21,13 +21,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from am_pipelining import _compat
-from am_pipelining.layers import find_layers
-from am_pipelining.planning import PipelinePlan, csv_problems, plan_pipeline
-from am_pipelining.stage_names import plan_for_module_names
-from am_pipelining.stages import split_model_into_stages
+from . import _compat
+from .layers import find_layers
+from .planning import PipelinePlan, csv_problems, plan_pipeline
+from .stage_modules import stage_metas
+from .stage_names import plan_for_module_names
+from .stages import split_model_into_stages
 
-__all__ = ["ParallelizeFnProtocol", "build_pipeline_schedule", "check_step_shapes", "pipeline_model"]
+__all__ = [
+    "ParallelizeFnProtocol",
+    "build_pipeline_schedule",
+    "check_step_shapes",
+    "pipeline_model",
+    "reset_pp_stage_shapes",
+    "scale_grads_by_divisor",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +232,8 @@ def pipeline_model(
     seq_len: int | None = None,
     tensor_dtype: torch.dtype | None = None,
     stages_per_rank: int | None = None,
+    patch_stage_backward_maybe_with_nosync: bool = False,
+    reduce_grad_per_microbatch: bool = False,
 ) -> tuple[Any, list[nn.Module], bool, bool, list[PipelineStage]]:
     """Plan, split, parallelize each stage module (e.g. FSDP2 over the dp axes), and build the schedule.
 
@@ -234,9 +244,16 @@ def pipeline_model(
         (schedule, model_parts, has_first_stage, has_last_stage, stages) for this rank.
 
     Raises:
-        ValueError: the pipeline axis has size 1, or any error of `split_model_into_stages` /
-            `build_pipeline_schedule`.
+        ValueError: the pipeline axis has size 1, `patch_stage_backward_maybe_with_nosync` or
+            `reduce_grad_per_microbatch` is True (upstream options torch's stage already covers), or any error of
+            `split_model_into_stages` / `build_pipeline_schedule`.
     """
+    if patch_stage_backward_maybe_with_nosync or reduce_grad_per_microbatch:
+        raise ValueError(
+            "patch_stage_backward_maybe_with_nosync=True / reduce_grad_per_microbatch=True are not supported: torch's "
+            "PipelineStage already runs every microbatch's backward without FSDP gradient sync and reduces once "
+            "after the last one. Leave both False."
+        )
     if parallelize_fn is None:
         _refuse_options_without_parallelize_fn(
             moe_mesh=moe_mesh,
@@ -327,3 +344,52 @@ def pipeline_model(
     has_first = any(stage.is_first for stage in stages)
     has_last = any(stage.is_last for stage in stages)
     return schedule, model_parts, has_first, has_last, stages
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Between steps (upstream names)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def reset_pp_stage_shapes(
+    schedule: Any,
+    stages: Sequence[PipelineStage],
+    config: Any,
+    microbatch_size: int,
+    seq_len: int,
+    tensor_dtype: torch.dtype | None = None,
+) -> None:
+    """Give this rank's stages static shapes for a new sequence length; the next `schedule.step()` re-initializes.
+
+    Inputs of the first stage become `[microbatch_size, seq_len]` int64, later ones `[microbatch_size, seq_len, H]`;
+    outputs `[microbatch_size, seq_len, V]` on a stage with an LM head, else hidden states (a model's
+    `get_pipeline_stage_metas` wins). `config` gives H and V (its `text_config` as fallback); `tensor_dtype`
+    defaults to each stage's parameter dtype. Accumulated gradients are kept.
+
+    Raises:
+        RuntimeError: this torch's stages expose no known static-metadata API.
+    """
+    metas = [
+        stage_metas(
+            stage.submod,
+            is_first=stage.is_first,
+            is_last=stage.is_last,
+            microbatch_size=microbatch_size,
+            seq_len=seq_len,
+            dtype=tensor_dtype,
+            config=config,
+        )
+        for stage in stages
+    ]
+    _compat.reset_stage_shapes(schedule, list(stages), metas)
+    for stage in stages:
+        stage._am_static_shape = (microbatch_size, seq_len)  # type: ignore[attr-defined]
+
+
+@torch.no_grad()
+def scale_grads_by_divisor(stages: Sequence[Any], divisor: int | float) -> None:
+    """Divide the accumulated gradients of every stage by `divisor` (stages without `scale_grads` are skipped)."""
+    for stage in stages:
+        scale = getattr(stage, "scale_grads", None)
+        if callable(scale):
+            scale(divisor)

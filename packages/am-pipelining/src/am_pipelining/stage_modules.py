@@ -20,13 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_pipelining.hf_utils import (
-    _uses_reentrant_checkpointing,
-    model_keeps_self_forward,
-    patch_hf_model_for_pp,
-    statically_defines,
-)
-from am_pipelining.outputs import pipeline_output_names, read_stage_output
+from .hf_utils import model_keeps_self_forward, patch_hf_model_for_pp, statically_defines
+from .hf_validation import _uses_reentrant_checkpointing, check_forward_reproduction
+from .outputs import pipeline_output_names, read_stage_output
 
 __all__ = ["build_stage_modules", "stage_metas"]
 
@@ -142,8 +138,13 @@ def build_stage_modules(
     after, so `model` is unchanged and a meta-device model allocates nothing. In each copy, modules not kept are
     `None`, `ModuleList`s become `ModuleDict`s keyed by the original index strings, and tied weights stay tied
     when both ends are kept.
+
+    Raises:
+        ValueError: listing every forward-level feature of `model` the pipeline forwards would not reproduce
+            (`check_forward_reproduction`), before any stage is built.
     """
     _check_activation_checkpointing(model)
+    check_forward_reproduction(model)
     keep_self_forward = model_keeps_self_forward(model)
     stage_models = []
     for stage_id in stage_ids:
@@ -191,8 +192,11 @@ def stage_metas(
     microbatch_size: int,
     seq_len: int,
     dtype: torch.dtype | None = None,
+    config: Any = None,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Meta tensors describing a stage's input and output, so torch skips its shape-inference round trip.
+
+    `config` (hidden and vocabulary sizes, `text_config` fallback) defaults to `stage_model.config`.
 
     A model's `get_pipeline_stage_metas(*, is_first, microbatch_size, seq_len, dtype)` wins when defined (on the
     last stage, its outputs must fit the model's `pipeline_output_names` when it declares them).
@@ -210,7 +214,7 @@ def stage_metas(
         if is_last and names is not None:
             read_stage_output(tuple(hook_outputs), names=names)  # the declaration must fit the declared shapes
         return tuple(hook_inputs), tuple(hook_outputs)
-    hidden, vocab = _get_hidden_and_vocab_size(stage_model.config)
+    hidden, vocab = _get_hidden_and_vocab_size(stage_model.config if config is None else config)
     meta = torch.device("meta")
     if is_first:
         inputs: tuple[torch.Tensor, ...] = (torch.empty(microbatch_size, seq_len, dtype=torch.long, device=meta),)

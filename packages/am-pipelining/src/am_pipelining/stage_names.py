@@ -18,9 +18,9 @@ from typing import Any
 
 from torch import nn
 
-from am_pipelining.hf_utils import MULTIMODAL_SUFFIXES, statically_defines
-from am_pipelining.layers import DecoderLayers, find_layers, module_at
-from am_pipelining.planning import PipelinePlan, PipelinePlanError, plan_pipeline, split_layers
+from .hf_utils import MULTIMODAL_SUFFIXES, statically_defines
+from .layers import DecoderLayers, find_layers, module_at
+from .planning import PipelinePlan, PipelinePlanError, plan_pipeline, split_layers
 
 __all__ = ["generate_hf_model_fqn_per_model_part", "module_names_problems", "plan_for_module_names"]
 

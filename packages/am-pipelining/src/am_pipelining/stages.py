@@ -19,18 +19,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from am_pipelining import _compat
-from am_pipelining.layers import DecoderLayers, find_layers, module_at
-from am_pipelining.outputs import output_names_problems, pipeline_output_names
-from am_pipelining.planning import PipelinePlan, plan_pipeline
-from am_pipelining.stage_modules import build_stage_modules, stage_metas
-from am_pipelining.stage_names import (
+from . import _compat
+from .hf_validation import check_forward_reproduction
+from .layers import DecoderLayers, find_layers, module_at
+from .outputs import output_names_problems, pipeline_output_names
+from .planning import PipelinePlan, plan_pipeline
+from .stage_modules import build_stage_modules, stage_metas
+from .stage_names import (
     _default_module_names,
     generate_hf_model_fqn_per_model_part,
     module_names_problems,
     plan_for_module_names,
 )
-from am_pipelining.tied import TiedEmbeddingCopy, pair_group
+from .tied import TiedEmbeddingCopy, pair_group
 
 __all__ = ["generate_hf_model_fqn_per_model_part", "split_model_into_stages"]
 
@@ -106,7 +107,8 @@ def split_model_into_stages(
     Raises:
         PipelinePlanError (ValueError): every planning problem (see `plan_pipeline`).
         ValueError: a plan for another pipeline size or layer count, shape options without `seq_len`,
-            reentrant checkpointing.
+            reentrant checkpointing, a model whose own forward the pipeline forwards do not reproduce
+            (`check_forward_reproduction`).
 
     NOTE: call it on every rank of the default process group (SPMD). When tied input/output embeddings land on
     different ranks, the first/last-stage pair groups of all pipeline replicas are created here, collectively.
@@ -117,6 +119,7 @@ def split_model_into_stages(
             "drop them (shapes are then inferred at the first step)."
         )
     pp_rank, pp_size, group = _pp_rank_size_group(pp_mesh, pp_axis_name)
+    check_forward_reproduction(model)  # first: a stage list cannot fix a forward the stages do not reproduce
     layout = find_layers(model)
     explicit = None if module_names_per_stage is None else [list(stage) for stage in module_names_per_stage]
     if plan is None and explicit is not None:

@@ -10,8 +10,8 @@ imported only by the functions that need them.
 
 from __future__ import annotations
 
-from am_precision._version import __version__
-from am_precision.backend import (
+from ._version import __version__
+from .backend import (
     ATTN_BACKENDS,
     DISPATCHER_BACKENDS,
     EXPERTS_BACKENDS,
@@ -22,14 +22,17 @@ from am_precision.backend import (
     BackendConfig,
     TEFp8Config,
 )
-from am_precision.casting import (
+from .casting import (
     cast_frozen_modules_to_compute_dtype,
     cast_model_to_dtype,
     is_dtensor,
     yield_fp32_model,
 )
-from am_precision.flags import (
+from .flags import (
+    HAVE_DEEP_EP,
+    HAVE_GMM,
     HAVE_TE,
+    HAVE_UCCL_EP,
     get_is_first_microbatch,
     get_is_optim_step,
     is_tensor_unallocated,
@@ -37,12 +40,12 @@ from am_precision.flags import (
     set_is_optim_step,
     te_usable,
 )
-from am_precision.keep_rules import KeepRule, canonical_name, fp32_keep_rules, match_keep_rule
-from am_precision.lm_head import compute_lm_head_logits
-from am_precision.modules import Float32RMSNorm, initialize_linear_module, initialize_rms_norm_module
-from am_precision.report import Fp32Report, TensorPrecision, assert_fp32_contract, fp32_report
-from am_precision.rope import get_rope_config
-from am_precision.te_patch import (
+from .keep_rules import KeepRule, canonical_name, fp32_keep_rules, match_keep_rule
+from .lm_head import compute_lm_head_logits
+from .modules import Float32RMSNorm, initialize_linear_module, initialize_rms_norm_module
+from .report import Fp32Report, TensorPrecision, assert_fp32_contract, fp32_report
+from .rope import get_rope_config
+from .te_patch import (
     apply_te_patches,
     patch_first_microbatch_injection,
     patch_te_modules,
@@ -62,6 +65,9 @@ __all__ = [
     "FP8_RECIPES",
     # flags
     "HAVE_TE",
+    "HAVE_DEEP_EP",
+    "HAVE_UCCL_EP",
+    "HAVE_GMM",
     "te_usable",
     "get_is_first_microbatch",
     "set_is_first_microbatch",

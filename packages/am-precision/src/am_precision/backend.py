@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from am_precision import flags
+from . import flags
 
 __all__ = [
     "ATTN_BACKENDS",
@@ -195,6 +195,11 @@ _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: v is True,
         "no am-* model compiles its attention kernel on its own; apply torch.compile to the model and leave it False",
     ),
+    "enable_deepep": (
+        lambda v: v is not None,
+        "it is a removed upstream field (upstream warns and ignores it); choose the dispatcher with "
+        "dispatcher='deepep' and leave enable_deepep=None",
+    ),
 }
 
 
@@ -225,12 +230,13 @@ class BackendConfig:
         te_fp8: FP8 recipe (`TEFp8Config` or a dict of its fields); requires linear="te" or experts="te".
         gate_precision: dtype of MoE router math (a dtype or a name such as "float32" / "torch.float32").
         compile_attn: wrap the attention kernel in torch.compile.
+        enable_deepep: removed upstream field, accepted only as None so upstream configs that spell it load.
 
     Fields no am-* package implements (README, "Who honours each field") keep their upstream defaults and accept
     only them: `rope="quack"`, `rope_fusion=True`, the `dispatcher_*` knobs, `fake_balanced_gate`,
-    `fake_gate_noise`, `enable_hf_state_dict_adapter=False`, `enable_fsdp_optimizations`, `te_fp8` and
-    `compile_attn` are refused with the reason and the fix. Models refuse what they do not support of the fields
-    they read (`attn`, `experts`, `dispatcher`, ...).
+    `fake_gate_noise`, `enable_hf_state_dict_adapter=False`, `enable_fsdp_optimizations`, `te_fp8`,
+    `compile_attn` and `enable_deepep` are refused with the reason and the fix. Models refuse what they do not
+    support of the fields they read (`attn`, `experts`, `dispatcher`, ...).
 
     Raises:
         ValueError: one or more fields are invalid or ask for something no am-* package implements; the message
@@ -254,6 +260,7 @@ class BackendConfig:
     te_fp8: TEFp8Config | None = None
     gate_precision: torch.dtype | None = None
     compile_attn: bool = False
+    enable_deepep: bool | None = None
 
     def __post_init__(self) -> None:
         problems: list[str] = []

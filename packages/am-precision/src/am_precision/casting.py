@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from am_precision.keep_rules import KeepRule, canonical_name, fp32_keep_rules, match_keep_rule
+from .keep_rules import KeepRule, canonical_name, fp32_keep_rules, match_keep_rule
 
 __all__ = [
     "cast_frozen_modules_to_compute_dtype",
@@ -113,7 +113,6 @@ def _pinned_tensor_ids(model: nn.Module, rules: tuple[KeepRule, ...]) -> tuple[s
 def cast_model_to_dtype(
     model: nn.Module,
     dtype: torch.dtype = torch.bfloat16,
-    *,
     skip_modules: Iterable[str] = (),
 ) -> nn.Module:
     """Cast floating parameters and buffers to `dtype`, except fp32-pinned ones (fp32) and skipped modules (as is).

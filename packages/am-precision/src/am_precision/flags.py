@@ -14,8 +14,11 @@ import torch
 
 __all__ = [
     "HAVE_DEEP_EP",
+    "HAVE_GMM",
     "HAVE_TE",
     "HAVE_UCCL_EP",
+    "IS_FIRST_MICROBATCH",
+    "IS_OPTIM_STEP",
     "get_is_first_microbatch",
     "get_is_optim_step",
     "is_tensor_unallocated",
@@ -36,6 +39,7 @@ def _installed(module_name: str) -> bool:
 HAVE_TE: bool = _installed("transformer_engine")
 HAVE_DEEP_EP: bool = _installed("deep_ep")
 HAVE_UCCL_EP: bool = _installed("uccl_ep")
+HAVE_GMM: bool = _installed("grouped_gemm")
 
 
 def te_usable() -> bool:
@@ -47,8 +51,9 @@ def te_usable() -> bool:
 #   True  -> first micro-batch after an optimizer step: quantize the weights and cache them,
 #   False -> later micro-batches: reuse the cached FP8 weights,
 #   None  -> caching disabled (TE quantizes on every call).
-_is_first_microbatch: bool | None = None
-_is_optim_step: bool = False
+# Module attributes under upstream's names; read them through the getters (a `from ... import` copies the value).
+IS_FIRST_MICROBATCH: bool | None = None
+IS_OPTIM_STEP: bool = False
 
 
 def set_is_first_microbatch(value: bool | None) -> None:
@@ -57,15 +62,15 @@ def set_is_first_microbatch(value: bool | None) -> None:
     Raises:
         TypeError: `value` is not True, False or None.
     """
-    global _is_first_microbatch
+    global IS_FIRST_MICROBATCH
     if value is not None and not isinstance(value, bool):
         raise TypeError(f"is_first_microbatch must be True, False or None, got {value!r} ({type(value).__name__})")
-    _is_first_microbatch = value
+    IS_FIRST_MICROBATCH = value
 
 
 def get_is_first_microbatch() -> bool | None:
     """The global `is_first_microbatch` flag (None = FP8 weight caching disabled)."""
-    return _is_first_microbatch
+    return IS_FIRST_MICROBATCH
 
 
 def set_is_optim_step(value: bool) -> None:
@@ -74,15 +79,15 @@ def set_is_optim_step(value: bool) -> None:
     Raises:
         TypeError: `value` is not a bool.
     """
-    global _is_optim_step
+    global IS_OPTIM_STEP
     if not isinstance(value, bool):
         raise TypeError(f"is_optim_step must be a bool, got {value!r} ({type(value).__name__})")
-    _is_optim_step = value
+    IS_OPTIM_STEP = value
 
 
 def get_is_optim_step() -> bool:
     """Whether the current micro-batch is followed by an optimizer step (default False)."""
-    return _is_optim_step
+    return IS_OPTIM_STEP
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:

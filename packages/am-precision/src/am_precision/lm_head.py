@@ -70,7 +70,6 @@ def compute_lm_head_logits(
     lm_head: nn.Module | None,
     hidden_states: torch.Tensor,
     logits_to_keep: int | torch.Tensor = 0,
-    *,
     is_thd: bool = False,
     fp32_lm_head: bool = False,
     output_hidden_states: bool = False,

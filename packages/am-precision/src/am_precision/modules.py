@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_precision.backend import LINEAR_BACKENDS, RMS_NORM_BACKENDS
+from .backend import LINEAR_BACKENDS, RMS_NORM_BACKENDS
 
 __all__ = ["Float32RMSNorm", "initialize_linear_module", "initialize_rms_norm_module"]
 
@@ -35,7 +35,6 @@ class Float32RMSNorm(nn.Module):
         self,
         dim: int,
         eps: float = 1e-5,
-        *,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
@@ -96,24 +95,25 @@ def _import_te_pytorch(option: str) -> Any:
             f"{option}='te' requires Transformer Engine with CUDA: `pip install am-precision[te]` on a machine "
             f"with a GPU, or choose another {option} implementation. Import failed: {err}"
         ) from err
-    from am_precision.te_patch import patch_te_modules
+    from .te_patch import patch_te_modules
 
     patch_te_modules()
     return te
 
 
 def initialize_rms_norm_module(
-    impl: str,
+    rms_norm_impl: str,
     dim: int,
     eps: float = 1e-5,
-    *,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> nn.Module:
-    """Build an RMSNorm over the last dimension with the implementation `impl`.
+    """Build an RMSNorm over the last dimension with the implementation `rms_norm_impl`.
+
+    Upstream calling convention: `initialize_rms_norm_module(rms_norm_impl, dim, eps, device, dtype)`.
 
     Args:
-        impl: "torch" (`nn.RMSNorm`, computes in the input dtype), "torch_fp32" (`Float32RMSNorm`), "te"
+        rms_norm_impl: "torch" (`nn.RMSNorm`, computes in the input dtype), "torch_fp32" (`Float32RMSNorm`), "te"
             (Transformer Engine, patched by `patch_te_modules`) or "quack" (QuACK kernel).
         dim: normalized size.
         eps: numerical epsilon.
@@ -121,9 +121,10 @@ def initialize_rms_norm_module(
         dtype: storage dtype of the weight.
 
     Raises:
-        ValueError: `impl` is not one of `RMS_NORM_BACKENDS`.
+        ValueError: `rms_norm_impl` is not one of `RMS_NORM_BACKENDS`.
         ImportError: the optional package behind "te" / "quack" is missing.
     """
+    impl = rms_norm_impl
     if impl == "torch":
         return nn.RMSNorm(dim, eps=eps, device=device, dtype=dtype)
     if impl == "torch_fp32":
@@ -134,24 +135,24 @@ def initialize_rms_norm_module(
     if impl == "quack":
         return _QuackRMSNorm(dim, eps, device=device, dtype=dtype)
     allowed = ", ".join(repr(a) for a in RMS_NORM_BACKENDS)
-    raise ValueError(f"Unsupported RMSNorm implementation {impl!r}; choose one of {allowed}")
+    raise ValueError(f"Unsupported RMSNorm implementation: {impl!r}; choose one of {allowed}")
 
 
 def initialize_linear_module(
-    impl: str,
+    linear_impl: str,
     in_features: int,
     out_features: int,
-    *,
     bias: bool = False,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> nn.Module:
-    """Build a linear layer `y = x Wᵀ (+ b)` with the implementation `impl`.
+    """Build a linear layer `y = x Wᵀ (+ b)` with the implementation `linear_impl`.
 
-    x: [..., in_features] -> [..., out_features].
+    x: [..., in_features] -> [..., out_features]. Upstream calling convention:
+    `initialize_linear_module(linear_impl, in_features, out_features, bias, device, dtype)`.
 
     Args:
-        impl: "torch" (`nn.Linear`), "te" (Transformer Engine `Linear`, patched by `patch_te_modules`) or
+        linear_impl: "torch" (`nn.Linear`), "te" (Transformer Engine `Linear`, patched by `patch_te_modules`) or
             "quack" (`quack.linear.Linear`).
         in_features: input size.
         out_features: output size.
@@ -160,9 +161,10 @@ def initialize_linear_module(
         dtype: storage dtype of the parameters.
 
     Raises:
-        ValueError: `impl` is not one of `LINEAR_BACKENDS`.
+        ValueError: `linear_impl` is not one of `LINEAR_BACKENDS`.
         ImportError: the optional package behind "te" / "quack" is missing.
     """
+    impl = linear_impl
     if impl == "torch":
         return nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
     if impl == "te":
@@ -172,4 +174,4 @@ def initialize_linear_module(
         quack_linear = _import_quack("linear", "quack.linear")
         return quack_linear.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
     allowed = ", ".join(repr(a) for a in LINEAR_BACKENDS)
-    raise ValueError(f"Unsupported Linear implementation {impl!r}; choose one of {allowed}")
+    raise ValueError(f"Unsupported Linear implementation: {impl!r}; choose one of {allowed}")

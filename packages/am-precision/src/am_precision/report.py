@@ -16,8 +16,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from am_precision.casting import _check_skip_modules, _skipped_tensor_ids, is_dtensor
-from am_precision.keep_rules import KeepRule, fp32_keep_rules, match_keep_rule
+from .casting import _check_skip_modules, _skipped_tensor_ids, is_dtensor
+from .keep_rules import KeepRule, fp32_keep_rules, match_keep_rule
 
 __all__ = ["Fp32Report", "TensorPrecision", "assert_fp32_contract", "fp32_report"]
 

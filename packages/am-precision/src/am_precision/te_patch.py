@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_precision import flags
+from . import flags
 
 __all__ = [
     "apply_te_patches",

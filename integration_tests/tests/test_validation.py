@@ -1,0 +1,181 @@
+"""In-process checks of `trainer.validation.validate` and the loaders it asks (no process group): every problem a
+run is refused for, in the user's terms. The multi-rank proof (exit code 2 on every rank, before any rendezvous) is
+in test_bad_input.py, with a few launches that gather many of these problems each."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from trainer.checkpoint import MANIFEST_FILE, STATE_FILE, _sha256, existing_checkpoints, verify_checkpoint
+from trainer.config import find_problems, parse_args
+from trainer.data import load_tokens
+from trainer.models import build_model, preset_spec
+from trainer.validation import BadInput, validate
+
+TINY = ["--hidden-size", "32", "--layers", "2", "--seq-len", "16", "--global-batch", "4", "--steps", "1"]
+
+
+def _refusal(args: list[str], *, world_size: int = 1) -> str:
+    with pytest.raises(BadInput) as info:
+        validate(parse_args(args), world_size=world_size)
+    return str(info.value)
+
+
+def _saved_folder(name: str, folder: Path, *, layers: int = 2) -> Path:
+    spec = preset_spec(name, hidden_size=32, num_layers=layers, mtp_depths=1, tie_embeddings=False, vocab_size=None)
+    spec.save(build_model(spec, seed=0), folder)
+    return folder
+
+
+def _edit_tensors(folder: Path, *, drop: str, add: str) -> None:
+    (path,) = folder.glob("*.safetensors")
+    tensors = load_file(path)
+    del tensors[drop]
+    tensors[add] = torch.zeros(3)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"Genesis\n\xff\xfe more", r"is not UTF-8 text: byte offset 8 holds b'\\xff'"),
+        (b"", "the file is empty"),
+    ],
+    ids=["not-utf8", "empty"],
+)
+def test_text_data_problems_name_the_file_and_offset(tmp_path: Path, content: bytes, expected: str) -> None:
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=expected) as info:
+        load_tokens(path, vocab_size=256)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        (b"not a torch file", r"cannot be read as a torch.save file \(UnpicklingError"),
+        ({"ids": torch.arange(5)}, "expected a 1-D integer tensor, got a dict"),
+        (torch.rand(10), r"got a torch.float32 tensor of shape \(10,\)"),
+        (torch.zeros(2, 5, dtype=torch.int64), r"got a torch.int64 tensor of shape \(2, 5\)"),
+        (torch.zeros(0, dtype=torch.int64), "the corpus is empty"),
+    ],
+    ids=["garbage", "dict", "float", "2d", "empty"],
+)
+def test_pt_data_problems_are_value_errors(tmp_path: Path, payload: object, expected: str) -> None:
+    path = tmp_path / "ids.pt"
+    if isinstance(payload, bytes):
+        path.write_bytes(payload)
+    else:
+        torch.save(payload, path)
+    with pytest.raises(ValueError, match=expected):
+        load_tokens(path, vocab_size=256)
+
+
+def test_empty_bin_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "ids.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="the file is empty"):
+        load_tokens(tmp_path / "ids.bin", vocab_size=256)
+
+
+def test_numbers_that_are_not_finite_or_out_of_range_are_each_named() -> None:
+    args = ["--lr", "nan", "--min-lr", "-1", "--weight-decay", "inf", "--timeout", "nan", "--threads", "-2"]
+    cfg = parse_args([*args, "--adam-eps", "0", "--resume", "latest", "--overwrite"])
+    problems = find_problems(cfg, world_size=1)
+    text = "\n".join(problems)
+    for expected in (
+        "--lr nan: must be a finite number",
+        "--weight-decay inf: must be a finite number",
+        "--timeout nan: must be a finite number",
+        "--threads -2: must be >= 0",
+        "--overwrite with --resume latest",
+    ):
+        assert expected in text, f"{expected!r} not in\n{text}"
+    assert len(problems) == 5, problems  # lr / grad-clip groups are skipped when one of their values is not finite
+    negative = find_problems(parse_args(["--lr", "-0.1", "--timeout", "inf"]), world_size=1)
+    assert any("need lr > 0" in p for p in negative), negative
+    assert any("--timeout inf: must be a finite number" in p for p in negative), negative
+    huge = find_problems(parse_args(["--timeout", "1e12"]), world_size=1)
+    assert huge == ["--timeout 1000000000000.0: must be > 0 and at most 604800 seconds (a week)"]
+
+
+def test_out_that_cannot_be_written_is_refused_before_training(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    message = _refusal(["--model", "llama", *TINY, "--out", str(blocker / "run")])
+    assert f"--out {blocker / 'run'}: {blocker} is a file, so the folder cannot be created" in message
+    message = _refusal(["--model", "llama", *TINY, "--out", str(blocker)])
+    assert f"--out {blocker} is a file, not a folder" in message
+    assert not (tmp_path / "a-file" / "run").exists()
+
+
+def test_a_fresh_run_into_an_out_with_checkpoints_needs_resume_or_overwrite(tmp_path: Path) -> None:
+    step = tmp_path / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_00000005.tmp").mkdir()  # an unfinished write is no checkpoint
+    (tmp_path / "checkpoints" / "latest").write_text(step.name)
+    assert existing_checkpoints(tmp_path) == ["step_00000004", "latest"]
+    message = _refusal(["--model", "llama", *TINY, "--out", str(tmp_path)])
+    assert f"--out {tmp_path} already holds checkpoints (step_00000004, latest)" in message
+    assert "--resume latest, choose another --out, or pass --overwrite" in message
+    validate(parse_args(["--model", "llama", *TINY, "--out", str(tmp_path), "--overwrite"]), world_size=1)
+    assert step.is_dir(), "validation deletes nothing; the run does, after the process group exists"
+    resumed = _refusal(["--model", "llama", *TINY, "--out", str(tmp_path), "--resume", "latest"])
+    assert "already holds checkpoints" not in resumed  # resuming is what the checkpoints are for
+    assert "has no manifest.json: it is incomplete" in resumed
+
+
+@pytest.mark.parametrize(
+    ("preset", "drop"),
+    [("llama", "model.layers.1.post_attention_layernorm.weight"), ("nemotron", "backbone.layers.0.mixer.A_log")],
+)
+def test_model_path_missing_a_tensor_is_refused_in_the_files_names(tmp_path: Path, preset: str, drop: str) -> None:
+    folder = _saved_folder(preset, tmp_path / "model")
+    _edit_tensors(folder, drop=drop, add="model.extra_scale")
+    message = _refusal([*TINY, "--model-path", str(folder), "--out", str(tmp_path / "out")])
+    assert f"missing keys (1): ['{drop}']" in message, message
+    assert "unexpected keys (1): ['model.extra_scale']" in message, message
+    assert "_fp32_params" not in message
+
+
+def test_model_path_with_tied_head_loads_without_lm_head_tensor(tmp_path: Path) -> None:
+    """The allow-listed case: a tied head has no tensor of its own in the folder."""
+    spec = preset_spec("llama", hidden_size=32, num_layers=2, mtp_depths=0, tie_embeddings=True, vocab_size=None)
+    spec.save(build_model(spec, seed=0), tmp_path / "tied")
+    (path,) = (tmp_path / "tied").glob("*.safetensors")
+    assert "lm_head.weight" not in load_file(path)
+    _, model, *_ = validate(
+        parse_args([*TINY, "--model-path", str(tmp_path / "tied"), "--out", str(tmp_path)]), world_size=1
+    )
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_pp_larger_than_the_layers_of_a_model_path_is_refused(tmp_path: Path) -> None:
+    folder = _saved_folder("llama", tmp_path / "model", layers=2)
+    message = _refusal([*TINY, "--model-path", str(folder), "--pp", "4", "--out", str(tmp_path / "out")], world_size=4)
+    assert "Number of stages (4) cannot exceed number of layers (2)" in message, message
+
+
+def _write_manifest(folder: Path) -> None:
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    manifest = {str(p.relative_to(folder)): _sha256(p) for p in files}
+    (folder / MANIFEST_FILE).write_text(json.dumps({"files": manifest}))
+
+
+def test_manifest_covers_the_trainer_state_and_every_file(tmp_path: Path) -> None:
+    folder = tmp_path / "step_00000002"
+    (folder / "dcp").mkdir(parents=True)
+    (folder / "dcp" / "0.distcp").write_bytes(b"weights")
+    (folder / STATE_FILE).write_text(json.dumps({"step": 2, "losses": []}))
+    _write_manifest(folder)
+    assert verify_checkpoint(folder) == []
+    (folder / STATE_FILE).write_text(json.dumps({"step": 1, "losses": []}))  # a tampered step counter
+    (folder / "dcp" / "extra").write_bytes(b"?")
+    assert verify_checkpoint(folder) == [
+        f"checkpoint {folder}: {STATE_FILE} is corrupt (its sha256 differs from the manifest)",
+        f"checkpoint {folder}: dcp/extra is not in the manifest (added after the checkpoint was written?)",
+    ]

@@ -1,0 +1,150 @@
+"""Everything the reference trainer checks before any process group exists: one message, exit code 2.
+
+What it is for: `validate(cfg, world_size=...)` runs on every rank before `init_process_group`, so a run that
+cannot go ends on every rank with the same message listing every problem: the arguments (`config.find_problems`),
+the `--out` folder (writable; holds no checkpoints unless `--resume` or `--overwrite`), the model (built here: an
+HF folder must supply every tensor), the pipeline plan against its layers (am-pipelining), the mesh against its
+capabilities (am-capabilities), the data and the checkpoint to resume (sha256 manifest, same arguments).
+What it must not do: touch torch.distributed, or decide a rule that another module owns (it asks them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from am_pipelining import find_layers
+from trainer import checkpoint as ckpt
+from trainer.config import RunConfig, cp_problems, find_problems, pipeline_plan
+from trainer.data import load_tokens
+from trainer.models import ModelSpec, build_model, folder_spec, preset_spec
+from trainer.parallel import cp_layout_name, cp_pad_multiple
+
+EXIT_BAD_INPUT = 2
+
+
+class BadInput(Exception):
+    """Raised before any collective when the run cannot start; its message lists every problem."""
+
+
+def model_spec(cfg: RunConfig, *, vocab_size: int | None = None) -> ModelSpec:
+    if cfg.model_path is not None:
+        return folder_spec(cfg.model_path)
+    return preset_spec(
+        cfg.model,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.layers,
+        mtp_depths=cfg.mtp_depths,
+        tie_embeddings=cfg.tie_embeddings,
+        vocab_size=vocab_size,
+    )
+
+
+def out_problems(cfg: RunConfig) -> list[str]:
+    """`--out` must be writable now (not only at the first checkpoint), and a fresh run must not overwrite the
+    checkpoints of another run unless `--overwrite` says so."""
+    problems = ckpt.out_dir_problems(cfg.out)
+    found = ckpt.existing_checkpoints(cfg.out)
+    if found and cfg.resume is None and not cfg.overwrite:
+        problems.append(
+            f"--out {cfg.out} already holds checkpoints ({', '.join(found)}): continue that run with "
+            "--resume latest, choose another --out, or pass --overwrite to delete them"
+        )
+    return problems
+
+
+def data_problems(cfg: RunConfig, *, vocab_size: int) -> tuple[torch.Tensor | None, list[str]]:
+    """(tokens, problems) of `--data`: readable, decodable, non-empty, in the vocabulary, long enough."""
+    try:
+        tokens = load_tokens(cfg.data, vocab_size=vocab_size)
+    except (FileNotFoundError, ValueError) as exc:
+        return None, [str(exc)]
+    except OSError as exc:
+        return None, [f"--data {cfg.data}: cannot read it ({exc.strerror or exc})"]
+    if tokens.numel() < cfg.seq_len + 2:
+        return tokens, [f"--data has {tokens.numel()} tokens, too few for --seq-len {cfg.seq_len} (needs seq-len + 2)"]
+    return tokens, []
+
+
+def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, torch.Tensor, Path | None, Any]:
+    """Everything checkable without a process group. Returns (spec, fp32 model, tokens, resume folder, pipeline
+    plan or None for pp = 1).
+
+    Raises:
+        BadInput: listing every problem found (arguments, --out, the model and its folder, the pipeline plan
+            against the model's layers, mesh vs model capabilities, data, checkpoint).
+    """
+    from am_capabilities import MeshContext, validate_for_mesh
+
+    problems = find_problems(cfg, world_size=world_size)
+    problems += out_problems(cfg)
+    spec = model = None
+    try:
+        spec = model_spec(cfg)
+        model = build_model(spec, seed=cfg.seed)
+    except Exception as exc:  # a broken --model-path folder or preset: report it with the rest
+        problems.append(f"cannot build the model: {type(exc).__name__}: {exc}")
+    num_layers = None
+    if model is not None:
+        try:
+            num_layers = find_layers(model).num_layers
+        except ValueError as exc:
+            problems.append(str(exc))
+    plan, plan_problems = pipeline_plan(cfg, num_layers=num_layers)
+    problems += plan_problems
+    cp_layout, pad_multiple = None, 2
+    if model is not None and cfg.cp > 1:
+        try:
+            cp_layout, pad_multiple = cp_layout_name(model), cp_pad_multiple(model)
+        except (TypeError, ValueError) as exc:  # a malformed CP declaration on the model
+            problems.append(str(exc))
+    problems += cp_problems(cfg, cp_layout=cp_layout, pad_multiple=pad_multiple)
+    if model is not None and min(cfg.pp, cfg.dp, cfg.cp) >= 1:
+        try:
+            validate_for_mesh(model, MeshContext(pp_size=cfg.pp, dp_size=cfg.dp, cp_size=cfg.cp))
+        except ValueError as exc:
+            problems.extend(line.strip().removeprefix("- ") for line in str(exc).splitlines()[1:] if line.strip())
+    tokens, found = data_problems(cfg, vocab_size=spec.vocab_size if spec is not None else 256)
+    problems += found
+    resume_dir = None
+    if cfg.resume is not None:
+        try:
+            resume_dir = ckpt.resolve_resume_dir(cfg.resume, cfg.out)
+            found = ckpt.verify_checkpoint(resume_dir)
+            problems += found
+            if not found:
+                problems += _resume_mismatches(cfg, ckpt.read_trainer_state(resume_dir))
+        except FileNotFoundError as exc:
+            problems.append(str(exc))
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise BadInput(f"refusing to start ({len(problems)} problem{'s' * (len(problems) > 1)}):\n{listed}")
+    assert spec is not None
+    assert model is not None
+    assert tokens is not None
+    return spec, model, tokens, resume_dir, plan
+
+
+_MUST_MATCH_ON_RESUME = (
+    "model", "model_path", "pp", "dp", "cp", "schedule", "stages_per_rank", "global_batch", "microbatch_size",
+    "seq_len", "dtype", "seed", "data", "tie_embeddings", "mtp_depths", "hidden_size", "layers",
+)  # fmt: skip
+
+
+def _resume_mismatches(cfg: RunConfig, state: dict[str, Any]) -> list[str]:
+    saved = state.get("args", {})
+    now = json.loads(json.dumps(asdict(cfg), default=str))
+    return [
+        f"--resume {cfg.resume}: the checkpoint was written with {key}={saved.get(key)!r}, this run has "
+        f"{key}={now[key]!r}; resume with the same value"
+        for key in _MUST_MATCH_ON_RESUME
+        if saved.get(key) != now[key]
+    ]
+
+
+__all__ = ["EXIT_BAD_INPUT", "BadInput", "data_problems", "model_spec", "out_problems", "validate"]

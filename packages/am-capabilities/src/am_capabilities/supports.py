@@ -1,0 +1,258 @@
+"""``ModelSupports``: the capability flags of one live model (optionally for a mesh), read from the per-axis
+decisions of ``introspection`` so the flags and ``validate_for_mesh`` can never disagree.
+
+What it must not do: decide anything itself (every rule lives in ``introspection``), or import a model package.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from .declarative import ModelCapabilities
+from .introspection import (
+    _attn_backend,
+    _decide_cp,
+    _decide_ep,
+    _decide_pp,
+    _decide_tp,
+    _declared,
+    _has_backend,
+    _has_packing_attention,
+    _plain_class_value,
+    _supports_seq_lens,
+    _tuple_attr,
+    _uses_magi_attention,
+    _uses_te_attention,
+    is_hybrid_model,
+)
+from .mesh import MeshContext
+from .registry import is_registered_model_class
+
+__all__ = ["FORWARDED_FLAGS", "ModelSupports"]
+
+
+class ModelSupports:
+    """Capability flags of one live model, optionally for a given mesh.
+
+    Holds an ordinary (strong) reference to the model, so ``ModelSupports(make())`` works when the caller keeps no
+    other reference. Upstream refers to the model weakly only because it caches this object on the model (a cycle
+    otherwise); nothing here is ever stored on the model (``model.supports`` is built per access), so a model is
+    still freed by reference counting alone. Every flag is recomputed on access, so it follows live changes such
+    as ``backend.attn`` or ``mtp_config.enabled``.
+
+    Args:
+        model: the model instance.
+        mesh: ``None``, a ``MeshContext``, a ``DeviceMesh`` with named dims, or any object with
+            ``<axis>_size`` attributes. Only needed for the mesh-dependent flags.
+
+    Raises:
+        ValueError: the mesh has invalid sizes.
+    """
+
+    __slots__ = ("__weakref__", "_mesh", "_model", "_model_cls")
+
+    _FLAGS: tuple[str, ...] = (
+        "supports_tp",
+        "supports_pp",
+        "supports_cp",
+        "supports_ep",
+        "supports_sequence_packing",
+        "supports_cp_with_sequence_packing",
+        "supports_thd",
+        "supports_mtp_cp",
+        "supports_mtp_cp_pp",
+        "supports_cp_vision_frame_sharding",
+        "supports_gradient_checkpointing",
+        "supports_generate",
+        "mtp_enabled",
+        "is_custom_model",
+    )
+
+    def __init__(self, model: nn.Module, mesh: Any = None) -> None:
+        self._model: nn.Module = model
+        self._model_cls: type = type(model)
+        self._mesh: MeshContext | None = None if mesh is None else MeshContext.from_mesh(mesh)
+
+    # ---- plumbing --------------------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> nn.Module:
+        """The model these flags describe."""
+        return self._model
+
+    def describes(self, model: nn.Module) -> bool:
+        """Whether this object describes exactly ``model`` (not a copy of it)."""
+        return self._model is model
+
+    @property
+    def mesh(self) -> MeshContext | None:
+        return self._mesh
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self._mesh is None else self._mesh.tp_size
+
+    @property
+    def pp_size(self) -> int:
+        return 1 if self._mesh is None else self._mesh.pp_size
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self._mesh is None else self._mesh.cp_size
+
+    @property
+    def ep_size(self) -> int:
+        return 1 if self._mesh is None else self._mesh.ep_size
+
+    @property
+    def declared_capabilities(self) -> ModelCapabilities | None:
+        """The class's capability declaration for this model's config, or ``None`` if it declares none."""
+        return _declared(self.model)
+
+    # ---- parallel axes ---------------------------------------------------------------------------------------
+
+    @property
+    def supports_tp(self) -> bool:
+        """Declared, or a non-empty ``_tp_plan``."""
+        model = self.model
+        return _decide_tp(model, _declared(model)).ok
+
+    @property
+    def supports_pp(self) -> bool:
+        """Declared, or a non-empty ``_pp_plan``, or an MoE model (``_am_is_moe``) that pipelines itself."""
+        model = self.model
+        return _decide_pp(model, _declared(model)).ok
+
+    @property
+    def supports_cp(self) -> bool:
+        """Not vetoed by a declaration, and a CP-capable attention path (see ``_decide_cp``)."""
+        model = self.model
+        return _decide_cp(model, _declared(model)).ok
+
+    @property
+    def supports_ep(self) -> bool:
+        """The model implements expert parallelism (``apply_expert_parallel``) and no declaration says otherwise."""
+        model = self.model
+        return _decide_ep(model, _declared(model)).ok
+
+    # Aliases kept for upstream API parity.
+    supports_tp_plan = supports_tp
+    supports_pp_plan = supports_pp
+
+    # ---- declared-only flags ---------------------------------------------------------------------------------
+
+    def _declared_flag(self, name: str) -> bool:
+        declared = _declared(self.model)
+        return declared is not None and bool(getattr(declared, name))
+
+    @property
+    def supports_thd(self) -> bool:
+        return self._declared_flag("supports_thd")
+
+    @property
+    def supports_mtp_cp(self) -> bool:
+        return self._declared_flag("supports_mtp_cp")
+
+    @property
+    def supports_mtp_cp_pp(self) -> bool:
+        return self._declared_flag("supports_mtp_cp_pp")
+
+    @property
+    def supports_cp_vision_frame_sharding(self) -> bool:
+        return self._declared_flag("supports_cp_vision_frame_sharding")
+
+    # ---- sequence packing ------------------------------------------------------------------------------------
+
+    @property
+    def supports_sequence_packing(self) -> bool:
+        """``forward`` takes ``seq_lens`` (or ``**kwargs``) and the attention path handles packed sequences.
+
+        A hybrid model without a ``backend`` (the HuggingFace implementation) is excluded: its Mamba scan does
+        not reset state at document boundaries, so packed documents would leak into each other.
+        """
+        model = self.model
+        if not _supports_seq_lens(model) or not _has_packing_attention(model):
+            return False
+        return (
+            _has_backend(model)
+            or getattr(model, "_owns_packed_attention", False) is True
+            or not (is_hybrid_model(model))
+        )
+
+    @property
+    def supports_cp_with_sequence_packing(self) -> bool:
+        """Packing under this mesh's CP size: trivially when ``cp_size <= 1``, else a packed-CP attention path."""
+        if not self.supports_sequence_packing:
+            return False
+        if self.cp_size <= 1:
+            return True
+        model = self.model
+        packed_cp = _tuple_attr(model, "_packed_cp_attn_backends")
+        if packed_cp is not None:
+            return _supports_seq_lens(model) and _attn_backend(model) in packed_cp
+        if getattr(model, "_owns_cp_attention", False) is True:
+            return True
+        return _uses_te_attention(model) or _uses_magi_attention(model)
+
+    # ---- training / inference features -----------------------------------------------------------------------
+
+    @property
+    def supports_gradient_checkpointing(self) -> bool:
+        """False for an expert-parallel model when ``ep_size > 1``; otherwise the first plain class-level
+        ``supports_gradient_checkpointing`` value in the MRO decides (properties and methods skipped)."""
+        model = self.model
+        if self.ep_size > 1 and _decide_ep(model, _declared(model)).ok:
+            return False
+        return _plain_class_value(type(model), "supports_gradient_checkpointing") is True
+
+    @property
+    def supports_generate(self) -> bool:
+        return callable(getattr(self.model, "generate", None))
+
+    @property
+    def mtp_enabled(self) -> bool:
+        """Live value of ``model.mtp_config.enabled`` (False without an MTP config)."""
+        return getattr(getattr(self.model, "mtp_config", None), "enabled", False) is True
+
+    @property
+    def is_custom_model(self) -> bool:
+        """Whether the model class (or a base) is registered as a custom model (entry point or register_model)."""
+        return is_registered_model_class(self._model_cls)
+
+    # ---- copying / printing ----------------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        flags = ", ".join(f"{_short(name)}={getattr(self, name)}" for name in self._FLAGS)
+        mesh = "" if self._mesh is None else f", mesh={self._mesh}"
+        return f"ModelSupports({self._model_cls.__name__}: {flags}{mesh})"
+
+    def __copy__(self) -> ModelSupports:
+        return self._clone()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModelSupports:
+        # The copy still describes the same model (copying the model is the model's business): an attached model's
+        # copies describe themselves: `model.supports` is built per access from the copied mesh
+        # (see validation.attach_capabilities_and_validate).
+        return self._clone()
+
+    def __reduce__(self) -> Any:
+        return (ModelSupports, (self._model, self._mesh))
+
+    def _clone(self) -> ModelSupports:
+        clone = ModelSupports.__new__(ModelSupports)
+        clone._model = self._model
+        clone._model_cls = self._model_cls
+        clone._mesh = self._mesh
+        return clone
+
+
+def _short(name: str) -> str:
+    return name.removeprefix("supports_")
+
+
+# Names ``attach_capabilities_and_validate`` forwards from the model to its ``supports`` object.
+FORWARDED_FLAGS: tuple[str, ...] = tuple(
+    name for name in dir(ModelSupports) if name.startswith("supports_") or name == "is_custom_model"
+)

@@ -1,0 +1,164 @@
+"""The seed API called exactly as NeMo AutoModel documents it (`_transformers/capabilities.py`): positional order,
+flag names and aliases, the key phrases of `validate_for_mesh`, and two behaviours upstream users rely on:
+`ModelSupports(make())` works without another reference, and `is_custom_model` recognises a model class whose entry
+point names the package that re-exports it."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from am_capabilities import (
+    ENTRY_POINT_GROUP,
+    ModelCapabilities,
+    ModelSupports,
+    attach_capabilities_and_validate,
+    clear_registry_cache,
+    query_capabilities,
+    validate_for_mesh,
+)
+
+
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class Declared(Plain):
+    class ModelCapabilities:
+        supports_pp = True
+        supports_cp = True
+        supports_thd = True
+
+    _owns_cp_attention = True
+    supports_gradient_checkpointing = True
+
+
+def test_model_supports_positional_and_upstream_flags():
+    supports = ModelSupports(Declared(), SimpleNamespace(cp_size=2, pp_size=2))
+    assert supports.supports_pp
+    assert supports.supports_pp_plan  # upstream alias
+    assert not supports.supports_tp
+    assert not supports.supports_tp_plan
+    assert supports.supports_cp
+    assert supports.supports_thd
+    assert supports.supports_gradient_checkpointing
+    assert not supports.supports_generate
+    assert not supports.mtp_enabled
+    assert (supports.cp_size, supports.pp_size, supports.tp_size, supports.ep_size) == (2, 2, 1, 1)
+    text = repr(supports)
+    for flag in ("tp=False", "pp=True", "cp=True", "is_custom_model=False"):
+        assert flag in text
+
+
+def test_model_supports_of_a_temporary_model():
+    """`ModelSupports(make())`: the caller holds no other reference to the model, and every flag still answers."""
+    supports = ModelSupports(Declared())
+    gc.collect()
+    assert supports.supports_cp
+    assert isinstance(supports.model, Declared)
+    attached = attach_capabilities_and_validate(Declared(), SimpleNamespace(pp_size=2)).supports
+    gc.collect()
+    assert attached.supports_pp
+    assert attached.pp_size == 2
+
+
+def test_validate_for_mesh_upstream_calls_and_phrases():
+    validate_for_mesh(Plain(), None)  # no mesh: no checks
+    validate_for_mesh(Plain(), SimpleNamespace(tp_size=1, pp_size=1, cp_size=1, ep_size=1))  # size 1 never errors
+    with pytest.raises(ValueError, match=r"^Unsupported configuration for Plain \(3 problems\):") as info:
+        validate_for_mesh(Plain(), SimpleNamespace(tp_size=2, pp_size=2, cp_size=2))
+    message = str(info.value)
+    assert "has no TP plan" in message
+    assert "requires a _pp_plan attribute" in message
+    assert "_supports_sdpa" in message
+
+
+def test_attach_capabilities_and_validate_returns_the_model():
+    model = Declared()
+    assert attach_capabilities_and_validate(model, SimpleNamespace(pp_size=2, cp_size=2)) is model
+    assert type(model) is Declared
+    assert model.supports.supports_pp
+    assert model.supports_cp
+    assert model.is_custom_model is False
+    with pytest.raises(ValueError, match="Unsupported configuration for Plain"):
+        attach_capabilities_and_validate(Plain(), SimpleNamespace(pp_size=2))
+
+
+def test_model_capabilities_and_query_capabilities():
+    defaults = dataclasses.asdict(ModelCapabilities())
+    assert set(defaults) == {
+        "supports_tp",
+        "supports_cp",
+        "supports_pp",
+        "supports_ep",
+        "supports_thd",
+        "supports_mtp_cp",
+        "supports_mtp_cp_pp",
+        "supports_cp_vision_frame_sharding",
+    }
+    assert not any(defaults.values())
+    assert ModelCapabilities(supports_pp=True).supports_pp
+    declared = query_capabilities(Declared)
+    assert declared.supports_pp
+    assert declared.supports_thd
+    assert not declared.supports_ep
+    assert query_capabilities(Declared(), trust_remote_code=False) == declared
+
+
+_PACKAGE = "am_cap_test_reexport_pkg"
+
+
+@pytest.fixture
+def reexporting_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A package defining `ReexportedForCausalLM` in `<pkg>.model`, re-exported by `<pkg>/__init__.py`, whose entry
+    point names the package; and `DefinedForCausalLM` whose entry point names the defining module."""
+    package = tmp_path / _PACKAGE
+    package.mkdir()
+    (package / "__init__.py").write_text(f"from {_PACKAGE}.model import DefinedForCausalLM, ReexportedForCausalLM\n")
+    (package / "model.py").write_text(
+        textwrap.dedent(
+            """
+            import torch.nn as nn
+
+            class ReexportedForCausalLM(nn.Module):
+                pass
+
+            class DefinedForCausalLM(nn.Module):
+                pass
+            """
+        )
+    )
+    info = tmp_path / "am_cap_test_reexport-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: am_cap_test_reexport\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(
+        f"[{ENTRY_POINT_GROUP}]\n"
+        f"ReexportedForCausalLM = {_PACKAGE}:ReexportedForCausalLM\n"
+        f"DefinedForCausalLM = {_PACKAGE}.model:DefinedForCausalLM\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    clear_registry_cache()
+    yield _PACKAGE
+    for name in (_PACKAGE, f"{_PACKAGE}.model"):
+        sys.modules.pop(name, None)
+
+
+def test_is_custom_model_for_classes_named_by_package_or_defining_module(reexporting_package):
+    package = __import__(reexporting_package)
+    assert package.ReexportedForCausalLM.__module__ == f"{_PACKAGE}.model"
+    assert ModelSupports(package.ReexportedForCausalLM()).is_custom_model
+    assert ModelSupports(package.DefinedForCausalLM()).is_custom_model
+    assert not ModelSupports(Plain()).is_custom_model
