@@ -1,8 +1,10 @@
 """HF-format checkpoint folders for the Gemma 4 models: config.json plus safetensors (one file or shards + index).
 
-What it is for: `load_pretrained(cls, folder)` (read the config with transformers' `AutoConfig`, build the model,
-read every tensor, convert names with `Gemma4StateDictAdapter`, load strictly) and `save_pretrained(model, folder)`
-(transformers' names and layouts, the tied LM head saved once, optional shards).
+What it is for: `load_pretrained(cls, folder_or_hub_id)` (read the config with transformers' `AutoConfig`, build the
+model, check every tensor name and shape from the file headers, then copy tensor by tensor — converted by
+`Gemma4StateDictAdapter` — into the model, so a sharded checkpoint is never held in memory next to the model) and
+`save_pretrained(model, folder)` (transformers' names and layouts, the tied LM head saved once, shards + index
+written by huggingface_hub).
 What it must not do: load partially. Missing or unexpected keys and shape mismatches raise one error listing all of
 them; an unreadable, truncated or corrupt file raises an error naming the file. The only keys skipped on load are
 the ones transformers skips too: a tied `lm_head.weight`, and K/V weights of KV-shared layers.
@@ -10,7 +12,6 @@ the ones transformers skips too: a tied `lm_head.weight`, and K/V weights of KV-
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -18,64 +19,33 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from am_precision import cast_model_to_dtype
 
 from .config import kv_sharing_modes, text_config_of
+from .hf_io import LazyCheckpoint, resolve_checkpoint_folder, resolve_device, resolve_dtype, write_safetensors
 from .state_dict_adapter import Gemma4StateDictAdapter
 
 __all__ = ["load_pretrained", "read_safetensors_folder", "save_pretrained"]
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 _SHARED_KV_KEY = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
+# Keywords transformers' AutoModel passes on to a registered class; none changes what is loaded here.
+_AUTO_KWARGS = ("_from_auto", "trust_remote_code", "adapter_kwargs", "subfolder", "proxies")
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
 
-def _read_file(path: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                tensors[key] = handle.get_tensor(key)
-    except Exception as err:  # safetensors raises SafetensorError / OSError / ValueError for damaged files
-        raise ValueError(
-            f"cannot read safetensors file {path}: {type(err).__name__}: {err}. The file is truncated, corrupt or "
-            "not a safetensors file; re-download or re-save the checkpoint"
-        ) from err
-    return tensors
-
-
 def read_safetensors_folder(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of a folder: the shards named by `model.safetensors.index.json`, else `model.safetensors`.
+    """Every tensor of a folder (`model.safetensors.index.json` shards, else `model.safetensors`) in memory at once;
+    for inspection and tests (loading reads tensor by tensor, see `LazyCheckpoint`).
 
     Raises:
         FileNotFoundError: no index and no model.safetensors, or a shard named by the index is absent.
         ValueError: a file cannot be read (named), or the index is malformed.
     """
-    root = Path(folder)
-    index_path = root / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"malformed shard index {index_path}: {err}") from err
-        shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not (root / s).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index_path} names shards that do not exist in {root}: {missing}")
-        tensors: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            tensors.update(_read_file(root / shard))
-        return tensors
-    single = root / SINGLE_FILE
-    if not single.is_file():
-        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}; is this a safetensors checkpoint folder?")
-    return _read_file(single)
+    with LazyCheckpoint(folder) as checkpoint:
+        return {key: checkpoint.read(key) for key in checkpoint.names()}
 
 
 def _skippable(key: str, config: Any, tied: bool) -> bool:
@@ -89,11 +59,17 @@ def _skippable(key: str, config: Any, tied: bool) -> bool:
     return index < len(modes) and modes[index] == "reuse"
 
 
-def _load_state_dict_strictly(model: nn.Module, state_dict: dict[str, torch.Tensor], folder: Path) -> None:
+def _check_names_and_shapes(model: nn.Module, checkpoint: LazyCheckpoint, folder: Path) -> dict[str, str]:
+    """Our name -> the checkpoint key it is read from, after checking every name and shape (file headers only)."""
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", True))
     expected = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    provided = {k: v for k, v in state_dict.items() if k in expected or not _skippable(k, config, tied)}
+    source = {}
+    for key in checkpoint.names():
+        name = Gemma4StateDictAdapter.internal_key(key)
+        if name in expected or not _skippable(key, config, tied):
+            source[name] = key
+    provided = Gemma4StateDictAdapter.from_hf(checkpoint.meta_state_dict(source.values()))
     missing = sorted(set(expected) - set(provided))
     unexpected = sorted(set(provided) - set(expected))
     mismatched = [
@@ -103,9 +79,10 @@ def _load_state_dict_strictly(model: nn.Module, state_dict: dict[str, torch.Tens
     ]
     problems = []
     if missing:
-        problems.append(f"missing keys ({len(missing)}): {missing}")
+        named = [_both(k, next(iter(Gemma4StateDictAdapter.to_hf({k: expected[k]})))) for k in missing]
+        problems.append(f"missing keys ({len(missing)}): {named}")
     if unexpected:
-        problems.append(f"unexpected keys ({len(unexpected)}): {unexpected}")
+        problems.append(f"unexpected keys ({len(unexpected)}): {[_both(k, source[k]) for k in unexpected]}")
     if mismatched:
         problems.append(f"shape mismatches ({len(mismatched)}): {mismatched}")
     if problems:
@@ -113,42 +90,91 @@ def _load_state_dict_strictly(model: nn.Module, state_dict: dict[str, torch.Tens
             f"checkpoint {folder} does not match {type(model).__name__} built from its config.json:\n  - "
             + "\n  - ".join(problems)
         )
-    result = model.load_state_dict(provided, strict=False)
-    leftover = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
-    if leftover or result.unexpected_keys:  # cannot happen after the checks above; never load partially
-        raise ValueError(f"checkpoint {folder}: load left {leftover} missing, {result.unexpected_keys} unexpected")
+    return {name: source[name] for name in expected}
+
+
+def _both(name: str, file_key: str) -> str:
+    """A key in the file's naming, with ours when it differs."""
+    return file_key if file_key == name else f"{file_key} (model: {name})"
+
+
+def _pop_auto_kwargs(kwargs: dict[str, Any]) -> None:
+    """Drop what `AutoModelForCausalLM.from_pretrained` adds; refuse the ones that would change the load."""
+    for name in _AUTO_KWARGS:
+        value = kwargs.pop(name, None)
+        if name in ("adapter_kwargs", "subfolder", "proxies") and value:
+            raise ValueError(f"{name}={value!r} is not supported by this loader (load adapters / subfolders apart)")
+    if kwargs:
+        raise TypeError(
+            f"from_pretrained got keyword arguments it does not support: {sorted(kwargs)}; supported: config, "
+            "torch_dtype/dtype, device_map, revision, cache_dir, token, local_files_only, force_download"
+        )
 
 
 def load_pretrained(
     cls: type[ModelT],
-    folder: str | os.PathLike[str],
+    path_or_hub_id: str | os.PathLike[str],
     *,
-    dtype: torch.dtype | None = None,
+    config: Any = None,
+    torch_dtype: Any = None,
+    dtype: Any = None,
+    device_map: Any = None,
     device: Any = None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+    force_download: bool = False,
+    **kwargs: Any,
 ) -> ModelT:
-    """Build `cls` from `folder/config.json` and load every tensor; `dtype` casts with the fp32 contract kept.
+    """Build `cls` from the checkpoint's config and copy every tensor in, one at a time.
 
-    The model is built in fp32 and the checkpoint copied into it, so tensors stored in bf16 elsewhere load as fp32;
-    with `dtype=torch.bfloat16` everything except the tensors `cls._keep_in_fp32_modules(_strict)` pins is cast
-    after loading (`cast_model_to_dtype`).
+    The model is built in fp32 and each tensor copied into it as it is read, so tensors stored in bf16 elsewhere
+    load as fp32 and the checkpoint is never held next to the model; with `dtype=torch.bfloat16` everything except
+    the tensors `cls._keep_in_fp32_modules(_strict)` pins is cast after loading (`cast_model_to_dtype`).
+
+    Args:
+        path_or_hub_id: a folder, or a hub id (`snapshot_download` at `revision`; `cache_dir`, `token`,
+            `local_files_only`, `force_download` as in huggingface_hub).
+        config: use this config instead of the folder's config.json (what `AutoModelForCausalLM` passes).
+        torch_dtype / dtype: transformers' two names for the same option; "auto": the config's dtype.
+        device_map / device: one device for the whole model (None: CPU); splitting across devices is refused.
 
     Raises:
-        ValueError: missing/unexpected keys or shape mismatches (all listed), an unreadable file (named).
+        ValueError: missing/unexpected keys or shape mismatches (all listed), an unreadable file (named), or an
+            option this loader cannot honour.
         FileNotFoundError: no config.json or no safetensors files.
     """
     from transformers import AutoConfig
 
-    root = Path(folder)
-    if not (root / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in {root}; save_pretrained writes one next to the weights")
-    config = AutoConfig.from_pretrained(str(root))
-    tensors = Gemma4StateDictAdapter.from_hf(read_safetensors_folder(root))
-    model = cls(config)
-    _load_state_dict_strictly(model, tensors, root)
-    if device is not None:
-        model.to(device)
-    if dtype is not None and dtype != torch.float32:
-        cast_model_to_dtype(model, dtype)
+    _pop_auto_kwargs(kwargs)
+    root = resolve_checkpoint_folder(
+        path_or_hub_id,
+        revision=revision,
+        cache_dir=cache_dir,
+        token=token,
+        local_files_only=local_files_only,
+        force_download=force_download,
+    )
+    if config is None:
+        if not (root / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in {root}; save_pretrained writes one next to the weights")
+        config = AutoConfig.from_pretrained(str(root))
+    target_dtype = resolve_dtype(torch_dtype=torch_dtype, dtype=dtype, config=config)
+    target = resolve_device(device_map=device_map, device=device)
+    with LazyCheckpoint(root) as checkpoint:
+        model = cls(config)
+        sources = _check_names_and_shapes(model, checkpoint, root)
+        state = model.state_dict()
+        with torch.no_grad():
+            for name, key in sources.items():
+                (tensor,) = Gemma4StateDictAdapter.from_hf({key: checkpoint.read(key)}).values()
+                state[name].copy_(tensor)
+                del tensor  # before the next read: one tensor in flight at a time
+    if target.type != "cpu":
+        model.to(target)
+    if target_dtype is not None and target_dtype != torch.float32:
+        cast_model_to_dtype(model, target_dtype)
     return model
 
 
@@ -185,46 +211,33 @@ def save_pretrained(
     model: nn.Module,
     folder: str | os.PathLike[str],
     *,
-    max_shard_size: int | None = None,
+    max_shard_size: int | str | None = "5GB",
+    safe_serialization: bool = True,
     state_dict: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
-    """Write `config.json` and the weights with transformers' names (tied LM head once; shards above the size).
+    """Write `config.json` and the weights with transformers' names (tied LM head once).
 
-    state_dict: the full state dict to write instead of `model.state_dict()` (transformers' `save_pretrained`
-    option). For an expert-parallel model every rank calls
-    `full = {**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` (collective: the experts are gathered
-    back to `[E, out, in]`), then one rank calls `save_pretrained(model, folder, state_dict=full)`.
+    Args:
+        max_shard_size: above it ("5GB", "200MB" or bytes) the weights are split into
+            `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`; None: one file.
+        safe_serialization: only True (safetensors) is supported; False is refused.
+        state_dict: the full state dict to write instead of `model.state_dict()` (transformers' `save_pretrained`
+            option). For an expert-parallel model every rank calls
+            `full = {**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` (collective: the experts are
+            gathered back to `[E, out, in]`), then one rank calls `save_pretrained(model, folder, state_dict=full)`.
 
     Raises:
         ValueError: sharded DTensors (expert parallel / FSDP2) in what would be written, or a state_dict whose keys
-            differ from the model's (all listed).
+            differ from the model's (all listed); safe_serialization=False.
     """
     tensors = _state_dict_to_save(model, state_dict)
     root = Path(folder)
+    if not safe_serialization:
+        write_safetensors({}, root, max_shard_size=max_shard_size, safe_serialization=False)  # raises
     root.mkdir(parents=True, exist_ok=True)
     config: Any = model.config
     config.architectures = [type(model).__name__]
     config.save_pretrained(str(root))
     tied = bool(getattr(config, "tie_word_embeddings", True))
     state = {k: v for k, v in tensors.items() if not (tied and k == "lm_head.weight")}
-    hf_state = {k: v.detach().contiguous().cpu() for k, v in Gemma4StateDictAdapter.to_hf(state).items()}
-    metadata = {"format": "pt"}
-    total = sum(t.numel() * t.element_size() for t in hf_state.values())
-    if max_shard_size is None or total <= max_shard_size:
-        save_file(hf_state, str(root / SINGLE_FILE), metadata=metadata)
-        return
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, tensor in hf_state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_size:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensor
-        size += nbytes
-    weight_map = {}
-    for index, shard in enumerate(shards, start=1):
-        name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(root / name), metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, name))
-    (root / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    write_safetensors(Gemma4StateDictAdapter.to_hf(state), root, max_shard_size=max_shard_size, safe_serialization=True)

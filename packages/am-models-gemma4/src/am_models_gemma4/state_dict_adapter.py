@@ -25,13 +25,15 @@ class Gemma4StateDictAdapter:
     """`from_hf(state_dict)` / `to_hf(state_dict)`: pure functions of the keys; shapes are checked by the loader."""
 
     @staticmethod
+    def internal_key(key: str) -> str:
+        """Our name for the transformers key `key` (what `from_hf` renames it to)."""
+        match = _HF_MOE.match(key)
+        return key if match is None else f"{match['prefix']}moe.{match['part']}.{match['rest']}"
+
+    @staticmethod
     def from_hf(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """transformers names → ours."""
-        out: dict[str, torch.Tensor] = {}
-        for key, tensor in state_dict.items():
-            match = _HF_MOE.match(key)
-            out[key if match is None else f"{match['prefix']}moe.{match['part']}.{match['rest']}"] = tensor
-        return out
+        return {Gemma4StateDictAdapter.internal_key(key): tensor for key, tensor in state_dict.items()}
 
     @staticmethod
     def to_hf(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -311,23 +311,56 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, 
 
     @classmethod
     def from_pretrained(
-        cls, folder: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: Any = None
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike[str],
+        *,
+        torch_dtype: Any = None,
+        dtype: Any = None,
+        device_map: Any = None,
+        device: Any = None,
+        revision: str | None = None,
+        **kwargs: Any,
     ) -> Gemma4ForConditionalGeneration:
-        """Load a transformers-format `Gemma4ForConditionalGeneration` folder; every parameter must be present."""
+        """Load a transformers-format folder or hub id (config.json + safetensors, single or sharded) tensor by
+        tensor; every parameter must be present.
+
+        transformers' keywords: `torch_dtype` / `dtype` (fp32-pinned tensors stay fp32), `device_map` (None, "cpu"
+        or one device; splitting is refused), `revision`, `config`, `cache_dir`, `token`, `local_files_only`,
+        `force_download`. See `checkpoint.load_pretrained`.
+        """
         from .checkpoint import load_pretrained
 
-        return load_pretrained(cls, folder, dtype=dtype, device=device)
+        return load_pretrained(
+            cls,
+            pretrained_model_name_or_path,
+            torch_dtype=torch_dtype,
+            dtype=dtype,
+            device_map=device_map,
+            device=device,
+            revision=revision,
+            **kwargs,
+        )
 
     def save_pretrained(
         self,
-        folder: str | os.PathLike[str],
+        save_directory: str | os.PathLike[str],
         *,
-        max_shard_size: int | None = None,
+        max_shard_size: int | str | None = "5GB",
+        safe_serialization: bool = True,
         state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """Write a folder transformers' `Gemma4ForConditionalGeneration.from_pretrained` loads; `state_dict` (full
-        tensors) replaces the model's own, e.g. the gathered experts of an expert-parallel model (see
-        `checkpoint.save_pretrained`)."""
+        """Write a folder transformers' `Gemma4ForConditionalGeneration.from_pretrained` loads.
+
+        The tied head is saved once; shards + index above `max_shard_size`; only `safe_serialization=True`;
+        `state_dict` (full tensors) replaces the model's own, e.g. the gathered experts of an expert-parallel model
+        (see `checkpoint.save_pretrained`).
+        """
         from .checkpoint import save_pretrained
 
-        save_pretrained(self, folder, max_shard_size=max_shard_size, state_dict=state_dict)
+        save_pretrained(
+            self,
+            save_directory,
+            max_shard_size=max_shard_size,
+            safe_serialization=safe_serialization,
+            state_dict=state_dict,
+        )

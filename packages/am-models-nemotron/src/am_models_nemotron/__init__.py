@@ -12,12 +12,7 @@ from .backbone import NemotronV3Model
 from .backend import SUPPORTED_BACKENDS, default_backend, resolve_backend
 from .blocks import NemotronV3Block
 from .cache import NemotronHybridCache
-from .checkpoint import (
-    load_pretrained,
-    read_safetensors_folder,
-    save_pretrained,
-    write_safetensors_folder,
-)
+from .checkpoint import load_pretrained, read_safetensors_folder, save_pretrained
 from .config import BLOCK_KINDS, NemotronConfig, as_hf_config, normalize_block_types
 from .inputs import BatchLayout, resolve_batch_layout
 from .mamba2 import Mamba2FP32Params, Mamba2Mixer, MambaRMSNormGated, mamba_kernels_available
@@ -109,6 +104,5 @@ __all__ = [
     "load_pretrained",
     "save_pretrained",
     "read_safetensors_folder",
-    "write_safetensors_folder",
     "__version__",
 ]

@@ -1,112 +1,50 @@
 """HF-format checkpoint folders: config.json plus safetensors, single file or sharded with an index.
 
-What it is for: `load_pretrained` (read the config, build the model on the meta device, read every tensor, convert
-names with `NemotronV3StateDictAdapter`, load strictly) and `save_pretrained` (NVIDIA naming, shards +
-`model.safetensors.index.json` above `max_shard_size` bytes). Tensors pinned by the model's
-`_keep_in_fp32_modules_strict` (the adapter's `forced_fp32`) are loaded as fp32 and stored as F32.
+What it is for: `load_pretrained` (a folder or a hub id; read the config, build the model on the meta device, check
+every tensor name and shape from the file headers, then read tensor by tensor — converted by
+`NemotronV3StateDictAdapter` — straight into the model's parameters, so a sharded checkpoint is never held twice)
+and `save_pretrained` (NVIDIA naming; shards + `model.safetensors.index.json` above `max_shard_size`, written by
+huggingface_hub). Tensors pinned by the model's `_keep_in_fp32_modules_strict` (the adapter's `forced_fp32`) are
+loaded as fp32 and stored as F32.
 What it must not do: load partially. Missing or unexpected keys and shape mismatches raise one error listing all of
-them; an unreadable, truncated or corrupt file raises an error naming the file. Save a sharded model (expert
-parallel or FSDP2 DTensors): gather it into an unsharded model first (see `save_pretrained`).
+them, in the file's own naming (`backbone.layers.0.mixer.A_log`, per-expert keys); an unreadable, truncated or
+corrupt file raises an error naming the file. Save a sharded model (expert parallel or FSDP2 DTensors): gather it
+into an unsharded model first (see `save_pretrained`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from torch import nn
 
 import am_moe
 from am_precision import cast_model_to_dtype
 
 from .config import as_hf_config
+from .hf_io import LazyCheckpoint, resolve_checkpoint_folder, resolve_device, resolve_dtype, write_safetensors
 from .state_dict_adapter import NemotronV3StateDictAdapter
 
-__all__ = ["load_pretrained", "read_safetensors_folder", "save_pretrained", "write_safetensors_folder"]
+__all__ = ["load_pretrained", "read_safetensors_folder", "save_pretrained"]
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-
-def _read_file(path: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                tensors[key] = handle.get_tensor(key)
-    except Exception as err:  # safetensors raises SafetensorError / OSError / ValueError for damaged files
-        raise ValueError(
-            f"Cannot read safetensors file {path}: {type(err).__name__}: {err}. The file is truncated, corrupt or "
-            "not a safetensors file; re-download or re-save the checkpoint."
-        ) from err
-    return tensors
+# Keywords transformers' AutoModel passes on to a registered class; none changes what is loaded here.
+_AUTO_KWARGS = ("_from_auto", "trust_remote_code", "adapter_kwargs", "subfolder", "proxies")
 
 
 def read_safetensors_folder(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of a folder: `model.safetensors.index.json` shards, else `model.safetensors`.
+    """Every tensor of a folder (`model.safetensors.index.json` shards, else `model.safetensors`) in memory at once;
+    for inspection and tests (loading reads tensor by tensor, see `LazyCheckpoint`).
 
     Raises:
         FileNotFoundError: no index and no model.safetensors, or a shard named by the index is absent.
         ValueError: a file cannot be read (named), or the index is malformed.
     """
-    root = Path(folder)
-    index_path = root / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"Malformed shard index {index_path}: {err}") from err
-        shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not (root / s).is_file()]
-        if missing:
-            raise FileNotFoundError(f"Shards listed in {index_path} are missing from {root}: {missing}")
-        tensors: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            tensors.update(_read_file(root / shard))
-        absent = sorted(k for k, s in weight_map.items() if k not in tensors)
-        if absent:
-            raise ValueError(f"Tensors listed in {index_path} are absent from their shards: {absent}")
-        return tensors
-    single = root / SINGLE_FILE
-    if single.is_file():
-        return _read_file(single)
-    raise FileNotFoundError(f"No {SINGLE_FILE} or {INDEX_FILE} in {root}.")
-
-
-def write_safetensors_folder(
-    tensors: dict[str, torch.Tensor], folder: str | os.PathLike[str], *, max_shard_size: int | None = None
-) -> None:
-    """Write `tensors` as `model.safetensors`, or as numbered shards plus an index when they exceed `max_shard_size`
-    bytes."""
-    root = Path(folder)
-    root.mkdir(parents=True, exist_ok=True)
-    contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    total = sum(t.numel() * t.element_size() for t in contiguous.values())
-    metadata = {"format": "pt"}
-    if max_shard_size is None or total <= max_shard_size:
-        save_file(contiguous, str(root / SINGLE_FILE), metadata=metadata)
-        return
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key in sorted(contiguous):
-        nbytes = contiguous[key].numel() * contiguous[key].element_size()
-        if shards[-1] and size + nbytes > max_shard_size:
-            shards.append({})
-            size = 0
-        shards[-1][key] = contiguous[key]
-        size += nbytes
-    weight_map = {}
-    for number, shard in enumerate(shards, start=1):
-        name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(root / name), metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, name))
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (root / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+    with LazyCheckpoint(folder) as checkpoint:
+        return {key: checkpoint.read(key) for key in checkpoint.names()}
 
 
 def _is_dtensor(tensor: Any) -> bool:
@@ -123,44 +61,93 @@ def _load_config(folder: Path) -> Any:
     return as_hf_config(AutoConfig.from_pretrained(str(folder)))
 
 
+def _pop_auto_kwargs(kwargs: dict[str, Any]) -> None:
+    """Drop what `AutoModelForCausalLM.from_pretrained` adds; refuse the ones that would change the load."""
+    for name in _AUTO_KWARGS:
+        value = kwargs.pop(name, None)
+        if name in ("adapter_kwargs", "subfolder", "proxies") and value:
+            raise ValueError(f"{name}={value!r} is not supported by this loader (load adapters / subfolders apart)")
+
+
 def load_pretrained(
     cls: Any,
-    path: str | os.PathLike[str],
+    path_or_hub_id: str | os.PathLike[str],
     *,
     backend: Any = None,
-    dtype: torch.dtype | None = None,
+    config: Any = None,
+    torch_dtype: Any = None,
+    dtype: Any = None,
+    device_map: Any = None,
     device: torch.device | str | None = None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+    force_download: bool = False,
     **model_kwargs: Any,
 ) -> Any:
-    """Build `cls` from the folder's config and load every parameter and buffer strictly.
+    """Build `cls` from the checkpoint's config and load every parameter and buffer strictly, tensor by tensor.
 
     Args:
-        dtype: cast after loading with `cast_model_to_dtype` (fp32-pinned tensors stay fp32); None keeps the
+        path_or_hub_id: a folder, or a hub id (`snapshot_download` at `revision`; `cache_dir`, `token`,
+            `local_files_only`, `force_download` as in huggingface_hub).
+        config: use this config instead of the folder's config.json (what `AutoModelForCausalLM` passes).
+        torch_dtype / dtype: the same option under transformers' two names; non-pinned floating tensors are cast to
+            it as they are read (fp32-pinned tensors stay fp32); "auto": the config's dtype; None keeps the
             checkpoint's dtypes.
-        device: where the loaded tensors go (default CPU).
+        device_map / device: one device for every tensor (None: CPU); splitting across devices is refused.
+        model_kwargs: the constructor's keyword options (e.g. `num_nextn_predict_layers`).
 
     Raises:
-        ValueError: missing / unexpected keys or shape mismatches (all listed), or an unreadable file (named).
+        ValueError: missing / unexpected keys or shape mismatches (all listed), an unreadable file (named), or an
+            option this loader cannot honour.
     """
-    folder = Path(path)
-    config = _load_config(folder)
+    _pop_auto_kwargs(model_kwargs)
+    folder = resolve_checkpoint_folder(
+        path_or_hub_id,
+        revision=revision,
+        cache_dir=cache_dir,
+        token=token,
+        local_files_only=local_files_only,
+        force_download=force_download,
+    )
+    config = as_hf_config(config) if config is not None else _load_config(folder)
+    target_dtype = resolve_dtype(torch_dtype=torch_dtype, dtype=dtype, config=config)
+    target = resolve_device(device_map=device_map, device=device)
     adapter = NemotronV3StateDictAdapter(config)
-    raw = read_safetensors_folder(folder)
-    state_dict = adapter.from_hf(raw)
-    file_names = {adapter._internal_name(key): key for key in raw}  # internal name -> the file's own name
-    # A checkpoint written elsewhere may hold pinned tensors in bf16; they are loaded (assigned) as fp32.
-    state_dict = {
-        k: (v.float() if v.is_floating_point() and adapter.forced_fp32(k) else v) for k, v in state_dict.items()
-    }
-    model = cls(config, backend, device="meta", **model_kwargs)
+    with LazyCheckpoint(folder) as checkpoint:
+        model = cls(config, backend, device="meta", **model_kwargs)
+        sources = _check_names_and_shapes(cls.__name__, model, checkpoint, adapter, folder)
+        for name, keys in sources.items():
+            (tensor,) = adapter.from_hf({key: checkpoint.read(key) for key in keys}).values()
+            if tensor.is_floating_point() and adapter.forced_fp32(name):
+                tensor = tensor.float()  # a checkpoint written elsewhere may hold pinned tensors in bf16
+            elif tensor.is_floating_point() and target_dtype is not None:
+                tensor = tensor.to(target_dtype)
+            _assign(model, name, tensor.to(target))
+            del tensor  # before the next read: one tensor (group) in flight at a time
+    _materialize_unsaved_buffers(model, target)
+    if target_dtype is not None:
+        cast_model_to_dtype(model, target_dtype)
+    return model
+
+
+def _check_names_and_shapes(
+    owner: str, model: nn.Module, checkpoint: LazyCheckpoint, adapter: NemotronV3StateDictAdapter, folder: Path
+) -> dict[str, list[str]]:
+    """Internal name -> the checkpoint keys it is built from, after checking every name and shape (headers only)."""
+    converted = adapter.from_hf(checkpoint.meta_state_dict())  # raises on incomplete expert sets, all listed
+    sources: dict[str, list[str]] = {}
+    for key in checkpoint.names():
+        sources.setdefault(adapter.internal_key(key), []).append(key)
     expected = model.state_dict()
     # Reported in the checkpoint's own naming (`backbone.layers.0.mixer.A_log`, per-expert tensors), not ours.
-    missing = sorted(adapter.to_hf({k: expected[k] for k in set(expected) - set(state_dict)}))
-    unexpected = sorted(file_names.get(k, k) for k in set(state_dict) - set(expected))
+    missing = sorted(adapter.to_hf({k: expected[k] for k in set(expected) - set(converted)}))
+    unexpected = sorted(key for k in set(converted) - set(expected) for key in sources[k])
     mismatched = sorted(
-        f"{file_names.get(k, k)}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(expected[k].shape)}"
-        for k in set(expected) & set(state_dict)
-        if tuple(state_dict[k].shape) != tuple(expected[k].shape)
+        f"{_short(sources[k])}: checkpoint {tuple(converted[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in set(expected) & set(converted)
+        if tuple(converted[k].shape) != tuple(expected[k].shape)
     )
     if missing or unexpected or mismatched:
         parts = []
@@ -171,15 +158,24 @@ def load_pretrained(
         if mismatched:
             parts.append(f"shape mismatches ({len(mismatched)}): {mismatched}")
         raise ValueError(
-            f"Checkpoint {folder} does not match {cls.__name__} built from its config.json:\n  - "
-            + "\n  - ".join(parts)
+            f"Checkpoint {folder} does not match {owner} built from its config.json:\n  - " + "\n  - ".join(parts)
         )
-    target = torch.device(device) if device is not None else torch.device("cpu")
-    model.load_state_dict({k: v.to(target) for k, v in state_dict.items()}, strict=True, assign=True)
-    _materialize_unsaved_buffers(model, target)
-    if dtype is not None:
-        cast_model_to_dtype(model, dtype)
-    return model
+    return {name: sources[name] for name in expected}
+
+
+def _short(keys: list[str]) -> str:
+    return keys[0] if len(keys) == 1 else f"{keys[0]} .. {keys[-1]} ({len(keys)} tensors)"
+
+
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put `tensor` in place of the (meta) parameter or buffer `name`, as `load_state_dict(assign=True)` does."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if attr in owner._parameters:
+        old = owner._parameters[attr]
+        owner._parameters[attr] = nn.Parameter(tensor, requires_grad=old.requires_grad if old is not None else True)
+    else:
+        owner._buffers[attr] = tensor
 
 
 def _materialize_unsaved_buffers(model: Any, device: torch.device) -> None:
@@ -224,24 +220,31 @@ def save_pretrained(
     model: Any,
     path: str | os.PathLike[str],
     *,
-    max_shard_size: int | None = None,
+    max_shard_size: int | str | None = "5GB",
+    safe_serialization: bool = True,
     state_dict: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Write config.json (transformers' NemotronHConfig) and the weights in NVIDIA's naming; fp32-pinned tensors
     (`_keep_in_fp32_modules_strict`) are stored as F32 even from a model cast with a plain `.to(bfloat16)`.
 
-    state_dict: the full state dict to write instead of `model.state_dict()` (transformers' `save_pretrained`
-    option). For an expert-parallel model every rank calls
-    `full = {**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` (collective: the experts are gathered
-    back to `[E, out, in]`), then one rank calls `save_pretrained(model, path, state_dict=full)`; the adapter writes
-    the per-expert keys of the file.
+    Args:
+        max_shard_size: above it ("5GB", "200MB" or bytes) the weights are split into
+            `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`; None: one file.
+        safe_serialization: only True (safetensors) is supported; False is refused.
+        state_dict: the full state dict to write instead of `model.state_dict()` (transformers' `save_pretrained`
+            option). For an expert-parallel model every rank calls
+            `full = {**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` (collective: the experts are
+            gathered back to `[E, out, in]`), then one rank calls `save_pretrained(model, path, state_dict=full)`;
+            the adapter writes the per-expert keys of the file.
 
     Raises:
         ValueError: sharded DTensors (expert parallel / FSDP2) in what would be written, or a state_dict whose keys
-            differ from the model's (all listed).
+            differ from the model's (all listed); safe_serialization=False.
     """
     tensors = _state_dict_to_save(model, state_dict)
     folder = Path(path)
+    if not safe_serialization:
+        write_safetensors({}, folder, max_shard_size=max_shard_size, safe_serialization=False)  # raises
     folder.mkdir(parents=True, exist_ok=True)
     config = as_hf_config(model.config)
     config.architectures = ["NemotronHForCausalLM"]
@@ -251,4 +254,4 @@ def save_pretrained(
     adapter = NemotronV3StateDictAdapter(config)
     tensors = adapter.to_hf(tensors)
     tensors = {k: (v.float() if adapter.forced_fp32(k) else v) for k, v in tensors.items()}
-    write_safetensors_folder(tensors, folder, max_shard_size=max_shard_size)
+    write_safetensors(tensors, folder, max_shard_size=max_shard_size, safe_serialization=True)

@@ -515,26 +515,56 @@ class NemotronHForCausalLM(
     @classmethod
     def from_pretrained(
         cls,
-        path: Any,
+        pretrained_model_name_or_path: Any,
         backend: BackendConfig | None = None,
         *,
-        dtype: torch.dtype | None = None,
+        torch_dtype: Any = None,
+        dtype: Any = None,
+        device_map: Any = None,
         device: torch.device | str | None = None,
-        **model_kwargs: Any,
+        revision: str | None = None,
+        **kwargs: Any,
     ) -> NemotronHForCausalLM:
-        """Load an HF-format folder (config.json + safetensors, single or sharded). See `checkpoint.load_pretrained`."""
+        """Load an HF-format folder or hub id (config.json + safetensors, single or sharded) tensor by tensor.
+
+        transformers' keywords: `torch_dtype` / `dtype` (fp32-pinned tensors stay fp32), `device_map` (None, "cpu"
+        or one device; splitting is refused), `revision`, `config`, `cache_dir`, `token`, `local_files_only`,
+        `force_download`; other keywords are the constructor's. See `checkpoint.load_pretrained`.
+        """
         from .checkpoint import load_pretrained
 
-        return load_pretrained(cls, path, backend=backend, dtype=dtype, device=device, **model_kwargs)
+        return load_pretrained(
+            cls,
+            pretrained_model_name_or_path,
+            backend=backend,
+            torch_dtype=torch_dtype,
+            dtype=dtype,
+            device_map=device_map,
+            device=device,
+            revision=revision,
+            **kwargs,
+        )
 
     def save_pretrained(
-        self, path: Any, *, max_shard_size: int | None = None, state_dict: dict[str, torch.Tensor] | None = None
+        self,
+        save_directory: Any,
+        *,
+        max_shard_size: int | str | None = "5GB",
+        safe_serialization: bool = True,
+        state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """Write config.json + safetensors in NVIDIA's naming; `state_dict` (full tensors) replaces the model's own,
-        e.g. the gathered experts of an expert-parallel model. See `checkpoint.save_pretrained`."""
+        """Write config.json + safetensors in NVIDIA's naming (shards + index above `max_shard_size`; only
+        `safe_serialization=True`); `state_dict` (full tensors) replaces the model's own, e.g. the gathered experts
+        of an expert-parallel model. See `checkpoint.save_pretrained`."""
         from .checkpoint import save_pretrained
 
-        save_pretrained(self, path, max_shard_size=max_shard_size, state_dict=state_dict)
+        save_pretrained(
+            self,
+            save_directory,
+            max_shard_size=max_shard_size,
+            safe_serialization=safe_serialization,
+            state_dict=state_dict,
+        )
 
 
 def _per_depth(value: Sequence[torch.Tensor] | torch.Tensor | None) -> list[torch.Tensor] | None:

@@ -76,6 +76,12 @@ class NemotronV3StateDictAdapter:
             raise ValueError(f"Cannot assemble the expert weights ({len(problems)} problem(s)):\n{listed}")
         return renamed
 
+    def internal_key(self, key: str) -> str:
+        """The internal name `key` (checkpoint naming) is loaded into; per-expert keys name the stacked tensor."""
+        name = self._internal_name(key)
+        match = _PER_EXPERT.match(name)
+        return f"{match['owner']}.{match['proj']}" if match else name
+
     def _internal_name(self, key: str) -> str:
         name = key.removeprefix(_PEFT_PREFIX)
         if name.startswith("backbone."):

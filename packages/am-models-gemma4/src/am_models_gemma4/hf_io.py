@@ -1,0 +1,244 @@
+"""transformers-style loading options and lazy safetensors folders, shared by `from_pretrained` / `save_pretrained`.
+
+What it is for: turning `from_pretrained`'s transformers keywords (`torch_dtype` / `dtype`, `device_map`, `revision`
+and the hub options) into one dtype and one device, or refusing them; resolving a folder or a hub id
+(`huggingface_hub.snapshot_download`, imported lazily); reading a checkpoint folder tensor by tensor
+(`LazyCheckpoint`: `safe_open` handles, shapes known before any data is read); writing one with
+`huggingface_hub.save_torch_state_dict` (shards and the index file are huggingface_hub's).
+What it must not do: know model names or layouts (the state-dict adapter and `checkpoint.py` do), read a whole
+checkpoint into memory, or accept an option it does not honour.
+The same file is am_models_nemotron/hf_io.py and am_models_gemma4/hf_io.py (model packages do not import each
+other); keep the two identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+__all__ = [
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "LazyCheckpoint",
+    "resolve_checkpoint_folder",
+    "resolve_device",
+    "resolve_dtype",
+    "write_safetensors",
+]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def resolve_dtype(*, torch_dtype: Any, dtype: Any, config: Any) -> torch.dtype | None:
+    """One dtype from transformers' two spellings (`torch_dtype`, `dtype`); "auto" reads the config's dtype.
+
+    None keeps the checkpoint's dtypes. Raises ValueError when both are given and differ, or a string names no dtype.
+    """
+    if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
+        raise ValueError(f"torch_dtype={torch_dtype!r} and dtype={dtype!r} disagree; pass one of them (same meaning)")
+    chosen = dtype if dtype is not None else torch_dtype
+    if chosen == "auto":
+        chosen = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if chosen is None or isinstance(chosen, torch.dtype):
+        return chosen
+    resolved = getattr(torch, str(chosen).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"dtype {chosen!r} is not a torch dtype (e.g. torch.bfloat16, 'bfloat16', 'auto')")
+    return resolved
+
+
+def resolve_device(*, device_map: Any, device: Any) -> torch.device:
+    """The one device every tensor is loaded to: None / "cpu" / a single device (`"cuda:0"`, `0`, a
+    `torch.device`, or `{"": device}`). Anything that spreads the model ("auto", "balanced", a per-module dict) is
+    refused: this loader places the whole model on one device; shard it afterwards with the parallel wrappers."""
+    if device_map is not None and device is not None:
+        raise ValueError(f"device_map={device_map!r} and device={device!r} both given; pass one of them")
+    chosen = device if device_map is None else device_map
+    if isinstance(chosen, dict) and set(chosen) == {""}:
+        chosen = chosen[""]
+    if chosen is None:
+        return torch.device("cpu")
+    if isinstance(chosen, torch.device | int):
+        return torch.device(chosen)
+    if isinstance(chosen, str) and chosen not in ("auto", "balanced", "balanced_low_0", "sequential"):
+        try:
+            return torch.device(chosen)
+        except RuntimeError:
+            pass
+    raise ValueError(
+        f"device_map={chosen!r} cannot be honoured: only None, 'cpu', or one device ('cuda:0', 0, torch.device, "
+        "{'': device}) are supported; the whole model is loaded on that device (no offloading or splitting across "
+        "devices; use the am-* parallel wrappers to shard a loaded model)"
+    )
+
+
+def resolve_checkpoint_folder(
+    path_or_hub_id: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+    force_download: bool = False,
+) -> Path:
+    """A folder that exists is used as is; otherwise the string is a hub id, downloaded (config and safetensors
+    only) with `huggingface_hub.snapshot_download` at `revision`. A path-like that does not exist is an error."""
+    path = Path(path_or_hub_id)
+    if path.is_dir():
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} given for the local folder {path}; revisions select hub commits")
+        return path
+    if path.exists():
+        raise NotADirectoryError(f"{path} is a file; pass the checkpoint folder (config.json + *.safetensors)")
+    text = str(path_or_hub_id)
+    if not isinstance(path_or_hub_id, str) or text.startswith(("/", ".", "~")) or text.count("/") > 1:
+        raise FileNotFoundError(f"no checkpoint folder {text}, and it is not a hub id of the form 'org/name'")
+    from huggingface_hub import snapshot_download  # lazily: only hub ids need it
+
+    return Path(
+        snapshot_download(
+            repo_id=text,
+            revision=revision,
+            cache_dir=None if cache_dir is None else Path(cache_dir),
+            token=token,
+            local_files_only=local_files_only,
+            force_download=force_download,
+            allow_patterns=["*.json", "*.safetensors"],
+        )
+    )
+
+
+class LazyCheckpoint:
+    """The tensors of a folder (`model.safetensors.index.json` shards, else `model.safetensors`), read one at a time.
+
+    Keys, shapes and dtypes come from the file headers (`meta_state_dict`) before any data is read; `read(key)`
+    materialises one tensor. Use as a context manager (handles are closed on exit).
+
+    Raises:
+        FileNotFoundError: no index and no model.safetensors, or a shard named by the index is absent.
+        ValueError: a file cannot be read (named), the index is malformed, or names tensors its shards lack.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        self.folder = Path(folder)
+        self._handles: dict[Path, Any] = {}
+        index_path = self.folder / INDEX_FILE
+        if index_path.is_file():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"Malformed shard index {index_path}: {err}") from err
+            files = sorted({self.folder / name for name in weight_map.values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise FileNotFoundError(f"Shards listed in {index_path} are missing from {self.folder}: {missing}")
+        elif (self.folder / SINGLE_FILE).is_file():
+            files = [self.folder / SINGLE_FILE]
+        else:
+            raise FileNotFoundError(f"No {SINGLE_FILE} or {INDEX_FILE} in {self.folder}.")
+        self.file_of: dict[str, Path] = {}
+        self._meta: dict[str, tuple[tuple[int, ...], str]] = {}
+        for file in files:
+            handle = self._open(file)
+            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                piece = handle.get_slice(key)
+                self.file_of[key] = file
+                self._meta[key] = (tuple(piece.get_shape()), piece.get_dtype())
+        if index_path.is_file():
+            absent = sorted(k for k in weight_map if k not in self.file_of)
+            if absent:
+                raise ValueError(f"Tensors listed in {index_path} are absent from their shards: {absent}")
+
+    def _open(self, file: Path) -> Any:
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt").__enter__()
+            except Exception as err:  # safetensors raises SafetensorError / OSError / ValueError for damaged files
+                raise ValueError(
+                    f"Cannot read safetensors file {file}: {type(err).__name__}: {err}. The file is truncated, "
+                    "corrupt or not a safetensors file; re-download or re-save the checkpoint."
+                ) from err
+        return self._handles[file]
+
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    def meta_state_dict(self, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Meta tensors with the stored shapes and dtypes (no data read)."""
+        out = {}
+        for key in self.file_of if keys is None else keys:
+            shape, dtype = self._meta[key]
+            out[key] = torch.empty(shape, dtype=_SAFETENSORS_DTYPES.get(dtype, torch.uint8), device="meta")
+        return out
+
+    def read(self, key: str) -> torch.Tensor:
+        """Materialise one tensor (CPU)."""
+        file = self.file_of[key]
+        try:
+            return self._open(file).get_tensor(key)
+        except Exception as err:
+            raise ValueError(
+                f"Cannot read tensor {key} from safetensors file {file}: {type(err).__name__}: {err}. The file is "
+                "truncated or corrupt; re-download or re-save the checkpoint."
+            ) from err
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
+    def __enter__(self) -> LazyCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_safetensors(
+    tensors: dict[str, torch.Tensor],
+    folder: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str | None,
+    safe_serialization: bool,
+) -> None:
+    """`model.safetensors`, or shards + `model.safetensors.index.json` above `max_shard_size` ("5GB", bytes; None:
+    one file), written by `huggingface_hub.save_torch_state_dict`. Only safetensors are written."""
+    if not safe_serialization:
+        raise ValueError(
+            "safe_serialization=False (pickled pytorch_model.bin) is not supported: checkpoints are written as "
+            "safetensors only, which transformers loads the same way; drop the argument"
+        )
+    from huggingface_hub import save_torch_state_dict
+
+    # Tensors that share storage (views of one stacked tensor) are written as separate tensors, not deduplicated.
+    owned = {k: v.detach().cpu().clone() if _is_view(v) else v.detach().cpu() for k, v in tensors.items()}
+    save_torch_state_dict(
+        owned,
+        Path(folder),
+        max_shard_size=max_shard_size if max_shard_size is not None else 2**62,
+        metadata={"format": "pt"},
+    )
+
+
+def _is_view(tensor: torch.Tensor) -> bool:
+    storage_bytes = tensor.untyped_storage().nbytes()
+    return tensor._base is not None or storage_bytes != tensor.numel() * tensor.element_size()
