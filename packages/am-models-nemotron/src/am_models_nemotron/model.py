@@ -41,8 +41,14 @@ from .loss import cross_entropy
 from .moe import ExpertParallelHooks
 from .mtp import MTPConfig, MTPModule
 from .mtp_inputs import mtp_fusion_inputs
-from .outputs import NemotronHCausalLMOutputWithPast, combined_causal_lm_loss, select_hidden_states
+from .outputs import (
+    NemotronHCausalLMOutputWithPast,
+    NemotronLossMixin,
+    combined_causal_lm_loss,
+    select_hidden_states,
+)
 from .pipeline_stage import NemotronPipelineMixin
+from .pretrained import NemotronPretrainedMixin
 
 __all__ = [
     "ModelClass",
@@ -57,7 +63,13 @@ _CP_KWARGS = ("cp_rank", "cp_size")
 
 
 class NemotronHForCausalLM(
-    ExpertParallelHooks, NemotronPipelineMixin, NemotronGenerationMixin, nn.Module, GenerationMixin
+    ExpertParallelHooks,
+    NemotronPipelineMixin,
+    NemotronGenerationMixin,
+    NemotronLossMixin,
+    NemotronPretrainedMixin,
+    nn.Module,
+    GenerationMixin,
 ):
     """Nemotron-H causal LM with optional multi-token prediction.
 
@@ -456,115 +468,6 @@ class NemotronHForCausalLM(
         if return_dict is False:
             return output.to_tuple()
         return output
-
-    def combined_loss(
-        self,
-        output: Any,
-        labels: torch.Tensor,
-        *,
-        loss_fn: Any = None,
-        labels_shifted: bool = False,
-        seq_idx: torch.Tensor | None = None,
-        scaling_factor: float | None = None,
-        mtp_per_depth_targets: Sequence[torch.Tensor] | None = None,
-        ignore_index: int = -100,
-    ) -> torch.Tensor:
-        """THE training loss of one of this model's outputs: next-token loss + scaled MTP loss (`outputs`).
-
-        A duck-typed hook: am-pipelining's `PipelineCausalLMLoss` and the reference trainer call it when the model
-        has it. output: the forward's `NemotronHCausalLMOutputWithPast`, a last pipeline stage's tuple `(logits,
-        *D MTP hidden states, int32 seq_idx [B, S])`, or bare logits. labels: [B, S], unshifted unless
-        `labels_shifted` (the pipeline's convention). MTP counts while training (or with `compute_mtp_in_eval`);
-        seq_idx defaults to the stage tuple's tail. scaling_factor: default `mtp_config.loss_scaling_factor`.
-        ignore_index: the label value that is no target (also written where a target would cross a document).
-        """
-        depths = self.num_mtp_depths
-        mtp_hidden: list[torch.Tensor] = []
-        if isinstance(output, tuple):
-            logits = output[0]
-            if depths and len(output) >= 1 + depths:
-                mtp_hidden = list(output[1 : 1 + depths])
-                if seq_idx is None and len(output) == depths + 2:
-                    seq_idx = output[-1]
-        elif isinstance(output, torch.Tensor):
-            logits = output
-        else:
-            logits = output.logits
-            mtp_hidden = list(output.mtp_per_depth_h or [])
-            if mtp_per_depth_targets is None:
-                mtp_per_depth_targets = getattr(output, "mtp_per_depth_targets", None)
-        if not (self.training or self.compute_mtp_in_eval):
-            mtp_hidden = []
-        return combined_causal_lm_loss(
-            logits,
-            labels,
-            mtp_per_depth_h=mtp_hidden,
-            lm_head=self.lm_head,
-            mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor if scaling_factor is None else scaling_factor,
-            seq_idx=seq_idx,
-            loss_fn=loss_fn,
-            labels_shifted=labels_shifted,
-            mtp_per_depth_targets=mtp_per_depth_targets,
-            ignore_index=ignore_index,
-        ).loss
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Checkpoints
-    # ------------------------------------------------------------------------------------------------------------
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        pretrained_model_name_or_path: Any,
-        backend: BackendConfig | None = None,
-        *,
-        torch_dtype: Any = None,
-        dtype: Any = None,
-        device_map: Any = None,
-        device: torch.device | str | None = None,
-        revision: str | None = None,
-        **kwargs: Any,
-    ) -> NemotronHForCausalLM:
-        """Load an HF-format folder or hub id (config.json + safetensors, single or sharded) tensor by tensor.
-
-        transformers' keywords: `torch_dtype` / `dtype` (fp32-pinned tensors stay fp32), `device_map` (None, "cpu"
-        or one device; splitting is refused), `revision`, `config`, `cache_dir`, `token`, `local_files_only`,
-        `force_download`; other keywords are the constructor's. See `checkpoint.load_pretrained`.
-        """
-        from .checkpoint import load_pretrained
-
-        return load_pretrained(
-            cls,
-            pretrained_model_name_or_path,
-            backend=backend,
-            torch_dtype=torch_dtype,
-            dtype=dtype,
-            device_map=device_map,
-            device=device,
-            revision=revision,
-            **kwargs,
-        )
-
-    def save_pretrained(
-        self,
-        save_directory: Any,
-        *,
-        max_shard_size: int | str | None = "5GB",
-        safe_serialization: bool = True,
-        state_dict: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        """Write config.json + safetensors in NVIDIA's naming (shards + index above `max_shard_size`; only
-        `safe_serialization=True`); `state_dict` (full tensors) replaces the model's own, e.g. the gathered experts
-        of an expert-parallel model. See `checkpoint.save_pretrained`."""
-        from .checkpoint import save_pretrained
-
-        save_pretrained(
-            self,
-            save_directory,
-            max_shard_size=max_shard_size,
-            safe_serialization=safe_serialization,
-            state_dict=state_dict,
-        )
 
 
 def _per_depth(value: Sequence[torch.Tensor] | torch.Tensor | None) -> list[torch.Tensor] | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -171,3 +172,69 @@ def select_hidden_states(
     indices = [selection] if isinstance(selection, int) else list(selection)
     chosen = {i % count for i in indices if -count <= i < count}
     return tuple(h if i in chosen else None for i, h in enumerate(hidden_states))
+
+
+class NemotronLossMixin:
+    """`combined_loss`, the model's one training-loss rule (the model provides `num_mtp_depths`, `lm_head`,
+    `mtp_config`, `compute_mtp_in_eval` and `training`)."""
+
+    if TYPE_CHECKING:
+
+        @property
+        def num_mtp_depths(self) -> int: ...  # defined by NemotronPipelineMixin
+
+    lm_head: Any
+    mtp_config: Any
+    compute_mtp_in_eval: bool
+    training: bool
+
+    def combined_loss(
+        self,
+        output: Any,
+        labels: torch.Tensor,
+        *,
+        loss_fn: Any = None,
+        labels_shifted: bool = False,
+        seq_idx: torch.Tensor | None = None,
+        scaling_factor: float | None = None,
+        mtp_per_depth_targets: Sequence[torch.Tensor] | None = None,
+        ignore_index: int = -100,
+    ) -> torch.Tensor:
+        """THE training loss of one of this model's outputs: next-token loss + scaled MTP loss (`outputs`).
+
+        A duck-typed hook: am-pipelining's `PipelineCausalLMLoss` and the reference trainer call it when the model
+        has it. output: the forward's `NemotronHCausalLMOutputWithPast`, a last pipeline stage's tuple `(logits,
+        *D MTP hidden states, int32 seq_idx [B, S])`, or bare logits. labels: [B, S], unshifted unless
+        `labels_shifted` (the pipeline's convention). MTP counts while training (or with `compute_mtp_in_eval`);
+        seq_idx defaults to the stage tuple's tail. scaling_factor: default `mtp_config.loss_scaling_factor`.
+        ignore_index: the label value that is no target (also written where a target would cross a document).
+        """
+        depths = self.num_mtp_depths
+        mtp_hidden: list[torch.Tensor] = []
+        if isinstance(output, tuple):
+            logits = output[0]
+            if depths and len(output) >= 1 + depths:
+                mtp_hidden = list(output[1 : 1 + depths])
+                if seq_idx is None and len(output) == depths + 2:
+                    seq_idx = output[-1]
+        elif isinstance(output, torch.Tensor):
+            logits = output
+        else:
+            logits = output.logits
+            mtp_hidden = list(output.mtp_per_depth_h or [])
+            if mtp_per_depth_targets is None:
+                mtp_per_depth_targets = getattr(output, "mtp_per_depth_targets", None)
+        if not (self.training or self.compute_mtp_in_eval):
+            mtp_hidden = []
+        return combined_causal_lm_loss(
+            logits,
+            labels,
+            mtp_per_depth_h=mtp_hidden,
+            lm_head=self.lm_head,
+            mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor if scaling_factor is None else scaling_factor,
+            seq_idx=seq_idx,
+            loss_fn=loss_fn,
+            labels_shifted=labels_shifted,
+            mtp_per_depth_targets=mtp_per_depth_targets,
+            ignore_index=ignore_index,
+        ).loss
