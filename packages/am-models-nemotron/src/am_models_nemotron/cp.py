@@ -41,6 +41,7 @@ __all__ = [
     "NemotronCPContext",
     "active_cp_context",
     "block_cp_problems",
+    "cp_kwarg_problems",
     "nemotron_cp_options",
     "prepare_batch_for_cp",
     "raise_on_every_rank",
@@ -248,3 +249,13 @@ def resolve_layout(
     raise_on_every_rank(problems, cp, owner=owner)
     assert layout is not None
     return layout
+
+
+def cp_kwarg_problems(values: dict[str, Any], size: int, rank: int) -> list[str]:
+    """cp_size / cp_rank keyword arguments that disagree with the actual CP group (size, rank)."""
+    problems = []
+    if values.get("cp_size") is not None and int(values["cp_size"]) != size:
+        problems.append(f"cp_size={int(values['cp_size'])} but the CP group has {size} rank(s)")
+    if values.get("cp_rank") is not None and int(values["cp_rank"]) != rank:
+        problems.append(f"cp_rank={int(values['cp_rank'])} but this is CP rank {rank}")
+    return problems

@@ -31,6 +31,7 @@ from .config import NemotronConfig, as_hf_config
 from .cp import (
     NemotronCPContext,
     block_cp_problems,
+    cp_kwarg_problems,
     nemotron_cp_options,
     prepare_batch_for_cp,
     resolve_layout,
@@ -346,7 +347,7 @@ class NemotronHForCausalLM(
         def cp_problems(cp: NemotronCPContext) -> list[str]:
             blocks = [*self.model.layers.values(), *(self.mtp.layers if self.mtp is not None and mtp_runs else [])]
             problems = block_cp_problems(blocks, seqlen=seqlen, training=self.training)
-            problems += _cp_kwarg_problems(cp_kwargs, cp.size, cp.rank)
+            problems += cp_kwarg_problems(cp_kwargs, cp.size, cp.rank)
             if labels is not None:
                 problems.append(
                     "labels would be shifted here, across block edges; prepare the batch with "
@@ -377,9 +378,9 @@ class NemotronHForCausalLM(
             layout_kwargs=layout_kwargs,
             cp_problems=cp_problems,
         )
-        if layout.cp is None and _cp_kwarg_problems(cp_kwargs, 1, 0):
+        if layout.cp is None and cp_kwarg_problems(cp_kwargs, 1, 0):
             raise ValueError(
-                "; ".join(_cp_kwarg_problems(cp_kwargs, 1, 0)) + ": context parallelism runs inside the "
+                "; ".join(cp_kwarg_problems(cp_kwargs, 1, 0)) + ": context parallelism runs inside the "
                 "RingAttentionContext of make_cp_batch_and_ctx(mesh, batch, model=model), after "
                 "model.prepare_batch_for_cp(batch)."
             )
@@ -475,16 +476,6 @@ def _per_depth(value: Sequence[torch.Tensor] | torch.Tensor | None) -> list[torc
     if value is None:
         return None
     return list(value.unbind(1)) if isinstance(value, torch.Tensor) else list(value)
-
-
-def _cp_kwarg_problems(values: dict[str, Any], size: int, rank: int) -> list[str]:
-    """cp_size / cp_rank keyword arguments that disagree with the actual CP group (size, rank)."""
-    problems = []
-    if values.get("cp_size") is not None and int(values["cp_size"]) != size:
-        problems.append(f"cp_size={int(values['cp_size'])} but the CP group has {size} rank(s)")
-    if values.get("cp_rank") is not None and int(values["cp_rank"]) != rank:
-        problems.append(f"cp_rank={int(values['cp_rank'])} but this is CP rank {rank}")
-    return problems
 
 
 def _sum_over(count: Any) -> Any:
