@@ -13,7 +13,6 @@ or create a KV cache unless asked (`use_cache=True` or a cache passed): training
 
 from __future__ import annotations
 
-import os
 from typing import Any, ClassVar
 
 import torch
@@ -32,6 +31,7 @@ from .decoder import Gemma4DecoderLayer
 from .generation import Gemma4GenerationMixin
 from .layers import Gemma4RMSNorm
 from .moe import ExpertParallelHooks, Gemma4Experts, Gemma4Router
+from .pretrained import Gemma4PretrainedMixin
 
 __all__ = ["Gemma4ForCausalLM", "Gemma4TextModel", "causal_lm_loss", "gemma4_capabilities", "softcap_logits"]
 
@@ -341,7 +341,9 @@ class Gemma4TextModel(nn.Module):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache)  # type: ignore[arg-type]
 
 
-class Gemma4ForCausalLM(ContextParallelHooks, ExpertParallelHooks, nn.Module, Gemma4GenerationMixin):
+class Gemma4ForCausalLM(
+    ContextParallelHooks, ExpertParallelHooks, Gemma4PretrainedMixin, nn.Module, Gemma4GenerationMixin
+):
     """Text-only Gemma 4 with a (tied) LM head: `logits = softcap(lm_head(model(...)))` `[B, S, V]`.
 
     Checkpoints: `from_pretrained` / `save_pretrained` read and write transformers' `Gemma4ForCausalLM` folders.
@@ -422,59 +424,3 @@ class Gemma4ForCausalLM(ContextParallelHooks, ExpertParallelHooks, nn.Module, Ge
             else:
                 loss = causal_lm_loss(logits, labels)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        pretrained_model_name_or_path: str | os.PathLike[str],
-        *,
-        torch_dtype: Any = None,
-        dtype: Any = None,
-        device_map: Any = None,
-        device: Any = None,
-        revision: str | None = None,
-        **kwargs: Any,
-    ) -> Gemma4ForCausalLM:
-        """Load a transformers-format folder or hub id (config.json + safetensors, single or sharded) tensor by
-        tensor; every parameter must be present.
-
-        transformers' keywords: `torch_dtype` / `dtype` (fp32-pinned tensors stay fp32), `device_map` (None, "cpu"
-        or one device; splitting is refused), `revision`, `config`, `cache_dir`, `token`, `local_files_only`,
-        `force_download`. See `checkpoint.load_pretrained`.
-        """
-        from .checkpoint import load_pretrained
-
-        return load_pretrained(
-            cls,
-            pretrained_model_name_or_path,
-            torch_dtype=torch_dtype,
-            dtype=dtype,
-            device_map=device_map,
-            device=device,
-            revision=revision,
-            **kwargs,
-        )
-
-    def save_pretrained(
-        self,
-        save_directory: str | os.PathLike[str],
-        *,
-        max_shard_size: int | str | None = "5GB",
-        safe_serialization: bool = True,
-        state_dict: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        """Write a folder transformers' `Gemma4ForCausalLM.from_pretrained` loads.
-
-        The tied head is saved once; shards + index above `max_shard_size`; only `safe_serialization=True`;
-        `state_dict` (full tensors) replaces the model's own, e.g. the gathered experts of an expert-parallel model
-        (see `checkpoint.save_pretrained`).
-        """
-        from .checkpoint import save_pretrained
-
-        save_pretrained(
-            self,
-            save_directory,
-            max_shard_size=max_shard_size,
-            safe_serialization=safe_serialization,
-            state_dict=state_dict,
-        )

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from typing import Any, ClassVar
 
 import torch
@@ -46,6 +45,7 @@ from .model import (
     softcap_logits,
 )
 from .moe import ExpertParallelHooks
+from .pretrained import Gemma4PretrainedMixin
 
 __all__ = ["Gemma4ForConditionalGeneration", "Gemma4Model"]
 
@@ -116,7 +116,9 @@ class Gemma4Model(nn.Module):
         return BaseModelOutputWithPooling(last_hidden_state=outputs.last_hidden_state, pooler_output=pooled)
 
 
-class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, nn.Module, Gemma4GenerationMixin):
+class Gemma4ForConditionalGeneration(
+    ContextParallelHooks, ExpertParallelHooks, Gemma4PretrainedMixin, nn.Module, Gemma4GenerationMixin
+):
     """Gemma 4 vision-language model: logits `[B, S, V]` for text-only or image+text inputs; `generate(...)`."""
 
     # The text model's keep lists (substrings of names, so they match under `model.language_model.` too).
@@ -308,59 +310,3 @@ class Gemma4ForConditionalGeneration(ContextParallelHooks, ExpertParallelHooks, 
                 else causal_lm_loss(logits, labels)
             )
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        pretrained_model_name_or_path: str | os.PathLike[str],
-        *,
-        torch_dtype: Any = None,
-        dtype: Any = None,
-        device_map: Any = None,
-        device: Any = None,
-        revision: str | None = None,
-        **kwargs: Any,
-    ) -> Gemma4ForConditionalGeneration:
-        """Load a transformers-format folder or hub id (config.json + safetensors, single or sharded) tensor by
-        tensor; every parameter must be present.
-
-        transformers' keywords: `torch_dtype` / `dtype` (fp32-pinned tensors stay fp32), `device_map` (None, "cpu"
-        or one device; splitting is refused), `revision`, `config`, `cache_dir`, `token`, `local_files_only`,
-        `force_download`. See `checkpoint.load_pretrained`.
-        """
-        from .checkpoint import load_pretrained
-
-        return load_pretrained(
-            cls,
-            pretrained_model_name_or_path,
-            torch_dtype=torch_dtype,
-            dtype=dtype,
-            device_map=device_map,
-            device=device,
-            revision=revision,
-            **kwargs,
-        )
-
-    def save_pretrained(
-        self,
-        save_directory: str | os.PathLike[str],
-        *,
-        max_shard_size: int | str | None = "5GB",
-        safe_serialization: bool = True,
-        state_dict: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        """Write a folder transformers' `Gemma4ForConditionalGeneration.from_pretrained` loads.
-
-        The tied head is saved once; shards + index above `max_shard_size`; only `safe_serialization=True`;
-        `state_dict` (full tensors) replaces the model's own, e.g. the gathered experts of an expert-parallel model
-        (see `checkpoint.save_pretrained`).
-        """
-        from .checkpoint import save_pretrained
-
-        save_pretrained(
-            self,
-            save_directory,
-            max_shard_size=max_shard_size,
-            safe_serialization=safe_serialization,
-            state_dict=state_dict,
-        )
