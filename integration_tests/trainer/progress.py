@@ -12,7 +12,8 @@ from pathlib import Path
 
 
 class Progress:
-    """Progress bar with step, loss, tokens/s and ETA on rank 0; a no-op elsewhere."""
+    """Progress bar with step, loss, tokens/s and ETA on rank 0 (MoE models: the expert load imbalance, the worst
+    layer's busiest expert over the mean); a no-op elsewhere."""
 
     def __init__(self, *, total_steps: int, start_step: int, tokens_per_step: int, enabled: bool) -> None:
         self.enabled = enabled
@@ -34,13 +35,17 @@ class Progress:
                 mininterval=1.0 if sys.stderr.isatty() else 10.0,
             )
 
-    def update(self, *, step: int, loss: float, lr: float) -> None:
+    def update(self, *, step: int, loss: float, lr: float, expert_imbalance: float | None = None) -> None:
         self.steps_done += 1
         if self._bar is None:
             return
         elapsed = time.perf_counter() - self.start_time
         tokens_per_s = self.steps_done * self.tokens_per_step / max(elapsed, 1e-9)
-        self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        postfix = {"loss": f"{loss:.4f}"}
+        if expert_imbalance is not None:  # next to the loss: max / mean tokens per expert
+            postfix["experts max/mean"] = f"{expert_imbalance:.2f}"
+        postfix.update(lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
+        self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(1)
 
     def tokens_per_second(self) -> float:

@@ -20,7 +20,7 @@ from torch import nn
 
 from am_pipelining import find_layers
 from trainer import checkpoint as ckpt
-from trainer.config import RunConfig, cp_problems, find_problems, pipeline_plan
+from trainer.config import RunConfig, cp_problems, find_problems, mesh_context, pipeline_plan
 from trainer.data import load_tokens
 from trainer.models import ModelSpec, build_model, folder_spec, preset_spec
 from trainer.parallel import cp_layout_name, cp_pad_multiple
@@ -79,7 +79,7 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
         BadInput: listing every problem found (arguments, --out, the model and its folder, the pipeline plan
             against the model's layers, mesh vs model capabilities, data, checkpoint).
     """
-    from am_capabilities import MeshContext, validate_for_mesh
+    from am_capabilities import validate_for_mesh
 
     problems = find_problems(cfg, world_size=world_size)
     problems += out_problems(cfg)
@@ -104,9 +104,9 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
         except (TypeError, ValueError) as exc:  # a malformed CP declaration on the model
             problems.append(str(exc))
     problems += cp_problems(cfg, cp_layout=cp_layout, pad_multiple=pad_multiple)
-    if model is not None and min(cfg.pp, cfg.dp, cfg.cp) >= 1:
-        try:
-            validate_for_mesh(model, MeshContext(pp_size=cfg.pp, dp_size=cfg.dp, cp_size=cfg.cp))
+    if model is not None and min(cfg.pp, cfg.dp, cfg.cp, cfg.ep) >= 1:
+        try:  # ep > 1: the model must implement EP and its expert counts must split over ep (am-capabilities' rule)
+            validate_for_mesh(model, mesh_context(cfg))
         except ValueError as exc:
             problems.extend(line.strip().removeprefix("- ") for line in str(exc).splitlines()[1:] if line.strip())
     tokens, found = data_problems(cfg, vocab_size=spec.vocab_size if spec is not None else 256)
@@ -131,13 +131,17 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
 
 
 _MUST_MATCH_ON_RESUME = (
-    "model", "model_path", "pp", "dp", "cp", "schedule", "stages_per_rank", "global_batch", "microbatch_size",
+    "model", "model_path", "pp", "dp", "cp", "ep", "schedule", "stages_per_rank", "global_batch", "microbatch_size",
     "seq_len", "dtype", "seed", "data", "tie_embeddings", "mtp_depths", "hidden_size", "layers",
 )  # fmt: skip
 
 
+# What a checkpoint written before an option existed ran with (its saved arguments lack the key).
+_BEFORE_THE_OPTION: dict[str, Any] = {"ep": 1}
+
+
 def _resume_mismatches(cfg: RunConfig, state: dict[str, Any]) -> list[str]:
-    saved = state.get("args", {})
+    saved = {**_BEFORE_THE_OPTION, **state.get("args", {})}
     now = json.loads(json.dumps(asdict(cfg), default=str))
     return [
         f"--resume {cfg.resume}: the checkpoint was written with {key}={saved.get(key)!r}, this run has "
