@@ -82,7 +82,6 @@ class RunConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="train.py",
         description="Reference trainer composing the am-* packages: pp x dp x cp on one DeviceMesh, launched "
         "with torchrun (gloo on CPU, NCCL on GPU).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
