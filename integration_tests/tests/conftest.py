@@ -30,6 +30,8 @@ TINY = ["--hidden-size", "32", "--layers", "4", "--seq-len", "16", "--global-bat
 # element that is ~0 (|g| ~ eps) cannot turn into a whole learning-rate step of difference in that weight.
 PARITY = [*TINY, "--dtype", "fp32", "--adam-eps", "1e-6", "--no-progress", "--timeout", "60"]
 LAUNCH_TIMEOUT_S = 240
+# In-process validate() calls: a tiny preset run.
+TINY_ARGS = ["--hidden-size", "32", "--layers", "2", "--seq-len", "16", "--global-batch", "4", "--steps", "1"]
 
 
 @dataclass
@@ -130,3 +132,49 @@ class RunCache:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> RunCache:
     return RunCache(tmp_path_factory.mktemp("runs"))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Text data and a tokenizer built offline (the training-feature tests)
+# ------------------------------------------------------------------------------------------------------------------
+
+KJV = ROOT / "data" / "kjv_genesis_exodus.txt"
+EXAMPLE_CONFIG = ROOT / "configs" / "example.toml"
+
+
+def kjv_documents(count: int) -> list[str]:
+    """The first `count` paragraphs (blank-line separated chunks of lines) of the embedded text, as documents."""
+    lines = [line for line in KJV.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [" ".join(lines[i : i + 3]) for i in range(0, 3 * count, 3)]
+
+
+def write_jsonl(path: Path, documents: list[str], *, field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: doc, "id": i}) + "\n" for i, doc in enumerate(documents)))
+    return path
+
+
+def make_tokenizer(folder: Path, documents: list[str], *, vocab_size: int = 400) -> Path:
+    """A word-level HF tokenizer trained on `documents` (no network), saved with `save_pretrained`: vocabulary
+    `vocab_size` including [UNK], [PAD], [EOS]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.train_from_iterator(
+        documents, trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=["[UNK]", "[PAD]", "[EOS]"])
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def text_corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """`jsonl`: 200 documents of the embedded text; `tokenizer`: a word-level tokenizer folder trained on them."""
+    root = tmp_path_factory.mktemp("text")
+    documents = kjv_documents(200)
+    return {
+        "jsonl": write_jsonl(root / "kjv.jsonl", documents),
+        "tokenizer": make_tokenizer(root / "tokenizer", documents),
+    }

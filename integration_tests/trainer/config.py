@@ -55,6 +55,21 @@ class RunConfig:
     threads: int
     timeout: float
     progress: bool
+    # --- training features (issue 16 §5): config file, tokenizer, data sources, validation, logging, layers, optim
+    config: str | None = None
+    tokenizer: str | None = None
+    data_field: str | None = None
+    data_split: str | None = None
+    val_every: int = 0
+    val_fraction: float | None = None
+    val_data: str | None = None
+    val_batches: int = 2
+    tensorboard: str | None = None
+    activation_checkpointing: bool = False
+    compile: bool = False
+    optimizer: str = "adamw"
+    momentum: float | None = None
+    lr_schedule: str = "cosine"
 
     @property
     def world_size(self) -> int:
@@ -68,7 +83,6 @@ class RunConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="train.py",
         description="Reference trainer composing the am-* packages: pp x dp x cp on one DeviceMesh, launched "
         "with torchrun (gloo on CPU, NCCL on GPU).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -96,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatch-size", type=int, default=1, help="sequences per pipeline microbatch")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine decay")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the decay (--lr-schedule)")
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
@@ -128,12 +142,78 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=300.0, help="seconds a collective may wait before the run fails (no hangs)"
     )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    _add_feature_options(p)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
-    ns = build_parser().parse_args(argv)
+    """The run's options: the command line over `--config FILE` (TOML) over the defaults (trainer/config_file.py)."""
+    from trainer.config_file import parse_with_config_file
+
+    ns = parse_with_config_file(build_parser(), argv)
     return RunConfig(**vars(ns))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Training features (issue 16 §5): each option's rule lives in the module that implements it
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _add_feature_options(p: argparse.ArgumentParser) -> None:
+    from trainer.optim import LR_SCHEDULES, OPTIMIZERS
+
+    p.add_argument(
+        "--config",
+        default=None,
+        help="TOML file of options (keys: the option names, e.g. global_batch = 8); command-line flags override it",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF tokenizer folder (AutoTokenizer) for text data; default: the byte tokenizer (one token per byte)",
+    )
+    p.add_argument("--data-field", default=None, help="the text field of .jsonl records / HF dataset rows [text]")
+    p.add_argument("--data-split", default=None, help="the split of an HF dataset [train]")
+    p.add_argument("--val-every", type=int, default=0, help="validation loss every N steps (0: no validation)")
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="hold out the last FRACTION of the --data tokens for validation (never trained on)",
+    )
+    p.add_argument("--val-data", default=None, help="validation corpus (any --data format) instead of --val-fraction")
+    p.add_argument("--val-batches", type=int, default=2, help="global batches per validation")
+    p.add_argument(
+        "--tensorboard",
+        default=None,
+        help="TensorBoard log folder (default: <out>/tb when tensorboard is installed; 'off' disables)",
+    )
+    p.add_argument("--no-tensorboard", dest="tensorboard", action="store_const", const="off", help="no TensorBoard")
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each decoder layer's activations in backward (torch.utils.checkpoint): less memory, more time",
+    )
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--momentum", type=float, default=None, help="SGD momentum [0.9]")
+    p.add_argument(
+        "--lr-schedule",
+        choices=LR_SCHEDULES,
+        default="cosine",
+        help="after the linear warm-up: cosine or linear decay to --min-lr, or constant --lr",
+    )
+
+
+def feature_problems(cfg: RunConfig) -> list[str]:
+    """Every problem of the feature options, each asked of the module that owns the rule."""
+    from trainer.evaluation import validation_option_problems
+    from trainer.optim import optimizer_option_problems
+    from trainer.tb_logging import tensorboard_problems
+    from trainer.text_sources import data_option_problems
+
+    problems = optimizer_option_problems(cfg) + validation_option_problems(cfg) + data_option_problems(cfg)
+    return problems + tensorboard_problems(cfg)
 
 
 _FLOAT_OPTIONS = ("lr", "min_lr", "weight_decay", "adam_eps", "grad_clip", "timeout")
@@ -176,7 +256,7 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
     not_finite = [name for name, value in floats.items() if not math.isfinite(value)]
     problems += [f"--{name.replace('_', '-')} {floats[name]}: must be a finite number" for name in not_finite]
     if not {"lr", "min_lr"} & set(not_finite) and (
-        cfg.warmup_steps < 0 or cfg.lr <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr
+        cfg.warmup_steps < 0 or cfg.lr <= 0 or cfg.min_lr < 0 or (cfg.min_lr > cfg.lr and cfg.lr_schedule != "constant")
     ):
         problems.append(
             f"--lr {cfg.lr}, --min-lr {cfg.min_lr}, --warmup-steps {cfg.warmup_steps}: need lr > 0, "
@@ -205,6 +285,7 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
         problems.append(f"--model-path {cfg.model_path}: no config.json there (expected an HF-format folder)")
     if cfg.tie_embeddings and cfg.model != "llama":
         problems.append(f"--tie-embeddings applies to --model llama only, not {cfg.model}")
+    problems += feature_problems(cfg)
     return problems
 
 

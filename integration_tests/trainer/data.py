@@ -1,15 +1,17 @@
 """Training data for the reference trainer: a byte-level tokenizer and a deterministic, resumable batch stream.
 
-What it is for: turning a text file (UTF-8, one byte = one token) or a token file into fixed-length training
-windows, the same on every rank, with a cursor that a checkpoint stores so `--resume` continues exactly.
-What it must not do: download anything, or depend on the rank layout (every rank computes the same global batch
-and takes its data-parallel slice).
+What it is for: turning a corpus (a UTF-8 text file, `.jsonl` records or an HF dataset, tokenized one byte = one
+token or by `--tokenizer`; or a token file) into fixed-length training windows, the same on every rank, with a cursor
+that a checkpoint stores so `--resume` continues exactly. `.jsonl` and HF datasets are read by text_sources.py.
+What it must not do: download anything itself, or depend on the rank layout (every rank computes the same global
+batch and takes its data-parallel slice).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,74 +32,113 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
 
-def load_tokens(path: str | Path | None, *, vocab_size: int) -> torch.Tensor:
+def load_tokens(
+    path: str | Path | None,
+    *,
+    vocab_size: int,
+    tokenizer: Any = None,
+    data_field: str | None = None,
+    data_split: str | None = None,
+    label: str = "--data",
+) -> torch.Tensor:
     """Load a corpus as int64 token ids `[N]`.
 
-    Formats, by suffix: `.txt` (UTF-8 text, byte-level tokens), `.pt` (a 1-D integer tensor saved with
-    `torch.save`), `.bin` (little-endian uint16 ids, the nanoGPT convention). None means the embedded text.
+    Formats: `.txt` (UTF-8 text), `.jsonl` (one JSON record per line, text in `data_field`, default "text"), an HF
+    dataset (a folder or a hub name; `data_field` column of `data_split`, default "train"; needs `datasets`), `.pt`
+    (a 1-D integer tensor saved with `torch.save`), `.bin` (little-endian uint16 ids, the nanoGPT convention). None
+    means the embedded text. Text is tokenized by `tokenizer` (an HF tokenizer; text_sources.encode_documents) or,
+    when None, one token per UTF-8 byte; documents of `.jsonl` / datasets are each followed by the tokenizer's EOS
+    token (a newline byte for the byte tokenizer). `label` names the option in messages (`--val-data`).
 
     Raises:
         FileNotFoundError: the file does not exist.
         ValueError: unknown suffix, empty file, a `.txt` that is not UTF-8 (file and byte offset named), a `.pt`
-            that cannot be read or holds no 1-D integer tensor, or ids outside `[0, vocab_size)`.
+            that cannot be read or holds no 1-D integer tensor, a bad `.jsonl` record or dataset, or ids outside
+            `[0, vocab_size)`.
     """
+    from trainer.text_sources import data_kind, encode_documents, read_documents
+
+    kind = data_kind(path) if path is not None else "txt"
     path = Path(path) if path is not None else DEFAULT_TEXT
-    if not path.is_file():
-        raise FileNotFoundError(f"--data {path}: no such file (give a .txt, .pt or .bin file)")
-    suffix = path.suffix.lower()
-    if suffix not in (".txt", ".pt", ".bin"):
-        raise ValueError(f"--data {path}: unknown format {suffix!r}; use .txt, .pt (int tensor) or .bin (uint16)")
-    if suffix == ".pt":
-        tokens = _load_pt(path)
+    missing = f"{label} {path}: no such file (give a .txt, .jsonl, .pt or .bin file, or an HF dataset)"
+    if kind == "missing":
+        raise FileNotFoundError(missing)
+    if kind == "unknown":
+        raise ValueError(
+            f"{label} {path}: unknown format {path.suffix.lower()!r}; use .txt, .jsonl, .pt (int tensor), "
+            ".bin (uint16) or an HF dataset folder"
+        )
+    if kind != "dataset" and not path.is_file():
+        raise FileNotFoundError(missing)
+    if kind in ("jsonl", "dataset"):
+        documents = read_documents(
+            path if kind == "jsonl" else str(path), data_field=data_field, data_split=data_split, label=label
+        )
+        if tokenizer is None:
+            tokens = ByteTokenizer().encode("".join(f"{document}\n" for document in documents))
+        else:
+            tokens = encode_documents(documents, tokenizer)
+    elif kind == "pt":
+        tokens = _load_pt(path, label=label)
     else:
         raw = path.read_bytes()
         if not raw:
-            raise ValueError(f"--data {path}: the file is empty; give a corpus with at least --seq-len + 2 tokens")
-        if suffix == ".txt":
-            tokens = ByteTokenizer().encode(_utf8_text(path, raw))
+            raise ValueError(f"{label} {path}: the file is empty; give a corpus with at least --seq-len + 2 tokens")
+        if kind == "txt":
+            text = _utf8_text(path, raw, label=label)
+            tokens = ByteTokenizer().encode(text) if tokenizer is None else encode_documents([text], tokenizer)
         else:
             if len(raw) % 2:
-                raise ValueError(f"--data {path}: a .bin file holds uint16 ids, but its size {len(raw)} is odd")
+                raise ValueError(f"{label} {path}: a .bin file holds uint16 ids, but its size {len(raw)} is odd")
             tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint16).to(torch.int64)
     if tokens.numel() == 0:
-        raise ValueError(f"--data {path}: the corpus is empty")
+        raise ValueError(f"{label} {path}: the corpus is empty")
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= vocab_size:
         raise ValueError(
-            f"--data {path}: token ids span [{low}, {high}] but the model's vocabulary has {vocab_size} entries; "
+            f"{label} {path}: token ids span [{low}, {high}] but the model's vocabulary has {vocab_size} entries; "
             "re-tokenize the data or build the model with a larger vocab_size"
         )
     return tokens
 
 
-def _utf8_text(path: Path, raw: bytes) -> str:
+def _utf8_text(path: Path, raw: bytes, *, label: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(
-            f"--data {path} is not UTF-8 text: byte offset {exc.start} holds {raw[exc.start : exc.start + 1]!r} "
+            f"{label} {path} is not UTF-8 text: byte offset {exc.start} holds {raw[exc.start : exc.start + 1]!r} "
             f"({exc.reason}); convert the file to UTF-8, or give token ids as .pt or .bin"
         ) from None
 
 
-def _load_pt(path: Path) -> torch.Tensor:
+def _load_pt(path: Path, *, label: str) -> torch.Tensor:
     """A 1-D integer tensor from a `torch.save` file (weights-only unpickling: no code runs)."""
     try:
         tokens = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # unpickling raises many types (UnpicklingError, RuntimeError, EOFError, ...)
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ValueError(
-            f"--data {path}: cannot be read as a torch.save file ({type(exc).__name__}: {first_line}); save a 1-D "
+            f"{label} {path}: cannot be read as a torch.save file ({type(exc).__name__}: {first_line}); save a 1-D "
             "integer tensor with torch.save(ids, path)"
         ) from None
     if not isinstance(tokens, torch.Tensor):
-        raise ValueError(f"--data {path}: expected a 1-D integer tensor, got a {type(tokens).__name__}")
+        raise ValueError(f"{label} {path}: expected a 1-D integer tensor, got a {type(tokens).__name__}")
     if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
         raise ValueError(
-            f"--data {path}: expected a 1-D integer tensor of token ids, got a {tokens.dtype} tensor of shape "
+            f"{label} {path}: expected a 1-D integer tensor of token ids, got a {tokens.dtype} tensor of shape "
             f"{tuple(tokens.shape)}"
         )
     return tokens.to(torch.int64)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The run's tokens: `train` int64 `[N]` (the training stream's only source) and `val` int64 `[M]`, the held-out
+    tokens of `--val-fraction` / `--val-data` (None without validation)."""
+
+    train: torch.Tensor
+    val: torch.Tensor | None = None
 
 
 @dataclass

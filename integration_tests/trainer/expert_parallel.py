@@ -85,6 +85,15 @@ def step_expert_imbalance(parts: list[nn.Module], *, data_group: Any, pp_group: 
     return value if value >= 0 else math.nan
 
 
+def reset_expert_counts(parts: list[nn.Module]) -> None:
+    """Zero the experts' load counters (am-moe's `reset_expert_load`) after a forward that is not training, e.g. a
+    validation pass, so the next step's load counts its training tokens only. Local, no collective."""
+    from am_moe import reset_expert_load
+
+    for part in parts:
+        reset_expert_load(part)
+
+
 @contextmanager
 def quiet_expert_gathers() -> Iterator[None]:
     """Silence torch's per-tensor warning while full expert weights are gathered (HF export): an (expert_dp, ep)
@@ -104,5 +113,6 @@ __all__ = [
     "build_ep_meshes",
     "has_experts",
     "quiet_expert_gathers",
+    "reset_expert_counts",
     "step_expert_imbalance",
 ]

@@ -7,13 +7,16 @@ What it is for: `run(cfg)` is the whole job, in the order a reader expects (torc
     2. process group (gloo on the CPU, NCCL on GPUs) and one DeviceMesh ("pp", "dp", "cp")
     3. model: fp32, seeded, identical on every rank -> attach_capabilities_and_validate(model, mesh)
        -> storage dtype (fp32; bf16 only for --dtype bf16-pure, fp32-pinned tensors kept) -> pipeline stages
-       (pp > 1) -> experts sharded over ep (ep > 1, carved out of dp x cp; trainer/expert_parallel.py) -> FSDP2
-       over dp x cp (also over one rank for mixed precision: bf16 compute, fp32 master weights; experts over the
-       ranks left after ep)
-    4. AdamW per model part, warm-up + cosine LR, global gradient-norm clipping across stages and shards
+       (pp > 1) -> experts sharded over ep (ep > 1, carved out of dp x cp; trainer/expert_parallel.py) -> per-layer
+       activation checkpointing / torch.compile (trainer/layer_wrappers.py) -> FSDP2 over dp x cp (also over one
+       rank for mixed precision: bf16 compute, fp32 master weights; experts over the ranks left after ep)
+    4. optimizer per model part and LR schedule (trainer/optim.py; default AdamW, warm-up + cosine), global
+       gradient-norm clipping across stages and shards
     5. steps: the global batch is the same on every rank; each rank takes its dp slice, then its CP shard
-    6. checkpoints (atomic, exact resume), progress bar (MoE models: expert load imbalance), loss curve and a
-       one-line summary on rank 0
+       (`run_batch`); every --val-every steps the held-out loss through the same `run_batch`, backward off
+       (trainer/evaluation.py)
+    6. checkpoints (atomic, exact resume), progress bar (MoE models: expert load imbalance), TensorBoard, loss curve
+       and a one-line summary on rank 0
 What it must not do: hide a failure. Any exception ends this rank with a non-zero exit code; torchrun then stops the
 other ranks, and every collective has a timeout, so no run hangs.
 
@@ -31,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -50,14 +52,18 @@ from am_pipelining import find_layers
 from trainer import checkpoint as ckpt
 from trainer.config import RunConfig, mesh_context
 from trainer.data import BatchStream
+from trainer.evaluation import evaluate, validation_batches
 from trainer.expert_parallel import (
     apply_expert_parallel,
     build_ep_meshes,
     has_experts,
     quiet_expert_gathers,
+    reset_expert_counts,
     step_expert_imbalance,
 )
+from trainer.layer_wrappers import apply_activation_checkpointing, apply_compile
 from trainer.models import ModelSpec
+from trainer.optim import build_optimizers, lr_at, set_lr
 from trainer.parallel import (
     PRECISIONS,
     CPPipelineTargets,
@@ -74,6 +80,7 @@ from trainer.parallel import (
     uses_fsdp,
 )
 from trainer.progress import Progress, save_loss_curve
+from trainer.tb_logging import TensorBoardLog
 from trainer.validation import EXIT_BAD_INPUT, BadInput, validate
 
 
@@ -89,14 +96,6 @@ class TokenSumLoss:
             logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
         )
         return total / self.denominator
-
-
-def lr_at(step: int, cfg: RunConfig) -> float:
-    """Learning rate of optimizer step `step` (1-based): linear warm-up, then cosine decay to `min_lr`."""
-    if step <= cfg.warmup_steps:
-        return cfg.lr * step / max(cfg.warmup_steps, 1)
-    progress = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
-    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -237,7 +236,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads if cfg.threads > 0 else max(1, (os.cpu_count() or 1) // local_world))
 
     # 1. Validate before any collective.
-    spec, model, tokens, resume_dir, plan = validate(cfg, world_size=world_size)
+    spec, model, corpus, resume_dir, plan = validate(cfg, world_size=world_size)
     precision = PRECISIONS[cfg.dtype]
     if precision.warning and int(os.environ.get("RANK", "0")) == 0:
         print(f"warning: {precision.warning}", file=sys.stderr, flush=True)
@@ -276,6 +275,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         stages, parts = [], [model]
     if ep_mesh is not None:
         apply_expert_parallel(parts, ep_mesh=ep_mesh)
+    for part in parts:  # after the split (each stage wraps its own layers), before FSDP2
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(part)
+        if cfg.compile:
+            apply_compile(part)
     if uses_fsdp(dtype=cfg.dtype, dp=cfg.dp, cp=cfg.cp):
         parts = [apply_fsdp(part, shard_mesh=dp_cp_mesh, dtype=cfg.dtype, expert_mesh=expert_dp_mesh) for part in parts]
     if os.environ.get("AM_TRAIN_FP32_REPORT"):
@@ -296,21 +300,18 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         )
     has_first = not stages or any(s.is_first for s in stages)
 
-    # 4. Optimizer (one AdamW per part: identical math to one over all parameters), LR schedule.
-    optimizers = [
-        torch.optim.AdamW(
-            part.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
-        )
-        for part in parts
-    ]
-    stream = BatchStream(tokens, seq_len=cfg.seq_len, global_batch=cfg.global_batch)
-    start_step, history = 0, []
+    # 4. Optimizer (one per part: identical math to one over all parameters), LR schedule (trainer/optim.py).
+    optimizers = build_optimizers(parts, cfg)
+    stream = BatchStream(corpus.train, seq_len=cfg.seq_len, global_batch=cfg.global_batch)
+    start_step, history, val_history = 0, [], []
     imbalances: list[float] = []  # per step, MoE models only: the worst layer's busiest expert / mean (global batch)
     if resume_dir is not None:
         state = ckpt.load_checkpoint(resume_dir, model_parts=parts, optimizers=optimizers)
         start_step, history = int(state["step"]), [tuple(x) for x in state["losses"]]
+        val_history = [tuple(x) for x in state.get("val_losses", [])]
         imbalances = list(state.get("expert_imbalance") or [])
         stream.load_state_dict(state["data"])
+    val_batches = validation_batches(corpus.val, cfg) if corpus.val is not None else []
     export_hf = make_hf_exporter(spec, parts, dtype=cfg.dtype, shard_rank=shard_rank)
     pp_group = mesh["pp"].get_group()
     progress = Progress(
@@ -319,12 +320,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         tokens_per_step=cfg.global_batch * cfg.seq_len,
         enabled=cfg.progress and rank == 0,
     )
+    tensorboard = TensorBoardLog(cfg, enabled=rank == 0)
 
     def save(step: int) -> Path:
         trainer_state = {
             "args": json.loads(json.dumps(asdict(cfg), default=str)),
             "data": stream.state_dict(),
             "losses": history,
+            "val_losses": val_history,
             "expert_imbalance": imbalances if moe else None,
         }
         return ckpt.save_checkpoint(
@@ -336,6 +339,30 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             export_hf=export_hf,
         )
 
+    def run_batch(input_ids: torch.Tensor, labels: torch.Tensor, *, train: bool) -> torch.Tensor:
+        """One global batch through this rank's parts: its dp rows, CP shards and pipeline microbatches; forward and
+        backward (`train`) or forward only (validation, under no_grad). Returns this rank's share of the loss."""
+        rows = slice(dp_rank * cfg.local_batch, (dp_rank + 1) * cfg.local_batch)
+        input_ids, labels = input_ids[rows].to(device), labels[rows].to(device)
+        if schedule is None:
+            return _forward_backward(parts[0], pipeline_loss, input_ids, labels, cfg=cfg, mesh=mesh, backward=train)
+        losses: list[torch.Tensor] = []
+        step_ctx: Any = contextlib.nullcontext
+        first_inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
+        if cfg.cp > 1:  # every rank shards (the first stage needs the inputs, the last the targets)
+            step_ctx, first_inputs, labels = shard_pipeline_batch_for_cp(
+                parts[0], input_ids, labels, mesh=mesh, microbatch_size=cfg.microbatch_size
+            )
+        run = schedule.step if train else schedule.eval  # eval: the same schedule, forward only
+        with step_ctx():  # ring p2p (cp group) inside the schedule's p2p (pp group): see parallel.py
+            if has_first:
+                run(first_inputs.pop("input_ids"), target=labels, losses=losses, **first_inputs)
+            else:
+                run(target=labels, losses=losses)
+        if train:
+            sync_tied_embedding_grads(parts)
+        return torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=device)
+
     # 5. Steps.
     started = time.perf_counter()
     last_ckpt = None
@@ -343,44 +370,39 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         _maybe_inject_fault(step, rank)
         input_ids, labels = stream.next_batch()
         loss_fn.denominator = float((labels != -100).sum())
-        rows = slice(dp_rank * cfg.local_batch, (dp_rank + 1) * cfg.local_batch)
-        input_ids, labels = input_ids[rows].to(device), labels[rows].to(device)
-        if schedule is not None:
-            losses: list[torch.Tensor] = []
-            step_ctx: Any = contextlib.nullcontext
-            first_inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
-            if cfg.cp > 1:  # every rank shards (the first stage needs the inputs, the last the targets)
-                step_ctx, first_inputs, labels = shard_pipeline_batch_for_cp(
-                    parts[0], input_ids, labels, mesh=mesh, microbatch_size=cfg.microbatch_size
-                )
-            with step_ctx():  # ring p2p (cp group) inside the schedule's p2p (pp group): see parallel.py
-                if has_first:
-                    schedule.step(first_inputs.pop("input_ids"), target=labels, losses=losses, **first_inputs)
-                else:
-                    schedule.step(target=labels, losses=losses)
-            sync_tied_embedding_grads(parts)
-            local = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=device)
-        else:
-            local = _forward_backward(parts[0], pipeline_loss, input_ids, labels, cfg=cfg, mesh=mesh)
+        local = run_batch(input_ids, labels, train=True)
         dist.all_reduce(local)  # the sum of every rank's share is the global token mean
         grad_norm = clip_grad_norm(parts, max_norm=cfg.grad_clip, pp_group=pp_group)
         lr = lr_at(step, cfg)
+        set_lr(optimizers, lr)
         for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = lr
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         history.append((step, float(local), float(grad_norm)))
         imbalance = None
-        if moe:
+        if moe:  # before any validation forward, which the counters would see too
             imbalance = step_expert_imbalance(
                 parts, data_group=dp_cp_mesh.get_group(), pp_group=pp_group, device=device
             )
             imbalances.append(imbalance)
-        progress.update(step=step, loss=float(local), lr=lr, expert_imbalance=imbalance)
+        val_loss = None
+        if val_batches and (step % cfg.val_every == 0 or step == cfg.steps):
+            val_loss = evaluate(val_batches, run_batch=run_batch, loss_fn=loss_fn)
+            val_history.append((step, val_loss))
+            if moe:
+                reset_expert_counts(parts)  # the next step's load counts training tokens only
+        progress.update(step=step, loss=float(local), lr=lr, val_loss=val_loss, expert_imbalance=imbalance)
+        tensorboard.scalars(
+            step,
+            {"train/loss": float(local), "train/lr": lr, "train/grad_norm": float(grad_norm)}
+            | {"train/tokens_per_s": progress.tokens_per_second()}
+            | ({"train/expert_imbalance": imbalance} if imbalance is not None else {})
+            | ({"val/loss": val_loss} if val_loss is not None else {}),
+        )
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
             last_ckpt = save(step)
     progress.close()
+    tensorboard.close()
     wall = time.perf_counter() - started
 
     # 6. Report.
@@ -403,6 +425,13 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             "expert_imbalance": imbalances if moe else None,
             "first_loss": history[0][1] if history else None,
             "final_loss": history[-1][1] if history else None,
+            "val_losses": [list(entry) for entry in val_history],  # [step, validation loss]
+            "final_val_loss": val_history[-1][1] if val_history else None,
+            "optimizer": cfg.optimizer,
+            "lr_schedule": cfg.lr_schedule,
+            "activation_checkpointing": cfg.activation_checkpointing,
+            "compile": cfg.compile,
+            "tensorboard": str(tensorboard.folder) if tensorboard.folder else None,
             "tokens_per_s": steps_run * cfg.global_batch * cfg.seq_len / max(wall, 1e-9),
             "wall_s": wall,
             "checkpoint": str(last_ckpt) if last_ckpt else None,
@@ -412,12 +441,15 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             [(s, loss) for s, loss, _ in history],
             cfg.out / "loss_curve.png",
             title=f"{spec.family}  pp={cfg.pp} dp={cfg.dp} cp={cfg.cp} ep={cfg.ep}  {cfg.dtype}",
+            val_losses=list(val_history),
         )
         summary["loss_curve"] = str(curve) if curve else None
         (cfg.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        val_text = f", validation loss {summary['final_val_loss']:.4f}" if val_history else ""
         print(
             f"done: {spec.family} pp={cfg.pp} dp={cfg.dp} cp={cfg.cp} ep={cfg.ep} {cfg.dtype}, {cfg.steps} steps, loss "
-            f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
+            f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}{val_text}, "
+            f"{summary['tokens_per_s']:,.0f} tokens/s, "
             f"{wall:.1f} s; curve {summary['loss_curve']}, checkpoint {summary['checkpoint']}",
             flush=True,
         )
@@ -456,10 +488,11 @@ def _forward_backward(
     *,
     cfg: RunConfig,
     mesh: Any,
+    backward: bool = True,
 ) -> torch.Tensor:
-    """pp = 1: forward and backward over the microbatches of this rank's batch, each CP-sharded when cp > 1 (the
-    ring context describes one microbatch's shard; MTP targets computed before sharding go to the loss); returns
-    this rank's share of the global loss (detached)."""
+    """pp = 1: forward and backward (forward only without `backward`: validation) over the microbatches of this
+    rank's batch, each CP-sharded when cp > 1 (the ring context describes one microbatch's shard; MTP targets
+    computed before sharding go to the loss); returns this rank's share of the global loss (detached)."""
     n_micro = input_ids.shape[0] // cfg.microbatch_size
     total = torch.zeros((), device=input_ids.device)
     sync = getattr(model, "set_requires_gradient_sync", None)
@@ -473,14 +506,15 @@ def _forward_backward(
             mb_labels, mtp_targets = split_cp_targets(batch)
         else:
             mb_labels = batch.pop("labels")
-        if callable(sync):
+        if callable(sync) and backward:
             sync(i == n_micro - 1)  # FSDP2: reduce gradients once, after the last microbatch
         with ctx():
             output = model(**batch)
             # The pipeline's loss module, as at pp > 1: a model that owns its training loss (Nemotron-H: next-token
             # + scaled MTP, its `combined_loss` hook) computes it there with our loss_fn.
             loss = loss_module(output, mb_labels, **({"mtp_per_depth_targets": mtp_targets} if mtp_targets else {}))
-            loss.backward()
+            if backward:
+                loss.backward()
         total += loss.detach().float()
     return total
 

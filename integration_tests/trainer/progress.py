@@ -1,4 +1,5 @@
-"""Progress for the reference trainer: a rank-0 progress bar, a loss-curve PNG and a one-line summary.
+"""Progress for the reference trainer: a rank-0 progress bar, a loss-curve PNG (training and validation loss) and a
+one-line summary.
 
 What it must not do: print from ranks other than 0, or fail a run because matplotlib is missing (the curve is then
 skipped with a note).
@@ -21,6 +22,7 @@ class Progress:
         self.start_time = time.perf_counter()
         self.steps_done = 0
         self._bar = None
+        self._val_loss: float | None = None
         if enabled:
             from tqdm import tqdm
 
@@ -35,17 +37,25 @@ class Progress:
                 mininterval=1.0 if sys.stderr.isatty() else 10.0,
             )
 
-    def update(self, *, step: int, loss: float, lr: float, expert_imbalance: float | None = None) -> None:
+    def update(
+        self, *, step: int, loss: float, lr: float, val_loss: float | None = None, expert_imbalance: float | None = None
+    ) -> None:
+        """One optimizer step done; `val_loss` when this step validated (the bar keeps showing the latest);
+        `expert_imbalance` for MoE models (max / mean tokens per expert, shown next to the loss)."""
         self.steps_done += 1
+        if val_loss is not None:
+            self._val_loss = val_loss
         if self._bar is None:
             return
         elapsed = time.perf_counter() - self.start_time
         tokens_per_s = self.steps_done * self.tokens_per_step / max(elapsed, 1e-9)
-        postfix = {"loss": f"{loss:.4f}"}
-        if expert_imbalance is not None:  # next to the loss: max / mean tokens per expert
-            postfix["experts max/mean"] = f"{expert_imbalance:.2f}"
-        postfix.update(lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
-        self._bar.set_postfix(postfix, refresh=False)
+        fields = {"loss": f"{loss:.4f}"}
+        if expert_imbalance is not None:
+            fields["experts max/mean"] = f"{expert_imbalance:.2f}"
+        if self._val_loss is not None:
+            fields["val_loss"] = f"{self._val_loss:.4f}"
+        fields.update(lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
+        self._bar.set_postfix(fields, refresh=False)
         self._bar.update(1)
 
     def tokens_per_second(self) -> float:
@@ -56,8 +66,15 @@ class Progress:
             self._bar.close()
 
 
-def save_loss_curve(losses: list[tuple[int, float]], path: Path, *, title: str) -> Path | None:
-    """Plot `(step, loss)` pairs to a PNG; returns the path, or None when matplotlib is not installed."""
+def save_loss_curve(
+    losses: list[tuple[int, float]],
+    path: Path,
+    *,
+    title: str,
+    val_losses: list[tuple[int, float]] | None = None,
+) -> Path | None:
+    """Plot the training `(step, loss)` pairs, and the validation ones (`val_losses`, markers) when given, to a PNG;
+    returns the path, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -68,9 +85,13 @@ def save_loss_curve(losses: list[tuple[int, float]], path: Path, *, title: str) 
         return None
     steps, values = zip(*losses, strict=True) if losses else ((), ())
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    ax.plot(steps, values, lw=1.5)
+    ax.plot(steps, values, lw=1.5, label="training")
+    if val_losses:
+        val_steps, val_values = zip(*val_losses, strict=True)
+        ax.plot(val_steps, val_values, "o-", lw=1.5, label="validation (held out)")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/token)")
+    ax.set_ylabel("loss (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -4,7 +4,9 @@ What it is for: `validate(cfg, world_size=...)` runs on every rank before `init_
 cannot go ends on every rank with the same message listing every problem: the arguments (`config.find_problems`),
 the `--out` folder (writable; holds no checkpoints unless `--resume` or `--overwrite`), the model (built here: an
 HF folder must supply every tensor), the pipeline plan against its layers (am-pipelining), the mesh against its
-capabilities (am-capabilities), the data and the checkpoint to resume (sha256 manifest, same arguments).
+capabilities (am-capabilities), the data and the checkpoint to resume (sha256 manifest, same arguments); and for the
+training features: the tokenizer against the model's vocabulary, the held-out data, activation checkpointing against
+the model's capabilities, and a pipeline schedule that can evaluate.
 What it must not do: touch torch.distributed, or decide a rule that another module owns (it asks them).
 """
 
@@ -21,7 +23,7 @@ from torch import nn
 from am_pipelining import find_layers
 from trainer import checkpoint as ckpt
 from trainer.config import RunConfig, cp_problems, find_problems, mesh_context, pipeline_plan
-from trainer.data import load_tokens
+from trainer.data import Corpus, load_tokens
 from trainer.models import ModelSpec, build_model, folder_spec, preset_spec
 from trainer.parallel import cp_layout_name, cp_pad_multiple
 
@@ -58,22 +60,80 @@ def out_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def data_problems(cfg: RunConfig, *, vocab_size: int) -> tuple[torch.Tensor | None, list[str]]:
-    """(tokens, problems) of `--data`: readable, decodable, non-empty, in the vocabulary, long enough."""
+def _read_tokens(
+    cfg: RunConfig, source: str | None, *, label: str, vocab_size: int, tokenizer: Any
+) -> tuple[torch.Tensor | None, list[str]]:
     try:
-        tokens = load_tokens(cfg.data, vocab_size=vocab_size)
+        tokens = load_tokens(
+            source,
+            vocab_size=vocab_size,
+            tokenizer=tokenizer,
+            data_field=cfg.data_field,
+            data_split=cfg.data_split,
+            label=label,
+        )
     except (FileNotFoundError, ValueError) as exc:
         return None, [str(exc)]
     except OSError as exc:
-        return None, [f"--data {cfg.data}: cannot read it ({exc.strerror or exc})"]
-    if tokens.numel() < cfg.seq_len + 2:
-        return tokens, [f"--data has {tokens.numel()} tokens, too few for --seq-len {cfg.seq_len} (needs seq-len + 2)"]
+        return None, [f"{label} {source}: cannot read it ({exc.strerror or exc})"]
     return tokens, []
 
 
-def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, torch.Tensor, Path | None, Any]:
-    """Everything checkable without a process group. Returns (spec, fp32 model, tokens, resume folder, pipeline
-    plan or None for pp = 1).
+def data_problems(cfg: RunConfig, *, vocab_size: int, tokenizer: Any = None) -> tuple[Corpus | None, list[str]]:
+    """(corpus, problems) of `--data` (and the held-out `--val-fraction` / `--val-data`): readable, decodable,
+    non-empty, in the vocabulary, long enough for training windows and for `--val-batches` validation batches."""
+    from trainer.evaluation import split_validation, validation_windows_needed
+
+    tokens, problems = _read_tokens(cfg, cfg.data, label="--data", vocab_size=vocab_size, tokenizer=tokenizer)
+    if tokens is None:
+        return None, problems
+    val = None
+    if cfg.val_every > 0 and cfg.val_data is not None:
+        val, problems = _read_tokens(cfg, cfg.val_data, label="--val-data", vocab_size=vocab_size, tokenizer=tokenizer)
+    elif cfg.val_every > 0 and cfg.val_fraction is not None and 0 < cfg.val_fraction < 1:
+        tokens, val = split_validation(tokens, fraction=cfg.val_fraction)
+    if tokens.numel() < cfg.seq_len + 2:
+        held = " after holding out --val-fraction" if cfg.val_fraction is not None and val is not None else ""
+        problems.append(
+            f"--data has {tokens.numel()} tokens{held}, too few for --seq-len {cfg.seq_len} (needs seq-len + 2)"
+        )
+    if val is not None and val.numel() < validation_windows_needed(cfg):
+        source = f"--val-data {cfg.val_data}" if cfg.val_data is not None else f"--val-fraction {cfg.val_fraction}"
+        problems.append(
+            f"{source} holds {val.numel()} validation tokens, but --val-batches {cfg.val_batches} x --global-batch "
+            f"{cfg.global_batch} windows of --seq-len {cfg.seq_len} need {validation_windows_needed(cfg)}; hold out "
+            "more data or lower --val-batches"
+        )
+    return Corpus(train=tokens, val=val), problems
+
+
+def tokenizer_problems(cfg: RunConfig) -> tuple[Any, list[str]]:
+    """(tokenizer or None for the byte tokenizer, problems) of `--tokenizer`."""
+    from trainer.text_sources import load_tokenizer
+
+    if cfg.tokenizer is None:
+        return None, []
+    try:
+        return load_tokenizer(cfg.tokenizer), []
+    except ValueError as exc:
+        return None, [str(exc)]
+
+
+def vocab_problems(cfg: RunConfig, *, tokenizer: Any, spec: ModelSpec | None) -> list[str]:
+    """The tokenizer's ids must fit the model's embedding (presets are built with the tokenizer's size)."""
+    from trainer.text_sources import tokenizer_vocab_size
+
+    if tokenizer is None or spec is None or tokenizer_vocab_size(tokenizer) <= spec.vocab_size:
+        return []
+    return [
+        f"--tokenizer {cfg.tokenizer} has {tokenizer_vocab_size(tokenizer)} tokens but the model's vocabulary has "
+        f"{spec.vocab_size} entries: give a tokenizer of at most {spec.vocab_size} tokens or a model that matches it"
+    ]
+
+
+def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, Corpus, Path | None, Any]:
+    """Everything checkable without a process group. Returns (spec, fp32 model, corpus (training and held-out
+    tokens), resume folder, pipeline plan or None for pp = 1).
 
     Raises:
         BadInput: listing every problem found (arguments, --out, the model and its folder, the pipeline plan
@@ -83,9 +143,11 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
 
     problems = find_problems(cfg, world_size=world_size)
     problems += out_problems(cfg)
+    tokenizer, found = tokenizer_problems(cfg)
+    problems += found
     spec = model = None
     try:
-        spec = model_spec(cfg)
+        spec = model_spec(cfg, vocab_size=_tokenizer_vocab(tokenizer))
         model = build_model(spec, seed=cfg.seed)
     except Exception as exc:  # a broken --model-path folder or preset: report it with the rest
         problems.append(f"cannot build the model: {type(exc).__name__}: {exc}")
@@ -109,7 +171,10 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
             validate_for_mesh(model, mesh_context(cfg))
         except ValueError as exc:
             problems.extend(line.strip().removeprefix("- ") for line in str(exc).splitlines()[1:] if line.strip())
-    tokens, found = data_problems(cfg, vocab_size=spec.vocab_size if spec is not None else 256)
+    problems += vocab_problems(cfg, tokenizer=tokenizer, spec=spec)
+    problems += _feature_model_problems(cfg, model=model, plan=plan)
+    vocab = spec.vocab_size if spec is not None else (_tokenizer_vocab(tokenizer) or 256)
+    tokens, found = data_problems(cfg, vocab_size=vocab, tokenizer=tokenizer)
     problems += found
     resume_dir = None
     if cfg.resume is not None:
@@ -131,23 +196,45 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
 
 
 _MUST_MATCH_ON_RESUME = (
-    "model", "model_path", "pp", "dp", "cp", "ep", "schedule", "stages_per_rank", "global_batch", "microbatch_size",
+    "model", "model_path", "pp", "dp", "cp", "schedule", "stages_per_rank", "global_batch", "microbatch_size",
     "seq_len", "dtype", "seed", "data", "tie_embeddings", "mtp_depths", "hidden_size", "layers",
 )  # fmt: skip
+# The options added later that change the layout, the token stream, the optimizer state or the schedule (checkpoints
+# written before these options existed hold none of them, which reads as their defaults).
+_FEATURES_MUST_MATCH_ON_RESUME = {
+    "ep": 1, "tokenizer": None, "data_field": None, "data_split": None, "val_fraction": None, "optimizer": "adamw",
+    "lr_schedule": "cosine",
+}  # fmt: skip
 
 
-# What a checkpoint written before an option existed ran with (its saved arguments lack the key).
-_BEFORE_THE_OPTION: dict[str, Any] = {"ep": 1}
+def _tokenizer_vocab(tokenizer: Any) -> int | None:
+    from trainer.text_sources import tokenizer_vocab_size
+
+    return tokenizer_vocab_size(tokenizer) if tokenizer is not None else None
+
+
+def _feature_model_problems(cfg: RunConfig, *, model: nn.Module | None, plan: Any) -> list[str]:
+    """Feature options against the model and the pipeline: activation checkpointing (am-capabilities' rule) and a
+    schedule that can evaluate (`--val-every` at pp > 1)."""
+    from trainer.evaluation import pipeline_eval_problems
+    from trainer.layer_wrappers import activation_checkpointing_problems
+
+    problems = pipeline_eval_problems(cfg, plan)
+    if cfg.activation_checkpointing and model is not None and min(cfg.pp, cfg.dp, cfg.cp, cfg.ep) >= 1:
+        problems += activation_checkpointing_problems(model, mesh=mesh_context(cfg))
+    return problems
 
 
 def _resume_mismatches(cfg: RunConfig, state: dict[str, Any]) -> list[str]:
-    saved = {**_BEFORE_THE_OPTION, **state.get("args", {})}
+    saved = state.get("args", {})
     now = json.loads(json.dumps(asdict(cfg), default=str))
+    expected = {key: saved.get(key) for key in _MUST_MATCH_ON_RESUME}
+    expected |= {key: saved.get(key, default) for key, default in _FEATURES_MUST_MATCH_ON_RESUME.items()}
     return [
-        f"--resume {cfg.resume}: the checkpoint was written with {key}={saved.get(key)!r}, this run has "
+        f"--resume {cfg.resume}: the checkpoint was written with {key}={value!r}, this run has "
         f"{key}={now[key]!r}; resume with the same value"
-        for key in _MUST_MATCH_ON_RESUME
-        if saved.get(key) != now[key]
+        for key, value in expected.items()
+        if value != now[key]
     ]
 
 

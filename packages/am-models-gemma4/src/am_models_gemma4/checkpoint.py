@@ -22,9 +22,15 @@ import torch
 from torch import nn
 
 from am_precision import cast_model_to_dtype
+from am_precision.hf_io import (
+    LazyCheckpoint,
+    resolve_checkpoint_folder,
+    resolve_device,
+    resolve_dtype,
+    write_safetensors,
+)
 
 from .config import kv_sharing_modes, text_config_of
-from .hf_io import LazyCheckpoint, resolve_checkpoint_folder, resolve_device, resolve_dtype, write_safetensors
 from .state_dict_adapter import Gemma4StateDictAdapter
 
 __all__ = ["load_pretrained", "read_safetensors_folder", "save_pretrained"]

@@ -24,9 +24,15 @@ from torch import nn
 
 import am_moe
 from am_precision import cast_model_to_dtype
+from am_precision.hf_io import (
+    LazyCheckpoint,
+    resolve_checkpoint_folder,
+    resolve_device,
+    resolve_dtype,
+    write_safetensors,
+)
 
 from .config import as_hf_config
-from .hf_io import LazyCheckpoint, resolve_checkpoint_folder, resolve_device, resolve_dtype, write_safetensors
 from .state_dict_adapter import NemotronV3StateDictAdapter
 
 __all__ = ["load_pretrained", "read_safetensors_folder", "save_pretrained"]

@@ -5,10 +5,11 @@ and the hub options) into one dtype and one device, or refusing them; resolving 
 (`huggingface_hub.snapshot_download`, imported lazily); reading a checkpoint folder tensor by tensor
 (`LazyCheckpoint`: `safe_open` handles, shapes known before any data is read); writing one with
 `huggingface_hub.save_torch_state_dict` (shards and the index file are huggingface_hub's).
-What it must not do: know model names or layouts (the state-dict adapter and `checkpoint.py` do), read a whole
-checkpoint into memory, or accept an option it does not honour.
-The same file is am_models_nemotron/hf_io.py and am_models_gemma4/hf_io.py (model packages do not import each
-other); keep the two identical.
+What it must not do: know model names or layouts (each model package's state-dict adapter and `checkpoint.py`
+do), read a whole checkpoint into memory, or accept an option it does not honour.
+It lives here because both model packages need it and neither may import the other; every model package already
+depends on am-precision. It needs the `hf` extra (`pip install "am-precision[hf]"`: safetensors, huggingface_hub)
+and is not imported by `am_precision/__init__.py`, so the core package stays torch-only.
 """
 
 from __future__ import annotations

@@ -1,0 +1,82 @@
+"""`--activation-checkpointing` and `--compile` (trainer/layer_wrappers.py): per decoder layer, parameter names
+kept, the loss and every gradient unchanged by checkpointing, support decided by am-capabilities."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_ARGS
+from trainer.config import parse_args
+from trainer.layer_wrappers import (
+    apply_activation_checkpointing,
+    apply_compile,
+    is_activation_checkpointed,
+    is_compiled,
+)
+from trainer.loop import TokenSumLoss
+from trainer.models import build_model, preset_spec
+from trainer.validation import BadInput, validate
+
+from am_pipelining import PipelineCausalLMLoss, find_layers
+
+
+def _loss_and_grads(model: torch.nn.Module, windows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    inputs, labels = windows[:, :-1], windows[:, 1:]
+    loss_fn = TokenSumLoss()
+    loss_fn.denominator = float(labels.numel())
+    loss = PipelineCausalLMLoss(loss_fn, model=model)(model(input_ids=inputs), labels)  # the trainer's loss path
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["nemotron", "llama"])
+def test_activation_checkpointing_changes_neither_loss_nor_gradients(family: str) -> None:
+    spec = preset_spec(family, hidden_size=32, num_layers=4, mtp_depths=1, tie_embeddings=False, vocab_size=None)
+    plain, checkpointed = build_model(spec, seed=0), build_model(spec, seed=0)
+    names = [name for name, _ in checkpointed.named_parameters()]
+    assert apply_activation_checkpointing(checkpointed) == 4
+    assert [name for name, _ in checkpointed.named_parameters()] == names, "parameter names must not change"
+    assert all(is_activation_checkpointed(layer) for layer in find_layers(checkpointed).layers)
+    # Proof that the layers really recompute: a submodule of the first layer runs twice per step (forward, then
+    # again inside backward) with checkpointing, once without.
+    calls = {"plain": 0, "checkpointed": 0}
+    for key, model in (("plain", plain), ("checkpointed", checkpointed)):
+        first = next(m for m in find_layers(model).layers[0].modules() if isinstance(m, torch.nn.Linear))
+        first.register_forward_hook(lambda *_, key=key: calls.__setitem__(key, calls[key] + 1))
+    windows = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    want_loss, want_grads = _loss_and_grads(plain, windows)
+    got_loss, got_grads = _loss_and_grads(checkpointed, windows)
+    assert calls == {"plain": 1, "checkpointed": 2}
+    assert torch.equal(got_loss, want_loss)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-6, atol=1e-8, msg=name)
+    assert apply_activation_checkpointing(checkpointed) == 4  # idempotent: still one checkpoint per layer
+    _loss_and_grads(checkpointed, windows)
+    assert calls["checkpointed"] == 4
+
+
+def test_a_model_without_gradient_checkpointing_support_is_refused(tmp_path: Path) -> None:
+    """Gemma 4 declares supports_gradient_checkpointing = False: am-capabilities' rule refuses it up front."""
+    args = [*TINY_ARGS, "--model", "gemma4", "--activation-checkpointing", "--out", str(tmp_path)]
+    with pytest.raises(BadInput, match=r"--activation-checkpointing: Gemma4ForCausalLM does not support gradient"):
+        validate(parse_args(args), world_size=1)
+    validate(
+        parse_args([*TINY_ARGS, "--model", "llama", "--activation-checkpointing", "--out", str(tmp_path)]), world_size=1
+    )
+
+
+def test_compile_reaches_every_decoder_layer() -> None:
+    """--compile compiles each decoder layer in place (names kept); compiling itself happens on the first forward,
+    too slow on 2 CPU cores to run here for every family."""
+    spec = preset_spec("llama", hidden_size=32, num_layers=3, mtp_depths=0, tie_embeddings=False, vocab_size=None)
+    model = build_model(spec, seed=0)
+    names = [name for name, _ in model.named_parameters()]
+    assert apply_compile(model) == 3
+    assert all(is_compiled(layer) for layer in find_layers(model).layers)
+    assert not is_compiled(model)
+    assert not is_compiled(model.lm_head)
+    assert [name for name, _ in model.named_parameters()] == names
+    assert parse_args(["--compile"]).compile

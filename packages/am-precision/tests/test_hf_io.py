@@ -1,0 +1,119 @@
+"""am_precision.hf_io: transformers' loading keywords resolved to one dtype / device, lazy safetensors folders,
+and the huggingface_hub writer (shards + index). Model-level loading is tested in the model packages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from am_precision.hf_io import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    LazyCheckpoint,
+    resolve_checkpoint_folder,
+    resolve_device,
+    resolve_dtype,
+    write_safetensors,
+)
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    stacked = torch.randn(4, 8, 8, generator=g)
+    return {
+        "a.weight": torch.randn(64, 32, generator=g),
+        "b.weight": torch.randn(32, dtype=torch.float64, generator=g).to(torch.bfloat16),
+        "c.ids": torch.arange(10, dtype=torch.int64),
+        # views of one storage are written as separate tensors (not deduplicated, not refused)
+        **{f"experts.{i}.weight": stacked[i] for i in range(4)},
+    }
+
+
+@pytest.mark.parametrize("max_shard_size", [None, 4096])
+def test_written_folder_reads_back_tensor_by_tensor(tmp_path: Path, max_shard_size: int | None) -> None:
+    tensors = _tensors()
+    write_safetensors(tensors, tmp_path, max_shard_size=max_shard_size, safe_serialization=True)
+    sharded = (tmp_path / INDEX_FILE).is_file()
+    assert sharded == (max_shard_size is not None)
+    assert (tmp_path / SINGLE_FILE).is_file() != sharded
+    if sharded:
+        assert len(set(json.loads((tmp_path / INDEX_FILE).read_text())["weight_map"].values())) > 1
+    with LazyCheckpoint(tmp_path) as ckpt:
+        assert sorted(ckpt.names()) == sorted(tensors)
+        meta = ckpt.meta_state_dict()
+        for name, want in tensors.items():
+            assert meta[name].device.type == "meta"
+            assert (meta[name].shape, meta[name].dtype) == (want.shape, want.dtype)
+            assert torch.equal(ckpt.read(name), want)
+
+
+def test_missing_shard_and_damaged_file_are_named(tmp_path: Path) -> None:
+    write_safetensors(_tensors(), tmp_path, max_shard_size=4096, safe_serialization=True)
+    shard = sorted(tmp_path.glob("*.safetensors"))[0]
+    shard.rename(tmp_path / "gone")
+    with pytest.raises(FileNotFoundError, match=shard.name):
+        LazyCheckpoint(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=SINGLE_FILE):
+        LazyCheckpoint(empty)
+    (empty / SINGLE_FILE).write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="Cannot read safetensors file"):
+        LazyCheckpoint(empty)
+
+
+def test_pickle_serialization_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="safe_serialization=False"):
+        write_safetensors(_tensors(), tmp_path, max_shard_size=None, safe_serialization=False)
+    assert not any(tmp_path.iterdir())
+
+
+def test_dtype_spellings() -> None:
+    config = SimpleNamespace(dtype="bfloat16")
+    assert resolve_dtype(torch_dtype=None, dtype=None, config=config) is None
+    assert resolve_dtype(torch_dtype="auto", dtype=None, config=config) == torch.bfloat16
+    assert resolve_dtype(torch_dtype=None, dtype="torch.float16", config=config) == torch.float16
+    assert resolve_dtype(torch_dtype=torch.float32, dtype=torch.float32, config=config) == torch.float32
+    with pytest.raises(ValueError, match="disagree"):
+        resolve_dtype(torch_dtype=torch.float32, dtype=torch.bfloat16, config=config)
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        resolve_dtype(torch_dtype="float33", dtype=None, config=config)
+
+
+def test_device_maps() -> None:
+    assert resolve_device(device_map=None, device=None) == torch.device("cpu")
+    assert resolve_device(device_map={"": "cpu"}, device=None) == torch.device("cpu")
+    assert resolve_device(device_map=None, device=torch.device("cpu")) == torch.device("cpu")
+    for spreading in ("auto", "balanced", {"model": 0, "lm_head": "cpu"}):
+        with pytest.raises(ValueError, match="cannot be honoured"):
+            resolve_device(device_map=spreading, device=None)
+    with pytest.raises(ValueError, match="both given"):
+        resolve_device(device_map="cpu", device="cpu")
+
+
+def test_folders_and_hub_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_checkpoint_folder(tmp_path) == tmp_path
+    with pytest.raises(ValueError, match="revision"):
+        resolve_checkpoint_folder(tmp_path, revision="main")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        resolve_checkpoint_folder(tmp_path / "file")
+    with pytest.raises(FileNotFoundError, match="not a hub id"):
+        resolve_checkpoint_folder(str(tmp_path / "absent"))
+    calls = []
+
+    def fake_snapshot_download(**kwargs):
+        calls.append(kwargs)
+        return str(tmp_path)
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert resolve_checkpoint_folder("org/name", revision="v1") == tmp_path
+    assert calls[0]["repo_id"] == "org/name"
+    assert calls[0]["revision"] == "v1"
+    assert "*.safetensors" in calls[0]["allow_patterns"]

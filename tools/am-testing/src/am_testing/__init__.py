@@ -1,0 +1,5 @@
+"""Private test helpers of the am-* monorepo (not published; listed in each package's `test` dependency group)."""
+
+from .gloo import PG_TIMEOUT_S, CaseError, case_result, run_cases, run_group
+
+__all__ = ["PG_TIMEOUT_S", "CaseError", "case_result", "run_cases", "run_group"]
