@@ -36,7 +36,7 @@ __all__ = [
 _ROTATE_METHODS = (None, "alltoall")
 
 
-@torch._dynamo.disable  # type: ignore[untyped-decorator]
+@torch._dynamo.disable
 def _ring_sdpa(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -131,7 +131,7 @@ class MoKBackendConfig:
             ImportError: the optional MoK package is not installed.
         """
         try:
-            from mok import functional as mok_functional  # type: ignore[import-not-found]
+            from mok import functional as mok_functional
         except ImportError as err:
             raise ImportError(
                 "MoKBackendConfig.build() needs the optional Mixture-of-Kittens package (`mok.functional`), which is "
