@@ -423,3 +423,35 @@ def scale_grads_by_divisor(stages: Sequence[Any], divisor: int | float) -> None:
         scale = getattr(stage, "scale_grads", None)
         if callable(scale):
             scale(divisor)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Upstream's private stage-metadata helper names (`functional` re-exports them)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _set_stage_metas(stage: Any, inputs_meta: tuple[torch.Tensor, ...], outputs_meta: tuple[torch.Tensor, ...]) -> None:
+    """Upstream's name: give one `PipelineStage` static input/output meta tensors (`_compat.set_stage_metas`).
+
+    Raises:
+        RuntimeError: "Unsupported PipelineStage metadata API" on a torch whose stages take no static metadata.
+    """
+    _compat.set_stage_metas(stage, tuple(inputs_meta), tuple(outputs_meta))
+
+
+def _precompute_stage_shapes(
+    stages: Sequence[Any],
+    model_config: Any,
+    microbatch_size: int,
+    seq_len: int,
+    tensor_dtype: torch.dtype | None = None,
+) -> None:
+    """Upstream's name for `precompute_stage_shapes` (logs and leaves shapes to torch when it cannot set them)."""
+    precompute_stage_shapes(stages, model_config, microbatch_size, seq_len, tensor_dtype)
+
+
+def _preserve_grads_across_stage_reinit(stages: Sequence[Any]) -> None:
+    """Upstream's name: keep accumulated gradients when the schedule re-initializes each stage in static mode
+    (`_compat.preserve_grads_across_stage_reinit`; stages without torch's cleanup hook are skipped)."""
+    for stage in stages:
+        _compat.preserve_grads_across_stage_reinit(stage)
