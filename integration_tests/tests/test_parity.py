@@ -18,13 +18,11 @@ CASES = [
     ("nemotron-pp2-1f1b", "nemotron"),  # Nemotron-H with MTP, 1F1B
     ("nemotron-pp2-interleaved", "nemotron"),  # 2 stages per rank, Interleaved1F1B
     ("nemotron-pp2-dp2", "nemotron"),  # pipeline x FSDP2
-    ("gemma4-moe-cp2", "gemma4-moe"),  # model-owned context parallelism, MoE
-    ("gemma4-moe-cp2-dp2", "gemma4-moe"),  # CP x FSDP2 (FSDP2 over the flattened dp x cp axis)
+    ("gemma4-moe-cp2-dp2", "gemma4-moe"),  # model-owned CP, MoE, x FSDP2 (FSDP2 over the flattened dp x cp axis)
     ("llama-tied-pp2", "llama-tied"),  # HF Llama, tied embeddings split across two stages
-    ("gemma4-pp2", "gemma4"),  # Gemma 4 dense, tied head, pipeline
     ("nemotron-cp2", "nemotron"),  # Nemotron-H under CP: ring attention, Mamba2 state passing, MTP targets
     ("nemotron-pp2-cp2", "nemotron"),  # pipeline x CP (4 ranks): each stage runs its layers under the CP group
-    ("gemma4-pp2-cp2", "gemma4"),  # pipeline x CP with sliding + full attention and a tied head
+    ("gemma4-pp2-cp2", "gemma4"),  # Gemma 4 dense: pipeline (tied head across stages) x CP, sliding + full attention
     ("gemma4-moe-dp2-ep2", "gemma4-moe"),  # expert parallelism: each rank holds 2 of the 4 experts, all-to-all
     ("nemotron-pp2-dp2-ep2", "nemotron"),  # pipeline x EP (4 ranks): the MoE stage's experts over its dp ranks
     ("nemotron-dp2-ep2-cp2", "nemotron"),  # EP over the cp ranks, experts FSDP2-sharded over dp (4 ranks)

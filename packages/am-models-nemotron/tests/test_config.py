@@ -94,7 +94,7 @@ def test_a_raw_transformers_config_works_wherever_our_config_does() -> None:
         "Mamba2Mixer": lambda c: Mamba2Mixer(c, 0, backend=backend),
         "NemotronAttention": lambda c: NemotronAttention(c, 2, backend=backend),
         "NemotronMoE": lambda c: NemotronMoE(c, backend=backend),
-        "MTPModule": lambda c: MTPModule(c, MTPConfig.from_config(c), backend=backend),
+        "MTPModule": lambda c: MTPModule.for_config(c, MTPConfig.from_config(c), backend=backend),
         "NemotronV3Model": lambda c: NemotronV3Model(c),
         "NemotronHForCausalLM": lambda c: NemotronHForCausalLM(c),
     }

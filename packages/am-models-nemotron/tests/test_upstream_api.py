@@ -1,17 +1,40 @@
-"""The seed API called as NeMo AutoModel documents it (`models/nemotron_v3/{model,cache,mtp}.py`): positional
-constructor order, class attributes the infrastructure reads, the pipeline hooks, the cache, and the registry entry
-point naming the defining module (so `is_custom_model` is True). Behaviour of the forward, MTP loss and CP lives in
-the other test modules."""
+"""The seed API called as NeMo AutoModel documents it (`models/nemotron_v3/{model,layers,cache,mtp,
+state_dict_adapter}.py`, `common/mtp`): positional constructor order, upstream class names, class attributes the
+infrastructure reads, the pipeline and CP hooks, the cache, the state dict adapter, and the registry entry point
+naming the defining module (so `is_custom_model` is True). Behaviour of the forward, MTP loss and CP lives in the
+other test modules."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import types
 
 import pytest
 import torch
-from am_nemotron_helpers import VOCAB, tiny_hf_config, tokens
+from am_nemotron_helpers import VOCAB, hf_model, randomize_, tiny_hf_config, tokens
+from torch import nn
 
-from am_models_nemotron import ModelClass, NemotronHForCausalLM, NemotronHybridCache, default_backend, roll_tensor
+from am_models_nemotron import (
+    ModelClass,
+    MTPConfig,
+    MTPModule,
+    NemotronAttention,
+    NemotronHForCausalLM,
+    NemotronHybridCache,
+    NemotronV3Attention,
+    NemotronV3Block,
+    NemotronV3Mamba2Mixer,
+    NemotronV3MambaFP32Params,
+    NemotronV3MambaRMSNormGated,
+    NemotronV3MTPSublayer,
+    NemotronV3StateDictAdapter,
+    build_mtp_config_from_hf,
+    default_backend,
+    parse_mtp_layer_pattern,
+    roll_tensor,
+)
+from am_models_nemotron.mamba2 import Mamba2FP32Params, Mamba2Mixer, MambaRMSNormGated
+from am_models_nemotron.mtp import MTPSublayer
 from am_precision import cast_model_to_dtype
 
 
@@ -75,3 +98,139 @@ def test_gradient_checkpointing_enable_keeps_the_forward():
 @pytest.mark.parametrize(("shifts", "expected"), [(-1, [11, 12, 13, 0]), (1, [0, 10, 11, 12])])
 def test_roll_tensor_zero_fills(shifts, expected):
     assert roll_tensor(torch.tensor([10, 11, 12, 13]), shifts, -1).tolist() == expected
+
+
+def _model(pattern: str = "M*-E", *, mtp_depths: int = 0) -> NemotronHForCausalLM:
+    torch.manual_seed(0)
+    return randomize_(NemotronHForCausalLM(tiny_hf_config(pattern, mtp_depths=mtp_depths), default_backend()))
+
+
+def test_block_with_upstream_arguments_matches_the_models_block():
+    """`NemotronV3Block(config, layer_idx, moe_config, backend, block_type)` positionally, with the weights of the
+    model's own block of that index, computes what the model's block computes."""
+    model = _model("M*-E")
+    config = model.config
+    hidden = torch.randn(2, 8, config.hidden_size)
+    for index in range(4):
+        ours = model.model.layers[str(index)]
+        block = NemotronV3Block(config, index, None, default_backend(), None)
+        assert block.block_type == ours.block_type
+        block.load_state_dict(ours.state_dict())
+        torch.testing.assert_close(block(hidden), ours(hidden), rtol=0, atol=0)
+    assert NemotronV3Block(config, 0).block_type == "mamba"  # backend=None: the plain-PyTorch default
+    assert NemotronV3Block(config, 0, None, None, "mlp").block_type == "mlp"  # block_type override (MTP)
+    with pytest.raises(ValueError, match="moe_config=None"):
+        NemotronV3Block(config, 3, types.SimpleNamespace(n_routed_experts=6))
+
+
+def test_layer_classes_under_upstream_names_and_signatures():
+    model = _model("M*")
+    config = model.config
+    hidden = torch.randn(2, 8, config.hidden_size)
+    assert NemotronV3Mamba2Mixer is Mamba2Mixer
+    assert NemotronV3MambaRMSNormGated is MambaRMSNormGated
+    assert NemotronV3MambaFP32Params is Mamba2FP32Params
+    assert NemotronV3MTPSublayer is MTPSublayer
+    mixer = NemotronV3Mamba2Mixer(config, 0)  # (config, layer_idx)
+    mixer.load_state_dict(model.model.layers["0"].mixer.state_dict())
+    torch.testing.assert_close(mixer(hidden), model.model.layers["0"].mixer(hidden), rtol=0, atol=0)
+    attention = NemotronV3Attention(config, default_backend())  # (config, backend)
+    assert isinstance(attention, NemotronAttention)
+    attention.load_state_dict(model.model.layers["1"].mixer.state_dict())
+    torch.testing.assert_close(attention(hidden), model.model.layers["1"].mixer(hidden), rtol=0, atol=0)
+    norm = NemotronV3MambaRMSNormGated(16, 8, 1e-5)  # (hidden, group_size, eps)
+    x, gate = torch.randn(3, 16), torch.randn(3, 16)
+    gated = (x * torch.nn.functional.silu(gate)).view(3, 2, 8)
+    expected = (gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + 1e-5)).view(3, 16)
+    torch.testing.assert_close(norm(x, gate), expected)
+    a_log, dt_bias, d = NemotronV3MambaFP32Params(4)()  # (num_heads); forward -> (A_log, dt_bias, D)
+    torch.testing.assert_close(a_log, torch.log(torch.arange(1, 5, dtype=torch.float32)))
+    assert torch.equal(dt_bias, torch.ones(4))
+    assert torch.equal(d, torch.ones(4))
+
+
+def test_state_dict_adapter_upstream_signature_round_trips_hf_keys():
+    config = tiny_hf_config("M*E")  # transformers' NemotronH has no MTP weights (test_mtp.py round-trips those)
+    hf = hf_model(config)
+    hf_state = dict(hf.state_dict())
+    adapter = NemotronV3StateDictAdapter(config, types.SimpleNamespace(n_routed_experts=6), default_backend())
+    ours = NemotronHForCausalLM(config, default_backend())
+    ours.load_state_dict(adapter.from_hf(hf_state))  # strict: every HF key placed, nothing missing
+    exported = adapter.to_hf(ours.state_dict())
+    assert "backbone.embeddings.weight" in exported
+    assert "backbone.layers.0.mixer.A_log" in exported
+    assert "backbone.layers.2.mixer.experts.5.down_proj.weight" in exported
+    back = adapter.from_hf(exported)
+    assert back.keys() == ours.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+
+    bf16 = NemotronV3StateDictAdapter(config, None, None, torch.bfloat16)  # (config, moe_config, backend, dtype)
+    loaded = bf16.from_hf(hf_state)
+    assert loaded["model.layers.0.mixer._fp32_params.A_log"].dtype == torch.float32  # pinned: fp32
+    assert loaded["model.layers.2.mixer.gate.e_score_correction_bias"].dtype == torch.float32
+    assert loaded["model.layers.0.mixer.in_proj.weight"].dtype == torch.bfloat16
+    assert bf16.to_hf(loaded)["backbone.layers.0.mixer.A_log"].dtype == torch.float32
+    with pytest.raises(ValueError, match=r"n_routed_experts=4 disagrees.*\n.*must be an am_precision.BackendConfig"):
+        NemotronV3StateDictAdapter(config, types.SimpleNamespace(n_routed_experts=4), "te")
+
+
+def test_mtp_module_upstream_constructor_calls_the_factory():
+    calls = []
+
+    def factory(**kwargs):
+        calls.append(kwargs)
+        return nn.Identity()
+
+    mtp_config = MTPConfig(num_layers=2, layer_pattern=("attention", "moe"))
+    module = MTPModule(mtp_config, ["attention", "moe"], factory)  # (mtp_config, block_types, sublayer_factory)
+    assert len(module.layers) == 4
+    assert calls[3] == {
+        "global_idx": 3,
+        "depth": 1,
+        "sublayer_idx": 1,
+        "block_type": "moe",
+        "has_fusion": False,
+        "has_final_norm": True,
+    }
+    assert [c["has_fusion"] for c in calls] == [True, False, True, False]
+    repeated = MTPModule(MTPConfig(2, ("attention",), 0.1, True), ["attention"], factory)
+    assert len(repeated.layers) == 1  # one physical depth, applied twice
+    with pytest.raises(ValueError, match="2 sublayers per depth"):
+        MTPModule(mtp_config, ["attention"], factory)
+    with pytest.raises(ValueError, match="enabled MTPConfig"):
+        MTPModule(MTPConfig(), [], factory)
+    model = _model("M*", mtp_depths=2)
+    built = MTPModule.for_config(model.config, model.mtp_config, backend=default_backend())
+    assert built.state_dict().keys() == model.mtp.state_dict().keys()
+
+
+def test_mtp_pattern_and_config_helpers():
+    assert parse_mtp_layer_pattern("*E") == ["attention", "moe"]
+    assert parse_mtp_layer_pattern("M-") == ["mamba", "mlp"]
+    with pytest.raises(ValueError, match="MTP layer pattern is empty"):
+        parse_mtp_layer_pattern("")
+    with pytest.raises(ValueError, match=r"Unknown MTP layer symbol\(s\) \['X', 'Y'\]"):
+        parse_mtp_layer_pattern("*XY")
+    config = tiny_hf_config("M*", mtp_depths=2, mtp_pattern="*E")
+    mtp = build_mtp_config_from_hf(config)
+    assert mtp == MTPConfig(2, ("attention", "moe"), 0.1, False)
+    assert mtp.enabled
+    assert mtp.total_sublayers == 4
+    mtp = build_mtp_config_from_hf(config, loss_scaling_factor=0.3, num_nextn_predict_layers=3, use_repeated_layer=True)
+    assert (mtp.num_layers, mtp.loss_scaling_factor, mtp.num_physical_depths) == (3, 0.3, 1)
+
+
+def test_prepare_mtp_inputs_for_cp_is_the_mtp_part_of_prepare_batch_for_cp():
+    model = _model("M*", mtp_depths=2).train()
+    ids = tokens(2, 8)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    mtp_inputs = model.prepare_mtp_inputs_for_cp(batch, ignore_index=-100)
+    assert set(mtp_inputs) == {"mtp_per_depth_input_ids", "mtp_per_depth_targets"}
+    assert mtp_inputs["mtp_per_depth_input_ids"].shape == (2, 2, 8)
+    full = model.prepare_batch_for_cp(batch)
+    for key, value in mtp_inputs.items():
+        assert torch.equal(value, full[key])
+    assert torch.equal(mtp_inputs["mtp_per_depth_input_ids"][:, 0], roll_tensor(ids, -1, 1))  # depth 0: token t + 1
+    assert set(batch) == {"input_ids", "labels"}  # the batch is not changed
+    assert model.eval().prepare_mtp_inputs_for_cp(batch) is None  # MTP does not run in eval
+    assert _model("M*").train().prepare_mtp_inputs_for_cp(batch) is None  # no MTP depths

@@ -261,3 +261,51 @@ def test_pipeline_causal_lm_loss_positional():
     torch.testing.assert_close(loss((logits, h1), labels), expected)
     built = MTPLossConfig(2.0, -100).build(_sum_ce, model)
     torch.testing.assert_close(built((logits, h1), labels), expected)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A real 1-rank gloo group: `PipelineStage` reads its rank from the default group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_private_stage_metadata_helpers_under_upstream_names():
+    from torch.distributed.pipelining import PipelineStage
+
+    model = M.llama(2)
+    names = [["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "model.rotary_emb", "lm_head"]]
+    (stage_model,) = F.build_stage_modules(model, names, [0])
+    stage = PipelineStage(stage_model, 0, 1, torch.device("cpu"))
+
+    F._precompute_stage_shapes([stage], model.config, 2, 8)  # (stages, model_config, microbatch_size, seq_len)
+    assert [tuple(t.shape) for t in stage._user_meta.inputs] == [(2, 8)]
+    assert [tuple(t.shape) for t in stage._user_meta.outputs] == [(2, 8, model.config.vocab_size)]
+    assert stage._user_meta.outputs[0].dtype == torch.float32
+
+    meta = torch.device("meta")
+    inputs = (torch.empty(3, 5, dtype=torch.long, device=meta),)
+    outputs = (torch.empty(3, 5, model.config.vocab_size, device=meta, requires_grad=True),)
+    F._set_stage_metas(stage, inputs, outputs)
+    assert [tuple(t.shape) for t in stage._user_meta.inputs] == [(3, 5)]
+    assert [tuple(t.shape) for t in stage._user_meta.outputs] == [(3, 5, model.config.vocab_size)]
+    with pytest.raises(RuntimeError, match="Unsupported PipelineStage metadata API"):
+        F._set_stage_metas(types.SimpleNamespace(), inputs, outputs)
+
+    F._preserve_grads_across_stage_reinit([stage, types.SimpleNamespace()])  # stages without the hook are skipped
+    wrapped = stage._post_metadata_inference_cleanup
+    assert wrapped._am_pp_preserves_grads
+    F._preserve_grads_across_stage_reinit([stage])
+    assert stage._post_metadata_inference_cleanup is wrapped  # idempotent
+
+    assert F._get_hidden_and_vocab_size(model.config) == (model.config.hidden_size, model.config.vocab_size)
+    assert F._wrap_stage_forward_to_emit_tensor(stage_model) is stage_model
+    assert stage_model.forward._pp_unwraps_model_output
+    logits = stage_model(torch.ones(1, 4, dtype=torch.long))
+    assert isinstance(logits, torch.Tensor)
+    assert logits.shape == (1, 4, model.config.vocab_size)

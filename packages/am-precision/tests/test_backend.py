@@ -14,6 +14,8 @@ from am_precision import (
     EXPERTS_BACKENDS,
     LINEAR_BACKENDS,
     BackendConfig,
+    CudaGraphConfig,
+    MoKBackendConfig,
     TEFp8Config,
     backend,
     flags,
@@ -93,6 +95,8 @@ _UNIMPLEMENTED_VALUES = {
     "enable_fsdp_optimizations": True,
     "te_fp8": TEFp8Config(),
     "compile_attn": True,
+    "cuda_graph": CudaGraphConfig(modules=["attn"]),
+    "mok": MoKBackendConfig(minibatch_size=8192),
     "enable_deepep": True,
 }
 
@@ -113,7 +117,10 @@ def test_a_value_nothing_honours_is_refused_with_the_fix(name, value):
     assert f"{name}={value!r} is not implemented by any am-* package: " in message
     assert "leave" in message or "use rope='torch'" in message  # every refusal says what to do instead
     # The upstream default of the same field is accepted.
-    default = {f.name: f.default for f in dataclasses.fields(BackendConfig)}[name]
+    default_field = {f.name: f for f in dataclasses.fields(BackendConfig)}[name]
+    default = default_field.default
+    if default is dataclasses.MISSING:  # nested option groups (cuda_graph, mok) default to a fresh instance
+        default = default_field.default_factory()
     BackendConfig(**{name: default}, **extra)
 
 

@@ -3,6 +3,7 @@ names, defaults, module attributes and the key phrases of its error messages. Ca
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from typing import ClassVar
 
@@ -13,7 +14,9 @@ from torch import nn
 import am_precision
 from am_precision import (
     BackendConfig,
+    CudaGraphConfig,
     Float32RMSNorm,
+    MoKBackendConfig,
     TEFp8Config,
     cast_frozen_modules_to_compute_dtype,
     cast_model_to_dtype,
@@ -158,3 +161,66 @@ def test_te_fp8_config_without_te():
         assert cfg.build_recipe() is None
         with cfg.maybe_te_autocast():
             pass
+
+
+def test_cuda_graph_config_upstream_rules():
+    assert CudaGraphConfig().modules == ()
+    cfg = CudaGraphConfig(modules=["te_dpa", "moe_router", "moe_preprocess"])
+    assert cfg.modules == ("te_dpa", "moe_router", "moe_preprocess")
+    assert cfg.enabled
+    with pytest.raises(TypeError, match="must be a list of strings"):
+        CudaGraphConfig(modules="attn")
+    with pytest.raises(TypeError):
+        CudaGraphConfig(["attn"])  # keyword-only, as upstream
+    with pytest.raises(ValueError, match=r"\(4 problems\)") as err:
+        CudaGraphConfig(modules=["attn", "te_dpa", "moe_preprocess", "mlp", "attn"])
+    message = str(err.value)
+    for phrase in ("unknown name 'mlp'", "['attn'] listed more than once", "only one of them", "add 'moe_router'"):
+        assert phrase in message
+
+
+def test_mok_backend_config_upstream_defaults_and_rules():
+    cfg = MoKBackendConfig()
+    assert (cfg.fwd_num_comm_sms, cfg.bwd_num_comm_sms) == (40, 28)
+    assert (cfg.minibatch_size, cfg.macrobatch_size) == (4096, 131072)
+    assert cfg.schedule_capacity_multiplier == 0.5
+    assert cfg.all_gather_top_experts_chunk_bytes == 2048
+    with pytest.raises(ValueError, match=r"\(6 problems\)") as err:
+        MoKBackendConfig(
+            fwd_num_comm_sms=41,
+            bwd_num_comm_sms=0,
+            minibatch_size=1000,
+            macrobatch_size=3001,
+            schedule_capacity_multiplier=float("inf"),
+            all_gather_top_experts_chunk_bytes=24,
+        )
+    message = str(err.value)
+    for phrase in (
+        "must be even",
+        "bwd_num_comm_sms=0 must be a positive int",
+        "multiple of 256",
+        "multiple of 16",
+        "multiple of minibatch_size=1000",
+    ):
+        assert phrase in message
+    if importlib.util.find_spec("mok") is None:
+        with pytest.raises(ImportError, match="Mixture-of-Kittens"):
+            cfg.build()
+
+
+def test_backend_config_nested_groups_as_upstream():
+    cfg = BackendConfig(cuda_graph={"modules": []}, mok={"minibatch_size": 4096})  # dicts, as YAML gives them
+    assert cfg.cuda_graph == CudaGraphConfig()
+    assert cfg.mok == MoKBackendConfig()
+    assert BackendConfig().cuda_graph == CudaGraphConfig()
+    assert BackendConfig().mok == MoKBackendConfig()
+    with pytest.raises(ValueError, match=r"\(2 problems\)") as err:
+        BackendConfig(cuda_graph={"modules": ["attn"]}, mok={"minibatch_size": 8192}, attn="sdpa")
+    message = str(err.value)
+    assert "cuda_graph=CudaGraphConfig(modules=('attn',)) is not implemented by any am-* package" in message
+    assert "mok=MoKBackendConfig(" in message
+    assert "leave mok=MoKBackendConfig()" in message
+    with pytest.raises(ValueError, match=r"\(2 problems\)") as err:
+        BackendConfig(cuda_graph=["attn"], mok={"minibatch_size": 100})
+    assert "cuda_graph=['attn'] must be a CudaGraphConfig" in str(err.value)
+    assert "is not a valid MoKBackendConfig" in str(err.value)

@@ -2,8 +2,8 @@
 
 Layouts (`layouts`), batch sharding with upstream's padding semantics (`batch`), what a model declares to get the
 contiguous path (`model_protocol`), THD conversion (`thd`), the ring attention over point-to-point sends (`ring`,
-with pluggable per-chunk `kernels`), the context that routes attention to the ring (`context`, `hf`) and the
-loss/gradient reduction of a CP step (`training`).
+with pluggable per-chunk `kernels`), the context that routes attention to the ring (`context`, `hf`), upstream's
+torch-style entry points on top of it (`train_context`) and the loss/gradient reduction of a CP step (`training`).
 Importing this package never imports transformers, transformer_engine or flash_attn.
 """
 
@@ -42,6 +42,13 @@ from .ring import ring_attention
 from .ring_setup import ring_plan
 from .ring_stats import RingCommStats, count_ring_bytes
 from .thd import make_cp_batch_for_te, process_input_for_thd, split_batch_into_thd_chunks
+from .train_context import (
+    attach_context_parallel_hooks,
+    attach_cp_sdpa_hooks,
+    create_context_parallel_ctx,
+    get_train_context,
+    unshard_context_parallel_tensor,
+)
 from .training import all_reduce_cp_gradients, cp_token_mean_loss
 
 __all__ = [
@@ -80,6 +87,12 @@ __all__ = [
     "hf_ring_attention_forward",
     "register_ring_attention",
     "routed_hf_attention",
+    # upstream's torch-style entry points (train_context.py)
+    "attach_context_parallel_hooks",
+    "attach_cp_sdpa_hooks",
+    "create_context_parallel_ctx",
+    "get_train_context",
+    "unshard_context_parallel_tensor",
     # training step
     "all_reduce_cp_gradients",
     "cp_token_mean_loss",

@@ -7,15 +7,24 @@ Importing this package never imports mamba_ssm, causal_conv1d, am-pipelining or 
 from __future__ import annotations
 
 from ._version import __version__
-from .attention import NemotronAttention, build_attention_mask
+from .attention import NemotronAttention, NemotronV3Attention, build_attention_mask
 from .backbone import NemotronV3Model
 from .backend import SUPPORTED_BACKENDS, default_backend, resolve_backend
 from .blocks import NemotronV3Block
 from .cache import NemotronHybridCache
 from .checkpoint import load_pretrained, read_safetensors_folder, save_pretrained
 from .config import BLOCK_KINDS, NemotronConfig, as_hf_config, normalize_block_types
+from .cp import prepare_mtp_inputs_for_cp
 from .inputs import BatchLayout, resolve_batch_layout
-from .mamba2 import Mamba2FP32Params, Mamba2Mixer, MambaRMSNormGated, mamba_kernels_available
+from .mamba2 import (
+    Mamba2FP32Params,
+    Mamba2Mixer,
+    MambaRMSNormGated,
+    NemotronV3Mamba2Mixer,
+    NemotronV3MambaFP32Params,
+    NemotronV3MambaRMSNormGated,
+    mamba_kernels_available,
+)
 from .mamba2_cp import (
     Mamba2CPContext,
     MambaCPCommStats,
@@ -31,8 +40,11 @@ from .mtp import (
     MTPConfig,
     MTPModule,
     MTPSublayer,
+    NemotronV3MTPSublayer,
+    build_mtp_config_from_hf,
     mtp_depth_losses,
     mtp_loss,
+    parse_mtp_layer_pattern,
     roll_tensor,
     shift_labels,
     shift_within_documents,
@@ -70,6 +82,11 @@ __all__ = [
     "Mamba2FP32Params",
     "MambaRMSNormGated",
     "mamba_kernels_available",
+    # upstream class names (nemotron_v3.layers)
+    "NemotronV3Attention",
+    "NemotronV3Mamba2Mixer",
+    "NemotronV3MambaRMSNormGated",
+    "NemotronV3MambaFP32Params",
     "NemotronMLP",
     "NemotronMoE",
     "NemotronRouter",
@@ -92,6 +109,10 @@ __all__ = [
     "MTPConfig",
     "MTPModule",
     "MTPSublayer",
+    "NemotronV3MTPSublayer",
+    "build_mtp_config_from_hf",
+    "parse_mtp_layer_pattern",
+    "prepare_mtp_inputs_for_cp",
     "mtp_depth_losses",
     "mtp_loss",
     "roll_tensor",

@@ -17,6 +17,7 @@ from torch import nn
 from am_precision import BackendConfig, initialize_rms_norm_module
 
 from .attention import NemotronAttention
+from .backend import resolve_backend
 from .config import BLOCK_KINDS, NemotronConfig
 from .mamba2 import Mamba2Mixer
 from .moe import NemotronMLP, NemotronMoE
@@ -27,25 +28,41 @@ __all__ = ["NemotronV3Block"]
 class NemotronV3Block(nn.Module):
     """Pre-norm residual block. hidden_states: [B, S, H] -> [B, S, H].
 
+    Upstream's signature `NemotronV3Block(config, layer_idx, moe_config=None, backend=None, block_type=None)`.
+
     Args:
-        config: the normalized config.
+        config: the normalized config (or any config `NemotronConfig.from_any` reads).
         layer_idx: global index (cache slot; MTP sublayers use num_hidden_layers + their index).
-        backend: kernel choices (`linear`, `rms_norm`, `attn`, `experts`).
+        moe_config: must be None: the MoE is built from the config's MoE fields (upstream takes a separate
+            `MoEConfig`; overriding them here would make the block disagree with the checkpoint's config).
+        backend: kernel choices (`linear`, `rms_norm`, `attn`, `experts`); None -> `default_backend()`, and fields
+            this package does not implement resolve to the nearest implemented choice (`resolve_backend`).
         block_type: the kind; default `config.layers_block_type[layer_idx]`.
+
+    Raises:
+        ValueError: a non-None `moe_config`, or an unknown `block_type`.
     """
 
     def __init__(
         self,
         config: NemotronConfig | Any,
         layer_idx: int,
-        *,
-        backend: BackendConfig,
+        moe_config: Any = None,
+        backend: BackendConfig | None = None,
         block_type: str | None = None,
+        *,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
+        if moe_config is not None:
+            raise ValueError(
+                f"NemotronV3Block(moe_config={type(moe_config).__name__}) is not supported: am-models-nemotron builds "
+                "the MoE from the config (n_routed_experts, num_experts_per_tok, moe_intermediate_size, ...); set "
+                "those on the config and pass moe_config=None."
+            )
         config = NemotronConfig.from_any(config)  # a raw transformers / NVIDIA config works too
+        backend = resolve_backend(backend, owner=type(self).__name__)
         kind = block_type if block_type is not None else config.layers_block_type[layer_idx]
         if kind not in BLOCK_KINDS:
             raise ValueError(f"Invalid block_type {kind!r} for layer {layer_idx}; expected one of {BLOCK_KINDS}.")

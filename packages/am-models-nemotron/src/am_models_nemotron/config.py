@@ -19,6 +19,7 @@ from typing import Any
 
 __all__ = [
     "BLOCK_KINDS",
+    "PATTERN_SYMBOLS",
     "NemotronConfig",
     "as_hf_config",
     "normalize_block_types",
@@ -36,7 +37,7 @@ _KIND_ALIASES: dict[str, str] = {
     "mlp": "mlp",
     "moe": "moe",
 }
-_PATTERN_SYMBOLS: dict[str, str] = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+PATTERN_SYMBOLS: dict[str, str] = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 # The vocabulary of transformers' own NemotronHConfig (5.13+), used when we build one.
 _HF_KIND_NAMES: dict[str, str] = {
     "mamba": "linear_attention",
@@ -53,13 +54,13 @@ def normalize_block_types(value: str | Sequence[str], *, field: str = "layers_bl
         ValueError: empty input, or unknown symbols / names (all of them listed).
     """
     if isinstance(value, str):
-        unknown = sorted({ch for ch in value if ch not in _PATTERN_SYMBOLS})
+        unknown = sorted({ch for ch in value if ch not in PATTERN_SYMBOLS})
         if unknown:
             raise ValueError(
                 f"{field}={value!r} has unknown pattern symbols {unknown}; use M (mamba), * (attention), "
                 "- (mlp), E (moe)."
             )
-        kinds = tuple(_PATTERN_SYMBOLS[ch] for ch in value)
+        kinds = tuple(PATTERN_SYMBOLS[ch] for ch in value)
     else:
         unknown = sorted({str(v) for v in value if str(v) not in _KIND_ALIASES})
         if unknown:

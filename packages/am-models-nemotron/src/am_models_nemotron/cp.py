@@ -44,6 +44,7 @@ __all__ = [
     "cp_kwarg_problems",
     "nemotron_cp_options",
     "prepare_batch_for_cp",
+    "prepare_mtp_inputs_for_cp",
     "raise_on_every_rank",
     "resolve_layout",
     "ring_kernel",
@@ -195,6 +196,21 @@ def prepare_batch_for_cp(
         prepared["mtp_per_depth_input_ids"] = torch.stack(shifted_ids, dim=1)
         prepared["mtp_per_depth_targets"] = torch.stack(targets, dim=1)
     return prepared
+
+
+def prepare_mtp_inputs_for_cp(
+    model: Any, batch: Mapping[str, Any], *, ignore_index: int = -100, labels_shifted: bool = False
+) -> dict[str, torch.Tensor] | None:
+    """Upstream's model hook (bound as `NemotronHForCausalLM.prepare_mtp_inputs_for_cp(batch, *, ignore_index)`):
+    the per-depth MTP inputs and targets of `batch`, computed on the whole sequences before sharding
+    (`mtp_per_depth_input_ids` / `mtp_per_depth_targets` [B, D, S], as `prepare_batch_for_cp` adds them), or None
+    when the model runs no MTP now (no MTP depths, or eval without `compute_mtp_in_eval`). `batch` is not changed.
+    """
+    depths = model.num_mtp_depths if (model.training or model.compute_mtp_in_eval) else 0
+    if not depths:
+        return None
+    prepared = prepare_batch_for_cp(batch, mtp_depths=depths, labels_shifted=labels_shifted, ignore_index=ignore_index)
+    return {key: prepared[key] for key in MTP_CP_KEYS}
 
 
 def block_cp_problems(blocks: Any, *, seqlen: int, training: bool) -> list[str]:

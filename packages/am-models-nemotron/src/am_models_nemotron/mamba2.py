@@ -28,11 +28,21 @@ from torch.autograd.function import once_differentiable
 from am_precision import BackendConfig, initialize_linear_module
 
 from ._init import reset_linear_, weight_of
+from .backend import resolve_backend
 from .config import NemotronConfig
 from .mamba2_cp import Mamba2CPContext, conv_halo_width, prepend_conv_halo, ssd_chunked_scan_cp
 from .ssd import ssd_chunked_scan
 
-__all__ = ["CPU_SCAN_CHUNK_SIZE", "Mamba2FP32Params", "Mamba2Mixer", "MambaRMSNormGated", "mamba_kernels_available"]
+__all__ = [
+    "CPU_SCAN_CHUNK_SIZE",
+    "Mamba2FP32Params",
+    "Mamba2Mixer",
+    "MambaRMSNormGated",
+    "NemotronV3Mamba2Mixer",
+    "NemotronV3MambaFP32Params",
+    "NemotronV3MambaRMSNormGated",
+    "mamba_kernels_available",
+]
 
 # The scan's result does not depend on the chunk length (beyond fp32 rounding). On the CPU the plain-PyTorch scan is
 # fastest with chunks of about 64 tokens (Q x Q intermediates vs. the per-chunk state recurrence), so CPU tensors use
@@ -118,9 +128,11 @@ class Mamba2FP32Params(nn.Module):
 
     def __init__(self, num_heads: int, *, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.A_log = nn.Parameter(torch.empty(num_heads, device=device, dtype=torch.float32))
-        self.dt_bias = nn.Parameter(torch.empty(num_heads, device=device, dtype=torch.float32))
-        self.D = nn.Parameter(torch.empty(num_heads, device=device, dtype=torch.float32))
+        # Upstream's construction values (A = -1..-H, dt_bias 1, D 1); the mixer's init_weights re-draws dt_bias.
+        heads = torch.arange(1, num_heads + 1, device=device, dtype=torch.float32)
+        self.A_log = nn.Parameter(torch.log(heads))
+        self.dt_bias = nn.Parameter(torch.ones(num_heads, device=device, dtype=torch.float32))
+        self.D = nn.Parameter(torch.ones(num_heads, device=device, dtype=torch.float32))
         self.A_log._no_weight_decay = True  # type: ignore[attr-defined]
         self.D._no_weight_decay = True  # type: ignore[attr-defined]
 
@@ -141,9 +153,9 @@ class MambaRMSNormGated(nn.Module):
     def __init__(
         self,
         hidden_size: int,
-        *,
         group_size: int,
-        eps: float,
+        eps: float = 1e-5,
+        *,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -179,12 +191,13 @@ class Mamba2Mixer(nn.Module):
         config: NemotronConfig | Any,
         layer_idx: int,
         *,
-        backend: BackendConfig,
+        backend: BackendConfig | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         config = NemotronConfig.from_any(config)  # a raw transformers / NVIDIA config works too
+        backend = resolve_backend(backend, owner=type(self).__name__)  # None -> the plain-PyTorch default
         self.layer_idx = layer_idx
         self.num_heads = config.mamba_num_heads
         self.head_dim = config.mamba_head_dim
@@ -467,3 +480,9 @@ class Mamba2Mixer(nn.Module):
         state.copy_(new_state.to(state.dtype))
         y = (new_state @ c_heads[..., None]).squeeze(-1)
         return y + x * d_skip.float()[:, None]
+
+
+# Upstream's class names (`nemotron_v3.layers`); the classes take upstream's positional arguments.
+NemotronV3Mamba2Mixer = Mamba2Mixer
+NemotronV3MambaRMSNormGated = MambaRMSNormGated
+NemotronV3MambaFP32Params = Mamba2FP32Params

@@ -36,6 +36,7 @@ from .cp import (
     prepare_batch_for_cp,
     resolve_layout,
 )
+from .cp import prepare_mtp_inputs_for_cp as _prepare_mtp_inputs_for_cp
 from .generation import NemotronGenerationMixin
 from .inputs import pop_layout_kwargs
 from .loss import cross_entropy
@@ -151,7 +152,7 @@ class NemotronHForCausalLM(
             use_repeated_layer=mtp_use_repeated_layer,
         )
         self.mtp: MTPModule | None = (
-            MTPModule(cfg, self.mtp_config, backend=self.backend, device=device, dtype=dtype)
+            MTPModule.for_config(cfg, self.mtp_config, backend=self.backend, device=device, dtype=dtype)
             if self.mtp_config.enabled
             else None
         )
@@ -241,13 +242,13 @@ class NemotronHForCausalLM(
     def prepare_batch_for_cp(
         self, batch: dict[str, Any], *, labels_shifted: bool = False, ignore_index: int = -100
     ) -> dict[str, Any]:
-        """The batch, ready to shard: next-token `labels`, global document ids `_packed_seq_ids` (0 = padding),
-        `padding_mask` and, while MTP runs (training, or `compute_mtp_in_eval`), the per-depth MTP inputs and
-        targets — all computed on the whole sequences (see `cp.prepare_batch_for_cp`). Call it before
-        `make_cp_batch_and_ctx(mesh, batch, model=model)`; `labels_shifted`: the batch's labels are already the
-        next-token targets."""
+        """The batch, ready to shard (`cp.prepare_batch_for_cp`): next-token `labels`, `_packed_seq_ids`, `padding_mask`
+        and, while MTP runs, the per-depth MTP inputs and targets. Call it before `make_cp_batch_and_ctx(mesh, batch,
+        model=model)`; `labels_shifted`: the batch's labels are already the next-token targets."""
         depths = self.num_mtp_depths if (self.training or self.compute_mtp_in_eval) else 0
         return prepare_batch_for_cp(batch, mtp_depths=depths, labels_shifted=labels_shifted, ignore_index=ignore_index)
+
+    prepare_mtp_inputs_for_cp = _prepare_mtp_inputs_for_cp  # upstream's hook name (cp.py)
 
     # ------------------------------------------------------------------------------------------------------------
     # Forward

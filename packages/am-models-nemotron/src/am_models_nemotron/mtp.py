@@ -22,13 +22,16 @@ from am_precision import BackendConfig, initialize_linear_module, initialize_rms
 
 from ._init import reset_linear_
 from .blocks import NemotronV3Block
-from .config import NemotronConfig
+from .config import PATTERN_SYMBOLS, NemotronConfig
 from .loss import cross_entropy
 
 __all__ = [
     "MTPConfig",
     "MTPModule",
     "MTPSublayer",
+    "NemotronV3MTPSublayer",
+    "build_mtp_config_from_hf",
+    "parse_mtp_layer_pattern",
     "mtp_depth_losses",
     "mtp_loss",
     "roll_tensor",
@@ -168,6 +171,40 @@ def mtp_loss(
     return torch.stack(losses).sum() * scaling_factor / len(losses)
 
 
+def parse_mtp_layer_pattern(pattern: str) -> list[str]:
+    """Block kinds of an MTP pattern string: "*E" -> ["attention", "moe"] (M mamba, * attention, - mlp, E moe).
+
+    Raises:
+        ValueError: an empty pattern ("MTP layer pattern is empty") or unknown symbols (all listed).
+    """
+    if not pattern:
+        raise ValueError("MTP layer pattern is empty")
+    unknown = sorted({symbol for symbol in pattern if symbol not in PATTERN_SYMBOLS})
+    if unknown:
+        raise ValueError(
+            f"Unknown MTP layer symbol(s) {unknown} in {pattern!r}; use M (mamba), * (attention), - (mlp), E (moe)"
+        )
+    return [PATTERN_SYMBOLS[symbol] for symbol in pattern]
+
+
+def build_mtp_config_from_hf(
+    config: Any,
+    *,
+    loss_scaling_factor: float = 0.1,
+    num_nextn_predict_layers: int | None = None,
+    use_repeated_layer: bool = False,
+) -> MTPConfig:
+    """Upstream's name for `MTPConfig.from_config`: depths and per-depth kinds from an HF / NVIDIA / our config
+    (`mtp_hybrid_override_pattern` or `mtp_layers_block_type`). `layer_pattern` holds the kinds themselves
+    (upstream: the pattern string, or "X" × n as a length sentinel for the list form)."""
+    return MTPConfig.from_config(
+        config,
+        num_nextn_predict_layers=num_nextn_predict_layers,
+        loss_scaling_factor=loss_scaling_factor,
+        use_repeated_layer=use_repeated_layer,
+    )
+
+
 class MTPSublayer(NemotronV3Block):
     """A block of an MTP depth; the first of a depth owns the fusion, the last the final norm.
 
@@ -225,42 +262,74 @@ class MTPSublayer(NemotronV3Block):
 
 
 class MTPModule(nn.Module):
-    """All MTP depths. forward(hidden [B, S, H], embed_inputs: D × [B, S, H]) -> D × [B, S, H]."""
+    """All MTP depths. forward(hidden [B, S, H], embed_inputs: D × [B, S, H]) -> D × [B, S, H].
+
+    Upstream's signature: `MTPModule(mtp_config, block_types, sublayer_factory)`. `block_types` are the kinds of
+    one depth's sublayers (same length as `mtp_config.layer_pattern`); `sublayer_factory(*, global_idx, depth,
+    sublayer_idx, block_type, has_fusion, has_final_norm)` builds each of the `num_physical_depths × len(pattern)`
+    sublayers (flat `layers`, checkpoint names `mtp.layers.{global_idx}.*`). `MTPModule.for_config` builds the
+    Nemotron sublayers (`MTPSublayer`).
+
+    Raises:
+        ValueError: a disabled `mtp_config`, or `block_types` of another length than its pattern.
+    """
 
     def __init__(
-        self,
+        self, mtp_config: MTPConfig, block_types: Sequence[str], sublayer_factory: Callable[..., nn.Module]
+    ) -> None:
+        super().__init__()
+        if not mtp_config.enabled:
+            raise ValueError(
+                f"MTPModule needs an enabled MTPConfig (num_layers > 0, non-empty pattern), got {mtp_config}"
+            )
+        if len(block_types) != len(mtp_config.layer_pattern):
+            raise ValueError(
+                f"MTPModule: {len(block_types)} block_types {list(block_types)} but the MTP pattern has "
+                f"{len(mtp_config.layer_pattern)} sublayers per depth ({mtp_config.layer_pattern})"
+            )
+        self.mtp_config = mtp_config
+        pattern_len = len(block_types)
+        self.layers = nn.ModuleList(
+            sublayer_factory(
+                global_idx=depth * pattern_len + position,
+                depth=depth,
+                sublayer_idx=position,
+                block_type=kind,
+                has_fusion=position == 0,
+                has_final_norm=position == pattern_len - 1,
+            )
+            for depth in range(mtp_config.num_physical_depths)
+            for position, kind in enumerate(block_types)
+        )
+
+    @classmethod
+    def for_config(
+        cls,
         config: NemotronConfig | Any,
         mtp_config: MTPConfig,
         *,
         backend: BackendConfig,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
-    ) -> None:
-        super().__init__()
+    ) -> MTPModule:
+        """The Nemotron MTP module: `MTPSublayer`s with cache slots after the backbone's layers."""
         config = NemotronConfig.from_any(config)
-        if not mtp_config.enabled:
-            raise ValueError(
-                f"MTPModule needs an enabled MTPConfig (num_layers > 0, non-empty pattern), got {mtp_config}"
+
+        def sublayer(
+            *, global_idx: int, block_type: str, has_fusion: bool, has_final_norm: bool, **_: int
+        ) -> nn.Module:
+            return MTPSublayer(
+                config,
+                config.num_hidden_layers + global_idx,
+                block_type=block_type,
+                has_fusion=has_fusion,
+                has_final_norm=has_final_norm,
+                backend=backend,
+                device=device,
+                dtype=dtype,
             )
-        self.mtp_config = mtp_config
-        pattern = mtp_config.layer_pattern
-        sublayers = []
-        for depth in range(mtp_config.num_physical_depths):
-            for position, kind in enumerate(pattern):
-                index = depth * len(pattern) + position
-                sublayers.append(
-                    MTPSublayer(
-                        config,
-                        config.num_hidden_layers + index,
-                        block_type=kind,
-                        has_fusion=position == 0,
-                        has_final_norm=position == len(pattern) - 1,
-                        backend=backend,
-                        device=device,
-                        dtype=dtype,
-                    )
-                )
-        self.layers = nn.ModuleList(sublayers)
+
+        return cls(mtp_config, mtp_config.layer_pattern, sublayer)
 
     def forward(
         self, hidden_states: torch.Tensor, *, embed_inputs: Sequence[torch.Tensor], **block_inputs: Any
@@ -278,3 +347,6 @@ class MTPModule(nn.Module):
                 hidden_states = layer(hidden_states, embed_input=embed, **block_inputs)
             outputs.append(hidden_states)
         return outputs
+
+
+NemotronV3MTPSublayer = MTPSublayer  # upstream's class name

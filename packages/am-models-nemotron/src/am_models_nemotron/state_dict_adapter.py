@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from am_precision import fp32_keep_rules, match_keep_rule
+from am_precision import BackendConfig, fp32_keep_rules, match_keep_rule
 
 from .config import NemotronConfig
 from .model import NemotronHForCausalLM
@@ -33,11 +33,56 @@ _HOLDER_PARAMS = ("A_log", "dt_bias", "D")
 
 
 class NemotronV3StateDictAdapter:
-    """Name and layout conversion for one config (knows which layers are Mamba and how many experts exist)."""
+    """Name and layout conversion for one config (knows which layers are Mamba and how many experts exist).
 
-    def __init__(self, config: Any) -> None:
+    Upstream's signature `NemotronV3StateDictAdapter(config, moe_config, backend, dtype)`, all but `config` optional
+    here. The expert count is read from `config`; a `moe_config` (anything with `n_routed_experts`) must agree with
+    it. The layout does not depend on `backend` (a `BackendConfig` or None: every backend this package runs stores
+    experts stacked). `dtype` None (default) keeps every tensor's dtype; a dtype casts the floating tensors
+    `from_hf` and `to_hf` return to it, except the fp32-pinned ones (`forced_fp32`), which become fp32.
+
+    Raises:
+        ValueError: a `moe_config` that disagrees with the config, a `backend` that is not a `BackendConfig`, or a
+            `dtype` that is not a floating torch dtype (every problem listed).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        moe_config: Any = None,
+        backend: BackendConfig | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.config = NemotronConfig.from_any(config)
+        problems = []
+        if moe_config is not None:
+            experts = getattr(moe_config, "n_routed_experts", None)
+            if experts != self.config.n_routed_experts:
+                problems.append(
+                    f"moe_config.n_routed_experts={experts!r} disagrees with the config's n_routed_experts="
+                    f"{self.config.n_routed_experts}; the adapter reads the experts from the config, pass "
+                    "moe_config=None or the model's own"
+                )
+        if backend is not None and not isinstance(backend, BackendConfig):
+            problems.append(f"backend={backend!r} must be an am_precision.BackendConfig or None")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            problems.append(f"dtype={dtype!r} must be a floating torch.dtype or None (keep each tensor's dtype)")
+        if problems:
+            raise ValueError("NemotronV3StateDictAdapter:\n  - " + "\n  - ".join(problems))
+        self.moe_config = moe_config
+        self.backend = backend
+        self.dtype = dtype
         self._fp32_rules = fp32_keep_rules(NemotronHForCausalLM)
+
+    def _cast(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.dtype is None:
+            return state_dict
+        return {
+            name: tensor.to(torch.float32 if self.forced_fp32(name) else self.dtype)
+            if tensor.is_floating_point()
+            else tensor
+            for name, tensor in state_dict.items()
+        }
 
     # ------------------------------------------------------------------------------------------------------------
     def from_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -74,7 +119,7 @@ class NemotronV3StateDictAdapter:
         if problems:
             listed = "\n".join(f"  - {p}" for p in problems)
             raise ValueError(f"Cannot assemble the expert weights ({len(problems)} problem(s)):\n{listed}")
-        return renamed
+        return self._cast(renamed)
 
     def internal_key(self, key: str) -> str:
         """The internal name `key` (checkpoint naming) is loaded into; per-expert keys name the stacked tensor."""
@@ -122,7 +167,7 @@ class NemotronV3StateDictAdapter:
                     out[f"{name.rsplit('.', 1)[0]}.{expert}.{name.rsplit('.', 1)[1]}.weight"] = weight
                 continue
             out[name] = tensor
-        return out
+        return self._cast(out)
 
     def forced_fp32(self, name: str) -> bool:
         """Whether tensor `name` (checkpoint or internal naming) is fp32-pinned, so it is loaded and stored as F32.

@@ -34,6 +34,8 @@ __all__ = [
     "replicate_chunk_spec",
     "reset_stage_shapes",
     "preserve_grads_across_stage_reinit",
+    "set_stage_metas",
+    "has_static_meta_api",
     "is_reentrant_checkpoint_wrapper",
 ]
 
@@ -195,6 +197,29 @@ def _meta_like(tensors: tuple[torch.Tensor, ...]) -> Any:
     return extract_tensor_metas(tensors)
 
 
+def has_static_meta_api(stage: Any) -> bool:
+    """True when this torch's `stage` takes static input/output metadata (`_user_meta`)."""
+    return hasattr(getattr(stage, "_user_meta", None), "inputs")
+
+
+def set_stage_metas(stage: Any, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]) -> None:
+    """Give one stage static input/output metadata (meta tensors); clears its gradient metadata.
+
+    Raises:
+        RuntimeError: when this torch's stages expose no known metadata API.
+    """
+    if not has_static_meta_api(stage):
+        raise RuntimeError(
+            f"Unsupported PipelineStage metadata API: {type(stage).__name__} exposes no known static-metadata API "
+            f"in torch {torch.__version__}; update am_pipelining._compat.set_stage_metas for this torch."
+        )
+    user_meta = stage._user_meta
+    user_meta.inputs = _meta_like(inputs)
+    user_meta.outputs = _meta_like(outputs)
+    user_meta.input_grads = None
+    user_meta.output_grads = None
+
+
 def reset_stage_shapes(
     schedule: Any,
     stages: list[Any],
@@ -211,16 +236,7 @@ def reset_stage_shapes(
         RuntimeError: when this torch's stages expose no known metadata API.
     """
     for stage, (inputs, outputs) in zip(stages, new_metas, strict=True):
-        user_meta = getattr(stage, "_user_meta", None)
-        if user_meta is None or not hasattr(user_meta, "inputs"):
-            raise RuntimeError(
-                f"{type(stage).__name__} exposes no known static-metadata API in torch {torch.__version__}; "
-                "update am_pipelining._compat.reset_stage_shapes for this torch."
-            )
-        user_meta.inputs = _meta_like(inputs)
-        user_meta.outputs = _meta_like(outputs)
-        user_meta.input_grads = None
-        user_meta.output_grads = None
+        set_stage_metas(stage, inputs, outputs)
         stage_meta = getattr(stage, "_stage_meta", None)
         if stage_meta is not None:
             for field in ("inputs", "outputs", "input_grads", "output_grads"):

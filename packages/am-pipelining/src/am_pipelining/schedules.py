@@ -33,6 +33,7 @@ __all__ = [
     "build_pipeline_schedule",
     "check_step_shapes",
     "pipeline_model",
+    "precompute_stage_shapes",
     "reset_pp_stage_shapes",
     "scale_grads_by_divisor",
 ]
@@ -369,21 +370,50 @@ def reset_pp_stage_shapes(
     Raises:
         RuntimeError: this torch's stages expose no known static-metadata API.
     """
-    metas = [
+    metas = _metas_of_stages(stages, config, microbatch_size, seq_len, tensor_dtype)
+    _compat.reset_stage_shapes(schedule, list(stages), metas)
+    for stage in stages:
+        stage._am_static_shape = (microbatch_size, seq_len)  # type: ignore[attr-defined]
+
+
+def _metas_of_stages(
+    stages: Sequence[PipelineStage], config: Any, microbatch_size: int, seq_len: int, dtype: torch.dtype | None
+) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+    return [
         stage_metas(
             stage.submod,
             is_first=stage.is_first,
             is_last=stage.is_last,
             microbatch_size=microbatch_size,
             seq_len=seq_len,
-            dtype=tensor_dtype,
+            dtype=dtype,
             config=config,
         )
         for stage in stages
     ]
-    _compat.reset_stage_shapes(schedule, list(stages), metas)
-    for stage in stages:
+
+
+def precompute_stage_shapes(
+    stages: Sequence[PipelineStage],
+    config: Any,
+    microbatch_size: int,
+    seq_len: int,
+    tensor_dtype: torch.dtype | None = None,
+) -> bool:
+    """Give stages that were built without shapes static ones, so torch skips its shape-inference round trip.
+
+    Same shapes as `reset_pp_stage_shapes` (which also makes a built schedule re-initialize). Returns False, and
+    leaves every stage to torch's dynamic inference, when this torch's stages take no static metadata.
+    """
+    if not all(_compat.has_static_meta_api(stage) for stage in stages):
+        logger.info("PipelineStage takes no static metadata in torch %s; shapes are inferred", torch.__version__)
+        return False
+    for stage, (inputs, outputs) in zip(
+        stages, _metas_of_stages(stages, config, microbatch_size, seq_len, tensor_dtype), strict=True
+    ):
+        _compat.set_stage_metas(stage, inputs, outputs)
         stage._am_static_shape = (microbatch_size, seq_len)  # type: ignore[attr-defined]
+    return True
 
 
 @torch.no_grad()
@@ -393,3 +423,35 @@ def scale_grads_by_divisor(stages: Sequence[Any], divisor: int | float) -> None:
         scale = getattr(stage, "scale_grads", None)
         if callable(scale):
             scale(divisor)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Upstream's private stage-metadata helper names (`functional` re-exports them)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _set_stage_metas(stage: Any, inputs_meta: tuple[torch.Tensor, ...], outputs_meta: tuple[torch.Tensor, ...]) -> None:
+    """Upstream's name: give one `PipelineStage` static input/output meta tensors (`_compat.set_stage_metas`).
+
+    Raises:
+        RuntimeError: "Unsupported PipelineStage metadata API" on a torch whose stages take no static metadata.
+    """
+    _compat.set_stage_metas(stage, tuple(inputs_meta), tuple(outputs_meta))
+
+
+def _precompute_stage_shapes(
+    stages: Sequence[Any],
+    model_config: Any,
+    microbatch_size: int,
+    seq_len: int,
+    tensor_dtype: torch.dtype | None = None,
+) -> None:
+    """Upstream's name for `precompute_stage_shapes` (logs and leaves shapes to torch when it cannot set them)."""
+    precompute_stage_shapes(stages, model_config, microbatch_size, seq_len, tensor_dtype)
+
+
+def _preserve_grads_across_stage_reinit(stages: Sequence[Any]) -> None:
+    """Upstream's name: keep accumulated gradients when the schedule re-initializes each stage in static mode
+    (`_compat.preserve_grads_across_stage_reinit`; stages without torch's cleanup hook are skipped)."""
+    for stage in stages:
+        _compat.preserve_grads_across_stage_reinit(stage)

@@ -22,6 +22,7 @@ from .backend import (
     BackendConfig,
     TEFp8Config,
 )
+from .backend_options import CUDA_GRAPH_MODULES, CudaGraphConfig, MoKBackendConfig
 from .casting import (
     cast_frozen_modules_to_compute_dtype,
     cast_model_to_dtype,
@@ -56,6 +57,9 @@ __all__ = [
     # backend selection
     "BackendConfig",
     "TEFp8Config",
+    "CudaGraphConfig",
+    "MoKBackendConfig",
+    "CUDA_GRAPH_MODULES",
     "ATTN_BACKENDS",
     "LINEAR_BACKENDS",
     "RMS_NORM_BACKENDS",

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import flags
+from .backend_options import CudaGraphConfig, MoKBackendConfig
 
 __all__ = [
     "ATTN_BACKENDS",
@@ -195,6 +196,14 @@ _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: v is True,
         "no am-* model compiles its attention kernel on its own; apply torch.compile to the model and leave it False",
     ),
+    "cuda_graph": (
+        lambda v: isinstance(v, CudaGraphConfig) and v.enabled,
+        "no am-* model captures CUDA graphs; leave cuda_graph=CudaGraphConfig() (modules=[])",
+    ),
+    "mok": (
+        lambda v: isinstance(v, MoKBackendConfig) and v != MoKBackendConfig(),
+        "it tunes the MoK dispatcher, which no am-* package runs; leave mok=MoKBackendConfig() (the defaults)",
+    ),
     "enable_deepep": (
         lambda v: v is not None,
         "it is a removed upstream field (upstream warns and ignores it); choose the dispatcher with "
@@ -230,13 +239,15 @@ class BackendConfig:
         te_fp8: FP8 recipe (`TEFp8Config` or a dict of its fields); requires linear="te" or experts="te".
         gate_precision: dtype of MoE router math (a dtype or a name such as "float32" / "torch.float32").
         compile_attn: wrap the attention kernel in torch.compile.
+        cuda_graph: CUDA-graph capture (`CudaGraphConfig` or a dict of its fields).
+        mok: knobs of the MoK dispatcher (`MoKBackendConfig` or a dict of its fields).
         enable_deepep: removed upstream field, accepted only as None so upstream configs that spell it load.
 
     Fields no am-* package implements (README, "Who honours each field") keep their upstream defaults and accept
     only them: `rope="quack"`, `rope_fusion=True`, the `dispatcher_*` knobs, `fake_balanced_gate`,
     `fake_gate_noise`, `enable_hf_state_dict_adapter=False`, `enable_fsdp_optimizations`, `te_fp8`,
-    `compile_attn` and `enable_deepep` are refused with the reason and the fix. Models refuse what they do not
-    support of the fields they read (`attn`, `experts`, `dispatcher`, ...).
+    `compile_attn`, a non-empty `cuda_graph`, a non-default `mok` and `enable_deepep` are refused with the reason
+    and the fix. Models refuse what they do not support of the fields they read (`attn`, `experts`, `dispatcher`, ...).
 
     Raises:
         ValueError: one or more fields are invalid or ask for something no am-* package implements; the message
@@ -260,6 +271,8 @@ class BackendConfig:
     te_fp8: TEFp8Config | None = None
     gate_precision: torch.dtype | None = None
     compile_attn: bool = False
+    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    mok: MoKBackendConfig = field(default_factory=MoKBackendConfig)
     enable_deepep: bool | None = None
 
     def __post_init__(self) -> None:
@@ -285,7 +298,9 @@ class BackendConfig:
         elif self.fake_gate_noise < 0:
             problems.append(f"fake_gate_noise={self.fake_gate_noise!r} must be >= 0")
 
-        self._normalize_te_fp8(problems)
+        self._normalize_nested("te_fp8", TEFp8Config, problems, none_ok=True)
+        self._normalize_nested("cuda_graph", CudaGraphConfig, problems, none_ok=False)
+        self._normalize_nested("mok", MoKBackendConfig, problems, none_ok=False)
         self._normalize_gate_precision(problems)
         if self.rope_fusion is None:
             object.__setattr__(self, "rope_fusion", False)
@@ -293,18 +308,20 @@ class BackendConfig:
         self._check_combinations(problems, refused=refused)
         _raise_if_problems("BackendConfig", problems)
 
-    def _normalize_te_fp8(self, problems: list[str]) -> None:
-        value: Any = self.te_fp8
-        if value is None or isinstance(value, TEFp8Config):
+    def _normalize_nested(self, name: str, cls: type, problems: list[str], *, none_ok: bool) -> None:
+        """Turn a dict of `cls`'s fields into a `cls` (as upstream does); report any other type."""
+        value: Any = getattr(self, name)
+        if isinstance(value, cls) or (none_ok and value is None):
             return
         if isinstance(value, Mapping):
             try:
-                object.__setattr__(self, "te_fp8", TEFp8Config(**value))
+                object.__setattr__(self, name, cls(**value))
             except (TypeError, ValueError) as err:
-                allowed = ", ".join(f.name for f in dataclasses.fields(TEFp8Config))
-                problems.append(f"te_fp8={dict(value)!r} is not a valid TEFp8Config (fields: {allowed}): {err}")
+                allowed = ", ".join(f.name for f in dataclasses.fields(cls))
+                problems.append(f"{name}={dict(value)!r} is not a valid {cls.__name__} (fields: {allowed}): {err}")
             return
-        problems.append(f"te_fp8={value!r} must be a TEFp8Config, a dict of its fields, or None")
+        none = ", or None" if none_ok else ""
+        problems.append(f"{name}={value!r} must be a {cls.__name__}, a dict of its fields{none}")
 
     def _normalize_gate_precision(self, problems: list[str]) -> None:
         value: Any = self.gate_precision

@@ -1,0 +1,282 @@
+"""Upstream's torch-style CP entry points (pre-refactor `cp_utils`), on top of this package's ring attention.
+
+What it is for: code written against NeMo AutoModel's `get_train_context`, `create_context_parallel_ctx`,
+`attach_context_parallel_hooks`, `attach_cp_sdpa_hooks` and `unshard_context_parallel_tensor` runs unchanged.
+Upstream builds them on torch's experimental `context_parallel` (in-place head-tail sharding of registered buffers,
+SDPA swapped for ring attention); here the same contract is met with `LoadBalancedLayout` (the same head-tail
+layout) and `RingAttentionContext`: while a context is open, `torch.nn.functional.scaled_dot_product_attention`
+(and HF's `sdpa`/`eager` dispatch) computes exact attention over the whole CP group.
+What it must not do: import transformers, or accept an option it does not honour (`cp_rotate_method="allgather"`:
+our ring always rotates K/V point to point, torch's "alltoall").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .context import RingAttentionContext, current_ring_context
+from .layouts import LoadBalancedLayout
+from .mesh import cp_rank
+
+__all__ = [
+    "attach_context_parallel_hooks",
+    "attach_cp_sdpa_hooks",
+    "create_context_parallel_ctx",
+    "get_train_context",
+    "unshard_context_parallel_tensor",
+]
+
+# torch's names for its K/V rotation; our ring sends K/V chunks point to point, which is torch's "alltoall".
+_ROTATE_METHODS = (None, "alltoall")
+
+
+@torch._dynamo.disable
+def _ring_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """`F.scaled_dot_product_attention`'s signature on local `[B, heads, S_local, d]` tensors, run as the ring.
+
+    Raises:
+        RuntimeError: outside a ring context (local attention of a shard would be silently wrong).
+        ValueError: with an `attn_mask` (built for local tokens, it cannot describe the sharded sequence).
+        NotImplementedError: with attention dropout.
+    """
+    ctx = current_ring_context()
+    if ctx is None:
+        raise RuntimeError(
+            "scaled_dot_product_attention was routed to context-parallel ring attention outside a CP context; run "
+            "forward and backward inside the context from make_cp_batch_and_ctx / create_context_parallel_ctx"
+        )
+    if attn_mask is not None:
+        raise ValueError(
+            f"ring attention got an attn_mask of shape {tuple(attn_mask.shape)}; a mask of the local tokens cannot "
+            "describe a sharded sequence: call attach_context_parallel_hooks(model) (drops it, sets is_causal=True) "
+            "or pass documents as padding_mask / _packed_seq_ids to make_cp_batch_and_ctx"
+        )
+    if dropout_p:
+        raise NotImplementedError(f"attention dropout ({dropout_p}) is not supported by ring attention; use 0.0")
+    del enable_gqa  # the ring handles fewer K/V heads than query heads either way
+    return ctx.attention(query, key, value, causal=is_causal, scale=scale)
+
+
+def get_train_context(
+    enable_loss_parallel: bool, enable_compiled_autograd: bool, cp_context: Any = None
+) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A factory of the context to run forward and backward in: loss parallel, compiled autograd, then CP.
+
+    Args:
+        enable_loss_parallel: enter torch's `loss_parallel()` (cross entropy on vocabulary-sharded DTensor logits).
+        enable_compiled_autograd: enter torch's compiled autograd for the backward.
+        cp_context: the CP context: a context manager (what `create_context_parallel_ctx` returns) or a factory
+            of one (the `RingAttentionContext` / `nullcontext` from `make_cp_batch_and_ctx`); None for no CP.
+    """
+
+    @contextlib.contextmanager
+    def context() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if enable_loss_parallel:
+                from torch.distributed.tensor.parallel import loss_parallel
+
+                stack.enter_context(loss_parallel())
+            if enable_compiled_autograd:
+                stack.enter_context(torch._dynamo.utils.maybe_enable_compiled_autograd(True))
+            if cp_context is not None:
+                is_manager = hasattr(cp_context, "__enter__")
+                stack.enter_context(cp_context if is_manager else cp_context())
+            yield
+
+    return context
+
+
+class _BufferShardContext:
+    """Shards registered buffers in place on entry, routes SDPA to the ring, restores the buffers on exit."""
+
+    def __init__(
+        self, cp_mesh: Any, buffers: list[torch.Tensor], seq_dims: list[int], no_restore: set[int], seq_len: int
+    ) -> None:
+        self._buffers, self._seq_dims, self._no_restore = buffers, seq_dims, no_restore
+        self._layout = LoadBalancedLayout(cp_size=cp_mesh.size(), cp_rank=cp_rank(cp_mesh))
+        self._ring = RingAttentionContext(
+            group=cp_mesh.get_group(),
+            layout=self._layout,
+            positions=self._layout.local_indices(seq_len, device=buffers[0].device if buffers else None),
+            doc_ids=None,
+            seq_len=seq_len,
+            padded_len=seq_len,
+        )
+        self._saved: list[torch.Tensor | None] = []
+        self._stack: contextlib.ExitStack | None = None
+        self._used = False
+
+    def __enter__(self) -> RingAttentionContext:
+        if self._used:
+            raise RuntimeError("a context from create_context_parallel_ctx shards its buffers once; create a new one")
+        self._used = True
+        self._saved = []
+        for buffer, seq_dim in zip(self._buffers, self._seq_dims, strict=True):
+            local = self._layout.shard(buffer.detach(), seq_dim=seq_dim)
+            keep = id(buffer) not in self._no_restore
+            self._saved.append(buffer.detach().clone() if keep else None)
+            buffer.data = local.contiguous()  # in place for every holder of `buffer` (no resize_ of grad tensors)
+        stack = contextlib.ExitStack()
+        ring = stack.enter_context(self._ring())
+        stack.enter_context(_sdpa_routed_to_ring())
+        self._stack = stack
+        return ring
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._stack is not None
+        self._stack.close()
+        for buffer, saved in zip(self._buffers, self._saved, strict=True):
+            if saved is not None:
+                buffer.data = saved
+
+
+@contextlib.contextmanager
+def _sdpa_routed_to_ring() -> Iterator[None]:
+    previous = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _ring_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = previous
+
+
+def create_context_parallel_ctx(
+    cp_mesh: Any,
+    cp_buffers: Sequence[torch.Tensor],
+    cp_seq_dims: Sequence[int],
+    cp_no_restore_buffers: set[torch.Tensor] | Sequence[torch.Tensor],
+    cp_rotate_method: str | None = None,
+) -> contextlib.AbstractContextManager[Any]:
+    """A context that shards `cp_buffers` head-tail over `cp_mesh` in place and makes attention a ring.
+
+    On entry every buffer (`[..., S, ...]` with the sequence on its `cp_seq_dims` entry) is replaced in place by
+    this rank's chunks r and 2C−1−r of 2C (torch's load-balanced layout, `LoadBalancedLayout`); inside, calls of
+    `torch.nn.functional.scaled_dot_product_attention` (looked up through the module at call time) and HF's
+    `sdpa`/`eager` attention compute exact attention over the group; on exit the buffers not in
+    `cp_no_restore_buffers` get their full contents back. Enter it once.
+
+    Args:
+        cp_mesh: the 1-D CP mesh (anything with `size()`, `get_group()`, `get_local_rank()`).
+        cp_buffers: tensors sharing one sequence length S, a multiple of 2C (pad first, e.g. with
+            `pad_sequence_dim`). A tensor that requires grad is sharded by swapping its `.data` (its autograd
+            history is not carried: shard embeddings out of place with `make_cp_batch_and_ctx`).
+        cp_seq_dims: the sequence dim of each buffer.
+        cp_no_restore_buffers: buffers left sharded on exit (e.g. labels the loss reads afterwards).
+        cp_rotate_method: None or "alltoall" (the ring's point-to-point K/V rotation).
+
+    Raises:
+        ValueError: listing every problem: lengths of buffers and dims differ, sequence lengths differ or are not a
+            multiple of 2C, a no-restore tensor is not one of the buffers, or `cp_rotate_method="allgather"`.
+    """
+    buffers, seq_dims = list(cp_buffers), list(cp_seq_dims)
+    cp_size = cp_mesh.size()
+    problems: list[str] = []
+    if cp_rotate_method not in _ROTATE_METHODS:
+        problems.append(
+            f"cp_rotate_method={cp_rotate_method!r}: the ring rotates K/V point to point (torch's 'alltoall'); "
+            "an all-gather rotation is not implemented, pass None or 'alltoall'"
+        )
+    if len(buffers) != len(seq_dims):
+        problems.append(f"{len(buffers)} cp_buffers but {len(seq_dims)} cp_seq_dims; give one dim per buffer")
+    lengths = {b.shape[d] for b, d in zip(buffers, seq_dims, strict=False) if -b.dim() <= d < b.dim()}
+    bad_dims = [i for i, (b, d) in enumerate(zip(buffers, seq_dims, strict=False)) if not -b.dim() <= d < b.dim()]
+    if bad_dims:
+        problems.append(f"cp_seq_dims of buffers {bad_dims} are outside their tensors' dims")
+    if len(lengths) > 1:
+        problems.append(f"the buffers have different sequence lengths {sorted(lengths)}; they must share one")
+    bad_lengths = sorted(n for n in lengths if n % (2 * cp_size))
+    if bad_lengths:
+        problems.append(f"CP sequence length {bad_lengths[0]} must be divisible by 2C = {2 * cp_size}; pad it first")
+    ids = {id(b) for b in buffers}
+    strangers = [i for i, t in enumerate(cp_no_restore_buffers) if id(t) not in ids]
+    if strangers:
+        problems.append(f"cp_no_restore_buffers entries {strangers} are not among cp_buffers (matched by identity)")
+    if problems:
+        raise ValueError("create_context_parallel_ctx:\n" + "\n".join(f"  - {p}" for p in problems))
+    if cp_size <= 1:
+        return contextlib.nullcontext()
+    seq_len = next(iter(lengths)) if lengths else 0
+    return _BufferShardContext(cp_mesh, buffers, seq_dims, {id(t) for t in cp_no_restore_buffers}, seq_len)
+
+
+def _attention_modules(model: nn.Module) -> Iterator[nn.Module]:
+    """Every module whose name ends with `self_attn`, unwrapped from activation checkpointing (so hooks fire in
+    the recompute too)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    for name, module in model.named_modules():
+        if name.endswith("self_attn"):
+            yield module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
+
+
+def attach_context_parallel_hooks(model: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+    """On every `*self_attn` module, drop an `attention_mask` keyword and set `is_causal=True` before forward.
+
+    A 4-D mask built for the local tokens cannot describe a sequence sharded over the CP group; the ring masks
+    causally by global position instead. Calls without an `attention_mask` keyword are untouched. Returns the hook
+    handles (`handle.remove()` detaches them).
+    """
+
+    def drop_mask(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if "attention_mask" in kwargs:
+            kwargs["attention_mask"] = None
+            kwargs["is_causal"] = True
+        return args, kwargs
+
+    return [m.register_forward_pre_hook(drop_mask, prepend=True, with_kwargs=True) for m in _attention_modules(model)]
+
+
+def attach_cp_sdpa_hooks(model: nn.Module, cp_mesh: Any) -> list[torch.utils.hooks.RemovableHandle]:
+    """While a `*self_attn` module runs, `F.scaled_dot_product_attention` is the ring (for compiled models).
+
+    For models that call `F.scaled_dot_product_attention` themselves (compiled, or outside HF's dispatch): the
+    swap is a `torch._dynamo.disable`d function, so a compiled graph breaks around it; the original is restored
+    after the module's forward, also when it raises. The ring needs the active CP context
+    (`make_cp_batch_and_ctx` / `create_context_parallel_ctx`), whose group must be `cp_mesh`'s. At C = 1 nothing
+    is attached (local attention is already exact). Returns the hook handles.
+    """
+    if cp_mesh.size() <= 1:
+        return []
+    saved: list[Any] = []
+
+    def swap_in(_module: nn.Module, _args: tuple[Any, ...]) -> None:
+        saved.append(F.scaled_dot_product_attention)
+        F.scaled_dot_product_attention = _ring_sdpa
+
+    def restore(_module: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:
+        if saved:
+            F.scaled_dot_product_attention = saved.pop()
+
+    handles = []
+    for module in _attention_modules(model):
+        handles.append(module.register_forward_pre_hook(swap_in))
+        handles.append(module.register_forward_hook(restore, always_call=True))
+    return handles
+
+
+def unshard_context_parallel_tensor(cp_mesh: Any, tensor: torch.Tensor, *, seq_dim: int) -> torch.Tensor:
+    """Undo the load-balanced (head-tail) layout: this rank's `[..., S/C, ...]` → the full `[..., S, ...]`.
+
+    Identity at C ≤ 1. A collective over `cp_mesh`'s group (every rank calls it); differentiable (each rank gets
+    its slice of the gradient). The length stays padded (S, a multiple of 2C).
+    """
+    cp_size = cp_mesh.size()
+    if cp_size <= 1:
+        return tensor
+    layout = LoadBalancedLayout(cp_size=cp_size, cp_rank=cp_rank(cp_mesh))
+    return layout.unshard(tensor, seq_dim=seq_dim, group=cp_mesh.get_group())
