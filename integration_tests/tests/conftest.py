@@ -110,6 +110,10 @@ class RunCache:
         "nemotron-cp2": (2, ["--model", "nemotron", "--cp", "2", *PARITY]),
         "nemotron-pp2-cp2": (4, ["--model", "nemotron", "--pp", "2", "--cp", "2", *PARITY]),
         "gemma4-pp2-cp2": (4, ["--model", "gemma4", "--pp", "2", "--cp", "2", *PARITY]),
+        # expert parallelism, carved out of dp x cp: (expert_dp, ep) = (1, 2), (1, 2) per stage, and (2, 2)
+        "gemma4-moe-dp2-ep2": (2, ["--model", "gemma4-moe", "--dp", "2", "--ep", "2", *PARITY]),
+        "nemotron-pp2-dp2-ep2": (4, ["--model", "nemotron", "--pp", "2", "--dp", "2", "--ep", "2", *PARITY]),
+        "nemotron-dp2-ep2-cp2": (4, ["--model", "nemotron", "--dp", "2", "--ep", "2", "--cp", "2", *PARITY]),
     }
 
     def __init__(self, root: Path) -> None:

@@ -72,6 +72,7 @@ def test_every_problem_is_listed_once_and_every_rank_exits_before_any_collective
     args = [
         "--model", "nemotron", *PARITY,
         "--pp", "2", "--cp", "2",  # world size 2 != 4 (pp x cp itself is accepted for nemotron's contiguous layout)
+        "--ep", "3",  # does not divide dp x cp = 2, nor nemotron's 4 experts (am-capabilities)
         "--seq-len", "18",  # not divisible by 2 x cp = 4, the length the CP sharder pads to
         "--global-batch", "5", "--microbatch-size", "2",  # 5 sequences cannot make microbatches of 2
         "--schedule", "ZeroBubbleFantasy",  # unknown schedule
@@ -82,7 +83,7 @@ def test_every_problem_is_listed_once_and_every_rank_exits_before_any_collective
     ]  # fmt: skip
     (code0, out0), (code1, out1) = _launch_ranks_by_hand(args, world_size=2)
     assert (code0, code1) == (EXIT_BAD_INPUT, EXIT_BAD_INPUT), out0[-3000:] + out1[-3000:]
-    assert out0.count("refusing to start (10 problems)") == 1, out0  # exactly the ten below
+    assert out0.count("refusing to start (12 problems)") == 1, out0  # exactly the twelve below
     assert "Traceback" not in out0 + out1
     assert "refusing to start" not in out1
     expected = [
@@ -96,6 +97,9 @@ def test_every_problem_is_listed_once_and_every_rank_exits_before_any_collective
         "--threads -1: must be >= 0",
         "--timeout inf: must be a finite number",
         f"{tmp_path / 'a-file'} is a file, so the folder cannot be created",
+        "--ep 3 with --dp 1 x --cp 2: ep=3 must divide dp x cp = 2",
+        "ep_size=3: NemotronHForCausalLM cannot use expert parallelism: its experts cannot be split evenly over "
+        "ep_size=3 ranks (n_routed_experts=4 not divisible by 3)",
     ]
     missing = [line for line in expected if line not in out0]
     assert not missing, f"not reported: {missing}\n{out0}"

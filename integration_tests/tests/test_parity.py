@@ -23,6 +23,9 @@ CASES = [
     ("nemotron-cp2", "nemotron"),  # Nemotron-H under CP: ring attention, Mamba2 state passing, MTP targets
     ("nemotron-pp2-cp2", "nemotron"),  # pipeline x CP (4 ranks): each stage runs its layers under the CP group
     ("gemma4-pp2-cp2", "gemma4"),  # Gemma 4 dense: pipeline (tied head across stages) x CP, sliding + full attention
+    ("gemma4-moe-dp2-ep2", "gemma4-moe"),  # expert parallelism: each rank holds 2 of the 4 experts, all-to-all
+    ("nemotron-pp2-dp2-ep2", "nemotron"),  # pipeline x EP (4 ranks): the MoE stage's experts over its dp ranks
+    ("nemotron-dp2-ep2-cp2", "nemotron"),  # EP over the cp ranks, experts FSDP2-sharded over dp (4 ranks)
 ]
 
 
@@ -73,3 +76,56 @@ def test_summary_records_the_cp_size_and_layout(runs, case: str, pp: int, cp: in
 
 def test_summary_records_no_cp_layout_without_cp(runs) -> None:
     assert runs.get("nemotron").check().summary["layout"]["cp_layout"] is None
+
+
+EP_CASES = [("gemma4-moe-dp2-ep2", "gemma4-moe", 1, 2, 1), ("nemotron-pp2-dp2-ep2", "nemotron", 2, 2, 1)]
+EP_CASES += [("nemotron-dp2-ep2-cp2", "nemotron", 1, 2, 2)]
+
+
+@pytest.mark.parametrize(("case", "reference", "pp", "dp", "cp"), EP_CASES, ids=[c[0] for c in EP_CASES])
+def test_ep_summary_records_ep_and_the_global_expert_load(runs, case: str, reference: str, pp: int, dp: int, cp: int):
+    """summary.json's layout and mesh name ep (no extra ranks: pp x dp x cp); the expert load imbalance of every
+    step is the global batch's (counts summed over the data ranks, the worst layer over the pipeline stages), so it
+    equals the single-process run's exactly (integer counts of the same routing)."""
+    summary, single = runs.get(case).check().summary, runs.get(reference).check().summary
+    layout = summary["layout"]
+    assert (layout["pp"], layout["dp"], layout["cp"], layout["ep"]) == (pp, dp, cp, 2)
+    assert summary["mesh"] == {"pp": pp, "dp": dp, "cp": cp, "ep": 2}
+    assert single["layout"]["ep"] == 1
+    imbalance = summary["expert_imbalance"]
+    assert len(imbalance) == 3
+    assert all(value >= 1.0 for value in imbalance), imbalance
+    assert imbalance == single["expert_imbalance"]
+
+
+def test_a_model_without_experts_records_no_expert_load(runs) -> None:
+    assert runs.get("llama-tied").check().summary["expert_imbalance"] is None
+
+
+EP_EXPORTS = [("gemma4-moe-dp2-ep2", "Gemma4ForCausalLM"), ("nemotron-pp2-dp2-ep2", "NemotronHForCausalLM")]
+
+
+@pytest.mark.parametrize(("case", "hf_class"), EP_EXPORTS, ids=[case for case, _ in EP_EXPORTS])
+def test_ep_export_loads_in_transformers_with_equal_logits(runs, case: str, hf_class: str) -> None:
+    """The HF-format export of an EP run (experts gathered from their (expert_dp, ep) shards back to the file's
+    keys: per expert for Nemotron-H, stacked for Gemma 4) loads into transformers' own class with every tensor
+    present, and its logits equal our model class's on the same folder (fp32). With the parity test above (the
+    exported weights equal the single-process run's) this proves the export of an EP run is complete and right."""
+    import transformers
+    from trainer.models import build_model, folder_spec
+
+    run = runs.get(case).check()
+    root = run.out / "checkpoints"
+    folder = root / (root / "latest").read_text().strip() / "model"
+    hf, info = getattr(transformers, hf_class).from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    assert not info["missing_keys"], info
+    assert not info["mismatched_keys"], info
+    ours = build_model(folder_spec(folder), seed=1)  # our registered class, every weight from the folder
+    if case.startswith("nemotron"):
+        experts = {key for key in run.final_weights() if ".experts." in key}
+        assert {f"backbone.layers.3.mixer.experts.{e}.up_proj.weight" for e in range(4)} <= experts, sorted(experts)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(ids).logits, ours.eval()(ids).logits, rtol=1e-5, atol=1e-5)

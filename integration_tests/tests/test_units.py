@@ -186,3 +186,77 @@ def test_validate_lists_every_cp_problem_at_once_before_any_process_group() -> N
     ):
         assert expected in text, f"not reported: {expected}\n{text}"
     assert not dist.is_initialized()
+
+
+def test_ep_problems_name_the_layout_in_cli_terms() -> None:
+    """--ep is carved out of dp x cp: it must divide dp x cp (am-moe's `plan_expert_parallel`, in CLI terms), and it
+    adds no processes (the world size stays pp x dp x cp)."""
+    from trainer.config import ep_problems
+
+    good = parse_args(["--dp", "2", "--cp", "2", "--ep", "4"])
+    assert find_problems(good, world_size=4) == []
+    assert ep_problems(parse_args(["--dp", "2", "--cp", "3", "--ep", "3"])) == []
+    (problem,) = find_problems(parse_args(["--dp", "2", "--cp", "2", "--ep", "3"]), world_size=4)
+    assert "--ep 3 with --dp 2 x --cp 2: ep=3 must divide dp x cp = 4" in problem, problem
+    assert "choose an --ep that divides 4" in problem
+    assert find_problems(parse_args(["--ep", "0"]), world_size=1) == ["--ep=0: must be >= 1"]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["--model", "gemma4", "--dp", "2", "--ep", "2"],
+            ["ep_size=2: Gemma4ForCausalLM cannot use expert parallelism"],
+        ),
+        (
+            ["--model", "llama", "--dp", "2", "--ep", "2"],
+            ["ep_size=2: LlamaForCausalLM cannot use expert parallelism: it has no `apply_expert_parallel(ep_mesh)`"],
+        ),
+        (
+            ["--model", "gemma4-moe", "--dp", "3", "--global-batch", "3", "--ep", "3", "--lr", "-1"],
+            ["(num_experts=4 not divisible by 3)", "--lr -1.0"],
+        ),
+        (
+            ["--model", "nemotron", "--layers", "2", "--dp", "2", "--ep", "2"],  # "M*": no MoE layer
+            [
+                "ep_size=2: NemotronHForCausalLM cannot use expert parallelism: its capability declaration says "
+                "supports_ep=False"
+            ],
+        ),
+        (
+            ["--model", "nemotron", "--layers", "4", "--dp", "2", "--ep", "4"],
+            ["--ep 4 with --dp 2 x --cp 1: ep=4 must divide dp x cp = 2"],
+        ),
+    ],
+    ids=["dense-gemma4", "llama", "experts-not-divisible", "nemotron-without-moe", "ep-not-dividing-dp-cp"],
+)
+def test_validate_refuses_every_ep_problem_before_any_process_group(args: list[str], expected: list[str]) -> None:
+    """A model without expert parallelism, experts that do not split over ep (both am-capabilities' rules) and an ep
+    that does not divide dp x cp are refused by `validate`, with the run's other problems, in ONE BadInput."""
+    import torch.distributed as dist
+    from trainer.loop import BadInput, validate
+
+    cfg = parse_args(["--hidden-size", "32", "--layers", "2", "--seq-len", "16", *args])
+    with pytest.raises(BadInput) as caught:
+        validate(cfg, world_size=cfg.world_size)
+    text = str(caught.value)
+    assert f"refusing to start ({len(expected)} problem" in text, text
+    for line in expected:
+        assert line in text, f"not reported: {line}\n{text}"
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("imbalance", [1.5, None], ids=["moe", "dense"])
+def test_progress_shows_expert_load_imbalance_next_to_the_loss(capsys, imbalance: float | None) -> None:
+    from trainer.progress import Progress
+
+    progress = Progress(total_steps=2, start_step=0, tokens_per_step=10, enabled=True)
+    progress.update(step=1, loss=2.5, lr=1e-3, expert_imbalance=imbalance)
+    progress.close()
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "loss=2.5000" in line, line
+    if imbalance is None:
+        assert "experts" not in line, line
+    else:
+        assert "loss=2.5000, experts max/mean=1.50," in line, line

@@ -28,6 +28,7 @@ class RunConfig:
     pp: int
     dp: int
     cp: int
+    ep: int
     schedule: str
     stages_per_rank: int
     global_batch: int
@@ -91,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--dp", type=int, default=1, help="data-parallel (FSDP2) size")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size, carved out of the dp x cp ranks (must divide dp x cp and every expert count); "
+        "does not add processes",
+    )
     p.add_argument("--schedule", default="1F1B", help="pipeline schedule name (GPipe, 1F1B, Interleaved1F1B, ...)")
     p.add_argument(
         "--stages-per-rank",
@@ -219,7 +227,7 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
     the data or a checkpoint are added by the caller, so the user sees them all in one message.
     """
     problems = []
-    for name in ("pp", "dp", "cp", "global_batch", "microbatch_size", "seq_len", "steps", "layers"):
+    for name in ("pp", "dp", "cp", "ep", "global_batch", "microbatch_size", "seq_len", "steps", "layers"):
         if getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')}={getattr(cfg, name)}: must be >= 1")
     sizes_ok = min(cfg.pp, cfg.dp, cfg.cp) >= 1
@@ -228,6 +236,7 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
             f"the world size is {world_size} but pp x dp x cp = {cfg.pp} x {cfg.dp} x {cfg.cp} = {cfg.world_size}: "
             f"launch {cfg.world_size} processes (torchrun --nproc-per-node {cfg.world_size}) or change the sizes"
         )
+    problems += ep_problems(cfg)
     if cfg.dp >= 1 and cfg.global_batch % cfg.dp:
         problems.append(
             f"--global-batch {cfg.global_batch} is not divisible by --dp {cfg.dp}: every data-parallel replica needs "
@@ -304,6 +313,38 @@ def cp_problems(cfg: RunConfig, *, cp_layout: str | None, pad_multiple: int) -> 
             "layout; drop --pp or --cp"
         )
     return problems
+
+
+def ep_problems(cfg: RunConfig) -> list[str]:
+    """Every problem of `--ep` with the mesh (an empty list means go), seen before any collective.
+
+    The layout rule is am-moe's `plan_expert_parallel` (ep divides dp x cp: expert parallelism is carved out of the
+    data-parallel ranks), asked here in CLI terms. Whether the model implements EP and whether its expert counts split
+    over ep are am-capabilities' rules (`validate_for_mesh` with `ep_size`; the caller adds their lines).
+    ep < 1 is reported by `find_problems`.
+    """
+    if cfg.ep <= 1 or min(cfg.dp, cfg.cp) < 1:
+        return []
+    from am_moe import plan_expert_parallel
+
+    try:
+        plan_expert_parallel(data_parallel_size=cfg.dp * cfg.cp, ep=cfg.ep)
+    except ValueError as exc:
+        return [
+            f"--ep {cfg.ep} with --dp {cfg.dp} x --cp {cfg.cp}: {line.strip().removeprefix('- ')}; choose an --ep "
+            f"that divides {cfg.dp * cfg.cp}"
+            for line in str(exc).splitlines()[1:]
+            if line.strip()
+        ]
+    return []
+
+
+def mesh_context(cfg: RunConfig) -> Any:
+    """The mesh this run asks of the model, as am-capabilities reads it (validation and the capability attach use
+    this one description): pp, dp, cp and ep sizes (ep is carved out of dp x cp, so it adds no ranks)."""
+    from am_capabilities import MeshContext
+
+    return MeshContext(pp_size=cfg.pp, dp_size=cfg.dp, cp_size=cfg.cp, ep_size=cfg.ep)
 
 
 def _batch_label(cfg: RunConfig) -> str:

@@ -7,14 +7,16 @@ What it is for: `run(cfg)` is the whole job, in the order a reader expects (torc
     2. process group (gloo on the CPU, NCCL on GPUs) and one DeviceMesh ("pp", "dp", "cp")
     3. model: fp32, seeded, identical on every rank -> attach_capabilities_and_validate(model, mesh)
        -> storage dtype (fp32; bf16 only for --dtype bf16-pure, fp32-pinned tensors kept) -> pipeline stages
-       (pp > 1) -> per-layer activation checkpointing / torch.compile (trainer/layer_wrappers.py) -> FSDP2 over
-       dp x cp (also over one rank for mixed precision: bf16 compute, fp32 master weights)
+       (pp > 1) -> experts sharded over ep (ep > 1, carved out of dp x cp; trainer/expert_parallel.py) -> per-layer
+       activation checkpointing / torch.compile (trainer/layer_wrappers.py) -> FSDP2 over dp x cp (also over one
+       rank for mixed precision: bf16 compute, fp32 master weights; experts over the ranks left after ep)
     4. optimizer per model part and LR schedule (trainer/optim.py; default AdamW, warm-up + cosine), global
        gradient-norm clipping across stages and shards
     5. steps: the global batch is the same on every rank; each rank takes its dp slice, then its CP shard
        (`run_batch`); every --val-every steps the held-out loss through the same `run_batch`, backward off
        (trainer/evaluation.py)
-    6. checkpoints (atomic, exact resume), progress bar, TensorBoard, loss curve and a one-line summary on rank 0
+    6. checkpoints (atomic, exact resume), progress bar (MoE models: expert load imbalance), TensorBoard, loss curve
+       and a one-line summary on rank 0
 What it must not do: hide a failure. Any exception ends this rank with a non-zero exit code; torchrun then stops the
 other ranks, and every collective has a timeout, so no run hangs.
 
@@ -48,9 +50,17 @@ from torch import nn
 
 from am_pipelining import find_layers
 from trainer import checkpoint as ckpt
-from trainer.config import RunConfig
+from trainer.config import RunConfig, mesh_context
 from trainer.data import BatchStream
 from trainer.evaluation import evaluate, validation_batches
+from trainer.expert_parallel import (
+    apply_expert_parallel,
+    build_ep_meshes,
+    has_experts,
+    quiet_expert_gathers,
+    reset_expert_counts,
+    step_expert_imbalance,
+)
 from trainer.layer_wrappers import apply_activation_checkpointing, apply_compile
 from trainer.models import ModelSpec
 from trainer.optim import build_optimizers, lr_at, set_lr
@@ -109,18 +119,30 @@ def clip_grad_norm(parts: list[nn.Module], *, max_norm: float, pp_group: Any) ->
         for model, copy in tied_embedding_copies(parts)
         if copy.role == "output"
     }
-    params = [p for part in parts for p in part.parameters() if p.grad is not None]
-    grads = [p.grad for p in params if id(p) not in duplicates and p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    norm = norm.float()
+    # Under EP the experts' gradients are DTensors on (expert_dp, ep) and the others on dp_cp; DTensor ops do not mix
+    # meshes, so norms and scaling run per mesh, in parameter order (shared by every rank of a stage, so the
+    # full_tensor collectives line up).
+    by_mesh: dict[Any, list[nn.Parameter]] = {}
+    for part in parts:
+        for p in part.parameters():
+            if p.grad is not None:
+                by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for params in by_mesh.values():
+        grads = [p.grad for p in params if id(p) not in duplicates and p.grad is not None]
+        if grads:
+            mesh_norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            norms.append((mesh_norm.full_tensor() if isinstance(mesh_norm, DTensor) else mesh_norm).float())
+    norm = norms[0] if norms else torch.zeros(())  # one mesh: exactly the norm computed without EP
+    if len(norms) > 1:
+        norm = torch.stack(norms).square().sum().sqrt()
     if dist.get_world_size(pp_group) > 1:
         squared = norm**2
         dist.all_reduce(squared, group=pp_group)
         norm = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
 
 
@@ -134,7 +156,8 @@ def _full_state_dict(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
 
     full: dict[str, torch.Tensor] = {}
     for part in parts:
-        state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        with quiet_expert_gathers():  # EP: experts on (expert_dp, ep) gather back to full [E, ...] tensors
+            state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
         full.update({k: v.detach().cpu() for k, v in state.items() if isinstance(v, torch.Tensor)})
     return full
 
@@ -228,6 +251,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             print(f"--overwrite: deleted the checkpoints under {cfg.out}", file=sys.stderr, flush=True)
         dist.barrier()
     mesh, dp_cp_mesh = build_mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, device=device)
+    ep_mesh, expert_dp_mesh = build_ep_meshes(dp_cp_mesh, ep=cfg.ep)  # (None, None) at ep = 1
     dp_rank = mesh["dp"].get_local_rank()
     shard_rank = dp_cp_mesh.get_local_rank()
 
@@ -236,7 +260,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     # 3. Model -> capabilities -> precision -> pipeline -> FSDP2.
     from am_capabilities import attach_capabilities_and_validate
 
-    attach_capabilities_and_validate(model, mesh)
+    attach_capabilities_and_validate(model, mesh_context(cfg))
+    moe = has_experts(model)
     model.to(device)
     apply_precision(model, dtype=cfg.dtype)
     loss_fn = TokenSumLoss()
@@ -248,13 +273,15 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         del model  # each rank keeps only its stages
     else:
         stages, parts = [], [model]
+    if ep_mesh is not None:
+        apply_expert_parallel(parts, ep_mesh=ep_mesh)
     for part in parts:  # after the split (each stage wraps its own layers), before FSDP2
         if cfg.activation_checkpointing:
             apply_activation_checkpointing(part)
         if cfg.compile:
             apply_compile(part)
     if uses_fsdp(dtype=cfg.dtype, dp=cfg.dp, cp=cfg.cp):
-        parts = [apply_fsdp(part, shard_mesh=dp_cp_mesh, dtype=cfg.dtype) for part in parts]
+        parts = [apply_fsdp(part, shard_mesh=dp_cp_mesh, dtype=cfg.dtype, expert_mesh=expert_dp_mesh) for part in parts]
     if os.environ.get("AM_TRAIN_FP32_REPORT"):
         _dump_fp32_tensors(parts, os.environ["AM_TRAIN_FP32_REPORT"], rank, storage_dtype=precision.storage)
     # Every rank passes a loss: torch's schedules run backward only when they have one. Only the last stage calls it.
@@ -277,10 +304,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     optimizers = build_optimizers(parts, cfg)
     stream = BatchStream(corpus.train, seq_len=cfg.seq_len, global_batch=cfg.global_batch)
     start_step, history, val_history = 0, [], []
+    imbalances: list[float] = []  # per step, MoE models only: the worst layer's busiest expert / mean (global batch)
     if resume_dir is not None:
         state = ckpt.load_checkpoint(resume_dir, model_parts=parts, optimizers=optimizers)
         start_step, history = int(state["step"]), [tuple(x) for x in state["losses"]]
         val_history = [tuple(x) for x in state.get("val_losses", [])]
+        imbalances = list(state.get("expert_imbalance") or [])
         stream.load_state_dict(state["data"])
     val_batches = validation_batches(corpus.val, cfg) if corpus.val is not None else []
     export_hf = make_hf_exporter(spec, parts, dtype=cfg.dtype, shard_rank=shard_rank)
@@ -299,6 +328,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             "data": stream.state_dict(),
             "losses": history,
             "val_losses": val_history,
+            "expert_imbalance": imbalances if moe else None,
         }
         return ckpt.save_checkpoint(
             cfg.out,
@@ -349,15 +379,24 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         history.append((step, float(local), float(grad_norm)))
+        imbalance = None
+        if moe:  # before any validation forward, which the counters would see too
+            imbalance = step_expert_imbalance(
+                parts, data_group=dp_cp_mesh.get_group(), pp_group=pp_group, device=device
+            )
+            imbalances.append(imbalance)
         val_loss = None
         if val_batches and (step % cfg.val_every == 0 or step == cfg.steps):
             val_loss = evaluate(val_batches, run_batch=run_batch, loss_fn=loss_fn)
             val_history.append((step, val_loss))
-        progress.update(step=step, loss=float(local), lr=lr, val_loss=val_loss)
+            if moe:
+                reset_expert_counts(parts)  # the next step's load counts training tokens only
+        progress.update(step=step, loss=float(local), lr=lr, val_loss=val_loss, expert_imbalance=imbalance)
         tensorboard.scalars(
             step,
             {"train/loss": float(local), "train/lr": lr, "train/grad_norm": float(grad_norm)}
             | {"train/tokens_per_s": progress.tokens_per_second()}
+            | ({"train/expert_imbalance": imbalance} if imbalance is not None else {})
             | ({"val/loss": val_loss} if val_loss is not None else {}),
         )
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
@@ -372,7 +411,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         steps_run = cfg.steps - start_step
         summary = {
             "model": spec.family,
-            "mesh": {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp},
+            "mesh": {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "ep": cfg.ep},
             "layout": run_layout(cfg, plan, num_layers=num_layers, cp_layout=cp_layout),
             "schedule": cfg.schedule if cfg.pp > 1 else None,
             "dtype": cfg.dtype,
@@ -383,6 +422,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             "resumed_from": start_step or None,
             "losses": [loss for _, loss, _ in history],
             "grad_norms": [norm for _, _, norm in history],
+            "expert_imbalance": imbalances if moe else None,
             "first_loss": history[0][1] if history else None,
             "final_loss": history[-1][1] if history else None,
             "val_losses": [list(entry) for entry in val_history],  # [step, validation loss]
@@ -400,14 +440,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         curve = save_loss_curve(
             [(s, loss) for s, loss, _ in history],
             cfg.out / "loss_curve.png",
-            title=f"{spec.family}  pp={cfg.pp} dp={cfg.dp} cp={cfg.cp}  {cfg.dtype}",
+            title=f"{spec.family}  pp={cfg.pp} dp={cfg.dp} cp={cfg.cp} ep={cfg.ep}  {cfg.dtype}",
             val_losses=list(val_history),
         )
         summary["loss_curve"] = str(curve) if curve else None
         (cfg.out / "summary.json").write_text(json.dumps(summary, indent=1))
         val_text = f", validation loss {summary['final_val_loss']:.4f}" if val_history else ""
         print(
-            f"done: {spec.family} pp={cfg.pp} dp={cfg.dp} cp={cfg.cp} {cfg.dtype}, {cfg.steps} steps, loss "
+            f"done: {spec.family} pp={cfg.pp} dp={cfg.dp} cp={cfg.cp} ep={cfg.ep} {cfg.dtype}, {cfg.steps} steps, loss "
             f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}{val_text}, "
             f"{summary['tokens_per_s']:,.0f} tokens/s, "
             f"{wall:.1f} s; curve {summary['loss_curve']}, checkpoint {summary['checkpoint']}",
@@ -419,10 +459,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
 
 def run_layout(cfg: RunConfig, plan: Any, *, num_layers: int, cp_layout: str | None = None) -> dict[str, Any]:
-    """The layout that ran: mesh sizes, the CP layout (`cp_layout`: "contiguous" or "load_balanced", None at
-    cp = 1), and the pipeline plan's stages, placement, layer split and microbatches (for pp = 1: one stage holding
-    every layer, microbatches = gradient-accumulation steps)."""
-    layout: dict[str, Any] = {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "cp_layout": cp_layout}
+    """The layout that ran: mesh sizes (`ep`: expert parallelism, carved out of dp x cp), the CP layout
+    (`cp_layout`: "contiguous" or "load_balanced", None at cp = 1), and the pipeline plan's stages, placement, layer
+    split and microbatches (for pp = 1: one stage holding every layer, microbatches = gradient-accumulation steps)."""
+    layout: dict[str, Any] = {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "ep": cfg.ep, "cp_layout": cp_layout}
     if plan is not None:
         layout.update({k: v for k, v in plan.layout().items() if k != "pp"})
     else:

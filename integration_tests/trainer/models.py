@@ -70,6 +70,10 @@ def nemotron_config(*, hidden_size: int, num_layers: int, mtp_depths: int, vocab
         moe_shared_expert_intermediate_size=hidden_size,
         num_nextn_predict_layers=mtp_depths,
         mtp_hybrid_override_pattern="*-",
+        # transformers (5.23) clamps Mamba2's dt at time_step_min from below whatever time_step_limit says; spelling
+        # that limit here makes our model and transformers compute the same thing, so an exported run loads into
+        # transformers with equal logits (with the default (0, inf) they differ by ~5e-5 per Mamba2 layer).
+        time_step_limit=(0.001, math.inf),
         tie_word_embeddings=False,
         pad_token_id=0,
         bos_token_id=1,

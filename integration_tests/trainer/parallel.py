@@ -1,7 +1,9 @@
 """How the reference trainer parallelizes a model: process group, DeviceMesh, precision, pipeline, CP, FSDP2.
 
 What it is for: the functions the train loop applies to a model, in this fixed order:
-    init_distributed -> build_mesh -> apply_precision -> split_pipeline (pp > 1) -> apply_fsdp (`uses_fsdp`)
+    init_distributed -> build_mesh -> apply_precision -> split_pipeline (pp > 1)
+    -> expert parallelism (ep > 1; trainer/expert_parallel.py: the ep and expert_dp meshes carved out of this
+       stage's dp x cp ranks, ep innermost, and the experts sharded over ep) -> apply_fsdp (`uses_fsdp`)
 and, when cp > 1, `shard_batch_for_cp` on every microbatch (pp = 1) or `shard_pipeline_batch_for_cp` on every step's
 batch (pp > 1). Everything model-specific is read from the model through the
 am-* protocols (keep-in-fp32 rules, pipeline hooks, the CP batch hook); nothing here names a model class.
@@ -13,6 +15,13 @@ each rank's loss is the token SUM of its own tokens divided by the token count o
 pipeline schedule sums microbatch gradients (`scale_grads=False`); FSDP2 reduces over the flattened `dp_cp` axis
 with divide factor 1 (a sum, not a mean); the ring attention of CP already sends dK/dV back to the ranks that own the
 keys. Summing every rank's contribution is therefore exactly the single-process gradient.
+
+Expert parallelism (`--ep`, the mesh stays pp x dp x cp): ep is carved out of each stage's dp x cp ranks. The
+flattened "dp_cp" axis (rank d x cp + c) is unflattened into ("expert_dp", "ep") with ep innermost, so an ep group is
+ep consecutive dp_cp ranks of one stage (dp 2 x cp 2 x ep 2: the cp group; dp 2 x ep 2: the dp group). Expert
+weights are DTensors sharded over ep and FSDP2-sharded over expert_dp; every other parameter is sharded over dp_cp
+as without EP, and the data split does not change. The meshes, the order and why the gradients stay exact sums:
+trainer/expert_parallel.py.
 
 Precision (`PRECISIONS`, one rule for every layout): `--dtype bf16` (the default) is mixed precision: fp32 master
 weights, gradients and AdamW state, bf16 compute through FSDP2's `MixedPrecisionPolicy(param_dtype=bf16,
@@ -178,14 +187,21 @@ def _layer_modules(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def apply_fsdp(model: nn.Module, *, shard_mesh: DeviceMesh, dtype: str) -> nn.Module:
-    """FSDP2 over the flattened "dp_cp" axis: fp32-pinned modules, then each layer, then the root.
+def apply_fsdp(
+    model: nn.Module, *, shard_mesh: DeviceMesh, dtype: str, expert_mesh: DeviceMesh | None = None
+) -> nn.Module:
+    """FSDP2 over the flattened "dp_cp" axis: fp32-pinned modules, then the experts (under EP), then each layer,
+    then the root.
 
     Strict-fp32 modules get their own group with an fp32 policy (FSDP2 all-gathers a group in one dtype, so they
     must not share a group with bf16 weights), kept unsharded from forward to backward; everything else computes in
     the compute dtype of `dtype` (`PRECISIONS`) and reduces gradients in fp32. A mesh of one rank is fine: then this
     is only the mixed-precision cast-on-forward.
-    Gradients are SUMMED over dp_cp (divide factor 1): the loss is already normalized by the global token count.
+    Under expert parallelism (`expert_mesh`: the expert_dp mesh of trainer/expert_parallel.py, the experts already
+    sharded over ep) the experts are groups of their own over `expert_mesh` (am-moe's `fully_shard_experts`, same
+    policy), so the layer groups over dp_cp leave them alone.
+    Gradients are SUMMED over dp_cp, and the experts' over expert_dp (divide factor 1): the loss is already
+    normalized by the global token count.
     """
     precision = PRECISIONS[dtype]
     policy = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=precision.reduce)
@@ -194,6 +210,10 @@ def apply_fsdp(model: nn.Module, *, shard_mesh: DeviceMesh, dtype: str) -> nn.Mo
         # reshard_after_forward=False: a holder such as Nemotron's `_fp32_params` hands its parameters to the caller,
         # which computes with them after the holder's forward; these modules are tiny, so staying unsharded is cheap.
         fully_shard(module, mesh=shard_mesh, mp_policy=fp32_policy, reshard_after_forward=False)
+    if expert_mesh is not None:
+        from am_moe import fully_shard_experts
+
+        fully_shard_experts(model, mesh=expert_mesh, mp_policy=policy)
     for layer in _layer_modules(model):
         fully_shard(layer, mesh=shard_mesh, mp_policy=policy)
     fully_shard(model, mesh=shard_mesh, mp_policy=policy)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 
 class Progress:
-    """Progress bar with step, loss, tokens/s and ETA on rank 0; a no-op elsewhere."""
+    """Progress bar with step, loss, tokens/s and ETA on rank 0 (MoE models: the expert load imbalance, the worst
+    layer's busiest expert over the mean); a no-op elsewhere."""
 
     def __init__(self, *, total_steps: int, start_step: int, tokens_per_step: int, enabled: bool) -> None:
         self.enabled = enabled
@@ -36,8 +37,11 @@ class Progress:
                 mininterval=1.0 if sys.stderr.isatty() else 10.0,
             )
 
-    def update(self, *, step: int, loss: float, lr: float, val_loss: float | None = None) -> None:
-        """One optimizer step done; `val_loss` when this step validated (the bar keeps showing the latest)."""
+    def update(
+        self, *, step: int, loss: float, lr: float, val_loss: float | None = None, expert_imbalance: float | None = None
+    ) -> None:
+        """One optimizer step done; `val_loss` when this step validated (the bar keeps showing the latest);
+        `expert_imbalance` for MoE models (max / mean tokens per expert, shown next to the loss)."""
         self.steps_done += 1
         if val_loss is not None:
             self._val_loss = val_loss
@@ -46,9 +50,12 @@ class Progress:
         elapsed = time.perf_counter() - self.start_time
         tokens_per_s = self.steps_done * self.tokens_per_step / max(elapsed, 1e-9)
         fields = {"loss": f"{loss:.4f}"}
+        if expert_imbalance is not None:
+            fields["experts max/mean"] = f"{expert_imbalance:.2f}"
         if self._val_loss is not None:
             fields["val_loss"] = f"{self._val_loss:.4f}"
-        self._bar.set_postfix(**fields, lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        fields.update(lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
+        self._bar.set_postfix(fields, refresh=False)
         self._bar.update(1)
 
     def tokens_per_second(self) -> float:

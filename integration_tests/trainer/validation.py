@@ -22,7 +22,7 @@ from torch import nn
 
 from am_pipelining import find_layers
 from trainer import checkpoint as ckpt
-from trainer.config import RunConfig, cp_problems, find_problems, pipeline_plan
+from trainer.config import RunConfig, cp_problems, find_problems, mesh_context, pipeline_plan
 from trainer.data import Corpus, load_tokens
 from trainer.models import ModelSpec, build_model, folder_spec, preset_spec
 from trainer.parallel import cp_layout_name, cp_pad_multiple
@@ -139,7 +139,7 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
         BadInput: listing every problem found (arguments, --out, the model and its folder, the pipeline plan
             against the model's layers, mesh vs model capabilities, data, checkpoint).
     """
-    from am_capabilities import MeshContext, validate_for_mesh
+    from am_capabilities import validate_for_mesh
 
     problems = find_problems(cfg, world_size=world_size)
     problems += out_problems(cfg)
@@ -166,9 +166,9 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
         except (TypeError, ValueError) as exc:  # a malformed CP declaration on the model
             problems.append(str(exc))
     problems += cp_problems(cfg, cp_layout=cp_layout, pad_multiple=pad_multiple)
-    if model is not None and min(cfg.pp, cfg.dp, cfg.cp) >= 1:
-        try:
-            validate_for_mesh(model, MeshContext(pp_size=cfg.pp, dp_size=cfg.dp, cp_size=cfg.cp))
+    if model is not None and min(cfg.pp, cfg.dp, cfg.cp, cfg.ep) >= 1:
+        try:  # ep > 1: the model must implement EP and its expert counts must split over ep (am-capabilities' rule)
+            validate_for_mesh(model, mesh_context(cfg))
         except ValueError as exc:
             problems.extend(line.strip().removeprefix("- ") for line in str(exc).splitlines()[1:] if line.strip())
     problems += vocab_problems(cfg, tokenizer=tokenizer, spec=spec)
@@ -199,10 +199,10 @@ _MUST_MATCH_ON_RESUME = (
     "model", "model_path", "pp", "dp", "cp", "schedule", "stages_per_rank", "global_batch", "microbatch_size",
     "seq_len", "dtype", "seed", "data", "tie_embeddings", "mtp_depths", "hidden_size", "layers",
 )  # fmt: skip
-# The training features that change the token stream, the optimizer state or the schedule (checkpoints written before
-# these options existed hold none of them, which reads as their defaults).
+# The options added later that change the layout, the token stream, the optimizer state or the schedule (checkpoints
+# written before these options existed hold none of them, which reads as their defaults).
 _FEATURES_MUST_MATCH_ON_RESUME = {
-    "tokenizer": None, "data_field": None, "data_split": None, "val_fraction": None, "optimizer": "adamw",
+    "ep": 1, "tokenizer": None, "data_field": None, "data_split": None, "val_fraction": None, "optimizer": "adamw",
     "lr_schedule": "cosine",
 }  # fmt: skip
 
@@ -216,14 +216,12 @@ def _tokenizer_vocab(tokenizer: Any) -> int | None:
 def _feature_model_problems(cfg: RunConfig, *, model: nn.Module | None, plan: Any) -> list[str]:
     """Feature options against the model and the pipeline: activation checkpointing (am-capabilities' rule) and a
     schedule that can evaluate (`--val-every` at pp > 1)."""
-    from am_capabilities import MeshContext
     from trainer.evaluation import pipeline_eval_problems
     from trainer.layer_wrappers import activation_checkpointing_problems
 
     problems = pipeline_eval_problems(cfg, plan)
-    if cfg.activation_checkpointing and model is not None and min(cfg.pp, cfg.dp, cfg.cp) >= 1:
-        mesh = MeshContext(pp_size=cfg.pp, dp_size=cfg.dp, cp_size=cfg.cp)
-        problems += activation_checkpointing_problems(model, mesh=mesh)
+    if cfg.activation_checkpointing and model is not None and min(cfg.pp, cfg.dp, cfg.cp, cfg.ep) >= 1:
+        problems += activation_checkpointing_problems(model, mesh=mesh_context(cfg))
     return problems
 
 

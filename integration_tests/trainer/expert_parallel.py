@@ -1,0 +1,118 @@
+"""Expert parallelism (EP) in the reference trainer: the ep meshes, sharding the experts, and a step's expert load.
+
+Where EP lives (torchtitan's rule: ep is carved out of the data-parallel ranks, so it adds no processes): the mesh
+stays ("pp", "dp", "cp"). Within one pipeline stage, the flattened "dp_cp" axis (rank index d x cp + c) is
+unflattened into ("expert_dp", "ep") with ep innermost (am-moe's `build_expert_meshes`): an ep group is `ep`
+consecutive dp_cp ranks of the same stage, and expert_dp = dp x cp / ep groups hold copies of the experts. E.g.
+    dp 2, ep 2:        the ep group is the dp group; expert_dp = 1
+    dp 2, cp 2, ep 2:  the ep group is the cp group {(d, 0), (d, 1)}; expert_dp is the dp group
+    dp 4, ep 2:        ep groups {d0, d1} and {d2, d3}; expert_dp groups {d0, d2} and {d1, d3}
+Every rank of an ep group holds the same pipeline stage and runs the same schedule actions in the same order, so its
+all-to-alls (one pair per MoE layer and microbatch, forward and backward) always meet; they sit inside a stage's
+action like CP's ring transfers (see parallel.py).
+
+Order (trainer/loop.py): split_pipeline -> `apply_expert_parallel` (the model's `apply_expert_parallel(ep_mesh)` hook
+on every stage module: expert weights become DTensor Shard(0) over ep, dispatch becomes all-to-all) -> `apply_fsdp`
+with `expert_mesh`: the experts FSDP2-sharded over expert_dp first (`am_moe.fully_shard_experts`), then the layers and
+the root over dp_cp as without EP.
+Data and gradients: EP changes neither. Each dp x cp rank keeps its own data shard; the all-to-all backward brings
+every token's expert gradient home to the expert's owner, so summing over expert_dp (FSDP2, divide factor 1) covers
+every data rank exactly once, as the dense parameters' sum over dp_cp does.
+What it must not do: decide what is valid (config.ep_problems and am-capabilities do, before any collective), or name
+a model class (the experts are found through the model's hook and am-moe's `GroupedExperts`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def build_ep_meshes(dp_cp_mesh: DeviceMesh, *, ep: int) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """(ep mesh, expert_dp mesh) carved out of this stage's flattened "dp_cp" mesh, ep innermost; (None, None) at
+    ep = 1. Collective (creates the process groups): every rank calls it, after validation accepted `ep`."""
+    if ep <= 1:
+        return None, None
+    from am_moe import build_expert_meshes
+
+    return build_expert_meshes(dp_cp_mesh, ep=ep)
+
+
+def has_experts(model: nn.Module) -> bool:
+    """Whether `model` computes experts through am-moe (`GroupedExperts`): the load statistics exist only then."""
+    from am_moe import expert_modules
+
+    return bool(expert_modules(model))
+
+
+def apply_expert_parallel(parts: list[nn.Module], *, ep_mesh: DeviceMesh) -> None:
+    """Shard the experts of every model part (pipeline stage module, or the whole model) over `ep_mesh` through the
+    model's own `apply_expert_parallel(ep_mesh)` hook (am-capabilities checked that it exists). A stage without MoE
+    layers shards nothing. Collective over `ep_mesh`.
+
+    NOTE: after the pipeline split (a stage module is a pruned copy of the model), before any `fully_shard`.
+    """
+    for part in parts:
+        part.apply_expert_parallel(ep_mesh)  # type: ignore[operator]
+
+
+def step_expert_imbalance(parts: list[nn.Module], *, data_group: Any, pp_group: Any, device: torch.device) -> float:
+    """This step's expert load imbalance over the whole model: the largest, over every MoE layer of every stage, of
+    (tokens routed to the busiest expert) / (mean tokens per expert), counted on the global batch. Resets the
+    counters for the next step.
+
+    Collective: the per-expert counts are summed over `data_group` (dp x cp: every rank counts its own tokens, before
+    dispatch; am-moe's `expert_load`), then the largest ratio is taken over `pp_group` (each stage holds its own
+    layers). Call it on every rank, once per step, after the step's forwards and before any other forward (an
+    evaluation forward would be counted too). NaN when no MoE layer saw a token.
+    """
+    from am_moe import expert_load
+
+    ratios = [expert_load(part, group=data_group, reset=True).max_imbalance() for part in parts]
+    seen = [r for r in ratios if r is not None and not math.isnan(r)]
+    worst = torch.tensor(max(seen) if seen else -1.0, dtype=torch.float64, device=device)
+    if dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pp_group)
+    value = float(worst)
+    return value if value >= 0 else math.nan
+
+
+def reset_expert_counts(parts: list[nn.Module]) -> None:
+    """Zero the experts' load counters (am-moe's `reset_expert_load`) after a forward that is not training, e.g. a
+    validation pass, so the next step's load counts its training tokens only. Local, no collective."""
+    from am_moe import reset_expert_load
+
+    for part in parts:
+        reset_expert_load(part)
+
+
+@contextmanager
+def quiet_expert_gathers() -> Iterator[None]:
+    """Silence torch's per-tensor warning while full expert weights are gathered (HF export): an (expert_dp, ep)
+    sharded weight is gathered with two all-gathers, which torch reports as suboptimal for every tensor. Gathers
+    copy, never reduce, so the values are exact; the warning is noise here."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+__all__ = [
+    "apply_expert_parallel",
+    "build_ep_meshes",
+    "has_experts",
+    "quiet_expert_gathers",
+    "reset_expert_counts",
+    "step_expert_imbalance",
+]
