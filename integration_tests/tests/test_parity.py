@@ -25,6 +25,7 @@ CASES = [
     ("nemotron-cp2", "nemotron"),  # Nemotron-H under CP: ring attention, Mamba2 state passing, MTP targets
     ("nemotron-pp2-cp2", "nemotron"),  # pipeline x CP (4 ranks): each stage runs its layers under the CP group
     ("gemma4-pp2-cp2", "gemma4"),  # pipeline x CP with sliding + full attention and a tied head
+    ("gemma4-moe-pp2", "gemma4-moe"),  # Gemma 4 MoE through the pipeline (padding mask passed to every stage)
 ]
 
 

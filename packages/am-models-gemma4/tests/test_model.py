@@ -155,15 +155,16 @@ def test_embedding_is_tied_to_the_lm_head() -> None:
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def test_capabilities_dense_pp_cp_moe_cp_ep() -> None:
+def test_capabilities_dense_pp_cp_moe_pp_cp_ep() -> None:
     dense, moe = gemma4_capabilities(text_config()), gemma4_capabilities(text_config(moe=True))
     assert dense["supports_pp"]
     assert dense["supports_cp"]
     assert not dense["supports_ep"]
     assert moe["supports_cp"]
     assert moe["supports_ep"]
-    assert not moe["supports_pp"]
+    assert moe["supports_pp"]  # the pipeline passes the padding mask to every stage's MoE layers
     assert not gemma4_capabilities(text_config(hidden_size_per_layer_input=8))["supports_pp"]
+    assert not gemma4_capabilities(text_config(moe=True, hidden_size_per_layer_input=8))["supports_pp"]
     assert Gemma4ForCausalLM.get_capabilities(text_config(moe=True)) == moe
     assert Gemma4ForCausalLM._owns_cp_attention is True
 
@@ -174,10 +175,12 @@ def test_am_capabilities_reads_the_declaration() -> None:
     dense_model, moe_model = Gemma4ForCausalLM(text_config()), Gemma4ForCausalLM(text_config(moe=True))
     dense, moe = am_capabilities.ModelSupports(dense_model), am_capabilities.ModelSupports(moe_model)  # weak refs
     assert (dense.supports_pp, dense.supports_cp, dense.supports_ep) == (True, True, False)
-    assert (moe.supports_pp, moe.supports_cp, moe.supports_ep) == (False, True, True)
+    assert (moe.supports_pp, moe.supports_cp, moe.supports_ep) == (True, True, True)
     mesh = type("Mesh", (), {"pp_size": 2, "cp_size": 2, "ep_size": 2})()
+    am_capabilities.validate_for_mesh(moe_model, mesh)  # pp x cp x ep: every axis is supported
+    ple_moe = Gemma4ForCausalLM(text_config(moe=True, hidden_size_per_layer_input=8))
     with pytest.raises(ValueError, match="pp_size=2") as info:
-        am_capabilities.validate_for_mesh(moe_model, mesh)
+        am_capabilities.validate_for_mesh(ple_moe, mesh)  # a stage would need the token ids (per-layer inputs)
     assert "cp_size" not in str(info.value)
     assert "ep_size" not in str(info.value)
     with pytest.raises(ValueError, match="num_experts=4 not divisible by 3"):
