@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _g4_configs import VOCAB, perturb_, text_config
+from _g4_configs import VOCAB, perturb_, text_config, vlm_config
 from transformers import Gemma4ForCausalLM as HFGemma4ForCausalLM
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -193,3 +193,22 @@ def test_unknown_arguments_are_rejected() -> None:
     model = Gemma4ForCausalLM(text_config())
     with pytest.raises(TypeError, match="pixel_values_videos"):
         model(input_ids=_ids(), pixel_values_videos=torch.zeros(1))
+
+
+def test_cp_problems_name_attention_dropout_before_any_collective() -> None:
+    """The hook a trainer asks up front (am-context-parallel's `model_cp_problems`, no process group): attention
+    dropout while training, the rule the ring forward enforces (`Gemma4Attention.cp_problem`), one line naming every
+    decoder layer; short shards are fine (the ring fetches whatever ranks a sliding window reaches)."""
+    from am_context_parallel import model_cp_problems
+    from am_models_gemma4 import Gemma4ForConditionalGeneration
+
+    layers = ", ".join(f"model.layers.{i}.self_attn" for i in range(4))
+    expected = f"attention_dropout=0.1 is not supported under context parallelism; set it to 0 (in {layers})"
+    model = Gemma4ForCausalLM(text_config(attention_dropout=0.1)).train()
+    assert model_cp_problems(model, seq_len=8, cp_size=4) == [expected]
+    assert model_cp_problems(model.eval(), seq_len=8, cp_size=4) == []
+    assert model_cp_problems(Gemma4ForCausalLM(text_config(moe=True)).train(), seq_len=2, cp_size=4) == []
+    vlm = Gemma4ForConditionalGeneration(vlm_config(attention_dropout=0.1)).train()
+    (problem,) = model_cp_problems(vlm, seq_len=8, cp_size=2)
+    assert "model.language_model.layers.3.self_attn" in problem
+    assert "vision_tower" not in problem  # the vision tower runs whole images, not the ring
