@@ -104,6 +104,7 @@ class RunCache:
         "nemotron-pp2-dp2": (4, ["--model", "nemotron", "--pp", "2", "--dp", "2", *PARITY]),
         "gemma4-moe": (1, ["--model", "gemma4-moe", *PARITY]),
         "gemma4-moe-cp2-dp2": (4, ["--model", "gemma4-moe", "--cp", "2", "--dp", "2", *PARITY]),
+        "gemma4-moe-pp2": (2, ["--model", "gemma4-moe", "--pp", "2", *PARITY]),
         "llama-tied": (1, ["--model", "llama", "--tie-embeddings", *PARITY]),
         "llama-tied-pp2": (2, ["--model", "llama", "--tie-embeddings", "--pp", "2", *PARITY]),
         "gemma4": (1, ["--model", "gemma4", *PARITY]),

@@ -66,14 +66,26 @@ def _launch_ranks_by_hand(args: list[str], *, world_size: int, timeout: float = 
         rendezvous.close()
 
 
+def _save_nemotron_with_attention_dropout(folder) -> None:
+    """A tiny Nemotron-H folder (Mamba conv kernel 4: a CP shard needs the previous rank's last 3 tokens) whose
+    attention layers have dropout, which ring attention cannot apply."""
+    from trainer.models import build_model, preset_spec
+
+    spec = preset_spec("nemotron", hidden_size=32, num_layers=4, mtp_depths=1, tie_embeddings=False, vocab_size=None)
+    model = build_model(spec, seed=0)
+    model.config.attention_dropout = 0.1
+    spec.save(model, folder)
+
+
 def test_every_problem_is_listed_once_and_every_rank_exits_before_any_collective(tmp_path) -> None:
     (tmp_path / "corpus.txt").write_bytes(b"In the beginning\n\xc3\x28")  # a broken two-byte sequence
     (tmp_path / "a-file").write_text("not a folder")
+    _save_nemotron_with_attention_dropout(tmp_path / "nemotron-dropout")
     args = [
-        "--model", "nemotron", *PARITY,
+        *PARITY, "--model-path", str(tmp_path / "nemotron-dropout"),
         "--pp", "2", "--cp", "2",  # world size 2 != 4 (pp x cp itself is accepted for nemotron's contiguous layout)
         "--ep", "3",  # does not divide dp x cp = 2, nor nemotron's 4 experts (am-capabilities)
-        "--seq-len", "18",  # not divisible by 2 x cp = 4, the length the CP sharder pads to
+        "--seq-len", "2",  # not divisible by 2 x cp = 4 (padded to 4: 2 tokens per rank, under the conv halo of 3)
         "--global-batch", "5", "--microbatch-size", "2",  # 5 sequences cannot make microbatches of 2
         "--schedule", "ZeroBubbleFantasy",  # unknown schedule
         "--resume", str(tmp_path / "no-such-checkpoint"),  # missing checkpoint
@@ -83,14 +95,19 @@ def test_every_problem_is_listed_once_and_every_rank_exits_before_any_collective
     ]  # fmt: skip
     (code0, out0), (code1, out1) = _launch_ranks_by_hand(args, world_size=2)
     assert (code0, code1) == (EXIT_BAD_INPUT, EXIT_BAD_INPUT), out0[-3000:] + out1[-3000:]
-    assert out0.count("refusing to start (12 problems)") == 1, out0  # exactly the twelve below
+    assert out0.count("refusing to start (14 problems)") == 1, out0  # exactly the fourteen below
     assert "Traceback" not in out0 + out1
     assert "refusing to start" not in out1
     expected = [
         "the world size is 2 but pp x dp x cp = 2 x 1 x 2 = 4",
         "--global-batch 5 / --dp 1 = 5) is not divisible by --microbatch-size 2",
         "--schedule 'ZeroBubbleFantasy' is unknown",
-        "--seq-len 18 is not divisible by 4 (2 x --cp 2)",
+        "--seq-len 2 is not divisible by 4 (2 x --cp 2)",
+        # what the model cannot honour under CP (its cp_problems hook), found before the forward would raise it
+        "--cp 2 with --seq-len 2: NemotronHForCausalLM: S_local=2 tokens per rank is shorter than the Mamba conv "
+        "halo (3); use a longer sequence or fewer CP ranks",
+        "--cp 2 with --seq-len 2: NemotronHForCausalLM: attention dropout is not supported by ring attention; set "
+        "attention_dropout=0",
         "no-such-checkpoint does not exist",
         f"--data {tmp_path / 'corpus.txt'} is not UTF-8 text: byte offset 17 holds b'\\xc3'",
         "--lr nan: must be a finite number",

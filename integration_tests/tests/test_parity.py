@@ -23,6 +23,7 @@ CASES = [
     ("nemotron-cp2", "nemotron"),  # Nemotron-H under CP: ring attention, Mamba2 state passing, MTP targets
     ("nemotron-pp2-cp2", "nemotron"),  # pipeline x CP (4 ranks): each stage runs its layers under the CP group
     ("gemma4-pp2-cp2", "gemma4"),  # Gemma 4 dense: pipeline (tied head across stages) x CP, sliding + full attention
+    ("gemma4-moe-pp2", "gemma4-moe"),  # Gemma 4 MoE through the pipeline (padding mask passed to every stage)
     ("gemma4-moe-dp2-ep2", "gemma4-moe"),  # expert parallelism: each rank holds 2 of the 4 experts, all-to-all
     ("nemotron-pp2-dp2-ep2", "nemotron"),  # pipeline x EP (4 ranks): the MoE stage's experts over its dp ranks
     ("nemotron-dp2-ep2-cp2", "nemotron"),  # EP over the cp ranks, experts FSDP2-sharded over dp (4 ranks)

@@ -242,11 +242,11 @@ def cp_pad_multiple(model: nn.Module) -> int:
 
 
 def cp_local_seq_len(model: nn.Module, *, seq_len: int, cp: int) -> int:
-    """Tokens per rank and sequence after CP sharding (the static sequence length of the pipeline stages)."""
-    if cp <= 1:
-        return seq_len
-    unit = cp_pad_multiple(model) * cp
-    return -(-seq_len // unit) * unit // cp
+    """Tokens per rank and sequence after CP sharding (the static sequence length of the pipeline stages): the one
+    rule of am-context-parallel, which the models' `cp_problems` hooks are also given."""
+    from am_context_parallel import cp_local_seq_len as local_seq_len
+
+    return local_seq_len(model, seq_len=seq_len, cp_size=cp)
 
 
 def shard_batch_for_cp(model: nn.Module, batch: dict[str, torch.Tensor], *, mesh: DeviceMesh) -> tuple[Any, dict]:

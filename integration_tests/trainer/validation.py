@@ -4,9 +4,10 @@ What it is for: `validate(cfg, world_size=...)` runs on every rank before `init_
 cannot go ends on every rank with the same message listing every problem: the arguments (`config.find_problems`),
 the `--out` folder (writable; holds no checkpoints unless `--resume` or `--overwrite`), the model (built here: an
 HF folder must supply every tensor), the pipeline plan against its layers (am-pipelining), the mesh against its
-capabilities (am-capabilities), the data and the checkpoint to resume (sha256 manifest, same arguments); and for the
-training features: the tokenizer against the model's vocabulary, the held-out data, activation checkpointing against
-the model's capabilities, and a pipeline schedule that can evaluate.
+capabilities (am-capabilities), what the model cannot honour under `--cp` (its `cp_problems` hook, through
+am-context-parallel), the data and the checkpoint to resume (sha256 manifest, same arguments); and for the training
+features: the tokenizer against the model's vocabulary, the held-out data, activation checkpointing against the
+model's capabilities, and a pipeline schedule that can evaluate.
 What it must not do: touch torch.distributed, or decide a rule that another module owns (it asks them).
 """
 
@@ -131,6 +132,19 @@ def vocab_problems(cfg: RunConfig, *, tokenizer: Any, spec: ModelSpec | None) ->
     ]
 
 
+def model_cp_limits(cfg: RunConfig, model: nn.Module) -> list[str]:
+    """What the model declares it cannot honour under `--cp` with `--seq-len` (am-context-parallel's
+    `model_cp_problems`: the model's `cp_problems` hook, e.g. a shard shorter than a Mamba conv halo, attention
+    dropout under the ring). The model's forward checks the same again, as the last line of defence."""
+    from am_context_parallel import model_cp_problems
+
+    try:
+        found = model_cp_problems(model, seq_len=cfg.seq_len, cp_size=cfg.cp)
+    except (TypeError, ValueError) as exc:  # a malformed hook or CP declaration on the model
+        return [str(exc)]
+    return [f"--cp {cfg.cp} with --seq-len {cfg.seq_len}: {type(model).__name__}: {problem}" for problem in found]
+
+
 def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, Corpus, Path | None, Any]:
     """Everything checkable without a process group. Returns (spec, fp32 model, corpus (training and held-out
     tokens), resume folder, pipeline plan or None for pp = 1).
@@ -166,6 +180,8 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
         except (TypeError, ValueError) as exc:  # a malformed CP declaration on the model
             problems.append(str(exc))
     problems += cp_problems(cfg, cp_layout=cp_layout, pad_multiple=pad_multiple)
+    if model is not None and cfg.cp > 1:
+        problems += model_cp_limits(cfg, model)
     if model is not None and min(cfg.pp, cfg.dp, cfg.cp, cfg.ep) >= 1:
         try:  # ep > 1: the model must implement EP and its expert counts must split over ep (am-capabilities' rule)
             validate_for_mesh(model, mesh_context(cfg))

@@ -56,7 +56,8 @@ class NemotronLikeModel(nn.Module):
 
 
 class Gemma4LikeModel(nn.Module):
-    """Mirrors the Gemma4 VLM declaration: the answer depends on the checkpoint variant (MoE / audio / dense)."""
+    """Mirrors the Gemma4 VLM declaration: the answer depends on the checkpoint variant (MoE / audio / dense). The MoE
+    variant pipelines (am_models_gemma4 0.x: the pipeline passes the padding mask to every stage's MoE layers)."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -65,7 +66,7 @@ class Gemma4LikeModel(nn.Module):
     @classmethod
     def get_capabilities(cls, config: Any) -> dict[str, bool]:
         if config.text_config.enable_moe_block:
-            return {"supports_tp": False, "supports_cp": True, "supports_pp": False, "supports_ep": True}
+            return {"supports_tp": False, "supports_cp": True, "supports_pp": True, "supports_ep": True}
         if config.audio_config is not None:
             return {"supports_tp": True, "supports_cp": True, "supports_pp": False, "supports_ep": False}
         return {"supports_tp": True, "supports_cp": True, "supports_pp": True, "supports_ep": False}
@@ -173,7 +174,7 @@ def test_non_bool_flag_values_are_reported():
 @pytest.mark.parametrize(
     ("variant", "expected"),
     [
-        ({"moe": True}, dict(supports_tp=False, supports_cp=True, supports_pp=False, supports_ep=True)),
+        ({"moe": True}, dict(supports_tp=False, supports_cp=True, supports_pp=True, supports_ep=True)),
         ({"audio": True}, dict(supports_tp=True, supports_cp=True, supports_pp=False, supports_ep=False)),
         ({}, dict(supports_tp=True, supports_cp=True, supports_pp=True, supports_ep=False)),
     ],

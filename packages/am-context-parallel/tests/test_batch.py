@@ -17,13 +17,16 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from am_context_parallel import (
     ContiguousCPOptions,
+    ContiguousLayout,
     FlashCPUAttentionKernel,
     LoadBalancedLayout,
     RingAttentionContext,
     _synthesize_single_document_seq_ids,
+    cp_local_seq_len,
     make_contiguous_shard_cp_batch_and_ctx,
     make_cp_batch_and_ctx,
     model_cp_options,
+    model_cp_problems,
 )
 
 PAD_ID = 9
@@ -465,6 +468,45 @@ def test_a_function_in_the_batch_is_refused_with_the_new_way() -> None:
             call({**_full_batch(), "_cp_make_batch_fn": sharder})
         assert '_cp_layout = "contiguous"' in str(error.value)
         assert "model=model" in str(error.value)
+
+
+def test_model_cp_problems_asks_the_hook_with_the_shard_length_the_sharder_will_use() -> None:
+    """`model_cp_problems` passes the hook the local length `make_cp_batch_and_ctx` will produce (padded to
+    pad_multiple x C, then split), returns its list, and refuses a hook that returns anything else."""
+    calls: list[dict[str, int]] = []
+
+    class Hooked(torch.nn.Module):
+        _cp_layout = "contiguous"
+
+        def get_cp_options(self) -> ContiguousCPOptions:
+            return ContiguousCPOptions(pad_multiple=3)
+
+        def cp_problems(self, **kwargs: int) -> list[str]:
+            calls.append(kwargs)
+            return [f"{kwargs['local_seq_len']} tokens per rank is too short"] if kwargs["local_seq_len"] < 6 else []
+
+    class LoadBalancedHooked(torch.nn.Module):
+        def cp_problems(self, **kwargs: int) -> list[str]:
+            return [f"local {kwargs['local_seq_len']}"]
+
+    class BadHook(torch.nn.Module):
+        def cp_problems(self, **kwargs: int) -> str:
+            return "one string, not a list"
+
+    assert model_cp_problems(Hooked(), seq_len=10, cp_size=2) == []  # padded to 12: 6 per rank
+    assert calls == [{"seq_len": 10, "local_seq_len": 6, "cp_size": 2}]
+    assert model_cp_problems(Hooked(), seq_len=10, cp_size=4) == ["3 tokens per rank is too short"]  # 12 / 4
+    assert model_cp_problems(Hooked(), seq_len=10, cp_size=1) == []  # no CP: the hook is not asked
+    assert len(calls) == 2
+    assert model_cp_problems(LoadBalancedHooked(), seq_len=10, cp_size=2) == ["local 6"]  # padded to 2 x C = 12
+    assert model_cp_problems(torch.nn.Module(), seq_len=10, cp_size=2) == []  # no hook: nothing declared
+    with pytest.raises(TypeError, match="must return a list of strings"):
+        model_cp_problems(BadHook(), seq_len=8, cp_size=2)
+    assert cp_local_seq_len(Hooked(), seq_len=10, cp_size=4) == 3
+    assert cp_local_seq_len(Hooked(), seq_len=10, cp_size=1) == 10
+    # the rule is the sharder's: the local length equals the contiguous layout's shard of the padded length
+    layout = ContiguousLayout(cp_size=4, cp_rank=0, pad_multiple=3)
+    assert cp_local_seq_len(Hooked(), seq_len=10, cp_size=4) == len(layout.local_indices(layout.padded_length(10)))
 
 
 def test_model_declarations_are_checked() -> None:

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from am_context_parallel import all_reduce_cp_gradients, count_ring_bytes, make_cp_batch_and_ctx
 from am_models_gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+from am_moe import expert_load
 
 # fp32 with a different summation order (ring merge of partial softmaxes, gradients summed over ranks): measured
 # worst relative gradient error ~2e-5 of the tensor's largest entry.
@@ -121,14 +122,16 @@ def _vlm_case(mesh: Any, *, moe: bool, seed: int) -> dict[str, Any]:
     return _compare(model, mesh, _vlm_batch(seed))
 
 
-def _pipeline_layers_case(mesh: Any, *, seed: int) -> float:
+def _pipeline_layers_case(mesh: Any, *, seed: int, moe: bool = False) -> dict[str, Any]:
     """Layers called one by one as am-pipelining's stage forward calls them (no `attention_inputs`, a local mask
-    or None) inside the CP context: they must run the ring, not local attention on this rank's shard.
+    or None, no padding_mask) inside the CP context: they must run the ring, not local attention on this rank's
+    shard, and an MoE layer must keep the padding (the ring's document ids == 0) out of its experts.
 
-    Returns the worst relative difference to the text model's own CP forward on the same shard.
+    Returns the worst relative difference to the text model's own CP forward on the same shard, whether the
+    per-expert routing counts are the same, and how many (token, k) pairs were routed.
     """
     torch.manual_seed(seed)
-    model = Gemma4ForCausalLM(text_config())
+    model = Gemma4ForCausalLM(text_config(moe=moe))
     perturb_(model, seed=seed)
     text = model.model
     ctx, batch = make_cp_batch_and_ctx(mesh, _text_batch(seed), model=model)
@@ -140,6 +143,7 @@ def _pipeline_layers_case(mesh: Any, *, seed: int) -> float:
             padding_mask=batch["padding_mask"],
             _packed_seq_ids=batch["_packed_seq_ids"],
         ).last_hidden_state
+        expected_load = expert_load(model, reset=True).tokens_per_expert
         hidden = text.embed_tokens(batch["input_ids"])
         local = torch.ones(1, 1, hidden.shape[1], hidden.shape[1], dtype=torch.bool).tril()  # a shard-local mask
         for key, layer in text.layers.items():
@@ -154,7 +158,13 @@ def _pipeline_layers_case(mesh: Any, *, seed: int) -> float:
                 past_key_values=None,
             )
         got = text.norm(hidden)
-    return float((got - expected).abs().max() / expected.abs().max())
+        load = expert_load(model, reset=True).tokens_per_expert
+    return {
+        "diff": float((got - expected).abs().max() / expected.abs().max()),
+        "same_load": load.keys() == expected_load.keys() and all(torch.equal(load[k], expected_load[k]) for k in load),
+        "routed_pairs": sum(int(counts.sum()) for counts in load.values()),
+        "real_tokens": int((~batch["padding_mask"].bool()).sum()),
+    }
 
 
 def _expect_error(make: Any, mesh: Any, batch: dict[str, torch.Tensor]) -> str:
@@ -181,6 +191,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
             "vlm_cp2": lambda: _vlm_case(cp2, moe=False, seed=5),
             "vlm_moe_cp2": lambda: _vlm_case(cp2, moe=True, seed=6),
             "pipeline_layers_cp4": lambda: _pipeline_layers_case(cp4, seed=7),
+            "pipeline_layers_moe_cp4": lambda: _pipeline_layers_case(cp4, seed=10, moe=True),
             "dropout_cp2": lambda: _expect_error(
                 lambda: Gemma4ForCausalLM(text_config(attention_dropout=0.1)), cp2, _text_batch(8)
             ),
@@ -245,7 +256,19 @@ def test_pipeline_stage_layer_calls_run_the_ring_under_cp(results: list[dict[str
     """am-pipelining calls the layers with transformers' (shard-local) masks; inside the CP context they must still
     attend across ranks — the same hidden states as the text model's CP forward, not local attention."""
     for rank in range(4):
-        assert case_result(results, "pipeline_layers_cp4", rank) <= 1e-6, rank
+        assert case_result(results, "pipeline_layers_cp4", rank)["diff"] <= 1e-6, rank
+
+
+def test_pipeline_stage_moe_layers_keep_cp_padding_out_of_the_experts(results: list[dict[str, Any]]) -> None:
+    """A stage forward passes no padding_mask under CP: the MoE layers take the padding (the sequence's own and the
+    CP shard's) from the ring context's document ids, as the text model does — same hidden states, same per-expert
+    routing counts, and only real tokens routed (top_k pairs each)."""
+    top_k = text_config(moe=True).top_k_experts
+    for rank in range(4):
+        got = case_result(results, "pipeline_layers_moe_cp4", rank)
+        assert got["diff"] <= 1e-6, rank
+        assert got["same_load"], rank
+        assert got["routed_pairs"] == top_k * got["real_tokens"] * len(LAYER_TYPES), (rank, got)
 
 
 @pytest.mark.parametrize(

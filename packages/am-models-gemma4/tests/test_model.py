@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _g4_configs import VOCAB, perturb_, text_config
+from _g4_configs import VOCAB, perturb_, text_config, vlm_config
 from transformers import Gemma4ForCausalLM as HFGemma4ForCausalLM
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -155,15 +155,16 @@ def test_embedding_is_tied_to_the_lm_head() -> None:
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def test_capabilities_dense_pp_cp_moe_cp_ep() -> None:
+def test_capabilities_dense_pp_cp_moe_pp_cp_ep() -> None:
     dense, moe = gemma4_capabilities(text_config()), gemma4_capabilities(text_config(moe=True))
     assert dense["supports_pp"]
     assert dense["supports_cp"]
     assert not dense["supports_ep"]
     assert moe["supports_cp"]
     assert moe["supports_ep"]
-    assert not moe["supports_pp"]
+    assert moe["supports_pp"]  # the pipeline passes the padding mask to every stage's MoE layers
     assert not gemma4_capabilities(text_config(hidden_size_per_layer_input=8))["supports_pp"]
+    assert not gemma4_capabilities(text_config(moe=True, hidden_size_per_layer_input=8))["supports_pp"]
     assert Gemma4ForCausalLM.get_capabilities(text_config(moe=True)) == moe
     assert Gemma4ForCausalLM._owns_cp_attention is True
 
@@ -174,10 +175,12 @@ def test_am_capabilities_reads_the_declaration() -> None:
     dense_model, moe_model = Gemma4ForCausalLM(text_config()), Gemma4ForCausalLM(text_config(moe=True))
     dense, moe = am_capabilities.ModelSupports(dense_model), am_capabilities.ModelSupports(moe_model)  # weak refs
     assert (dense.supports_pp, dense.supports_cp, dense.supports_ep) == (True, True, False)
-    assert (moe.supports_pp, moe.supports_cp, moe.supports_ep) == (False, True, True)
+    assert (moe.supports_pp, moe.supports_cp, moe.supports_ep) == (True, True, True)
     mesh = type("Mesh", (), {"pp_size": 2, "cp_size": 2, "ep_size": 2})()
+    am_capabilities.validate_for_mesh(moe_model, mesh)  # pp x cp x ep: every axis is supported
+    ple_moe = Gemma4ForCausalLM(text_config(moe=True, hidden_size_per_layer_input=8))
     with pytest.raises(ValueError, match="pp_size=2") as info:
-        am_capabilities.validate_for_mesh(moe_model, mesh)
+        am_capabilities.validate_for_mesh(ple_moe, mesh)  # a stage would need the token ids (per-layer inputs)
     assert "cp_size" not in str(info.value)
     assert "ep_size" not in str(info.value)
     with pytest.raises(ValueError, match="num_experts=4 not divisible by 3"):
@@ -190,3 +193,22 @@ def test_unknown_arguments_are_rejected() -> None:
     model = Gemma4ForCausalLM(text_config())
     with pytest.raises(TypeError, match="pixel_values_videos"):
         model(input_ids=_ids(), pixel_values_videos=torch.zeros(1))
+
+
+def test_cp_problems_name_attention_dropout_before_any_collective() -> None:
+    """The hook a trainer asks up front (am-context-parallel's `model_cp_problems`, no process group): attention
+    dropout while training, the rule the ring forward enforces (`Gemma4Attention.cp_problem`), one line naming every
+    decoder layer; short shards are fine (the ring fetches whatever ranks a sliding window reaches)."""
+    from am_context_parallel import model_cp_problems
+    from am_models_gemma4 import Gemma4ForConditionalGeneration
+
+    layers = ", ".join(f"model.layers.{i}.self_attn" for i in range(4))
+    expected = f"attention_dropout=0.1 is not supported under context parallelism; set it to 0 (in {layers})"
+    model = Gemma4ForCausalLM(text_config(attention_dropout=0.1)).train()
+    assert model_cp_problems(model, seq_len=8, cp_size=4) == [expected]
+    assert model_cp_problems(model.eval(), seq_len=8, cp_size=4) == []
+    assert model_cp_problems(Gemma4ForCausalLM(text_config(moe=True)).train(), seq_len=2, cp_size=4) == []
+    vlm = Gemma4ForConditionalGeneration(vlm_config(attention_dropout=0.1)).train()
+    (problem,) = model_cp_problems(vlm, seq_len=8, cp_size=2)
+    assert "model.language_model.layers.3.self_attn" in problem
+    assert "vision_tower" not in problem  # the vision tower runs whole images, not the ring

@@ -26,7 +26,12 @@ from am_nemotron_dist import case_result, run_cases, run_group
 from am_nemotron_helpers import randomize_, tiny_hf_config, tokens
 from torch.distributed.device_mesh import init_device_mesh
 
-from am_context_parallel import FlashCPUAttentionKernel, TorchAttentionKernel, make_cp_batch_and_ctx
+from am_context_parallel import (
+    FlashCPUAttentionKernel,
+    TorchAttentionKernel,
+    make_cp_batch_and_ctx,
+    model_cp_problems,
+)
 from am_models_nemotron import NemotronHForCausalLM
 
 WORLD = 4
@@ -222,3 +227,22 @@ def test_the_ring_kernel_is_the_cpu_flash_op_on_the_cpu_and_the_plain_kernel_els
     else:
         assert isinstance(on_cpu, TorchAttentionKernel)
     assert isinstance(options.kernel_for(torch.device("meta")), TorchAttentionKernel)
+
+
+def test_cp_problems_name_what_the_forward_refuses_before_any_collective() -> None:
+    """The hook a trainer asks up front (am-context-parallel's `model_cp_problems`, no process group) applies the
+    forward's rule (`block_cp_problems`): a shard shorter than the conv halo, attention dropout while training —
+    in the decoder or in an MTP depth — every problem at once."""
+    halo = "S_local=2 tokens per rank is shorter than the Mamba conv halo (3); use a longer sequence or fewer CP ranks"
+    dropout = "attention dropout is not supported by ring attention; set attention_dropout=0"
+    model = NemotronHForCausalLM(tiny_hf_config(PATTERN, mtp_depths=1)).train()
+    assert model_cp_problems(model, seq_len=16, cp_size=2) == []
+    assert model_cp_problems(model, seq_len=4, cp_size=2) == [halo]  # 4 tokens over 2 ranks, conv kernel 4
+    assert model_cp_problems(model, seq_len=3, cp_size=2) == [halo]  # padded to 4 by the sharder: still 2 per rank
+    with_dropout = NemotronHForCausalLM(tiny_hf_config(PATTERN, attention_dropout=0.1)).train()
+    assert model_cp_problems(with_dropout, seq_len=4, cp_size=2) == [halo, dropout]
+    assert model_cp_problems(with_dropout.eval(), seq_len=16, cp_size=2) == []  # no dropout in eval mode
+    # attention only in the MTP depth: its dropout counts while MTP runs (training), not in eval
+    mtp_attention = NemotronHForCausalLM(tiny_hf_config("M-", mtp_depths=1, attention_dropout=0.1)).train()
+    assert model_cp_problems(mtp_attention, seq_len=16, cp_size=2) == [dropout]
+    assert model_cp_problems(mtp_attention.eval(), seq_len=16, cp_size=2) == []

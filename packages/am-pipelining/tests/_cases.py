@@ -137,6 +137,59 @@ def parity_case(
     _compare(ref_model, parts, losses, ref_losses, has_last)
 
 
+def padded_moe_case(name: str) -> None:
+    """Gemma 4 MoE (transformers' text model or VLM) with right-padded rows, 1F1B on 2 ranks: `attention_mask` and
+    `padding_mask` given to `schedule.step` on every rank reach every stage. Loss and gradients equal the unsplit
+    model's (its own forward with the attention mask), and every decoder layer of every stage is called with its
+    micro-batch's padding mask, the input MoE layers keep padding out of routing with (transformers' layers accept
+    and ignore it; am_models_gemma4's route on it, checked in integration_tests/tests/test_moe_pipeline.py)."""
+    ref_model = M.FACTORIES[name](4, moe=True)
+    model = copy.deepcopy(ref_model)
+    data = M.batch(name, 4)
+    pads = torch.zeros_like(data["input_ids"], dtype=torch.bool)
+    for row, count in enumerate((0, 3, 2, 1)):  # right padding after the image tokens (positions 1-4)
+        if count:
+            pads[row, -count:] = True
+    data["input_ids"] = data["input_ids"].masked_fill(pads, 0)
+    data["labels"] = data["labels"].masked_fill(pads, -100)
+    data["attention_mask"] = (~pads).long()
+    ref_model.zero_grad(set_to_none=True)
+    ref_losses = []
+    for i in range(4):
+        chunk = {k: v[i : i + 1] for k, v in data.items()}
+        logits = ref_model(
+            input_ids=chunk["input_ids"], attention_mask=chunk["attention_mask"], **M.media_kwargs(name, chunk)
+        ).logits
+        loss = M.mean_ce(logits, chunk["labels"])
+        loss.backward()
+        ref_losses.append(loss.detach())
+    stages, parts = split_model_into_stages(model, _mesh(), "pp", "1F1B", "cpu", microbatch_size=1, seq_len=M.SEQ)
+    seen: list[tuple[int, torch.Tensor | None]] = []
+    for part in parts:
+        text = part.model.language_model if name == "gemma4_vlm" else part.model
+        for key, layer in text.layers.items():
+            layer.register_forward_pre_hook(
+                lambda _m, _a, kwargs, key=int(key): seen.append((key, kwargs.get("padding_mask"))), with_kwargs=True
+            )
+    sched = build_pipeline_schedule(None, "1F1B", 1, 4, stages, M.mean_ce)
+    has_first = any(s.is_first for s in stages)
+    has_last = any(s.is_last for s in stages)
+    losses: list[torch.Tensor] = []
+    args = (data["input_ids"],) if has_first else ()
+    masks = {"attention_mask": data["attention_mask"], "padding_mask": pads}
+    sched.step(*args, target=data["labels"], losses=losses, **masks, **M.media_kwargs(name, data))
+    sync_tied_embedding_grads(parts)
+    _compare(ref_model, parts, losses, ref_losses, has_last)
+    keys = [
+        int(k) for part in parts for k in (part.model.language_model if name == "gemma4_vlm" else part.model).layers
+    ]
+    assert len(seen) == 4 * len(keys), f"{len(seen)} layer calls, expected 4 micro-batches x {len(keys)} layers"
+    for call, (key, mask) in enumerate(seen):
+        microbatch = call // len(keys)  # 1F1B runs the forwards of one stage in micro-batch order
+        assert mask is not None, f"layer {key} got no padding_mask (micro-batch {microbatch})"
+        assert torch.equal(mask, pads[microbatch : microbatch + 1]), f"layer {key}: wrong padding mask"
+
+
 def csv_case() -> None:
     """A compute-only CSV schedule (written from Interleaved1F1B's action list) runs and matches the reference."""
     world = dist.get_world_size()
@@ -397,6 +450,8 @@ def cases_2ranks() -> dict[str, Callable[[], None]]:
         parity_case, "qwen3", "1F1B", layers=5, expected_layers={0: [[0, 1, 2]], 1: [[3, 4]]}
     )
     cases["csv-schedule"] = csv_case
+    cases["padded-moe-gemma4"] = functools.partial(padded_moe_case, "gemma4")
+    cases["padded-moe-gemma4_vlm"] = functools.partial(padded_moe_case, "gemma4_vlm")
     cases["mask-cache-no-mask"] = functools.partial(mask_cache_case, with_mask=False)
     cases["mask-cache-with-mask"] = functools.partial(mask_cache_case, with_mask=True)
     cases["tied-training"] = tied_training_case

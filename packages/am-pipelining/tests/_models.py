@@ -84,12 +84,16 @@ def mistral(layers: int = 4, *, seed: int = 2) -> nn.Module:
     return _finish(MistralForCausalLM(config), seed)
 
 
-def _gemma4_text_config(layers: int, *, tied: bool) -> Any:
+def _gemma4_text_config(layers: int, *, tied: bool, moe: bool = False) -> Any:
     from transformers import Gemma4TextConfig
 
     types = ["sliding_attention" if (i % 2 == 0) else "full_attention" for i in range(layers)]
     types[-1] = "full_attention"
+    moe_kwargs: dict[str, Any] = (
+        dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16) if moe else {}
+    )
     return Gemma4TextConfig(
+        **moe_kwargs,
         vocab_size=VOCAB,
         hidden_size=16,
         intermediate_size=32,
@@ -110,14 +114,14 @@ def _gemma4_text_config(layers: int, *, tied: bool) -> Any:
     )
 
 
-def gemma4_text(layers: int = 4, *, tied: bool = True, seed: int = 3) -> nn.Module:
+def gemma4_text(layers: int = 4, *, tied: bool = True, seed: int = 3, moe: bool = False) -> nn.Module:
     from transformers import Gemma4ForCausalLM
 
     torch.manual_seed(seed)
-    return _finish(Gemma4ForCausalLM(_gemma4_text_config(layers, tied=tied)), seed)
+    return _finish(Gemma4ForCausalLM(_gemma4_text_config(layers, tied=tied, moe=moe)), seed)
 
 
-def gemma4_vlm(layers: int = 4, *, seed: int = 4) -> nn.Module:
+def gemma4_vlm(layers: int = 4, *, seed: int = 4, moe: bool = False) -> nn.Module:
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4VisionConfig
 
     vision = Gemma4VisionConfig(
@@ -133,7 +137,7 @@ def gemma4_vlm(layers: int = 4, *, seed: int = 4) -> nn.Module:
         attn_implementation="eager",
     )
     config = Gemma4Config(
-        text_config=_gemma4_text_config(layers, tied=True),
+        text_config=_gemma4_text_config(layers, tied=True, moe=moe),
         vision_config=vision,
         audio_config=None,
         image_token_id=IMAGE_TOKEN,

@@ -37,7 +37,7 @@ from .layouts import (
     PackedLayout,
     pad_sequence_dim,
 )
-from .model_protocol import CP_LAYOUTS, ContiguousCPOptions, model_cp_options
+from .model_protocol import CP_LAYOUTS, ContiguousCPOptions, cp_local_seq_len, model_cp_options, model_cp_problems
 from .ring import ring_attention
 from .ring_setup import ring_plan
 from .ring_stats import RingCommStats, count_ring_bytes
@@ -70,6 +70,8 @@ __all__ = [
     "CP_LAYOUTS",
     "ContiguousCPOptions",
     "model_cp_options",
+    "model_cp_problems",
+    "cp_local_seq_len",
     # ring attention
     "AttentionKernel",
     "FlashCPUAttentionKernel",

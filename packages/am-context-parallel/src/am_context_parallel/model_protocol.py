@@ -8,6 +8,15 @@ recurrence passes state from rank to rank) declares it with DATA on its class â€
         def get_cp_options(self) -> ContiguousCPOptions:   # optional: what differs from the defaults
             return ContiguousCPOptions(kernel=my_kernel_for_device, extra_seq_keys={"mtp_labels": (1, -100)})
 
+A model may also say, before any collective, what it cannot honour under CP (any layout):
+
+        def cp_problems(self, *, seq_len: int, local_seq_len: int, cp_size: int) -> list[str]:
+            return ["S_local=2 tokens per rank is shorter than the conv halo (3); ..."]  # [] when it can run
+
+`model_cp_problems(model, seq_len=, cp_size=)` is the one caller: a trainer runs it in its up-front validation, with
+every other check, so the problems are listed at once; the model keeps its forward-time check as the last line of
+defence (it must use the same rule).
+
 `make_cp_batch_and_ctx(mesh, batch, *, model=model)` reads it through `model_cp_options(model)` and calls the
 generic contiguous sharder (`make_contiguous_shard_cp_batch_and_ctx`), which returns the `RingAttentionContext`
 itself (layout, global positions, document ids, lengths). The model's layers then read the entered context
@@ -26,7 +35,7 @@ import torch
 
 from .kernels import AttentionKernel
 
-__all__ = ["CP_LAYOUTS", "ContiguousCPOptions", "model_cp_options"]
+__all__ = ["CP_LAYOUTS", "ContiguousCPOptions", "cp_local_seq_len", "model_cp_options", "model_cp_problems"]
 
 # `_cp_layout` values a model may declare; a model that declares nothing gets the load-balanced path.
 CP_LAYOUTS = ("load_balanced", "contiguous")
@@ -117,3 +126,35 @@ def model_cp_options(model: Any) -> ContiguousCPOptions | None:
     if not isinstance(options, ContiguousCPOptions):
         raise TypeError(f"{name}.get_cp_options() must return a ContiguousCPOptions; got {type(options).__name__}")
     return options
+
+
+def cp_local_seq_len(model: Any, *, seq_len: int, cp_size: int) -> int:
+    """Tokens per rank and sequence once `make_cp_batch_and_ctx` has padded `seq_len` tokens to a multiple of
+    `pad_multiple Â· cp_size` (the model's contiguous options, else 2 as the load-balanced layout) and sharded them:
+    the same on every rank. `seq_len` itself for `cp_size <= 1`."""
+    if cp_size <= 1:
+        return seq_len
+    options = model_cp_options(model)
+    unit = (options.pad_multiple if options is not None else 2) * cp_size
+    return -(-seq_len // unit) * unit // cp_size
+
+
+def model_cp_problems(model: Any, *, seq_len: int, cp_size: int) -> list[str]:
+    """Everything `model` declares it cannot honour under context parallelism for sequences of `seq_len` tokens (before
+    padding) over `cp_size` ranks: its hook `cp_problems(*, seq_len, local_seq_len, cp_size)` (optional; None or
+    absent means nothing), called with `local_seq_len = cp_local_seq_len(...)`. Pure: no collective, no batch, so a
+    trainer lists these with its other up-front checks. Empty for `cp_size <= 1`.
+
+    Raises:
+        TypeError: when the hook returns something else than a list of strings.
+    """
+    hook = getattr(model, "cp_problems", None)
+    if cp_size <= 1 or not callable(hook):
+        return []
+    local = cp_local_seq_len(model, seq_len=seq_len, cp_size=cp_size)
+    problems = hook(seq_len=seq_len, local_seq_len=local, cp_size=cp_size)
+    if not isinstance(problems, list) or not all(isinstance(problem, str) for problem in problems):
+        raise TypeError(
+            f"{type(model).__name__}.cp_problems(...) must return a list of strings (one per problem); got {problems!r}"
+        )
+    return problems

@@ -405,6 +405,15 @@ class Gemma4Attention(nn.Module):
             shared[self.layer_type] = (keys, values)
         return keys, values
 
+    def cp_problem(self) -> str | None:
+        """What this layer cannot honour under context parallelism in its current mode (None: nothing): attention
+        dropout while training (the ring has none). The rule of the forward's check and of the models' `cp_problems`
+        hook, which trainers call before any collective."""
+        dropout = self.attention_dropout if self.training else 0.0
+        if dropout:
+            return f"attention_dropout={dropout} is not supported under context parallelism; set it to 0"
+        return None
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -435,10 +444,9 @@ class Gemma4Attention(nn.Module):
 
         ring = attention_inputs.ring if attention_inputs is not None else active_ring_context()
         if ring is not None:
-            if dropout:
-                raise NotImplementedError(
-                    f"attention_dropout={dropout} is not supported under context parallelism; set it to 0"
-                )
+            problem = self.cp_problem()  # the last line of defence; trainers ask `cp_problems` before any collective
+            if problem is not None:
+                raise NotImplementedError(problem)
             out = ring.attention(
                 queries, keys, values, causal=True, sliding_window=self.sliding_window, scale=self.scaling
             )

@@ -13,10 +13,11 @@ embedding (and the vision tower, through the image rows a rank consumes) receive
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from am_context_parallel import ContiguousCPOptions, RingAttentionContext, current_ring_context
 
@@ -51,6 +52,22 @@ class ContextParallelHooks:
 
     _cp_layout = "contiguous"  # am-context-parallel: contiguous shards and the ring context, no sharder of our own
     _owns_cp_attention = True  # am-capabilities: the model runs its own CP attention
+
+    def cp_problems(self, *, seq_len: int, local_seq_len: int, cp_size: int) -> list[str]:
+        """What this model cannot honour under CP, asked before any collective (am-context-parallel's
+        `model_cp_problems`): each decoder attention layer's `cp_problem()` (attention dropout while training), the
+        rule its forward enforces. Sequence lengths set no limit: the ring fetches whichever ranks a sliding window
+        reaches, however short the shards; image batches with `use_bidirectional_attention="vision"` are refused at
+        forward time (they depend on the batch, not the configuration)."""
+        from .attention import Gemma4Attention  # attention imports this module
+
+        del seq_len, local_seq_len, cp_size
+        where: dict[str, list[str]] = {}  # one line per problem, naming every layer that has it
+        for name, module in cast(nn.Module, self).named_modules():
+            problem = module.cp_problem() if isinstance(module, Gemma4Attention) else None
+            if problem is not None:
+                where.setdefault(problem, []).append(name)
+        return [f"{problem} (in {', '.join(names)})" for problem, names in where.items()]
 
     def get_cp_options(self) -> ContiguousCPOptions:
         """The block-sparse ring kernel (`default_ring_kernel` for the batch's device); input_ids required, since

@@ -3,7 +3,10 @@
 What it is for: the residual wiring of transformers' `Gemma4TextDecoderLayer` (same parameter and buffer names
 except the MoE block, which lives under `moe.` — see `moe.py`), callable both from our text model (with
 `attention_inputs`) and from a pipeline stage forward that passes transformers' masks:
-`layer(hidden, per_layer_input, shared_kv_states=..., position_embeddings=..., attention_mask=..., position_ids=...)`.
+`layer(hidden, per_layer_input, shared_kv_states=..., position_embeddings=..., attention_mask=..., position_ids=...,
+padding_mask=...)`. Padding never reaches the experts: the MoE block reads `padding_mask` (True = pad) — given by the
+text model, or by a pipeline stage forward — and, when a stage passes none under context parallelism, the entered
+ring context's document ids (0 = padding), the same rule the text model applies.
 While generating, the text model passes its `Gemma4HybridCache` as `past_key_values` (with `attention_inputs`).
 What it must not do: accept another kind of cache (transformers' `DynamicCache` lays out K/V differently).
 """
@@ -19,10 +22,33 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4TextMLP
 
 from .attention import AttentionInputs, Gemma4Attention
 from .cache import Gemma4HybridCache
+from .cp import active_ring_context
 from .layers import Gemma4RMSNorm
 from .moe import Gemma4MoE
 
 __all__ = ["Gemma4DecoderLayer"]
+
+
+def _moe_padding_mask(
+    padding_mask: torch.Tensor | None, hidden_states: torch.Tensor, attention_inputs: AttentionInputs | None
+) -> torch.Tensor | None:
+    """The `[B, S]` padding mask (True = pad) the MoE block must honour: the given one; else, for a layer called
+    without `attention_inputs` (a pipeline stage) inside an entered CP ring context, the ring's document ids == 0;
+    else None (no padding)."""
+    if padding_mask is not None or attention_inputs is not None:
+        return padding_mask
+    ring = active_ring_context()
+    doc_ids = None if ring is None else ring.doc_ids
+    if doc_ids is None:
+        return None
+    tokens = tuple(hidden_states.shape[:2])
+    pads = (doc_ids == 0).reshape(-1, doc_ids.shape[-1])
+    if pads.shape[-1] != tokens[1] or pads.shape[0] not in (1, tokens[0]):
+        raise ValueError(
+            f"the entered CP ring context has document ids of shape {tuple(doc_ids.shape)} but this layer runs "
+            f"{tokens} [B, S_local] tokens: enter the context of exactly this micro-batch, or pass padding_mask"
+        )
+    return pads.expand(tokens)
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -100,7 +126,9 @@ class Gemma4DecoderLayer(nn.Module):
         feed_forward = self.mlp(self.pre_feedforward_layernorm(hidden_states))
         if self.enable_moe_block:
             experts = self.moe(
-                self.pre_feedforward_layernorm_2(residual), router_input=residual, padding_mask=padding_mask
+                self.pre_feedforward_layernorm_2(residual),
+                router_input=residual,
+                padding_mask=_moe_padding_mask(padding_mask, residual, attention_inputs),
             )
             feed_forward = self.post_feedforward_layernorm_1(feed_forward) + self.post_feedforward_layernorm_2(experts)
         hidden_states = residual + self.post_feedforward_layernorm(feed_forward)

@@ -54,16 +54,16 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: 
 
 
 def gemma4_capabilities(config: Any) -> dict[str, bool]:
-    """Declared capabilities for am-capabilities: dense → PP and CP; MoE → CP and EP (`apply_expert_parallel`).
+    """Declared capabilities for am-capabilities: dense → PP and CP; MoE → PP, CP and EP (`apply_expert_parallel`).
 
     PP is not declared for variants with per-layer inputs or KV sharing (a stage would need token ids or another
-    stage's K/V).
+    stage's K/V). Under PP the MoE layers keep padding out of routing through the `padding_mask` the pipeline's
+    Gemma 4 stage forward passes to every layer (or, under CP, the ring context's document ids).
     """
     text = text_config_of(config)
-    if is_moe_config(text):
-        return {"supports_cp": True, "supports_ep": True, "supports_pp": False, "supports_tp": False}
+    moe = is_moe_config(text)
     stage_local = not getattr(text, "hidden_size_per_layer_input", 0) and not getattr(text, "num_kv_shared_layers", 0)
-    return {"supports_cp": True, "supports_pp": bool(stage_local), "supports_ep": False, "supports_tp": False}
+    return {"supports_cp": True, "supports_pp": bool(stage_local), "supports_ep": moe, "supports_tp": False}
 
 
 def _reject_unknown_kwargs(kwargs: dict[str, Any], where: str) -> None:

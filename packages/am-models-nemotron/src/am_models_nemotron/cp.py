@@ -38,6 +38,7 @@ from .outputs import causal_lm_targets
 
 __all__ = [
     "MTP_CP_KEYS",
+    "ContextParallelLimits",
     "NemotronCPContext",
     "active_cp_context",
     "block_cp_problems",
@@ -227,6 +228,25 @@ def block_cp_problems(blocks: Any, *, seqlen: int, training: bool) -> list[str]:
     if training and any(b.block_type == "attention" and b.mixer.dropout for b in blocks):
         problems.append("attention dropout is not supported by ring attention; set attention_dropout=0")
     return problems
+
+
+class ContextParallelLimits:
+    """The up-front CP check of `NemotronHForCausalLM` (which provides `model`, `mtp`, `training` and
+    `compute_mtp_in_eval`): am-context-parallel's `model_cp_problems` calls `cp_problems` before any collective."""
+
+    model: Any
+    mtp: Any
+    training: bool
+    compute_mtp_in_eval: bool
+
+    def cp_problems(self, *, seq_len: int, local_seq_len: int, cp_size: int) -> list[str]:
+        """What the blocks that will run (the decoder's, and the MTP depths' when MTP runs in this mode) cannot honour
+        on contiguous shards of `local_seq_len` tokens: `block_cp_problems`, the rule the forward enforces again
+        (a shard shorter than the Mamba conv halo, attention dropout while training)."""
+        del seq_len, cp_size
+        mtp_runs = self.mtp is not None and (self.training or bool(self.compute_mtp_in_eval))
+        blocks = [*self.model.layers.values(), *(self.mtp.layers if mtp_runs else [])]
+        return block_cp_problems(blocks, seqlen=local_seq_len, training=self.training)
 
 
 def resolve_layout(

@@ -29,8 +29,8 @@ from .backend import default_backend, resolve_backend
 from .cache import NemotronHybridCache
 from .config import NemotronConfig, as_hf_config
 from .cp import (
+    ContextParallelLimits,
     NemotronCPContext,
-    block_cp_problems,
     cp_kwarg_problems,
     nemotron_cp_options,
     prepare_batch_for_cp,
@@ -65,6 +65,7 @@ _CP_KWARGS = ("cp_rank", "cp_size")
 
 
 class NemotronHForCausalLM(
+    ContextParallelLimits,
     ExpertParallelHooks,
     NemotronPipelineMixin,
     NemotronGenerationMixin,
@@ -346,8 +347,7 @@ class NemotronHForCausalLM(
         per_depth_given = bool(mtp_embed_inputs) or mtp_per_depth_input_ids is not None
 
         def cp_problems(cp: NemotronCPContext) -> list[str]:
-            blocks = [*self.model.layers.values(), *(self.mtp.layers if self.mtp is not None and mtp_runs else [])]
-            problems = block_cp_problems(blocks, seqlen=seqlen, training=self.training)
+            problems = self.cp_problems(seq_len=seqlen * cp.size, local_seq_len=seqlen, cp_size=cp.size)
             problems += cp_kwarg_problems(cp_kwargs, cp.size, cp.rank)
             if labels is not None:
                 problems.append(

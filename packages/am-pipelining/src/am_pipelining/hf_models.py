@@ -47,12 +47,30 @@ def _shared_kv_store() -> Any:
     return KVSharingDict()
 
 
+def _stage_padding_mask(
+    padding_mask: torch.Tensor | None, attention_mask: Any, hidden: torch.Tensor
+) -> torch.Tensor | None:
+    """The stage's `[B, S]` padding mask (True = pad): the given one, else derived from a 2-D `attention_mask`
+    (0 = pad), else None (no padding known to this stage)."""
+    if padding_mask is None and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        padding_mask = ~attention_mask.bool()
+    if padding_mask is not None and tuple(padding_mask.shape) != tuple(hidden.shape[:2]):
+        raise ValueError(
+            f"padding_mask has shape {tuple(padding_mask.shape)} but this stage's tokens are {tuple(hidden.shape[:2])} "
+            "[B, S]: pass a per-token padding mask that is split into micro-batches like the inputs."
+        )
+    return padding_mask
+
+
 def create_pipeline_forward_gemma4_text() -> Callable[..., Any]:
     """Forward for HF `Gemma4TextModel`: per-layer-type rotary embeddings and masks; returns [B, S, H].
 
     KV sharing (`num_kv_shared_layers > 0`) and per-layer inputs (E-series PLE) are rejected by
     `validate_hf_model_for_pipeline_support`; a fresh shared-KV store is created per call for the layers of
-    this stage.
+    this stage. `padding_mask` `[B, S]` (True = pad; default: `~attention_mask` when a 2-D mask is given) is passed
+    to every layer, as upstream does, so MoE layers that read it keep padding out of expert routing. Masks never
+    travel between stages: pass `padding_mask` / `attention_mask` to `schedule.step` on EVERY pipeline rank (the
+    schedule splits them into micro-batches along dim 0).
     """
 
     def pipeline_forward_gemma4_text(
@@ -64,11 +82,13 @@ def create_pipeline_forward_gemma4_text() -> Callable[..., Any]:
         inputs_embeds: torch.Tensor | None = None,
         cache_position: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        padding_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         if input_ids is None and inputs_embeds is None:
             raise ValueError("input_ids or inputs_embeds must be provided")
         hidden = _embed_or_take_hidden(self, input_ids, inputs_embeds)
+        padding_mask = _stage_padding_mask(padding_mask, attention_mask, hidden)
         given_position_ids = position_ids
         position_ids = _default_positions(self, hidden, position_ids)
         config = self.config
@@ -97,6 +117,7 @@ def create_pipeline_forward_gemma4_text() -> Callable[..., Any]:
                     attention_mask=mapping.get(kind),
                     position_ids=position_ids,
                     past_key_values=past_key_values,
+                    padding_mask=padding_mask,
                 )
             )
         norm = getattr(self, "norm", None)
@@ -142,8 +163,9 @@ def create_pipeline_forward_gemma4_vlm() -> Callable[..., Any]:
     """Forward for HF `Gemma4ForConditionalGeneration`.
 
     First stage: embeds text (media placeholders replaced by the pad id, as HF does), runs the vision tower and
-    scatters the pooled image features into the placeholder rows. Every stage runs its kept text layers; the last
-    applies `lm_head` and the final logit soft-capping `cap * tanh(logits / cap)`.
+    scatters the pooled image features into the placeholder rows. Every stage runs its kept text layers (other
+    keyword arguments, e.g. `padding_mask`, go on to the text forward, as upstream passes them); the last applies
+    `lm_head` and the final logit soft-capping `cap * tanh(logits / cap)`.
     """
 
     def pipeline_forward_gemma4_vlm(
@@ -200,6 +222,7 @@ def create_pipeline_forward_gemma4_vlm() -> Callable[..., Any]:
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 past_key_values=past_key_values,
+                **kwargs,
             )
         )
         return _logits_or_hidden(self, hidden, logits_to_keep)
