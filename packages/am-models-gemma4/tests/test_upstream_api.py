@@ -138,6 +138,8 @@ def test_gate_routes_like_our_router():
     torch.testing.assert_close(gate(x.float())[0].sum(-1), torch.ones(10))
     with pytest.raises(NotImplementedError, match="routing replay"):
         Gemma4Gate(model.config, enable_routing_replay=True)
+    with pytest.raises(ValueError, match="enable_moe_block=True"):
+        Gemma4Gate(C.text_config())
     with pytest.raises(ValueError, match="token_mask has shape"):
         gate(x, torch.ones(3, dtype=torch.bool))
 

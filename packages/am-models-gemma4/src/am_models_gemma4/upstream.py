@@ -26,11 +26,12 @@ from transformers.models.gemma4.modeling_gemma4 import get_block_sequence_ids_fo
 
 from am_context_parallel import ContiguousLayout, make_contiguous_shard_cp_batch_and_ctx
 from am_context_parallel.mesh import cp_rank
+from am_precision import fp32_keep_rules, match_keep_rule
 
 from .config import is_moe_config, moe_intermediate_size, text_config_of
 from .cp import active_ring_context
 from .decoder import Gemma4DecoderLayer
-from .model import Gemma4TextModel
+from .model import Gemma4ForCausalLM, Gemma4TextModel
 from .moe import Gemma4Router
 from .state_dict_adapter import Gemma4StateDictAdapter
 
@@ -137,6 +138,10 @@ class Gemma4Gate(Gemma4Router):
     token_mask / cp_mesh: upstream reads them only for the auxiliary loss, which Gemma 4 does not have
     (`aux_loss_coeff=0`), so they do not change routing (per token) here either; padding tokens are kept out by the
     experts (`Gemma4MoE` passes the mask to them). The mask's shape is checked.
+
+    Raises:
+        ValueError: the config is dense (no `enable_moe_block`).
+        NotImplementedError: `enable_routing_replay=True`.
     """
 
     def __init__(self, text_config: Any, enable_routing_replay: bool = False) -> None:
@@ -145,6 +150,7 @@ class Gemma4Gate(Gemma4Router):
                 "Gemma4Gate(enable_routing_replay=True): routing replay is not implemented in am_models_gemma4; "
                 "pass enable_routing_replay=False"
             )
+        check_moe_config(text_config)
         super().__init__(text_config_of(text_config))
 
     def forward(  # type: ignore[override]  # upstream's gate returns a third (aux loss) element
@@ -182,7 +188,8 @@ class Gemma4MoEStateDictAdapter:
     def _cast(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         if self.dtype is None or not tensor.is_floating_point():
             return tensor
-        pinned = ".router." in f".{key}" or "rotary_emb" in key
+        # the model classes' keep lists, read by am-precision's one rule (what loading and casting the model apply)
+        pinned = match_keep_rule(key, fp32_keep_rules(Gemma4ForCausalLM)) is not None
         return tensor.to(torch.float32 if pinned else self.dtype)
 
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor], device_mesh: Any = None, **kwargs: Any) -> dict[str, Any]:
