@@ -34,6 +34,16 @@ from .model import (
 )
 from .moe import ExpertParallelHooks, Gemma4Experts, Gemma4MoE, Gemma4Router
 from .state_dict_adapter import Gemma4StateDictAdapter
+from .upstream import (
+    Gemma4ContiguousSharder,
+    Gemma4Gate,
+    Gemma4MoEDecoderLayer,
+    Gemma4MoEStateDictAdapter,
+    Gemma4MoETextModelBackend,
+    ShardLayout,
+    check_moe_config,
+    prepare_model_inputs_for_cp,
+)
 from .vlm import Gemma4ForConditionalGeneration, Gemma4Model
 
 __all__ = [
@@ -76,5 +86,14 @@ __all__ = [
     "softcap_logits",
     "text_config_of",
     "validate_text_config",
+    # NeMo AutoModel's names (upstream.py)
+    "Gemma4ContiguousSharder",
+    "Gemma4Gate",
+    "Gemma4MoEDecoderLayer",
+    "Gemma4MoEStateDictAdapter",
+    "Gemma4MoETextModelBackend",
+    "ShardLayout",
+    "check_moe_config",
+    "prepare_model_inputs_for_cp",
     "__version__",
 ]
