@@ -49,3 +49,13 @@ def test_pure_bf16_is_an_opt_in_that_rounds_small_updates_away(tmp_path, initial
     assert not moved, f"expected bf16 storage to round these 1e-3 updates away: {moved}"
     assert weights["model.norm.weight"].dtype == torch.bfloat16
     assert run.summary["losses"][0] != run.summary["losses"][-1], "the run trained (other weights moved)"
+
+
+@pytest.mark.parametrize("model", ["nemotron", "gemma4", "gemma4-moe"])
+def test_every_preset_trains_under_the_default_mixed_precision(tmp_path, model: str) -> None:
+    """The default `--dtype bf16` (fp32 storage, bf16 compute) runs each preset: fp32-pinned modules (final norms,
+    routers) feed bf16 layers and heads, so a head that did not run in its compute dtype would fail here. (The parity
+    tests run fp32; Llama's mixed run is above.)"""
+    run = launch(["--model", model, *TINY, "--steps", "1", "--no-progress"], nproc=1, out=tmp_path / model).check()
+    assert run.summary["precision"] == {"storage": "float32", "compute": "bfloat16", "reduce": "float32"}
+    assert all(torch.isfinite(torch.tensor(run.summary["losses"])))

@@ -33,6 +33,7 @@ from transformers.models.gemma4.modeling_gemma4 import (
 )
 
 from am_context_parallel import cp_token_mean_loss
+from am_precision import compute_lm_head_logits
 
 from .config import normalize_text_config
 from .cp import ContextParallelHooks, active_ring_context, tokens_before_this_rank
@@ -301,7 +302,10 @@ class Gemma4ForConditionalGeneration(
         hidden = outputs.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]
-        logits = softcap_logits(self.lm_head(hidden), getattr(text_config, "final_logit_softcapping", None))
+        # compute_lm_head_logits runs the head in its compute dtype (FSDP2's param_dtype under mixed precision), so
+        # an fp32 final norm output meets a bf16 head
+        head_logits = compute_lm_head_logits(self.lm_head, hidden).logits
+        logits = softcap_logits(head_logits, getattr(text_config, "final_logit_softcapping", None))
         loss = None
         if labels is not None:
             loss = (
