@@ -58,6 +58,21 @@ def test_activation_checkpointing_changes_neither_loss_nor_gradients(family: str
     assert calls["checkpointed"] == 4
 
 
+def test_compiled_layers_give_the_eager_loss_and_gradients() -> None:
+    """--compile end to end on the CPU (inductor): a 2-layer Llama whose layers are compiled trains one step with the
+    eager loss and gradients (compiled kernels may reorder fp32 sums, hence the tolerance)."""
+    spec = preset_spec("llama", hidden_size=32, num_layers=2, mtp_depths=0, tie_embeddings=False, vocab_size=None)
+    eager, compiled = build_model(spec, seed=0), build_model(spec, seed=0)
+    assert apply_compile(compiled) == 2
+    windows = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    want_loss, want_grads = _loss_and_grads(eager, windows)
+    got_loss, got_grads = _loss_and_grads(compiled, windows)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_a_model_without_gradient_checkpointing_support_is_refused(tmp_path: Path) -> None:
     """Gemma 4 declares supports_gradient_checkpointing = False: am-capabilities' rule refuses it up front."""
     args = [*TINY_ARGS, "--model", "gemma4", "--activation-checkpointing", "--out", str(tmp_path)]
