@@ -24,10 +24,7 @@ a model class (the experts are found through the model's hook and am-moe's `Grou
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -94,25 +91,10 @@ def reset_expert_counts(parts: list[nn.Module]) -> None:
         reset_expert_load(part)
 
 
-@contextmanager
-def quiet_expert_gathers() -> Iterator[None]:
-    """Silence torch's per-tensor warning while full expert weights are gathered (HF export): an (expert_dp, ep)
-    sharded weight is gathered with two all-gathers, which torch reports as suboptimal for every tensor. Gathers
-    copy, never reduce, so the values are exact; the warning is noise here."""
-    logger = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 __all__ = [
     "apply_expert_parallel",
     "build_ep_meshes",
     "has_experts",
-    "quiet_expert_gathers",
     "reset_expert_counts",
     "step_expert_imbalance",
 ]

@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from am_moe import quiet_expert_gathers
 from am_pipelining import find_layers
 from trainer import checkpoint as ckpt
 from trainer.config import RunConfig, mesh_context
@@ -57,7 +58,6 @@ from trainer.expert_parallel import (
     apply_expert_parallel,
     build_ep_meshes,
     has_experts,
-    quiet_expert_gathers,
     reset_expert_counts,
     step_expert_imbalance,
 )

@@ -34,6 +34,7 @@ from .parallel import (
     fully_shard_experts,
     gather_expert_state_dict,
     plan_expert_parallel,
+    quiet_expert_gathers,
 )
 from .routing import RoutingError, routing_problems
 
@@ -64,6 +65,7 @@ __all__ = [
     "expert_modules",
     "fully_shard_experts",
     "gather_expert_state_dict",
+    "quiet_expert_gathers",
     "plan_expert_parallel",
     # load statistics
     "ExpertLoad",

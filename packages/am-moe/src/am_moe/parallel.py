@@ -163,9 +163,10 @@ def fully_shard_experts(
 
 
 @contextmanager
-def _quiet_redistribute() -> Iterator[None]:
-    # Gathering an (FSDP x EP) weight runs two all-gathers; torch logs a warning per tensor that it could not merge
-    # them. That is expected here, and export calls it once per expert weight.
+def quiet_expert_gathers() -> Iterator[None]:
+    """Silence torch's per-tensor warning while full expert weights are gathered (HF export, `full_tensor()`): an
+    (expert_dp, ep) sharded weight is gathered with two all-gathers, which torch reports as suboptimal for every
+    tensor. Gathers copy, never reduce, so the values are exact; the warning is noise there."""
     logger = logging.getLogger("torch.distributed.tensor._redistribute")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -185,7 +186,7 @@ def gather_expert_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     full: dict[str, torch.Tensor] = {}
-    with _quiet_redistribute():
+    with quiet_expert_gathers():
         for prefix, experts in expert_modules(module):
             for name, param in experts.named_parameters(recurse=False):
                 key = f"{prefix}.{name}" if prefix else name
