@@ -131,10 +131,11 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def types(session: nox.Session) -> None:
-    """Type-check every package's sources with mypy, each against its own installed dependencies."""
+    """Type-check every package's sources and the reference trainer with mypy, against the installed dependencies."""
     _uv_sync(session, "--all-packages", "--group", "dev")
     for package in PACKAGES:
         session.run("mypy", f"packages/{package}/src")
+    session.run("mypy", "integration_tests/trainer")  # the reference trainer (am-reference-trainer)
 
 
 def _expected_requires_dist(pyproject: dict) -> list[str]:

@@ -48,7 +48,7 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     for layer in layers:
         if getattr(layer, _CHECKPOINTED, False):
             continue
-        layer.forward = functools.partial(_checkpointed_forward, layer.forward)  # type: ignore[method-assign]
+        layer.forward = functools.partial(_checkpointed_forward, layer.forward)
         setattr(layer, _CHECKPOINTED, True)
     return len(layers)
 

@@ -210,9 +210,10 @@ def folder_spec(folder: str | Path) -> ModelSpec:
     def build_hf() -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model, info = AutoModelForCausalLM.from_pretrained(
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=torch.float32, attn_implementation="sdpa", output_loading_info=True
         )
+        model, info = loaded  # (model, loading info) with output_loading_info=True
         check_loaded_keys(folder, info)
         return model
 
