@@ -192,7 +192,7 @@ def integration(session: nox.Session) -> None:
     """The integration tests: the reference trainer (integration_tests/) launched as real gloo processes with every
     workspace package and the `integration` group installed at the locked versions (parity, resume, faults, bad
     input, fp32 contract, training features). `--all-packages` includes the trainer's own workspace distribution
-    (integration_tests/pyproject.toml), which provides the `am-train` command. About 25 minutes on 2 CPU cores."""
+    (integration_tests/pyproject.toml), which provides the `am-train` command. About 22 minutes on 2 CPU cores."""
     _uv_sync(session, "--all-packages", "--group", "integration")
     junit = ROOT / ".nox" / "junit-integration.xml"
     session.run(
