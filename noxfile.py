@@ -202,6 +202,7 @@ def integration(session: nox.Session) -> None:
         "integration_tests/tests",
         "tools/test_readme_examples.py",
         "tools/test_vendoring.py",
+        "tools/test_one_pytest_run.py",
         f"--junitxml={junit}",
         "-p",
         "no:cacheprovider",

@@ -14,11 +14,15 @@ afterwards.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
+import pickle
+import sys
 import shutil
 import tempfile
 import time
 import traceback
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,9 +59,40 @@ def case_result(results: list[dict[str, Any]], name: str, rank: int) -> Any:
     return value
 
 
-def _entry(worker: Callable[[int, int], dict[str, Any]], rank: int, world_size: int, folder: str) -> None:
+class _PortableWorker:
+    """A worker pickled together with the files of the test modules it refers to.
+
+    pytest's `--import-mode=importlib` (packages/pytest.ini, so that `pytest packages/` collects every package's
+    tests at once) names a test module after its path (`am-moe.tests.test_parallel`), a name no other process can
+    import; a rank loads such a module from its file under the same name before unpickling the worker.
+    """
+
+    def __init__(self, worker: Callable[[int, int], dict[str, Any]]) -> None:
+        self.payload = pickle.dumps(worker)
+        self.path_named_modules = {
+            name: module.__file__
+            for name, module in list(sys.modules.items())
+            if not all(part.isidentifier() for part in name.split(".")) and getattr(module, "__file__", None)
+        }
+
+    def load(self) -> Callable[[int, int], dict[str, Any]]:
+        for name, file in self.path_named_modules.items():
+            parts = name.split(".")
+            for depth in range(1, len(parts)):  # importing a dotted name needs its parents in sys.modules
+                sys.modules.setdefault(".".join(parts[:depth]), types.ModuleType(".".join(parts[:depth])))
+            if name not in sys.modules:
+                spec = importlib.util.spec_from_file_location(name, file)
+                assert spec is not None and spec.loader is not None, f"cannot load {file}"
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[name] = module
+                spec.loader.exec_module(module)
+        return pickle.loads(self.payload)
+
+
+def _entry(portable: _PortableWorker, rank: int, world_size: int, folder: str) -> None:
     torch.set_num_threads(1)  # 2 cores shared by all ranks (and other test suites)
     try:
+        worker = portable.load()
         dist.init_process_group(
             "gloo",
             init_method=f"file://{folder}/store",
@@ -89,9 +124,10 @@ def run_group(
     """
     folder = tempfile.mkdtemp(prefix="am_gloo_")
     try:
+        portable = _PortableWorker(worker)
         context = mp.get_context("forkserver")
         context.set_forkserver_preload(list(preload))
-        procs = [context.Process(target=_entry, args=(worker, rank, world_size, folder)) for rank in range(world_size)]
+        procs = [context.Process(target=_entry, args=(portable, rank, world_size, folder)) for rank in range(world_size)]
         for proc in procs:
             proc.start()
         deadline = time.monotonic() + timeout
