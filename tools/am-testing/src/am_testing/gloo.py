@@ -17,8 +17,8 @@ import datetime
 import importlib.util
 import os
 import pickle
-import sys
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -82,7 +82,8 @@ class _PortableWorker:
                 sys.modules.setdefault(".".join(parts[:depth]), types.ModuleType(".".join(parts[:depth])))
             if name not in sys.modules:
                 spec = importlib.util.spec_from_file_location(name, file)
-                assert spec is not None and spec.loader is not None, f"cannot load {file}"
+                if spec is None or spec.loader is None:
+                    raise ImportError(f"cannot load the test module {name!r} from {file}")
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[name] = module
                 spec.loader.exec_module(module)
@@ -127,7 +128,9 @@ def run_group(
         portable = _PortableWorker(worker)
         context = mp.get_context("forkserver")
         context.set_forkserver_preload(list(preload))
-        procs = [context.Process(target=_entry, args=(portable, rank, world_size, folder)) for rank in range(world_size)]
+        procs = [
+            context.Process(target=_entry, args=(portable, rank, world_size, folder)) for rank in range(world_size)
+        ]
         for proc in procs:
             proc.start()
         deadline = time.monotonic() + timeout
