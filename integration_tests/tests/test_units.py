@@ -46,33 +46,61 @@ def test_fsdp_groups_every_decoder_and_mtp_layer() -> None:
     assert groups == decoder.layers + mtp_layers
 
 
+def _mtp_training_loss_by_hand(output, labels, lm_head, loss_fn, *, scaling: float, seq_idx=None) -> torch.Tensor:
+    """The Nemotron training objective written out from its definition (independent of every package's loss code):
+    next-token loss + scaling x mean over depths k of the loss of token t + k + 2 (labels are already shifted by one),
+    a target past the end of the row or across a packed-document boundary being no target."""
+    total = loss_fn(output.logits, labels)
+    depths = list(output.mtp_per_depth_h)
+    seq_len = labels.shape[1]
+    positions = torch.arange(seq_len)
+    depth_losses = []
+    for k, hidden in enumerate(depths):
+        shift = k + 1
+        targets = torch.full_like(labels, -100)
+        targets[:, : seq_len - shift] = labels[:, shift:]
+        if seq_idx is not None:
+            crosses = seq_idx[:, (positions + shift).clamp(max=seq_len - 1)] != seq_idx
+            targets[crosses & (positions < seq_len - shift)] = -100
+        depth_losses.append(loss_fn(lm_head(hidden), targets))
+    return total + scaling * torch.stack(depth_losses).mean()
+
+
 def test_nemotron_training_loss_is_the_models_combined_loss_and_counts_mtp_once() -> None:
     """The trainer's loss module (am-pipelining's PipelineCausalLMLoss, at pp = 1 and on the last stage) computes
-    the model's `combined_loss` rule — on the forward's output and on a last stage's tuple with its seq_idx tail —
-    and the model's own `loss` is the next-token loss alone (MTP reported apart)."""
+    the Nemotron training objective — checked against the objective written out by hand, on the forward's output and
+    on a last stage's tuple with its seq_idx tail — and the model's own `loss` is the next-token loss alone (MTP
+    reported apart). The hand-written oracle tells a wrongly scaled MTP term apart (checked by mutating it)."""
     from am_pipelining import PipelineCausalLMLoss
 
     spec = preset_spec("nemotron", hidden_size=32, num_layers=4, mtp_depths=2, tie_embeddings=False, vocab_size=None)
     model = build_model(spec, seed=0).train()
+    scaling = float(model.mtp_config.loss_scaling_factor)
+    assert scaling > 0
     windows = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
     inputs, labels = windows[:, :-1], windows[:, 1:]
     loss_fn = TokenSumLoss()
     loss_fn.denominator = float(labels.numel())
     output = model(input_ids=inputs)
-    hook = model.combined_loss(output, labels, loss_fn=loss_fn, labels_shifted=True)
+    assert len(output.mtp_per_depth_h) == 2
+    by_hand = _mtp_training_loss_by_hand(output, labels, model.lm_head, loss_fn, scaling=scaling)
     pipeline = PipelineCausalLMLoss(loss_fn, model=model)(output, labels)
-    torch.testing.assert_close(hook, pipeline, rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(pipeline, by_hand, rtol=1e-6, atol=0.0)
+    for wrong in (0.0, 2 * scaling, scaling / 2):  # the mutation check: a mis-scaled MTP term is told apart
+        mutated = _mtp_training_loss_by_hand(output, labels, model.lm_head, loss_fn, scaling=wrong)
+        assert not torch.allclose(pipeline, mutated, rtol=1e-4, atol=0.0), wrong
     seq_idx = (torch.arange(16) >= 7).to(torch.int32).expand(2, 16)  # two packed documents per row
     stage_tuple = (output.logits, *output.mtp_per_depth_h, seq_idx)
     packed = PipelineCausalLMLoss(loss_fn, model=model)(stage_tuple, labels)
-    torch.testing.assert_close(
-        packed, model.combined_loss(output, labels, loss_fn=loss_fn, labels_shifted=True, seq_idx=seq_idx)
+    packed_by_hand = _mtp_training_loss_by_hand(
+        output, labels, model.lm_head, loss_fn, scaling=scaling, seq_idx=seq_idx
     )
+    torch.testing.assert_close(packed, packed_by_hand, rtol=1e-6, atol=0.0)
+    assert not torch.allclose(packed, by_hand, rtol=1e-4, atol=0.0)  # the document boundary really masks targets
     own = model(input_ids=windows, labels=windows)
     next_token = loss_fn(own.logits[:, :-1], labels)
     torch.testing.assert_close(own.loss, next_token, rtol=1e-6, atol=0.0)
     assert own.mtp_loss is not None
-    assert float(hook) > float(loss_fn(output.logits, labels))  # the MTP term is in the training loss, once
 
 
 def test_lr_warms_up_then_decays_to_min_lr() -> None:
