@@ -145,7 +145,8 @@ def run_group(
         # lets the rank move on before it is killed.
         wheres = [_read(folder, f"case{rank}.txt") or "before it started" for rank in range(world_size)]
         for proc in stuck:
-            os.kill(proc.pid, signal.SIGUSR1)  # faulthandler writes the rank's stack before it is killed
+            if proc.pid is not None:
+                os.kill(proc.pid, signal.SIGUSR1)  # faulthandler writes the rank's stack before it is killed
         if stuck:
             time.sleep(1.0)
         for proc in procs:
