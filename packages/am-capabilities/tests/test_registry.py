@@ -182,6 +182,8 @@ def test_broken_entry_point_names_itself_and_spares_other_queries(installed_fake
     assert f"'{arch} = {value}'" in message
     assert "am_cap_test_models" in message  # the distribution that ships it
     assert why in message
+    if why != "not an nn.Module subclass":  # the loading error is chained, not swallowed
+        assert type(info.value.__cause__).__name__ == why
     # Unrelated lookups keep working after the failure.
     assert query_capabilities(SimpleNamespace(architectures=["TinyCustomForCausalLM"])).supports_tp
     assert arch in registered_architectures()

@@ -56,6 +56,22 @@ def test_is_tensor_unallocated():
     assert not am_precision.is_tensor_unallocated(torch.zeros(()))
 
 
+def test_is_tensor_unallocated_without_storage():
+    """A sparse tensor has no storage (its `data_ptr()` raises RuntimeError): unallocated, as upstream counts it."""
+    assert am_precision.is_tensor_unallocated(torch.zeros(3, 3).to_sparse())
+
+
+def test_is_tensor_unallocated_lets_other_errors_through(monkeypatch):
+    """Only torch's "no storage" RuntimeError means unallocated; any other error is a bug and is not swallowed."""
+
+    def broken(self):
+        raise TypeError("broken data_ptr")
+
+    monkeypatch.setattr(torch.Tensor, "data_ptr", broken)
+    with pytest.raises(TypeError, match="broken data_ptr"):
+        am_precision.is_tensor_unallocated(torch.zeros(3))
+
+
 def test_is_tensor_unallocated_on_fake_tensor():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -66,6 +66,27 @@ def test_missing_shard_and_damaged_file_are_named(tmp_path: Path) -> None:
         LazyCheckpoint(empty)
 
 
+def test_only_file_errors_are_reported_as_a_damaged_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """safetensors' own error and OS errors name the file; anything else (a bug) propagates unchanged."""
+    import am_precision.hf_io as hf_io
+
+    write_safetensors(_tensors(), tmp_path, max_shard_size=None, safe_serialization=True)
+
+    def unreadable(path: str, framework: str) -> None:
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(hf_io, "safe_open", unreadable)
+    with pytest.raises(ValueError, match=f"Cannot read safetensors file .*{SINGLE_FILE}: PermissionError"):
+        LazyCheckpoint(tmp_path)
+
+    def buggy(path: str, framework: str) -> None:
+        raise TypeError("a bug, not a damaged file")
+
+    monkeypatch.setattr(hf_io, "safe_open", buggy)
+    with pytest.raises(TypeError, match="a bug, not a damaged file"):
+        LazyCheckpoint(tmp_path)
+
+
 def test_pickle_serialization_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="safe_serialization=False"):
         write_safetensors(_tensors(), tmp_path, max_shard_size=None, safe_serialization=False)

@@ -230,6 +230,8 @@ def _load(record: _EntryPointRecord) -> type[nn.Module]:
         raise ModelRegistryError(f"{record.describe()} must have the form 'module:Class', got no ':Class' part.")
     try:
         obj = record.entry_point.load()
+    # Loading imports a third-party module, whose import-time code can raise anything; nothing is swallowed: every
+    # such error is re-raised as ModelRegistryError naming the entry point, with the original chained.
     except Exception as exc:
         raise ModelRegistryError(
             f"Cannot load {record.describe()}: {type(exc).__name__}: {exc}. "

@@ -137,7 +137,9 @@ class ModelSupports:
         model = self.model
         return _decide_ep(model, _declared(model)).ok
 
-    # Aliases kept for upstream API parity.
+    # The seed documents these two aliases on ModelSupports itself (and `model.supports_tp_plan` through
+    # attach_capabilities_and_validate), so they stay on the class, not in an upstream module; they are not
+    # package-root names.
     supports_tp_plan = supports_tp
     supports_pp_plan = supports_pp
 

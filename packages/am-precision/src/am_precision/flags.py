@@ -101,13 +101,14 @@ def _is_fake(tensor: torch.Tensor) -> bool:
 def is_tensor_unallocated(tensor: torch.Tensor) -> bool:
     """True when `tensor` has no real storage: zero elements, a null data pointer, or no data pointer at all.
 
-    Meta tensors and fake tensors (used while tracing for torch.compile) raise on `data_ptr()`; those count as
-    unallocated too.
+    Meta tensors and fake tensors (used while tracing for torch.compile) count as unallocated, and so does a tensor
+    without a storage (sparse layouts), whose `data_ptr()` raises.
     """
     if tensor.device.type == "meta" or _is_fake(tensor):
         return True
     try:
         return tensor.numel() == 0 or tensor.data_ptr() == 0
-    except Exception:
-        # Any tensor whose storage cannot be inspected is, for our purposes, not backed by memory.
+    except RuntimeError:
+        # What torch raises for a tensor without storage ("Cannot access data pointer of Tensor that doesn't have
+        # storage"); any other exception is a bug and propagates.
         return True

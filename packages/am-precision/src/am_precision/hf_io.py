@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 __all__ = [
     "INDEX_FILE",
@@ -173,7 +173,7 @@ class LazyCheckpoint:
         if file not in self._handles:
             try:
                 self._handles[file] = safe_open(str(file), framework="pt").__enter__()
-            except Exception as err:  # safetensors raises SafetensorError / OSError / ValueError for damaged files
+            except (SafetensorError, OSError) as err:  # what safetensors raises for a damaged or unreadable file
                 raise ValueError(
                     f"Cannot read safetensors file {file}: {type(err).__name__}: {err}. The file is truncated, "
                     "corrupt or not a safetensors file; re-download or re-save the checkpoint."
@@ -196,7 +196,7 @@ class LazyCheckpoint:
         file = self.file_of[key]
         try:
             return self._open(file).get_tensor(key)
-        except Exception as err:
+        except (SafetensorError, OSError) as err:
             raise ValueError(
                 f"Cannot read tensor {key} from safetensors file {file}: {type(err).__name__}: {err}. The file is "
                 "truncated or corrupt; re-download or re-save the checkpoint."

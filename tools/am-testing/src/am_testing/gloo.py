@@ -3,8 +3,10 @@
 `run_group(world_size, worker, preload=...)` starts `world_size` processes that each run `worker(rank, world_size)`
 inside an initialized gloo group; each returns a dict of per-case results (`run_cases` builds it). A case that raises
 is recorded with its traceback, so each pytest test fails on its own case (`case_result`); a rank that crashes or
-hangs fails the whole module with every rank's traceback after at most `timeout` seconds: never a hang. Collectives
-time out after `PG_TIMEOUT_S`, so a desynchronized case turns into an error on every rank.
+hangs fails the whole module after at most `timeout` seconds: never a hang. The error names, for every rank, the
+case it was in (or that it had not started one, or had finished them) and shows its traceback, or the stack of a
+rank that was stopped. A case may also have a deadline of its own (`run_cases(..., timeout=...)`). Collectives time
+out after `PG_TIMEOUT_S`, so a desynchronized case turns into an error on every rank.
 
 Ranks fork from a forkserver that has imported `preload` once (spawning costs ~5-10 s of imports per rank on a busy
 2-core machine; forking pytest itself is unsafe once it has run OpenMP kernels). The rendezvous folder is removed
@@ -14,17 +16,19 @@ afterwards.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import importlib.util
 import os
 import pickle
 import shutil
+import signal
 import sys
 import tempfile
 import time
 import traceback
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -40,14 +44,40 @@ class CaseError:
         self.text = text
 
 
-def run_cases(cases: dict[str, Callable[[], Any]]) -> dict[str, Any]:
-    """Run each case in order (every rank runs the same cases), recording its result or its traceback."""
+# Set in a rank process by `_entry`: the file naming the case the rank is in, and the file its stacks are written to
+# (on a case's own deadline, or on SIGUSR1 from run_group); run_group reads both when the group fails.
+_case_file: str | None = None
+_stack_file: TextIO | None = None
+
+
+def _mark(text: str) -> None:
+    if _case_file is not None:
+        with open(_case_file, "w") as f:
+            f.write(text)
+
+
+def run_cases(cases: dict[str, Callable[[], Any]], *, timeout: float | None = None) -> dict[str, Any]:
+    """Run each case in order (every rank runs the same cases), recording its result or its traceback.
+
+    Args:
+        cases: name -> a function of no arguments; its return value must be picklable.
+        timeout: seconds each case may take on this rank. A case past it stops the rank (its stack is written
+            out first; a call blocked inside a collective is stopped too), and `run_group` fails naming the case.
+            None: only `run_group`'s deadline for the whole group applies.
+    """
     results: dict[str, Any] = {}
     for name, case in cases.items():
+        _mark(f"in case {name!r}")
+        if timeout is not None:
+            # faulthandler's watchdog is a C thread: it fires even while the case blocks in C++ (a gloo wait).
+            faulthandler.dump_traceback_later(timeout, exit=True, file=_stack_file or sys.stderr)
         try:
             results[name] = case()
-        except Exception:
+        except Exception:  # recorded, not swallowed: case_result raises it with this traceback in the test
             results[name] = CaseError(traceback.format_exc())
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    _mark("after its last case")
     return results
 
 
@@ -91,7 +121,12 @@ class _PortableWorker:
 
 
 def _entry(portable: _PortableWorker, rank: int, world_size: int, folder: str) -> None:
+    global _case_file, _stack_file
     torch.set_num_threads(1)  # 2 cores shared by all ranks (and other test suites)
+    _case_file = os.path.join(folder, f"case{rank}.txt")
+    _mark("before its first case")
+    _stack_file = open(os.path.join(folder, f"stack{rank}.txt"), "w")  # noqa: SIM115 (open as long as the rank)
+    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
     try:
         worker = portable.load()
         dist.init_process_group(
@@ -121,7 +156,8 @@ def run_group(
     """Spawn a gloo group of `world_size` ranks running `worker` (a picklable module-level function or a
     `functools.partial` of one); return each rank's result dict, rank order.
 
-    Raises RuntimeError naming the reason (exit codes, or the timeout) with every rank's traceback.
+    Raises RuntimeError naming the reason (exit codes, or the timeout) and, for every rank, the case it was in
+    with its traceback or, for a rank stopped while running, its stack.
     """
     folder = tempfile.mkdtemp(prefix="am_gloo_")
     try:
@@ -142,19 +178,41 @@ def run_group(
                 break
             time.sleep(0.1)
         timed_out = any(p.is_alive() for p in procs) and not failed
+        stuck = [p for p in procs if p.is_alive()]
+        # Read where each rank is before signalling: SIGUSR1 can interrupt a blocked collective, which then raises and
+        # lets the rank move on before it is killed.
+        wheres = [_read(folder, f"case{rank}.txt") or "before it started" for rank in range(world_size)]
+        for proc in stuck:
+            if proc.pid is not None:
+                os.kill(proc.pid, signal.SIGUSR1)  # faulthandler writes the rank's stack before it is killed
+        if stuck:
+            time.sleep(1.0)
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
             proc.join()
-        errors = []
-        for rank in range(world_size):
-            path = os.path.join(folder, f"error{rank}.txt")
-            if os.path.exists(path):
-                with open(path) as f:
-                    errors.append(f"--- rank {rank} ---\n{f.read()}")
         if timed_out or failed or any(p.exitcode != 0 for p in procs):
             reason = f"timed out after {timeout} s" if timed_out else f"exit codes {[p.exitcode for p in procs]}"
-            raise RuntimeError(f"process group of {world_size} ranks failed ({reason}):\n" + "\n".join(errors))
+            ranks = "\n".join(
+                _rank_report(folder, rank, wheres[rank], procs[rank], procs[rank] in stuck)
+                for rank in range(world_size)
+            )
+            raise RuntimeError(f"process group of {world_size} ranks failed ({reason}):\n{ranks}")
         return [torch.load(os.path.join(folder, f"result{r}.pt"), weights_only=False) for r in range(world_size)]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _read(folder: str, name: str) -> str:
+    path = os.path.join(folder, name)
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _rank_report(folder: str, rank: int, where: str, proc: Any, stopped: bool) -> str:
+    """One rank's part of run_group's error: where it was (in which case), then its traceback or its stack."""
+    state = "stopped" if stopped else f"exit code {proc.exitcode}"
+    detail = _read(folder, f"error{rank}.txt") or _read(folder, f"stack{rank}.txt")
+    return f"--- rank {rank} ({state}) {where} ---\n{detail}"
