@@ -136,6 +136,7 @@ def types(session: nox.Session) -> None:
     for package in PACKAGES:
         session.run("mypy", f"packages/{package}/src")
     session.run("mypy", "integration_tests/trainer")  # the reference trainer (am-reference-trainer)
+    session.run("mypy", "tools/am-testing/src")  # the packages' shared test harness
 
 
 def _expected_requires_dist(pyproject: dict) -> list[str]:
