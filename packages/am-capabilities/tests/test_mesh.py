@@ -5,22 +5,17 @@ under FSDP2's ``fully_shard``)."""
 from __future__ import annotations
 
 import copy
-import datetime
 import math
-import multiprocessing
 import pickle
-import time
-import traceback
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from am_capabilities import MeshContext, attach_capabilities_and_validate, read_mesh_sizes, validate_for_mesh
+from am_testing import run_group
 
 WORLD_SIZE = 4
 # Generous: four ranks import torch concurrently on two cores; a hung rank must fail the test, not the suite.
@@ -208,55 +203,15 @@ def _distributed_cases() -> dict[str, Any]:
     return results
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    out = Path(out_dir) / f"rank{rank}.pkl"
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=WORLD_SIZE,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        try:
-            payload: Any = {"ok": _distributed_cases()}
-        finally:
-            dist.barrier()
-            dist.destroy_process_group()
-    except Exception:
-        payload = {"crash": traceback.format_exc()}
-    out.write_bytes(pickle.dumps(payload))
+def _group_worker(rank: int, world_size: int) -> dict[str, Any]:
+    return _distributed_cases()
 
 
 @pytest.fixture(scope="module")
-def device_mesh_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Launch the 4 ranks once; return each rank's case results (failing loudly on a crash or hang)."""
-    tmp = tmp_path_factory.mktemp("device_mesh")
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(rank, str(tmp / "store"), str(tmp))) for rank in range(WORLD_SIZE)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    if hung:
-        pytest.fail(f"ranks {hung} did not finish within {LAUNCH_TIMEOUT_S}s")
-    results = []
-    for rank, proc in enumerate(procs):
-        out = tmp / f"rank{rank}.pkl"
-        if not out.exists():
-            pytest.fail(f"rank {rank} exited with code {proc.exitcode} and wrote no result")
-        payload = pickle.loads(out.read_bytes())
-        if "crash" in payload:
-            pytest.fail(f"rank {rank} crashed:\n{payload['crash']}")
-        assert proc.exitcode == 0, f"rank {rank} exit code {proc.exitcode}"
-        results.append(payload["ok"])
-    return results
+def device_mesh_results() -> list[dict[str, Any]]:
+    """Launch the 4 ranks once (am-testing's `run_group`); return each rank's case results (a crash or hang fails
+    every test of this module with each rank's traceback)."""
+    return run_group(WORLD_SIZE, _group_worker, timeout=LAUNCH_TIMEOUT_S)
 
 
 def _case(results: list[dict[str, Any]], name: str) -> Any:

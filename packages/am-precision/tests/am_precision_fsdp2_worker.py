@@ -1,13 +1,12 @@
-"""One rank of the FSDP2 test group: runs every case on a real 2-rank gloo group and writes facts as JSON.
+"""The cases of the FSDP2 test group: `run_on_group` runs every case on a real 2-rank gloo group (launched once by
+test_fsdp2.py through am-testing) and returns facts as JSON-shaped data.
 
-Usage: python am_precision_fsdp2_worker.py RANK WORLD_SIZE STORE_FILE OUT_JSON
 Each case returns JSON-serialisable facts (or the traceback of its failure); test_fsdp2.py asserts on them.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import traceback
 import warnings
 from collections.abc import Callable
@@ -249,12 +248,10 @@ def yield_fp32_on_sharded_model(mesh: DeviceMesh) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    rank, world, store_path, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
-    mesh = init_device_mesh("cpu", (world,))
+def run_on_group(rank: int, world_size: int) -> dict[str, Any]:
+    """Every case on this rank of the 2-rank group (am-testing's `run_group` creates and ends it); facts go through
+    JSON so the test sees exactly what a JSON file would hold."""
+    mesh = init_device_mesh("cpu", (world_size,))
     results: dict[str, Any] = {}
     for name, fn in CASES.items():
         try:
@@ -262,11 +259,4 @@ def main() -> None:
         except Exception:
             results[name] = {"ok": False, "error": traceback.format_exc()}
         dist.barrier()  # keep ranks in step: a case that failed on one rank must not leave collectives pending
-    with open(out_path, "w") as f:
-        json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    return json.loads(json.dumps(results))

@@ -1,69 +1,29 @@
 """FSDP2 cases on a real 2-rank gloo group: casting, skip_modules, lm-head mixed precision, frozen casts, report.
 
-The ranks are launched once for this module (am_precision_fsdp2_worker.py runs every case and writes facts per
-rank); each test asserts on one case for every rank. A rank that fails, hangs or crashes fails the tests with its
-output, never a hang (the launch has a deadline).
+The ranks are launched once for this module through am-testing's `run_group` (am_precision_fsdp2_worker.py runs
+every case and returns facts per rank); each test asserts on one case for every rank. A rank that fails, hangs or
+crashes fails the tests with its traceback, never a hang (the launch has a deadline).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from am_testing import run_group
+
 WORLD_SIZE = 2
 LAUNCH_TIMEOUT_S = 240  # imports + process group + all cases take ~15 s on 2 cores; generous for loaded CI
-WORKER = Path(__file__).with_name("am_precision_fsdp2_worker.py")
 
 pytest.importorskip("transformers", reason="the lm-head case needs transformers (the 'hf' extra)")
 
 
 @pytest.fixture(scope="module")
-def rank_results(tmp_path_factory) -> list[dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("fsdp2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs, logs = [], []
-    for rank in range(WORLD_SIZE):
-        log = open(tmp / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below) files, not pipes: a full pipe blocks
-        logs.append(log)
-        cmd = [
-            sys.executable,
-            str(WORKER),
-            str(rank),
-            str(WORLD_SIZE),
-            str(tmp / "store"),
-            str(tmp / f"rank{rank}.json"),
-        ]
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=WORKER.parent))
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    timed_out = False
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            break
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    for log in logs:
-        log.close()
-    outputs = "\n".join(
-        f"--- rank {r} (exit {p.returncode}) ---\n{(tmp / f'rank{r}.log').read_text()[-6000:]}"
-        for r, p in enumerate(procs)
-    )
-    if timed_out:
-        pytest.fail(f"FSDP2 ranks did not finish within {LAUNCH_TIMEOUT_S} s\n{outputs}")
-    if any(p.returncode != 0 for p in procs):
-        pytest.fail(f"an FSDP2 rank exited with an error\n{outputs}")
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+def rank_results() -> list[dict[str, Any]]:
+    from am_precision_fsdp2_worker import run_on_group
+
+    return run_group(WORLD_SIZE, run_on_group, timeout=LAUNCH_TIMEOUT_S)
 
 
 def facts(rank_results: list[dict[str, Any]], case: str) -> list[dict[str, Any]]:
