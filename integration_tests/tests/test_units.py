@@ -384,7 +384,7 @@ def test_toml_switch_flags_help_defaults_and_negative_numbers(tmp_path) -> None:
     help_text = " ".join(build_parser().format_help().split())
     assert "(default: True)" not in help_text
     assert "--no-progress no progress bar (default: a bar on rank 0)" in help_text
-    assert "--seq-len SEQ_LEN (default: 128)" in help_text, "options with a value keep their default"
+    assert "all replicas (default: 8)" in help_text, "options with a value keep their default"
     negative = parse_args(["--lr", "-1e-3", "--min-lr", "-2E-4", "--seed", "-3"])
     assert (negative.lr, negative.min_lr, negative.seed) == (-1e-3, -2e-4, -3)
     (problem,) = find_problems(negative, world_size=1)
