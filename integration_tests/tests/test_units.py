@@ -408,7 +408,7 @@ def test_resuming_with_a_changed_lr_clip_decay_or_length_is_recorded_and_warned(
     warnings = resume_changes(changed, state)
     assert [w.split(": ")[1].split(" changes")[0] for w in warnings] == ["steps", "lr", "weight_decay", "grad_clip"]
     assert (
-        "lr changes from 0.003 (the checkpoint's run) to 0.001; the run continues with 0.001 from step 40"
+        "lr changes from 0.003 (the checkpoint's run) to 0.001; the run continues with 0.001 from step 41"
         in (warnings[1])
     )
     assert resume_changes(parse_args(["--out", str(tmp_path), "--resume", "latest"]), state) == []

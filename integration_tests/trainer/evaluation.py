@@ -98,10 +98,11 @@ def eval_mode(parts: Sequence[nn.Module]) -> Iterator[None]:
     Nemotron-H's multi-token-prediction term, stays in the validation loss), then restored.
     """
     modes = [(module, module.training) for part in parts for module in part.modules()]
-    mtp = [(m, m.compute_mtp_in_eval) for m, _ in modes if isinstance(getattr(m, "compute_mtp_in_eval", None), bool)]
+    flag_name = "compute_mtp_in_eval"  # a plain attribute the model declares (read and set by name, not typed)
+    mtp = [(m, getattr(m, flag_name)) for m, _ in modes if isinstance(getattr(m, flag_name, None), bool)]
     try:
         for module, _ in mtp:
-            module.compute_mtp_in_eval = True
+            setattr(module, flag_name, True)
         for part in parts:
             part.eval()
         yield
@@ -109,7 +110,7 @@ def eval_mode(parts: Sequence[nn.Module]) -> Iterator[None]:
         for module, training in modes:
             module.training = training
         for module, flag in mtp:
-            module.compute_mtp_in_eval = flag
+            setattr(module, flag_name, flag)
 
 
 def evaluate(

@@ -372,9 +372,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         summary["loss_curve"] = str(curve) if curve else None
         (cfg.out / "summary.json").write_text(json.dumps(summary, indent=1))
         val_text = f", validation loss {summary['final_val_loss']:.4f}" if val_history else ""
+        loss_text = f"loss {history[0][1]:.4f} -> {history[-1][1]:.4f}" if history else "no step applied"
+        skip_text = f", {len(guard.skipped)} step(s) skipped (non-finite)" if guard.skipped else ""
         print(
-            f"done: {spec.family} pp={cfg.pp} dp={cfg.dp} cp={cfg.cp} ep={cfg.ep} {cfg.dtype}, {cfg.steps} steps, loss "
-            f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}{val_text}, "
+            f"done: {spec.family} pp={cfg.pp} dp={cfg.dp} cp={cfg.cp} ep={cfg.ep} {cfg.dtype}, {cfg.steps} steps, "
+            f"{loss_text}{skip_text}{val_text}, "
             f"{summary['tokens_per_s']:,.0f} tokens/s, "
             f"{wall:.1f} s; curve {summary['loss_curve']}, checkpoint {summary['checkpoint']}",
             flush=True,

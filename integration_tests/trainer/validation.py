@@ -5,7 +5,9 @@ cannot go ends on every rank with the same message listing every problem: the ar
 the `--out` folder (writable; holds no checkpoints unless `--resume` or `--overwrite`), the model (built here: an
 HF folder must supply every tensor), the pipeline plan against its layers (am-pipelining), the mesh against its
 capabilities (am-capabilities), what the model cannot honour under `--cp` (its `cp_problems` hook, through
-am-context-parallel), the data and the checkpoint to resume (sha256 manifest, same arguments); and for the training
+am-context-parallel), a NaN / inf tensor in a `--model-path` folder (tensor and file named), the data and the
+checkpoint to resume (sha256 manifest; the layout, model and data options must match, while the optimizer's numbers
+and `--steps` may change: `resume_changes` words the warnings the loop prints); and for the training
 features: the tokenizer against the model's vocabulary, the held-out data, activation checkpointing against the
 model's capabilities, and a pipeline schedule that can evaluate.
 What it must not do: touch torch.distributed, or decide a rule that another module owns (it asks them).
@@ -262,7 +264,7 @@ def resume_changes(cfg: RunConfig, state: dict[str, Any]) -> list[str]:
     now = json.loads(json.dumps(asdict(cfg), default=str))
     return [
         f"--resume {cfg.resume}: {key} changes from {saved[key]!r} (the checkpoint's run) to {now[key]!r}; the run "
-        f"continues with {now[key]!r} from step {state.get('step')} on, and its checkpoints record it"
+        f"continues with {now[key]!r} from step {int(state.get('step', 0)) + 1} on, and its checkpoints record it"
         for key in _MAY_CHANGE_ON_RESUME
         if key in saved and saved[key] != now[key]
     ]
