@@ -72,7 +72,7 @@ class StepGuard:
         raise RunStopped(
             f"{self.last_problem}; the weights were not updated and no checkpoint of this "
             f"step is written. {allowed}. `latest` (if any) names the last checkpoint, whose weights are finite: lower "
-            "--lr (or raise --warmup-steps, set --grad-clip) and resume from it, or check the data and the model"
+            "--lr (or raise --warmup-steps) and resume from it, or check the data and the model"
         )
 
 
