@@ -34,6 +34,20 @@ LAUNCH_TIMEOUT_S = 240
 TINY_ARGS = ["--hidden-size", "32", "--layers", "2", "--seq-len", "16", "--global-batch", "4", "--steps", "1"]
 
 
+def without_preset_sizes(args: list[str]) -> list[str]:
+    """`args` without `--hidden-size N` / `--layers N`, which size the presets and are refused with --model-path."""
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in ("--hidden-size", "--layers"):
+            skip = True
+        else:
+            kept.append(arg)
+    return kept
+
+
 @dataclass
 class Run:
     """One finished launch: its command, exit code, output, wall time, and (on success) its summary."""
@@ -177,3 +191,16 @@ def text_corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "jsonl": write_jsonl(root / "kjv.jsonl", documents),
         "tokenizer": make_tokenizer(root / "tokenizer", documents),
     }
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A real one-rank gloo process group (file rendezvous in `tmp_path`) for in-process checks of collective code
+    (checkpoint writes, evaluation); destroyed afterwards, so later tests see no process group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import PARITY, TRAIN, launch
+from conftest import PARITY, TRAIN, launch, without_preset_sizes
 from safetensors.torch import load_file, save_file
 
 EXIT_BAD_INPUT = 2
@@ -82,7 +82,7 @@ def test_every_problem_is_listed_once_and_every_rank_exits_before_any_collective
     (tmp_path / "a-file").write_text("not a folder")
     _save_nemotron_with_attention_dropout(tmp_path / "nemotron-dropout")
     args = [
-        *PARITY, "--model-path", str(tmp_path / "nemotron-dropout"),
+        *without_preset_sizes(PARITY), "--model-path", str(tmp_path / "nemotron-dropout"),
         "--pp", "2", "--cp", "2",  # world size 2 != 4 (pp x cp itself is accepted for nemotron's contiguous layout)
         "--ep", "3",  # does not divide dp x cp = 2, nor nemotron's 4 experts (am-capabilities)
         "--seq-len", "2",  # not divisible by 2 x cp = 4 (padded to 4: 2 tokens per rank, under the conv halo of 3)
@@ -136,7 +136,8 @@ def test_a_fresh_run_into_checkpoints_and_a_model_path_missing_a_tensor_are_refu
     del tensors["model.layers.0.mlp.up_proj.weight"]
     save_file(tensors, weights, metadata={"format": "pt"})
     torch.save({"ids": [1, 2, 3]}, tmp_path / "ids.pt")
-    args = [*PARITY, "--model-path", str(folder), "--pp", "2", "--data", str(tmp_path / "ids.pt"), "--out", str(out)]
+    args = [*without_preset_sizes(PARITY), "--model-path", str(folder), "--pp", "2", "--data", str(tmp_path / "ids.pt")]
+    args += ["--out", str(out)]
     (code0, out0), (code1, out1) = _launch_ranks_by_hand(args, world_size=2)
     assert (code0, code1) == (EXIT_BAD_INPUT, EXIT_BAD_INPUT), out0[-3000:] + out1[-3000:]
     assert "refusing to start (3 problems)" in out0, out0

@@ -53,3 +53,59 @@ def test_incomplete_or_contradictory_validation_requests_are_refused(tmp_path: P
     (tmp_path / "val.txt").write_text("a short held-out text")
     with pytest.raises(BadInput, match=r"--val-data .*val.txt holds 21 validation tokens, but --val-batches 9 x"):
         validate(parse_args([*short, "--val-data", str(tmp_path / "val.txt")]), world_size=1)
+
+
+def test_validation_runs_in_eval_mode_so_dropout_does_not_change_the_loss(one_rank_group) -> None:
+    """Issue 22 item 4: a model with dropout (HF Llama, attention dropout 0.5) gets, from `evaluate` through the
+    loop's forward-only path, exactly the loss of its eval-mode single forward, and goes back to training mode."""
+    from trainer.evaluation import evaluate
+    from trainer.loop import _forward_backward
+    from trainer.models import build_model, preset_spec
+    from trainer.step_parts import TokenSumLoss
+
+    from am_pipelining import PipelineCausalLMLoss
+
+    spec = preset_spec("llama", hidden_size=32, num_layers=2, mtp_depths=0, tie_embeddings=False, vocab_size=None)
+    model = build_model(spec, seed=0).train()
+    attentions = [m for m in model.modules() if hasattr(m, "attention_dropout")]
+    assert attentions
+    for attention in attentions:
+        attention.attention_dropout = 0.5
+    cfg = parse_args(["--seq-len", "16", "--global-batch", "2", "--val-batches", "2"])
+    batches = validation_batches(torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(0)), cfg)
+    loss_fn = TokenSumLoss()
+    loss_module = PipelineCausalLMLoss(loss_fn, model=model)
+
+    def run_batch(inputs: torch.Tensor, labels: torch.Tensor, *, train: bool) -> torch.Tensor:
+        return _forward_backward(model, loss_module, inputs, labels, cfg=cfg, mesh=None, backward=train)
+
+    validation = evaluate(batches, run_batch=run_batch, loss_fn=loss_fn, model_parts=[model])
+    assert all(m.training for m in model.modules()), "back in training mode"
+    inputs, labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    reference = TokenSumLoss()
+    reference.denominator = float(labels.numel())
+    with torch.no_grad():
+        model.eval()
+        eval_loss = float(reference(model(input_ids=inputs).logits, labels))
+        model.train()
+        train_loss = float(reference(model(input_ids=inputs).logits, labels))
+    assert validation == pytest.approx(eval_loss, rel=1e-6, abs=0.0)
+    assert abs(train_loss - eval_loss) > 1e-3, "dropout is on in training mode (else this test proves nothing)"
+
+
+def test_eval_mode_keeps_a_models_training_objective_and_restores_every_flag() -> None:
+    """Nemotron-H declares `compute_mtp_in_eval`: under `eval_mode` its MTP term still runs (the validation loss is
+    the training objective, and a pipeline stage keeps its output shapes); afterwards every flag is as before."""
+    from trainer.evaluation import eval_mode
+    from trainer.models import build_model, preset_spec
+
+    spec = preset_spec("nemotron", hidden_size=32, num_layers=4, mtp_depths=1, tie_embeddings=False, vocab_size=None)
+    model = build_model(spec, seed=0).train()
+    model.mtp.eval()  # a submodule in its own mode comes back in it
+    with torch.no_grad(), eval_mode([model]):
+        assert not any(m.training for m in model.modules())
+        output = model(input_ids=torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0)))
+        assert len(output.mtp_per_depth_h) == 1
+    assert model.training
+    assert not model.mtp.training
+    assert model.compute_mtp_in_eval is False

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PARITY, launch
+from conftest import PARITY, launch, without_preset_sizes
 from test_bad_input import EXIT_BAD_INPUT, _launch_ranks_by_hand
 from test_parity import RTOL, assert_weights_close
 
@@ -80,7 +80,7 @@ def test_a_model_path_with_too_few_layers_is_refused(tmp_path) -> None:
     spec = preset_spec("llama", hidden_size=32, num_layers=2, mtp_depths=0, tie_embeddings=False, vocab_size=None)
     spec.save(build_model(spec, seed=0), tmp_path / "two-layers")
     args = [
-        *PARITY, "--model-path", str(tmp_path / "two-layers"),
+        *without_preset_sizes(PARITY), "--model-path", str(tmp_path / "two-layers"),
         "--pp", "2", "--schedule", "Interleaved1F1B", "--stages-per-rank", "2",
         "--out", str(tmp_path / "out"),
     ]  # fmt: skip

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_ARGS, kjv_documents, write_jsonl
+from conftest import TINY_ARGS, kjv_documents, without_preset_sizes, write_jsonl
 from trainer.config import find_problems, parse_args
 from trainer.data import ByteTokenizer, load_tokens
 from trainer.text_sources import data_kind, load_tokenizer
@@ -73,7 +73,7 @@ def test_preset_takes_the_tokenizer_vocabulary_and_a_folder_model_must_cover_it(
     small = preset_spec("llama", hidden_size=32, num_layers=2, mtp_depths=0, tie_embeddings=False, vocab_size=300)
     small.save(build_model(small, seed=0), tmp_path / "small")
     with pytest.raises(BadInput, match="has 400 tokens but the model's vocabulary has 300 entries"):
-        validate(parse_args([*args, "--model-path", str(tmp_path / "small")]), world_size=1)
+        validate(parse_args([*without_preset_sizes(args), "--model-path", str(tmp_path / "small")]), world_size=1)
 
 
 def test_tokenizer_and_field_options_that_cannot_apply_are_refused(tmp_path: Path) -> None:

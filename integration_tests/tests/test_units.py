@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -288,3 +289,156 @@ def test_progress_shows_expert_load_imbalance_next_to_the_loss(capsys, imbalance
         assert "experts" not in line, line
     else:
         assert "loss=2.5000, experts max/mean=1.50," in line, line
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Issue 22: non-finite steps, non-finite weights and a full disk at checkpoint time, the command line
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_step_guard_stops_at_a_non_finite_value_or_skips_within_its_budget() -> None:
+    from trainer.guards import RunStopped, StepGuard
+
+    strict = StepGuard(max_skips=0)
+    assert strict.check(1, loss=2.5, grad_norm=0.7)
+    with pytest.raises(RunStopped, match=r"^step 4: non-finite loss nan and gradient norm inf; .*--skip-nonfinite"):
+        strict.check(4, loss=float("nan"), grad_norm=float("inf"))
+    lenient = StepGuard(max_skips=2, skipped=[3])  # resumed: one skip already counted
+    assert not lenient.check(5, loss=1.0, grad_norm=float("nan"))
+    assert lenient.skipped == [3, 5]
+    assert lenient.last_problem == "step 5: non-finite gradient norm nan"
+    with pytest.raises(RunStopped, match=r"--skip-nonfinite-steps 2 allowed 2 skipped step\(s\) .*steps \[3, 5\]"):
+        lenient.check(6, loss=float("-inf"), grad_norm=1.0)
+
+
+def _llama_with_optimizer() -> tuple[object, torch.nn.Module, torch.optim.Optimizer]:
+    spec = preset_spec("llama", hidden_size=32, num_layers=2, mtp_depths=0, tie_embeddings=False, vocab_size=None)
+    model = build_model(spec, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.zeros(1, 4, dtype=torch.long)).logits.sum().backward()
+    optimizer.step()  # optimizer state exists, as in a checkpoint of a real run
+    return spec, model, optimizer
+
+
+def _save(tmp_path, step: int, spec, model, optimizer, *, export_hf=None):  # type: ignore[no-untyped-def]
+    from trainer.checkpoint import save_checkpoint
+    from trainer.step_parts import make_hf_exporter
+
+    return save_checkpoint(
+        tmp_path / "out",
+        step=step,
+        model_parts=[model],
+        optimizers=[optimizer],
+        trainer_state={"losses": []},
+        export_hf=export_hf or make_hf_exporter(spec, [model], dtype="fp32", shard_rank=0),
+    )
+
+
+def test_no_checkpoint_of_non_finite_weights_latest_keeps_the_last_finite_one(tmp_path, one_rank_group) -> None:
+    from trainer.guards import RunStopped
+
+    spec, model, optimizer = _llama_with_optimizer()
+    first = _save(tmp_path, 1, spec, model, optimizer)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(RunStopped, match=r"step 2: 1 weight tensor\(s\) hold NaN .*model.layers.1.mlp.up_proj.weight"):
+        _save(tmp_path, 2, spec, model, optimizer)
+    root = tmp_path / "out" / "checkpoints"
+    assert (root / "latest").read_text() == first.name
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+
+
+def test_a_checkpoint_the_disk_cannot_hold_says_no_space_with_the_sizes(tmp_path, one_rank_group, monkeypatch) -> None:
+    """Up front (free bytes against the estimate; AM_TRAIN_DISK_FREE_BYTES is the quota seam), and when the write
+    itself fails for want of space (/dev/full: torch's own `unexpected pos` error): "no space left on device", the
+    partial folder removed, `latest` kept."""
+    from trainer.guards import RunStopped, checkpoint_bytes_estimate
+
+    spec, model, optimizer = _llama_with_optimizer()
+    first = _save(tmp_path, 1, spec, model, optimizer)
+    root = tmp_path / "out" / "checkpoints"
+    written = sum(p.stat().st_size for p in first.rglob("*") if p.is_file())
+    estimate = checkpoint_bytes_estimate([model], [optimizer])
+    assert 0.9 * written < estimate < 1.5 * written, (estimate, written)  # the estimate is the real size's order
+
+    monkeypatch.setenv("AM_TRAIN_DISK_FREE_BYTES", "1000")
+    with pytest.raises(RunStopped) as refused:
+        _save(tmp_path, 2, spec, model, optimizer)
+    message = str(refused.value)
+    assert message.startswith("no space left on device: the checkpoint of step 2 needs about "), message
+    assert "the disk has 1,000 bytes (0.0 MiB) free" in message, message
+    assert "`latest` still names the previous checkpoint" in message
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+    monkeypatch.delenv("AM_TRAIN_DISK_FREE_BYTES")
+
+    if not Path("/dev/full").exists():
+        pytest.skip("/dev/full (a device that answers every write with ENOSPC) is needed for the write failure")
+
+    def export_onto_a_full_disk(folder: Path) -> None:
+        folder.mkdir(parents=True)
+        torch.save(model.state_dict(), "/dev/full")  # RuntimeError: [enforce fail at inline_container.cc] ...
+
+    with pytest.raises(RunStopped, match=r"^no space left on device: the checkpoint of step 3") as failed:
+        _save(tmp_path, 3, spec, model, optimizer, export_hf=export_onto_a_full_disk)
+    assert "unexpected pos" in str(failed.value.__cause__)
+    assert (root / "latest").read_text() == first.name
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"], "the partial step_3.tmp is gone"
+
+
+def test_is_no_space_error_knows_enospc_and_torchs_short_write() -> None:
+    import errno
+
+    from trainer.guards import is_no_space_error
+
+    assert is_no_space_error(OSError(errno.ENOSPC, "No space left on device"))
+    assert is_no_space_error(RuntimeError("[enforce fail at inline_container.cc:671] . unexpected pos 704 vs 598"))
+    wrapped = RuntimeError("dcp failed")
+    wrapped.__cause__ = OSError(errno.ENOSPC, "No space left on device")
+    assert is_no_space_error(wrapped)
+    assert not is_no_space_error(OSError(errno.EACCES, "Permission denied"))
+
+
+def test_toml_switch_flags_help_defaults_and_negative_numbers(tmp_path) -> None:
+    """A switch's flag name works in TOML (`no-progress = true`), `--help` shows no "(default: True)" for a switch,
+    and `--lr -1e-3` reaches validation (which names it) instead of failing in argparse."""
+    from trainer.config import build_parser
+
+    run = tmp_path / "run.toml"
+    run.write_text("no-progress = true\nno_tensorboard = true\nglobal-batch = 8\n")
+    cfg = parse_args(["--config", str(run)])
+    assert (cfg.progress, cfg.tensorboard, cfg.global_batch) == (False, "off", 8)
+    run.write_text("no-progress = false\n")
+    assert parse_args(["--config", str(run)]).progress is True
+    help_text = " ".join(build_parser().format_help().split())
+    assert "(default: True)" not in help_text
+    assert "--no-progress no progress bar (default: a bar on rank 0)" in help_text
+    assert "all replicas (default: 8)" in help_text, "options with a value keep their default"
+    negative = parse_args(["--lr", "-1e-3", "--min-lr", "-2E-4", "--seed", "-3"])
+    assert (negative.lr, negative.min_lr, negative.seed) == (-1e-3, -2e-4, -3)
+    (problem,) = find_problems(negative, world_size=1)
+    assert problem.startswith("--lr -0.001, --min-lr -0.0002, --warmup-steps 20: need lr > 0"), problem
+
+
+def test_resuming_with_a_changed_lr_clip_decay_or_length_is_recorded_and_warned(tmp_path) -> None:
+    """The README's rule: layout, data and model options must match (refused otherwise); the optimizer's numbers
+    and --steps may change, and each change is named in a warning (the new checkpoints record the new values)."""
+    from dataclasses import asdict
+
+    from trainer.validation import _resume_mismatches, resume_changes
+
+    saved = json.loads(json.dumps(asdict(parse_args(["--out", str(tmp_path)])), default=str))
+    state = {"step": 40, "args": saved}
+    changed = parse_args(
+        ["--out", str(tmp_path), "--resume", "latest", "--lr", "1e-3", "--grad-clip", "0.5", "--weight-decay", "0",
+         "--steps", "600"]
+    )  # fmt: skip
+    assert _resume_mismatches(changed, state) == []
+    warnings = resume_changes(changed, state)
+    assert [w.split(": ")[1].split(" changes")[0] for w in warnings] == ["steps", "lr", "weight_decay", "grad_clip"]
+    assert (
+        "lr changes from 0.003 (the checkpoint's run) to 0.001; the run continues with 0.001 from step 41"
+        in (warnings[1])
+    )
+    assert resume_changes(parse_args(["--out", str(tmp_path), "--resume", "latest"]), state) == []
+    # --hidden-size 64 given now, not given then (None: the preset's 64): the same model, no refusal
+    assert _resume_mismatches(parse_args(["--resume", "latest", "--hidden-size", "64"]), state) == []

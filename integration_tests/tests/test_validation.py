@@ -17,6 +17,7 @@ from trainer.models import build_model, preset_spec
 from trainer.validation import BadInput, validate
 
 TINY = ["--hidden-size", "32", "--layers", "2", "--seq-len", "16", "--global-batch", "4", "--steps", "1"]
+FOLDER = ["--seq-len", "16", "--global-batch", "4", "--steps", "1"]  # a --model-path run: the folder sets the size
 
 
 def _refusal(args: list[str], *, world_size: int = 1) -> str:
@@ -95,7 +96,10 @@ def test_numbers_that_are_not_finite_or_out_of_range_are_each_named() -> None:
         "--overwrite with --resume latest",
     ):
         assert expected in text, f"{expected!r} not in\n{text}"
-    assert len(problems) == 5, problems  # lr / grad-clip groups are skipped when one of their values is not finite
+    # Issue 22: a non-finite value hides no other problem: --min-lr -1 and --adam-eps 0 are named next to the NaNs.
+    assert "--lr nan, --min-lr -1.0, --warmup-steps 20: need lr > 0, 0 <= min-lr <= lr" in text, text
+    assert "--grad-clip 1.0, --weight-decay inf, --adam-eps 0.0: need grad-clip >= 0" in text, text
+    assert len(problems) == 7, problems
     negative = find_problems(parse_args(["--lr", "-0.1", "--timeout", "inf"]), world_size=1)
     assert any("need lr > 0" in p for p in negative), negative
     assert any("--timeout inf: must be a finite number" in p for p in negative), negative
@@ -136,7 +140,7 @@ def test_a_fresh_run_into_an_out_with_checkpoints_needs_resume_or_overwrite(tmp_
 def test_model_path_missing_a_tensor_is_refused_in_the_files_names(tmp_path: Path, preset: str, drop: str) -> None:
     folder = _saved_folder(preset, tmp_path / "model")
     _edit_tensors(folder, drop=drop, add="model.extra_scale")
-    message = _refusal([*TINY, "--model-path", str(folder), "--out", str(tmp_path / "out")])
+    message = _refusal([*FOLDER, "--model-path", str(folder), "--out", str(tmp_path / "out")])
     assert f"missing keys (1): ['{drop}']" in message, message
     assert "unexpected keys (1): ['model.extra_scale']" in message, message
     assert "_fp32_params" not in message
@@ -149,14 +153,16 @@ def test_model_path_with_tied_head_loads_without_lm_head_tensor(tmp_path: Path) 
     (path,) = (tmp_path / "tied").glob("*.safetensors")
     assert "lm_head.weight" not in load_file(path)
     _, model, *_ = validate(
-        parse_args([*TINY, "--model-path", str(tmp_path / "tied"), "--out", str(tmp_path)]), world_size=1
+        parse_args([*FOLDER, "--model-path", str(tmp_path / "tied"), "--out", str(tmp_path)]), world_size=1
     )
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_pp_larger_than_the_layers_of_a_model_path_is_refused(tmp_path: Path) -> None:
     folder = _saved_folder("llama", tmp_path / "model", layers=2)
-    message = _refusal([*TINY, "--model-path", str(folder), "--pp", "4", "--out", str(tmp_path / "out")], world_size=4)
+    message = _refusal(
+        [*FOLDER, "--model-path", str(folder), "--pp", "4", "--out", str(tmp_path / "out")], world_size=4
+    )
     assert "Number of stages (4) cannot exceed number of layers (2)" in message, message
 
 
@@ -179,3 +185,60 @@ def test_manifest_covers_the_trainer_state_and_every_file(tmp_path: Path) -> Non
         f"checkpoint {folder}: {STATE_FILE} is corrupt (its sha256 differs from the manifest)",
         f"checkpoint {folder}: dcp/extra is not in the manifest (added after the checkpoint was written?)",
     ]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Issue 22: non-finite weights in --model-path, preset sizes with --model-path, non-UTF-8 .jsonl, messages' labels
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_model_path_with_a_nan_or_inf_tensor_is_refused_naming_tensor_and_file(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    folder = _saved_folder("llama", tmp_path / "model")
+    (path,) = folder.glob("*.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.1.mlp.down_proj.weight"][0, :3] = float("nan")
+    tensors["model.norm.weight"][0] = float("inf")
+    save_file(tensors, path, metadata={"format": "pt"})
+    message = _refusal([*FOLDER, "--model-path", str(folder), "--out", str(tmp_path / "out")])
+    assert (
+        f"--model-path {folder}: tensor 'model.layers.1.mlp.down_proj.weight' in {path.name} holds 3 NaN value(s)"
+        in message
+    ), message
+    assert f"tensor 'model.norm.weight' in {path.name} holds 1 infinite value(s) of 32" in message, message
+    assert "refusing to start (2 problems)" in message, message
+    assert not dist.is_initialized(), "refused before any process group"
+
+
+def test_preset_sizes_with_a_model_path_are_refused(tmp_path: Path) -> None:
+    folder = _saved_folder("llama", tmp_path / "model")
+    base = ["--seq-len", "16", "--global-batch", "4", "--steps", "1", "--model-path", str(folder)]
+    (problem,) = find_problems(parse_args([*base, "--hidden-size", "32", "--layers", "2"]), world_size=1)
+    assert problem == (
+        "--hidden-size 32 and --layers 2 size the presets (--model), not a --model-path model, whose config.json "
+        "sets its size: drop them"
+    )
+    assert find_problems(parse_args(base), world_size=1) == []
+    cfg = parse_args(["--model", "llama"])
+    assert (cfg.hidden_size, cfg.layers) == (None, None), "not given: the preset's defaults (64, 4) apply"
+    _, model, *_ = validate(
+        parse_args(["--model", "llama", "--seq-len", "16", "--steps", "1", "--out", str(tmp_path)]), world_size=1
+    )
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (64, 4)
+
+
+def test_a_jsonl_line_that_is_not_utf8_is_named_with_the_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(b'{"text": "In the beginning"}\n{"text": "caf\xe9"}\n{"text": "ok"}\n')
+    message = _refusal(["--model", "llama", *TINY, "--data", str(path), "--out", str(tmp_path / "out")])
+    assert f"--data {path}: line 2 is not UTF-8 text (byte 13 of the line holds b'\\xe9')" in message, message
+
+
+def test_the_pp_x_cp_refusal_names_the_model_path_it_was_given(tmp_path: Path) -> None:
+    from trainer.config import cp_problems
+
+    cfg = parse_args(["--model-path", str(tmp_path / "m"), "--pp", "2", "--cp", "2", "--seq-len", "16"])
+    (problem,) = cp_problems(cfg, cp_layout="load_balanced", pad_multiple=2)
+    assert f"and --model-path {tmp_path / 'm'} uses the load_balanced layout" in problem, problem
+    assert "--model nemotron" not in problem

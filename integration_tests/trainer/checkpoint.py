@@ -14,6 +14,14 @@ Writes are atomic: every rank writes under `step_<N>.tmp/`; after a barrier rank
 the manifest, renames the folder and then replaces `latest`. A run killed mid-write leaves a `.tmp` folder that
 resume ignores. `verify_checkpoint` runs before any process group exists, so a missing, corrupt or tampered
 checkpoint (a changed step counter too) is refused up front; so is a file the manifest does not list.
+
+Before writing, every rank checks (trainer/guards.py) that its weights are finite (a NaN or infinite weight stops
+the run: `latest` never names such a checkpoint) and that the disk has room for the estimated bytes of the whole
+checkpoint. A write that fails anyway because the disk filled up (OSError ENOSPC, or torch's `[enforce fail at
+inline_container.cc] ... unexpected pos`) is reported as "no space left on device" with the sizes; either way the
+partial `step_<N>.tmp/` is removed and `latest` keeps naming the previous checkpoint.
+Test seam: AM_TRAIN_DISK_FREE_BYTES=<bytes> replaces the free bytes the disk reports (a tiny quota, without
+filling the real disk).
 """
 
 from __future__ import annotations
@@ -36,6 +44,14 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+)
+
+from trainer.guards import (
+    RunStopped,
+    checkpoint_bytes_estimate,
+    is_no_space_error,
+    no_space_message,
+    nonfinite_parameters,
 )
 
 STATE_FILE = "trainer_state.json"
@@ -175,19 +191,28 @@ def save_checkpoint(
     root = checkpoint_root(out_dir)
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
+    needed = _check_before_writing(root, step=step, model_parts=model_parts, optimizers=optimizers)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     dist.barrier()
-    dcp.save(_merge(_part_states(model_parts, optimizers)), checkpoint_id=str(tmp / "dcp"))
-    torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
-    export_hf(tmp / "model")
-    dist.barrier()
+    try:
+        dcp.save(_merge(_part_states(model_parts, optimizers)), checkpoint_id=str(tmp / "dcp"))
+        torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+        export_hf(tmp / "model")
+        dist.barrier()
+        if rank == 0:
+            (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=1))
+            files = sorted(p for p in tmp.rglob("*") if p.is_file())
+            manifest = {str(p.relative_to(tmp)): _sha256(p) for p in files}
+            (tmp / MANIFEST_FILE).write_text(json.dumps({"files": manifest}, indent=1))
+    except BaseException as exc:  # dcp's CheckpointException is a BaseException
+        # No rank renames a .tmp folder before this point, so `latest` still names the previous checkpoint.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_no_space_error(exc):
+            raise RunStopped(no_space_message(root, needed=needed, free=free_bytes(root), step=step)) from exc
+        raise
     if rank == 0:
-        (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=1))
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        manifest = {str(p.relative_to(tmp)): _sha256(p) for p in files}
-        (tmp / MANIFEST_FILE).write_text(json.dumps({"files": manifest}, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         pointer_tmp = root / "latest.tmp"
@@ -195,6 +220,45 @@ def save_checkpoint(
         os.replace(pointer_tmp, root / "latest")
     dist.barrier()
     return final
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes of the disk holding `folder` (or its nearest existing parent); AM_TRAIN_DISK_FREE_BYTES replaces
+    the disk's answer (tests: a tiny quota without filling the real disk)."""
+    override = os.environ.get("AM_TRAIN_DISK_FREE_BYTES")
+    if override is not None:
+        return int(override)
+    while not folder.exists():
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def _check_before_writing(
+    root: Path, *, step: int, model_parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]
+) -> int:
+    """Collective: refuse (RunStopped, on every rank alike) weights holding NaN / inf on any rank, and a disk
+    without room for the whole checkpoint (estimated, summed over the ranks; rank 0's view of the disk decides).
+    Returns the estimated bytes of the checkpoint."""
+    bad = nonfinite_parameters(model_parts)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    estimate = checkpoint_bytes_estimate(model_parts, optimizers)
+    facts = torch.tensor([float(len(bad)), float(estimate)], dtype=torch.float64, device=device)
+    dist.all_reduce(facts)  # every rank learns the totals, so every rank takes the same decision
+    nonfinite, needed = int(facts[0]), int(facts[1]) + _METADATA_BYTES * dist.get_world_size()
+    if nonfinite:
+        mine = f" (this rank: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''})" if bad else ""
+        raise RunStopped(
+            f"step {step}: {nonfinite} weight tensor(s) hold NaN or infinite values{mine}, so no checkpoint of this "
+            "step is written and `latest` still names the last finite one: lower --lr and resume from it"
+        )
+    free = torch.tensor([float(free_bytes(root)) if dist.get_rank() == 0 else 0.0], dtype=torch.float64, device=device)
+    dist.broadcast(free, src=0)
+    if needed > int(free):
+        raise RunStopped(no_space_message(root, needed=needed, free=int(free), step=step))
+    return needed
+
+
+_METADATA_BYTES = 64 * 1024  # per rank: RNG state, DCP metadata, config.json, trainer state, manifest (generous)
 
 
 def load_checkpoint(

@@ -17,6 +17,10 @@ from typing import Any
 MODELS = ("nemotron", "gemma4", "gemma4-moe", "llama")
 DTYPE_CHOICES = ("bf16", "bf16-pure", "fp32")  # their meaning: parallel.PRECISIONS
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "runs" / "default"  # integration_tests/runs/ is git-ignored
+# The presets' size when --hidden-size / --layers are not given (the options are None then, so that a --model-path
+# run, whose size its config.json sets, can refuse them when they are given).
+PRESET_HIDDEN_SIZE = 64
+PRESET_LAYERS = 4
 
 
 @dataclass(frozen=True)
@@ -50,8 +54,8 @@ class RunConfig:
     overwrite: bool
     tie_embeddings: bool
     mtp_depths: int
-    hidden_size: int
-    layers: int
+    hidden_size: int | None  # None: PRESET_HIDDEN_SIZE (presets only; refused with --model-path)
+    layers: int | None  # None: PRESET_LAYERS (presets only; refused with --model-path)
     threads: int
     timeout: float
     progress: bool
@@ -70,6 +74,7 @@ class RunConfig:
     optimizer: str = "adamw"
     momentum: float | None = None
     lr_schedule: str = "cosine"
+    skip_nonfinite_steps: int = 0  # issue 22: at most this many updates dropped for a non-finite loss / grad norm
 
     @property
     def world_size(self) -> int:
@@ -81,11 +86,21 @@ class RunConfig:
         return self.global_batch // self.dp
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows the defaults of options that take a value; not of switches (`--no-progress` "(default: True)" would
+    read as "no progress by default") nor where the help names the default itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.nargs == 0 or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Reference trainer composing the am-* packages: pp x dp x cp on one DeviceMesh, launched "
         "with torchrun (gloo on CPU, NCCL on GPU).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--model", choices=MODELS, default="nemotron", help="tiny preset to build (random init)")
     p.add_argument("--model-path", default=None, help="HF-format folder to load instead of the preset's random init")
@@ -135,23 +150,72 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tie-embeddings", action="store_true", help="llama: tie lm_head to the input embeddings")
     p.add_argument("--mtp-depths", type=int, default=1, help="nemotron: multi-token-prediction depths")
-    p.add_argument("--hidden-size", type=int, default=64, help="preset width")
-    p.add_argument("--layers", type=int, default=4, help="preset decoder layers")
+    p.add_argument(
+        "--hidden-size",
+        type=int,
+        default=None,
+        help=f"preset width (default: {PRESET_HIDDEN_SIZE}; not with --model-path, whose config.json sets it)",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help=f"preset decoder layers (default: {PRESET_LAYERS}; not with --model-path, whose config.json sets it)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: cores / processes)")
     p.add_argument(
         "--timeout", type=float, default=300.0, help="seconds a collective may wait before the run fails (no hangs)"
     )
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar (default: a bar on rank 0)"
+    )
+    p.add_argument(
+        "--skip-nonfinite-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="drop the update of at most N steps whose loss or gradient norm is NaN or infinite (counted in the "
+        "progress bar and summary.json); 0: the first such step stops the run with exit code 3",
+    )
     _add_feature_options(p)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
     """The run's options: the command line over `--config FILE` (TOML) over the defaults (trainer/config_file.py)."""
+    import sys
+
     from trainer.config_file import parse_with_config_file
 
-    ns = parse_with_config_file(build_parser(), argv)
+    parser = build_parser()
+    argv = _join_negative_numbers(parser, list(sys.argv[1:] if argv is None else argv))
+    ns = parse_with_config_file(parser, argv)
     return RunConfig(**vars(ns))
+
+
+def _join_negative_numbers(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--lr -1e-3` -> `--lr=-1e-3`: argparse takes `-1e-3` for an option (it knows negative numbers only without
+    an exponent), so the value would never reach validation, which says what is wrong with it."""
+    valued = {flag for action in parser._actions if action.nargs is None for flag in action.option_strings}
+    joined: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token in valued and i + 1 < len(argv) and argv[i + 1].startswith("-") and _is_number(argv[i + 1]):
+            joined.append(f"{token}={argv[i + 1]}")
+            i += 2
+            continue
+        joined.append(token)
+        i += 1
+    return joined
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -228,8 +292,17 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
     """
     problems = []
     for name in ("pp", "dp", "cp", "ep", "global_batch", "microbatch_size", "seq_len", "steps", "layers"):
-        if getattr(cfg, name) < 1:
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')}={getattr(cfg, name)}: must be >= 1")
+    sizes = {"--hidden-size": cfg.hidden_size, "--layers": cfg.layers}
+    preset_sizes = [f"{flag} {value}" for flag, value in sizes.items() if value is not None]
+    if cfg.model_path is not None and preset_sizes:
+        problems.append(
+            f"{' and '.join(preset_sizes)} size the presets (--model), not a --model-path model, whose config.json "
+            "sets its size: drop them"
+        )
+    if cfg.skip_nonfinite_steps < 0:
+        problems.append(f"--skip-nonfinite-steps {cfg.skip_nonfinite_steps}: must be >= 0 (0: stop at the first)")
     sizes_ok = min(cfg.pp, cfg.dp, cfg.cp) >= 1
     if sizes_ok and world_size != cfg.world_size:
         problems.append(
@@ -255,16 +328,20 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
     floats = {name: getattr(cfg, name) for name in _FLOAT_OPTIONS}
     not_finite = [name for name, value in floats.items() if not math.isfinite(value)]
     problems += [f"--{name.replace('_', '-')} {floats[name]}: must be a finite number" for name in not_finite]
-    if not {"lr", "min_lr"} & set(not_finite) and (
-        cfg.warmup_steps < 0 or cfg.lr <= 0 or cfg.min_lr < 0 or (cfg.min_lr > cfg.lr and cfg.lr_schedule != "constant")
+    # Each rule is checked on the values that are finite, so a NaN in one option hides no problem of another.
+    finite = {name: value for name, value in floats.items() if name not in not_finite}
+    lr, min_lr = finite.get("lr"), finite.get("min_lr")
+    if (
+        cfg.warmup_steps < 0
+        or (lr is not None and lr <= 0)
+        or (min_lr is not None and min_lr < 0)
+        or (lr is not None and min_lr is not None and min_lr > lr and cfg.lr_schedule != "constant")
     ):
         problems.append(
             f"--lr {cfg.lr}, --min-lr {cfg.min_lr}, --warmup-steps {cfg.warmup_steps}: need lr > 0, "
             "0 <= min-lr <= lr and warmup-steps >= 0"
         )
-    if not {"grad_clip", "weight_decay", "adam_eps"} & set(not_finite) and (
-        cfg.grad_clip < 0 or cfg.weight_decay < 0 or cfg.adam_eps <= 0
-    ):
+    if finite.get("grad_clip", 0.0) < 0 or finite.get("weight_decay", 0.0) < 0 or finite.get("adam_eps", 1.0) <= 0:
         problems.append(
             f"--grad-clip {cfg.grad_clip}, --weight-decay {cfg.weight_decay}, --adam-eps {cfg.adam_eps}: need "
             "grad-clip >= 0, weight-decay >= 0 and adam-eps > 0"
@@ -309,7 +386,7 @@ def cp_problems(cfg: RunConfig, *, cp_layout: str | None, pad_multiple: int) -> 
     if cfg.pp > 1 and cp_layout not in (None, "contiguous"):
         problems.append(
             f"--pp {cfg.pp} with --cp {cfg.cp}: pipeline stages run context parallelism only for models that declare "
-            f'the contiguous CP layout (`_cp_layout = "contiguous"`), and --model {cfg.model} uses the {cp_layout} '
+            f'the contiguous CP layout (`_cp_layout = "contiguous"`), and {model_label(cfg)} uses the {cp_layout} '
             "layout; drop --pp or --cp"
         )
     return problems
@@ -345,6 +422,11 @@ def mesh_context(cfg: RunConfig) -> Any:
     from am_capabilities import MeshContext
 
     return MeshContext(pp_size=cfg.pp, dp_size=cfg.dp, cp_size=cfg.cp, ep_size=cfg.ep)
+
+
+def model_label(cfg: RunConfig) -> str:
+    """The option that chose the model, as the user wrote it: `--model-path DIR` or `--model NAME`."""
+    return f"--model-path {cfg.model_path}" if cfg.model_path is not None else f"--model {cfg.model}"
 
 
 def _batch_label(cfg: RunConfig) -> str:

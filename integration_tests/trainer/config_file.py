@@ -2,8 +2,9 @@
 
 What it is for: `parse_with_config_file(parser, argv)` reads the file named by `--config`, checks every key and value
 against the parser's own options (keys are the options' dest names, `global_batch = 8`; the flag spelling
-`global-batch` is accepted too), makes the values the parser's defaults, then parses the command line, so a flag
-given there wins. Relative paths in the file are taken from the current directory, as on the command line.
+`global-batch` is accepted too, and so is a switch's own flag name: `no-progress = true` means `--no-progress`),
+makes the values the parser's defaults, then parses the command line, so a flag given there wins. Relative paths
+in the file are taken from the current directory, as on the command line.
 What it must not do: know any option itself (it reads the parser), or accept a key or value the command line would
 refuse: unknown keys and wrong types are all listed in one error (exit code 2, like any argparse error).
 """
@@ -22,6 +23,18 @@ def _options_by_dest(parser: argparse.ArgumentParser) -> dict[str, list[argparse
         if action.option_strings and action.dest not in ("help", "config"):
             options.setdefault(action.dest, []).append(action)
     return options
+
+
+def _switches_by_flag(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Switches whose flag spelling differs from their dest (`no_progress` for `--no-progress`, dest `progress`):
+    `no_progress = true` in a file means what the flag means on the command line."""
+    switches: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        for flag in action.option_strings:
+            key = flag.lstrip("-").replace("-", "_")
+            if action.nargs == 0 and flag.startswith("--") and key != action.dest:
+                switches[key] = action
+    return switches
 
 
 def _convert(key: str, value: Any, actions: list[argparse.Action]) -> tuple[Any, str | None]:
@@ -69,6 +82,7 @@ def config_file_defaults(parser: argparse.ArgumentParser, path: str | Path) -> d
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ValueError(f"--config {path}: cannot be read as TOML ({exc})") from None
     options = _options_by_dest(parser)
+    switches = _switches_by_flag(parser)
     defaults: dict[str, Any] = {}
     problems: list[str] = []
     unknown = []
@@ -76,6 +90,13 @@ def config_file_defaults(parser: argparse.ArgumentParser, path: str | Path) -> d
         key = raw_key.replace("-", "_")
         if key == "config":
             problems.append(f"{raw_key}: a config file cannot name another config file")
+        elif key in switches:
+            if not isinstance(value, bool):
+                problems.append(
+                    f"{raw_key} = {value!r}: {switches[key].option_strings[0]} is a switch; write true or false"
+                )
+            elif value:  # false: as if the flag were not given
+                defaults[switches[key].dest] = switches[key].const
         elif key not in options:
             unknown.append(raw_key)
         else:
@@ -85,7 +106,7 @@ def config_file_defaults(parser: argparse.ArgumentParser, path: str | Path) -> d
             else:
                 problems.append(problem)
     if unknown:
-        known = ", ".join(sorted(options))
+        known = ", ".join(sorted([*options, *switches]))
         problems.insert(0, f"unknown keys {unknown}; the keys are the option names: {known}")
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)

@@ -8,21 +8,25 @@ token mean over the validation batches and equal on every layout to the single-p
     the rest only.
   - `--val-data PATH` reads another corpus (any `--data` format, same tokenizer).
 Every evaluation reads the same `--val-batches` global batches of non-overlapping windows from the start of the
-held-out tokens, so the values of one run are comparable step to step. The model stays in training mode under
-`torch.no_grad()` (a pipeline stage's static output shapes, and Nemotron-H's multi-token-prediction term, are those
-of training, so training and validation losses measure the same thing); the presets have no dropout.
+held-out tokens, so the values of one run are comparable step to step. The model runs in eval mode under
+`torch.no_grad()` (`model.eval()` on every model part, pipeline stages included, then back to training mode): no
+dropout, so a model with dropout gets the loss of its deterministic forward. A model that declares
+`compute_mtp_in_eval` (Nemotron-H's multi-token prediction) keeps that term on for the evaluation, so training and
+validation losses measure the same objective and a pipeline stage's outputs keep the shapes it was built with.
 What it must not do: touch the optimizer or the training data stream, or run a collective the training ranks do not
 all run (every rank evaluates at the same steps).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 if TYPE_CHECKING:
     from trainer.config import RunConfig
@@ -86,22 +90,47 @@ def validation_batches(tokens: torch.Tensor, cfg: RunConfig) -> list[tuple[torch
     return batches
 
 
+@contextlib.contextmanager
+def eval_mode(parts: Sequence[nn.Module]) -> Iterator[None]:
+    """Every module of `parts` in eval mode for the duration (dropout off), each restored to the mode it had.
+
+    A module that declares `compute_mtp_in_eval` gets it set to True meanwhile (its training objective, e.g.
+    Nemotron-H's multi-token-prediction term, stays in the validation loss), then restored.
+    """
+    modes = [(module, module.training) for part in parts for module in part.modules()]
+    flag_name = "compute_mtp_in_eval"  # a plain attribute the model declares (read and set by name, not typed)
+    mtp = [(m, getattr(m, flag_name)) for m, _ in modes if isinstance(getattr(m, flag_name, None), bool)]
+    try:
+        for module, _ in mtp:
+            setattr(module, flag_name, True)
+        for part in parts:
+            part.eval()
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+        for module, flag in mtp:
+            setattr(module, flag_name, flag)
+
+
 def evaluate(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     *,
     run_batch: Callable[..., torch.Tensor],
     loss_fn: Any,
+    model_parts: Sequence[nn.Module] = (),
 ) -> float:
     """The validation loss: the global token mean over `batches` (collective: every rank calls it).
 
     `run_batch(input_ids, labels, train=False)` is the loop's step body (this rank's share of the loss, detached);
     `loss_fn` is the training loss whose `denominator` (the label-token count the shares are divided by) is set to the
-    count of all validation batches for the duration, then restored.
+    count of all validation batches for the duration, then restored. `model_parts` (this rank's model parts or
+    pipeline stage modules) run in eval mode for the duration (`eval_mode`), then go back to their modes.
     """
     saved = loss_fn.denominator
     loss_fn.denominator = float(sum(int((labels != -100).sum()) for _, labels in batches))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), eval_mode(model_parts):
             total = torch.stack([run_batch(inputs, labels, train=False) for inputs, labels in batches]).sum()
     finally:
         loss_fn.denominator = saved
@@ -110,6 +139,7 @@ def evaluate(
 
 
 __all__ = [
+    "eval_mode",
     "evaluate",
     "pipeline_eval_problems",
     "split_validation",

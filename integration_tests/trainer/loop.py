@@ -18,7 +18,10 @@ What it is for: `run(cfg)` is the whole job, in the order a reader expects (torc
     6. checkpoints (atomic, exact resume), progress bar (MoE models: expert load imbalance), TensorBoard, loss curve
        and a one-line summary on rank 0
 What it must not do: hide a failure. Any exception ends this rank with a non-zero exit code; torchrun then stops the
-other ranks, and every collective has a timeout, so no run hangs.
+other ranks, and every collective has a timeout, so no run hangs. A non-finite loss or gradient norm stops the run
+on every rank at once (exit code 3, the step and the value named; trainer/guards.py), unless
+`--skip-nonfinite-steps N` lets it drop up to N such updates (counted in the progress bar and summary.json); a
+checkpoint is never written from non-finite weights, nor onto a disk without room (exit code 3 as well).
 
 Loss: the GLOBAL token mean. Every rank divides the token SUM of its own tokens by the number of label tokens in the
 whole global batch (known on every rank, no collective); microbatch gradients add up (pipeline `scale_grads=False`,
@@ -59,6 +62,7 @@ from trainer.expert_parallel import (
     reset_expert_counts,
     step_expert_imbalance,
 )
+from trainer.guards import EXIT_RUN_STOPPED, RunStopped, StepGuard
 from trainer.layer_wrappers import apply_activation_checkpointing, apply_compile
 from trainer.optim import build_optimizers, lr_at, set_lr
 from trainer.parallel import (
@@ -79,7 +83,7 @@ from trainer.parallel import (
 from trainer.progress import Progress, save_loss_curve
 from trainer.step_parts import TokenSumLoss, clip_grad_norm, make_hf_exporter
 from trainer.tb_logging import TensorBoardLog
-from trainer.validation import EXIT_BAD_INPUT, BadInput, validate
+from trainer.validation import EXIT_BAD_INPUT, BadInput, resume_changes, validate
 
 # ------------------------------------------------------------------------------------------------------------------
 # The job
@@ -131,8 +135,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     # 1. Validate before any collective.
     spec, model, corpus, resume_dir, plan = validate(cfg, world_size=world_size)
     precision = PRECISIONS[cfg.dtype]
-    if precision.warning and int(os.environ.get("RANK", "0")) == 0:
-        print(f"warning: {precision.warning}", file=sys.stderr, flush=True)
+    warnings = [precision.warning] if precision.warning else []
+    if resume_dir is not None:
+        warnings += resume_changes(cfg, ckpt.read_trainer_state(resume_dir))
+    if int(os.environ.get("RANK", "0")) == 0:
+        for warning in warnings:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
 
     # 2. Process group and mesh.
     device = init_distributed(timeout_s=cfg.timeout)
@@ -198,11 +206,13 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     stream = BatchStream(corpus.train, seq_len=cfg.seq_len, global_batch=cfg.global_batch)
     start_step, history, val_history = 0, [], []
     imbalances: list[float] = []  # per step, MoE models only: the worst layer's busiest expert / mean (global batch)
+    guard = StepGuard(max_skips=cfg.skip_nonfinite_steps)
     if resume_dir is not None:
         state = ckpt.load_checkpoint(resume_dir, model_parts=parts, optimizers=optimizers)
         start_step, history = int(state["step"]), [tuple(x) for x in state["losses"]]
         val_history = [tuple(x) for x in state.get("val_losses", [])]
         imbalances = list(state.get("expert_imbalance") or [])
+        guard = StepGuard(max_skips=cfg.skip_nonfinite_steps, skipped=state.get("skipped_steps", []))
         stream.load_state_dict(state["data"])
     val_batches = validation_batches(corpus.val, cfg) if corpus.val is not None else []
     export_hf = make_hf_exporter(spec, parts, dtype=cfg.dtype, shard_rank=shard_rank)
@@ -222,6 +232,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             "losses": history,
             "val_losses": val_history,
             "expert_imbalance": imbalances if moe else None,
+            "skipped_steps": guard.skipped,
         }
         return ckpt.save_checkpoint(
             cfg.out,
@@ -267,11 +278,23 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         dist.all_reduce(local)  # the sum of every rank's share is the global token mean
         grad_norm = clip_grad_norm(parts, max_norm=cfg.grad_clip, pp_group=pp_group)
         lr = lr_at(step, cfg)
+        # The loss is all-reduced and the norm is global, so every rank takes the same decision here (no rank is
+        # left waiting in a collective); RunStopped when the value is not finite and no skip is left.
+        apply = guard.check(step, loss=float(local), grad_norm=float(grad_norm))
         set_lr(optimizers, lr)
         for optimizer in optimizers:
-            optimizer.step()
+            if apply:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        history.append((step, float(local), float(grad_norm)))
+        if apply:
+            history.append((step, float(local), float(grad_norm)))
+        elif rank == 0:
+            print(
+                f"warning: {guard.last_problem}; update skipped ({len(guard.skipped)} of --skip-nonfinite-steps "
+                f"{cfg.skip_nonfinite_steps})",
+                file=sys.stderr,
+                flush=True,
+            )
         imbalance = None
         if moe:  # before any validation forward, which the counters would see too
             imbalance = step_expert_imbalance(
@@ -280,11 +303,18 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             imbalances.append(imbalance)
         val_loss = None
         if val_batches and (step % cfg.val_every == 0 or step == cfg.steps):
-            val_loss = evaluate(val_batches, run_batch=run_batch, loss_fn=loss_fn)
+            val_loss = evaluate(val_batches, run_batch=run_batch, loss_fn=loss_fn, model_parts=parts)
             val_history.append((step, val_loss))
             if moe:
                 reset_expert_counts(parts)  # the next step's load counts training tokens only
-        progress.update(step=step, loss=float(local), lr=lr, val_loss=val_loss, expert_imbalance=imbalance)
+        progress.update(
+            step=step,
+            loss=float(local),
+            lr=lr,
+            val_loss=val_loss,
+            expert_imbalance=imbalance,
+            skipped=len(guard.skipped) if cfg.skip_nonfinite_steps else None,
+        )
         tensorboard.scalars(
             step,
             {"train/loss": float(local), "train/lr": lr, "train/grad_norm": float(grad_norm)}
@@ -320,6 +350,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             "final_loss": history[-1][1] if history else None,
             "val_losses": [list(entry) for entry in val_history],  # [step, validation loss]
             "final_val_loss": val_history[-1][1] if val_history else None,
+            # steps whose update was dropped for a non-finite loss or gradient norm (--skip-nonfinite-steps)
+            "skipped_steps": guard.skipped,
+            "skip_nonfinite_steps": cfg.skip_nonfinite_steps,
             "optimizer": cfg.optimizer,
             "lr_schedule": cfg.lr_schedule,
             "activation_checkpointing": cfg.activation_checkpointing,
@@ -339,9 +372,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         summary["loss_curve"] = str(curve) if curve else None
         (cfg.out / "summary.json").write_text(json.dumps(summary, indent=1))
         val_text = f", validation loss {summary['final_val_loss']:.4f}" if val_history else ""
+        loss_text = f"loss {history[0][1]:.4f} -> {history[-1][1]:.4f}" if history else "no step applied"
+        skip_text = f", {len(guard.skipped)} step(s) skipped (non-finite)" if guard.skipped else ""
         print(
-            f"done: {spec.family} pp={cfg.pp} dp={cfg.dp} cp={cfg.cp} ep={cfg.ep} {cfg.dtype}, {cfg.steps} steps, loss "
-            f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}{val_text}, "
+            f"done: {spec.family} pp={cfg.pp} dp={cfg.dp} cp={cfg.cp} ep={cfg.ep} {cfg.dtype}, {cfg.steps} steps, "
+            f"{loss_text}{skip_text}{val_text}, "
             f"{summary['tokens_per_s']:,.0f} tokens/s, "
             f"{wall:.1f} s; curve {summary['loss_curve']}, checkpoint {summary['checkpoint']}",
             flush=True,
@@ -424,6 +459,11 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
+    except RunStopped as exc:  # raised on every rank at the same point: each one says so and exits
+        print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return EXIT_RUN_STOPPED
     return 0
 
 

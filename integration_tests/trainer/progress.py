@@ -38,10 +38,18 @@ class Progress:
             )
 
     def update(
-        self, *, step: int, loss: float, lr: float, val_loss: float | None = None, expert_imbalance: float | None = None
+        self,
+        *,
+        step: int,
+        loss: float,
+        lr: float,
+        val_loss: float | None = None,
+        expert_imbalance: float | None = None,
+        skipped: int | None = None,
     ) -> None:
         """One optimizer step done; `val_loss` when this step validated (the bar keeps showing the latest);
-        `expert_imbalance` for MoE models (max / mean tokens per expert, shown next to the loss)."""
+        `expert_imbalance` for MoE models (max / mean tokens per expert, shown next to the loss); `skipped`: the
+        steps dropped so far for a non-finite loss or gradient norm (with `--skip-nonfinite-steps`; None: not shown)."""
         self.steps_done += 1
         if val_loss is not None:
             self._val_loss = val_loss
@@ -54,6 +62,8 @@ class Progress:
             fields["experts max/mean"] = f"{expert_imbalance:.2f}"
         if self._val_loss is not None:
             fields["val_loss"] = f"{self._val_loss:.4f}"
+        if skipped is not None:
+            fields["skipped"] = str(skipped)
         fields.update(lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
         self._bar.set_postfix(fields, refresh=False)
         self._bar.update(1)

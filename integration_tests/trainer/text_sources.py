@@ -73,12 +73,20 @@ def read_jsonl(path: Path, *, field: str, label: str = "--data") -> list[str]:
     """The `field` string of every record of a JSON-lines file (blank lines skipped).
 
     Raises:
-        ValueError: a line that is not a JSON object, or a record without a string `field` (line numbers named, up to
-            five of them).
+        ValueError: a line that is not UTF-8 or not a JSON object, or a record without a string `field` (the file
+            and up to five line numbers named).
     """
     documents, bad = [], []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is named like any other bad line
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad.append(
+                    f"line {number} is not UTF-8 text (byte {exc.start} of the line holds "
+                    f"{raw[exc.start : exc.start + 1]!r})"
+                )
+                continue
             if not line.strip():
                 continue
             try:

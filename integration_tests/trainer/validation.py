@@ -5,7 +5,9 @@ cannot go ends on every rank with the same message listing every problem: the ar
 the `--out` folder (writable; holds no checkpoints unless `--resume` or `--overwrite`), the model (built here: an
 HF folder must supply every tensor), the pipeline plan against its layers (am-pipelining), the mesh against its
 capabilities (am-capabilities), what the model cannot honour under `--cp` (its `cp_problems` hook, through
-am-context-parallel), the data and the checkpoint to resume (sha256 manifest, same arguments); and for the training
+am-context-parallel), a NaN / inf tensor in a `--model-path` folder (tensor and file named), the data and the
+checkpoint to resume (sha256 manifest; the layout, model and data options must match, while the optimizer's numbers
+and `--steps` may change: `resume_changes` words the warnings the loop prints); and for the training
 features: the tokenizer against the model's vocabulary, the held-out data, activation checkpointing against the
 model's capabilities, and a pipeline schedule that can evaluate.
 What it must not do: touch torch.distributed, or decide a rule that another module owns (it asks them).
@@ -23,8 +25,17 @@ from torch import nn
 
 from am_pipelining import find_layers
 from trainer import checkpoint as ckpt
-from trainer.config import RunConfig, cp_problems, find_problems, mesh_context, pipeline_plan
+from trainer.config import (
+    PRESET_HIDDEN_SIZE,
+    PRESET_LAYERS,
+    RunConfig,
+    cp_problems,
+    find_problems,
+    mesh_context,
+    pipeline_plan,
+)
 from trainer.data import Corpus, load_tokens
+from trainer.guards import model_path_nonfinite_problems, nonfinite_parameters
 from trainer.models import ModelSpec, build_model, folder_spec, preset_spec
 from trainer.parallel import cp_layout_name, cp_pad_multiple
 
@@ -40,8 +51,8 @@ def model_spec(cfg: RunConfig, *, vocab_size: int | None = None) -> ModelSpec:
         return folder_spec(cfg.model_path)
     return preset_spec(
         cfg.model,
-        hidden_size=cfg.hidden_size,
-        num_layers=cfg.layers,
+        hidden_size=cfg.hidden_size if cfg.hidden_size is not None else PRESET_HIDDEN_SIZE,
+        num_layers=cfg.layers if cfg.layers is not None else PRESET_LAYERS,
         mtp_depths=cfg.mtp_depths,
         tie_embeddings=cfg.tie_embeddings,
         vocab_size=vocab_size,
@@ -165,6 +176,8 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
         model = build_model(spec, seed=cfg.seed)
     except Exception as exc:  # a broken --model-path folder or preset: report it with the rest
         problems.append(f"cannot build the model: {type(exc).__name__}: {exc}")
+    if model is not None and cfg.model_path is not None:
+        problems += _model_path_value_problems(cfg.model_path, model)
     num_layers = None
     if model is not None:
         try:
@@ -223,6 +236,40 @@ _FEATURES_MUST_MATCH_ON_RESUME = {
 }  # fmt: skip
 
 
+# Options a resumed run may change: each change is recorded (the new checkpoints hold the new values) and named in a
+# warning on rank 0, since it changes the run from the resumed step on (the LR schedule, clipping, decay, length).
+_MAY_CHANGE_ON_RESUME = (
+    "steps", "lr", "min_lr", "warmup_steps", "weight_decay", "adam_eps", "grad_clip", "momentum",
+    "skip_nonfinite_steps",
+)  # fmt: skip
+# Saved before --hidden-size / --layers defaulted to None: the presets' sizes.
+_SIZE_DEFAULTS = {"hidden_size": PRESET_HIDDEN_SIZE, "layers": PRESET_LAYERS}
+
+
+def _model_path_value_problems(folder: str, model: nn.Module) -> list[str]:
+    """NaN / inf in a `--model-path` folder: per tensor and file (safetensors), else per loaded tensor."""
+    problems = model_path_nonfinite_problems(folder)
+    if not problems and not any(Path(folder).glob("*.safetensors")):
+        problems = [
+            f"--model-path {folder}: tensor {name!r} holds NaN or infinite values after loading the folder's weight "
+            "files; training from it gives NaN losses: repair or re-export the weights"
+            for name in nonfinite_parameters([model])
+        ]
+    return problems
+
+
+def resume_changes(cfg: RunConfig, state: dict[str, Any]) -> list[str]:
+    """Warnings for the options in `_MAY_CHANGE_ON_RESUME` that differ from the checkpoint's (an empty list: none)."""
+    saved = state.get("args", {})
+    now = json.loads(json.dumps(asdict(cfg), default=str))
+    return [
+        f"--resume {cfg.resume}: {key} changes from {saved[key]!r} (the checkpoint's run) to {now[key]!r}; the run "
+        f"continues with {now[key]!r} from step {int(state.get('step', 0)) + 1} on, and its checkpoints record it"
+        for key in _MAY_CHANGE_ON_RESUME
+        if key in saved and saved[key] != now[key]
+    ]
+
+
 def _tokenizer_vocab(tokenizer: Any) -> int | None:
     from trainer.text_sources import tokenizer_vocab_size
 
@@ -246,6 +293,13 @@ def _resume_mismatches(cfg: RunConfig, state: dict[str, Any]) -> list[str]:
     now = json.loads(json.dumps(asdict(cfg), default=str))
     expected = {key: saved.get(key) for key in _MUST_MATCH_ON_RESUME}
     expected |= {key: saved.get(key, default) for key, default in _FEATURES_MUST_MATCH_ON_RESUME.items()}
+    if cfg.model_path is None:  # a preset's size given or defaulted is the same size
+        for key, default in _SIZE_DEFAULTS.items():
+            expected[key] = default if expected[key] is None else expected[key]
+            now[key] = default if now[key] is None else now[key]
+    else:  # a --model-path run has no preset size (older checkpoints recorded the unused defaults)
+        for key in _SIZE_DEFAULTS:
+            expected[key] = now[key] = None
     return [
         f"--resume {cfg.resume}: the checkpoint was written with {key}={value!r}, this run has "
         f"{key}={now[key]!r}; resume with the same value"
@@ -254,4 +308,12 @@ def _resume_mismatches(cfg: RunConfig, state: dict[str, Any]) -> list[str]:
     ]
 
 
-__all__ = ["EXIT_BAD_INPUT", "BadInput", "data_problems", "model_spec", "out_problems", "validate"]
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "BadInput",
+    "data_problems",
+    "model_spec",
+    "out_problems",
+    "resume_changes",
+    "validate",
+]
