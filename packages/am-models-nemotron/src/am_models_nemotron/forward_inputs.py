@@ -20,6 +20,7 @@ import torch
 from .cp import NemotronCPContext, cp_kwarg_problems, resolve_layout
 from .inputs import BatchLayout, pop_layout_kwargs
 from .mtp_inputs import per_depth
+from .pipeline_stage import is_pipeline_stage
 
 __all__ = ["ForwardInputs", "resolve_forward_inputs"]
 
@@ -106,7 +107,7 @@ def resolve_forward_inputs(
         raise ValueError("input_ids must be provided if inputs_embeds is not provided.")
 
     seqlen = reference.shape[1]
-    stage = model.is_pipeline_stage()
+    stage = is_pipeline_stage(model)
     mtp_runs = model.mtp is not None and past_key_values is None and not use_cache
     mtp_runs = mtp_runs and (model.training or model.compute_mtp_in_eval)
     per_depth_given = bool(mtp_embed_inputs) or mtp_per_depth_input_ids is not None

@@ -3,8 +3,8 @@
 What it is for: `combined_causal_lm_loss` — the one implementation of the loss: position t's next-token target is
 labels[t + 1], MTP depth k (0-based) at position t predicts token t + k + 2, never across a document, each depth
 weighted `scaling / D`. The forward's `loss` / `mtp_loss`, `NemotronHForCausalLM.combined_loss` (the duck-typed hook
-am-pipelining's `PipelineCausalLMLoss` and the reference trainer call, through `loss_of_output`) and context
-parallelism's target preparation (`causal_lm_targets`) all go through it.
+am-pipelining's `PipelineCausalLMLoss` and the reference trainer call) and context parallelism's target preparation
+(`causal_lm_targets`) all go through it.
 `cross_entropy`: cross entropy over the vocabulary whose gradient is computed in the forward pass. The plain
 `F.cross_entropy` keeps a log-softmax copy of the logits for its backward and then allocates two more logits-sized
 tensors there (a zero-filled NLL gradient and the log-softmax gradient); at [B·S, V] these are the largest tensors
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from .mtp import shift_labels, shift_within_documents
 from .ssd import _compute_dtype
 
-__all__ = ["CombinedLoss", "causal_lm_targets", "combined_causal_lm_loss", "cross_entropy", "loss_of_output"]
+__all__ = ["CombinedLoss", "causal_lm_targets", "combined_causal_lm_loss", "cross_entropy"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -243,52 +243,3 @@ def combined_causal_lm_loss(
         return CombinedLoss(loss=lm_loss, lm_loss=lm_loss, mtp_loss=None, mtp_per_depth_losses=[])
     mtp_loss = torch.stack(depth_losses).sum() * mtp_loss_scaling_factor / len(depth_losses)
     return CombinedLoss(loss=lm_loss + mtp_loss, lm_loss=lm_loss, mtp_loss=mtp_loss, mtp_per_depth_losses=depth_losses)
-
-
-def loss_of_output(
-    output: Any,
-    labels: torch.Tensor,
-    *,
-    depths: int,
-    mtp_runs: bool,
-    lm_head: Callable[[torch.Tensor], torch.Tensor] | None,
-    scaling_factor: float,
-    loss_fn: LossFn | None = None,
-    labels_shifted: bool = False,
-    seq_idx: torch.Tensor | None = None,
-    mtp_per_depth_targets: Sequence[torch.Tensor] | None = None,
-    ignore_index: int = -100,
-) -> torch.Tensor:
-    """`combined_causal_lm_loss(...).loss` of one of the model's outputs (`NemotronHForCausalLM.combined_loss`).
-
-    output: the forward's `NemotronHCausalLMOutputWithPast`, a last pipeline stage's tuple `(logits, *D MTP hidden
-    states, int32 seq_idx [B, S])`, or bare logits; depths: the model's D; mtp_runs: whether MTP counts (training,
-    or `compute_mtp_in_eval`); seq_idx defaults to the stage tuple's tail; the output's `mtp_per_depth_targets`
-    (context parallelism) are used unless given.
-    """
-    mtp_hidden: list[torch.Tensor] = []
-    if isinstance(output, tuple):
-        logits = output[0]
-        if depths and len(output) >= 1 + depths:
-            mtp_hidden = list(output[1 : 1 + depths])
-            if seq_idx is None and len(output) == depths + 2:
-                seq_idx = output[-1]
-    elif isinstance(output, torch.Tensor):
-        logits = output
-    else:
-        logits = output.logits
-        mtp_hidden = list(output.mtp_per_depth_h or [])
-        if mtp_per_depth_targets is None:
-            mtp_per_depth_targets = getattr(output, "mtp_per_depth_targets", None)
-    return combined_causal_lm_loss(
-        logits,
-        labels,
-        mtp_per_depth_h=mtp_hidden if mtp_runs else [],
-        lm_head=lm_head,
-        mtp_loss_scaling_factor=scaling_factor,
-        seq_idx=seq_idx,
-        loss_fn=loss_fn,
-        labels_shifted=labels_shifted,
-        mtp_per_depth_targets=mtp_per_depth_targets,
-        ignore_index=ignore_index,
-    ).loss

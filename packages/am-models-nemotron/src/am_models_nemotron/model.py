@@ -38,7 +38,7 @@ from .config import NemotronConfig, as_hf_config
 from .cp import block_cp_problems, nemotron_cp_options, prepare_batch_for_cp
 from .forward_inputs import resolve_forward_inputs
 from .generation import generation_inputs
-from .loss import combined_causal_lm_loss, cross_entropy, loss_of_output
+from .loss import combined_causal_lm_loss, cross_entropy
 from .mtp import MTPConfig, MTPModule
 from .mtp_inputs import mtp_fusion_inputs
 from .outputs import NemotronHCausalLMOutputWithPast, select_hidden_states
@@ -275,26 +275,39 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
         mtp_per_depth_targets: Sequence[torch.Tensor] | None = None,
         ignore_index: int = -100,
     ) -> torch.Tensor:
-        """THE training loss of one of this model's outputs: next-token loss + scaled MTP loss (`loss.loss_of_output`).
+        """THE training loss of one of this model's outputs: next-token loss + scaled MTP loss.
 
         output: the forward's output, a last pipeline stage's tuple `(logits, *D MTP hidden states, int32 seq_idx
         [B, S])`, or bare logits. labels: [B, S], unshifted unless `labels_shifted` (the pipeline's convention). MTP
-        counts while training (or with `compute_mtp_in_eval`); seq_idx defaults to the stage tuple's tail;
-        scaling_factor: default `mtp_config.loss_scaling_factor`; ignore_index: the label value that is no target.
+        counts while training (or with `compute_mtp_in_eval`); seq_idx defaults to the stage tuple's tail; the
+        output's `mtp_per_depth_targets` (context parallelism) are used unless given; scaling_factor: default
+        `mtp_config.loss_scaling_factor`. The rule itself is `loss.combined_causal_lm_loss`.
         """
-        return loss_of_output(
-            output,
+        depths, mtp_hidden = self.num_mtp_depths, []
+        if isinstance(output, tuple):
+            logits = output[0]
+            if depths and len(output) >= 1 + depths:
+                mtp_hidden = list(output[1 : 1 + depths])
+                if seq_idx is None and len(output) == depths + 2:
+                    seq_idx = output[-1]
+        elif isinstance(output, torch.Tensor):
+            logits = output
+        else:
+            logits, mtp_hidden = output.logits, list(output.mtp_per_depth_h or [])
+            if mtp_per_depth_targets is None:
+                mtp_per_depth_targets = getattr(output, "mtp_per_depth_targets", None)
+        return combined_causal_lm_loss(
+            logits,
             labels,
-            depths=self.num_mtp_depths,
-            mtp_runs=self.training or self.compute_mtp_in_eval,
+            mtp_per_depth_h=mtp_hidden if (self.training or self.compute_mtp_in_eval) else [],
             lm_head=self.lm_head,
-            scaling_factor=self.mtp_config.loss_scaling_factor if scaling_factor is None else scaling_factor,
+            mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor if scaling_factor is None else scaling_factor,
+            seq_idx=seq_idx,
             loss_fn=loss_fn,
             labels_shifted=labels_shifted,
-            seq_idx=seq_idx,
             mtp_per_depth_targets=mtp_per_depth_targets,
             ignore_index=ignore_index,
-        )
+        ).loss
 
     def get_cp_options(self) -> ContiguousCPOptions:
         """What `make_cp_batch_and_ctx(mesh, batch, model=self)` shards besides the defaults: the MTP keys."""
@@ -337,16 +350,14 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
             )
         return am_moe.apply_expert_parallel(self, ep_mesh)
 
-    def is_pipeline_stage(self) -> bool:
-        """Whether this model was pruned to a pipeline stage (no head, no embedding, or fewer layers)."""
-        return pipeline_stage.is_pipeline_stage(self)
-
     def customize_pipeline_stage_modules(
         self, module_names_per_stage: list[list[str]], *, layers_prefix: str = "model.", text_model: Any = None
     ) -> list[list[str]]:
-        """am-pipelining's hook: the per-stage module names with `mtp` appended to the last stage."""
-        del layers_prefix, text_model  # the stage split names this model's modules as they are
-        return pipeline_stage.stage_module_names(module_names_per_stage, has_mtp=self.mtp is not None)
+        """am-pipelining's hook: a copy of the per-stage module names with `mtp` appended to the last stage."""
+        names = [list(stage) for stage in module_names_per_stage]
+        if self.mtp is not None and names and "mtp" not in names[-1]:
+            names[-1].append("mtp")
+        return names
 
     def get_pipeline_stage_metas(
         self, *, is_first: bool, microbatch_size: int, seq_len: int, dtype: torch.dtype
@@ -358,7 +369,7 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
 
     def get_pipeline_kwargs_chunk_dims(self, kwargs: dict[str, Any]) -> dict[str, int]:
         """am-pipelining's hook: per-sample tensors in `kwargs` are split into micro-batches along dim 0."""
-        return pipeline_stage.kwargs_chunk_dims(kwargs)
+        return {name: 0 for name in pipeline_stage.PER_SAMPLE_KWARGS if isinstance(kwargs.get(name), torch.Tensor)}
 
     # ------------------------------------------------------------------------------------------------------------
     # Generation (transformers' GenerationMixin hooks)

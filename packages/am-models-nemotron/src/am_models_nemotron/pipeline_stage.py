@@ -1,27 +1,29 @@
 """The pipeline-stage side of `NemotronHForCausalLM`: what its duck-typed pipeline hooks compute, and the forward of a
 pruned stage.
 
-What it is for: `is_pipeline_stage`, `stage_module_names` (the last stage keeps `mtp`), `stage_metas` (static shapes:
-inputs `[mb, S]` int64 on the first stage, else hidden + D MTP embeddings; outputs hidden + D embeddings, or on the
-last stage logits + D MTP hidden states + an int32 `[mb, S]` document-id tail), `kwargs_chunk_dims`, and
-`stage_forward` (hidden states arrive in the `input_ids` slot, the D MTP embeddings as extra positional tensors).
+What it is for: `is_pipeline_stage`, `stage_metas` (static shapes: inputs `[mb, S]` int64 on the first stage, else
+hidden + D MTP embeddings; outputs hidden + D embeddings, or on the last stage logits + D MTP hidden states + an
+int32 `[mb, S]` document-id tail), `PER_SAMPLE_KWARGS`, and `stage_forward` (hidden states arrive in the `input_ids`
+slot, the D MTP embeddings as extra positional tensors).
 What it must not do: import am-pipelining, or run a different rule for documents and masks than the full model
 (it resolves the same `BatchLayout` and builds the MTP embeddings with the same function).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .forward_inputs import ForwardInputs
 from .mtp_inputs import mtp_fusion_inputs
 
-__all__ = ["is_pipeline_stage", "kwargs_chunk_dims", "stage_forward", "stage_metas", "stage_module_names"]
+if TYPE_CHECKING:
+    from .forward_inputs import ForwardInputs
+
+__all__ = ["PER_SAMPLE_KWARGS", "is_pipeline_stage", "stage_forward", "stage_metas"]
 
 # Per-sample forward kwargs that am-pipelining splits into micro-batches along dim 0.
-_PER_SAMPLE_KWARGS = (
+PER_SAMPLE_KWARGS = (
     "attention_mask",
     "seq_idx",
     "padding_mask",
@@ -82,14 +84,6 @@ def stage_forward(model: Any, inputs: ForwardInputs) -> Any:
     return (logits, *mtp_hidden, tail)
 
 
-def stage_module_names(module_names_per_stage: list[list[str]], *, has_mtp: bool) -> list[list[str]]:
-    """Copy of the per-stage module names with `mtp` appended to the last stage when the model has MTP."""
-    names = [list(stage) for stage in module_names_per_stage]
-    if has_mtp and names and "mtp" not in names[-1]:
-        names[-1].append("mtp")
-    return names
-
-
 def stage_metas(
     model: Any, *, is_first: bool, microbatch_size: int, seq_len: int, dtype: torch.dtype
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
@@ -114,8 +108,3 @@ def stage_metas(
             tail = torch.empty(microbatch_size, seq_len, dtype=torch.int32, device=meta)
             outputs = (logits, *(hidden() for _ in range(depths)), tail)
     return inputs, outputs
-
-
-def kwargs_chunk_dims(kwargs: dict[str, Any]) -> dict[str, int]:
-    """Per-sample tensors in `kwargs` are split into micro-batches along dim 0."""
-    return {name: 0 for name in _PER_SAMPLE_KWARGS if isinstance(kwargs.get(name), torch.Tensor)}

@@ -111,7 +111,7 @@ class NemotronV3StateDictAdapter(NemotronStateDictAdapter):
     `BackendConfig` or None (the layout does not depend on it); `dtype=None` keeps dtypes (upstream: bf16).
 
     Raises:
-        ValueError: every problem with `moe_config`, `backend` and `dtype`, listed.
+        ValueError: a disagreeing `moe_config` and a wrong `backend` (both listed), or a wrong `dtype`.
     """
 
     def __init__(
@@ -124,12 +124,9 @@ class NemotronV3StateDictAdapter(NemotronStateDictAdapter):
         problems = _moe_config_problems(NemotronConfig.from_any(config), moe_config)
         if backend is not None and not isinstance(backend, BackendConfig):
             problems.append(f"backend={backend!r} must be an am_precision.BackendConfig or None")
-        try:
-            super().__init__(config, dtype=dtype)
-        except ValueError as exc:
-            problems.append(str(exc))
         if problems:
             raise ValueError(f"{type(self).__name__}:\n  - " + "\n  - ".join(problems))
+        super().__init__(config, dtype=dtype)
         self.moe_config = moe_config
         self.backend = backend
 
