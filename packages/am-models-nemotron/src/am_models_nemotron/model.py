@@ -140,9 +140,7 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
         """Build a randomly initialized model from a config (as the constructor; kwargs are its keyword options)."""
         return cls(config, backend, **kwargs)
 
-    # ------------------------------------------------------------------------------------------------------------
     # Basics
-    # ------------------------------------------------------------------------------------------------------------
 
     @property
     def device(self) -> torch.device:
@@ -210,9 +208,7 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
         """MTP depths D from the config (also on pipeline stages whose `mtp` module was pruned)."""
         return int(self.mtp_config.num_layers) if self.mtp_config.enabled else 0
 
-    # ------------------------------------------------------------------------------------------------------------
     # Loading and saving (transformers' names; the logic is `checkpoint`'s, imported lazily: it imports this module)
-    # ------------------------------------------------------------------------------------------------------------
 
     @classmethod
     def from_pretrained(
@@ -259,9 +255,7 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
             state_dict=state_dict,
         )
 
-    # ------------------------------------------------------------------------------------------------------------
     # The infrastructure's duck-typed hooks (am-pipelining, am-context-parallel, am-capabilities, the trainer)
-    # ------------------------------------------------------------------------------------------------------------
 
     def combined_loss(
         self,
@@ -333,15 +327,12 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
         return block_cp_problems(blocks, seqlen=local_seq_len, training=self.training)
 
     def apply_expert_parallel(self, ep_mesh: Any) -> list[GroupedExperts]:
-        """Shard every routed expert (backbone and MTP) over the 1-D `ep_mesh` (rank r owns experts [r*E/ep,
-        (r+1)*E/ep)) and switch the MoE layers to all-to-all dispatch (`am_moe.apply_expert_parallel`); returns the
-        sharded `GroupedExperts`. Routing, the padding exclusion and `e_score_correction_bias` stay replicated.
-
-        NOTE: apply after pipeline splitting and before FSDP2 (`am_moe.fully_shard_experts`, then `fully_shard`).
+        """Shard every routed expert (backbone and MTP) over the 1-D `ep_mesh` and switch the MoE layers to
+        all-to-all dispatch (`am_moe.apply_expert_parallel`: routing and `e_score_correction_bias` stay replicated);
+        returns the sharded `GroupedExperts`. NOTE: apply after pipeline splitting and before FSDP2.
 
         Raises:
-            ValueError: before any collective, when the config has no MoE block, n_routed_experts is not divisible
-                by the ep size, the mesh is not 1-D, or the experts are already sharded (all listed).
+            ValueError: before any collective: no MoE block, or am_moe's refusals (all listed).
         """
         if not self.nemotron_config.has_moe:
             raise ValueError(
@@ -353,7 +344,8 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
     def customize_pipeline_stage_modules(
         self, module_names_per_stage: list[list[str]], *, layers_prefix: str = "model.", text_model: Any = None
     ) -> list[list[str]]:
-        """am-pipelining's hook: a copy of the per-stage module names with `mtp` appended to the last stage."""
+        """am-pipelining's hook: a copy of the per-stage module names with `mtp` appended to the last stage
+        (`layers_prefix` / `text_model`: am-pipelining passes them; this model's module names need neither)."""
         names = [list(stage) for stage in module_names_per_stage]
         if self.mtp is not None and names and "mtp" not in names[-1]:
             names[-1].append("mtp")
@@ -371,9 +363,7 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
         """am-pipelining's hook: per-sample tensors in `kwargs` are split into micro-batches along dim 0."""
         return {name: 0 for name in pipeline_stage.PER_SAMPLE_KWARGS if isinstance(kwargs.get(name), torch.Tensor)}
 
-    # ------------------------------------------------------------------------------------------------------------
     # Generation (transformers' GenerationMixin hooks)
-    # ------------------------------------------------------------------------------------------------------------
 
     @classmethod
     def can_generate(cls) -> bool:
@@ -405,9 +395,7 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
         past_key_values.reorder_cache(beam_idx)
         return past_key_values
 
-    # ------------------------------------------------------------------------------------------------------------
     # Forward
-    # ------------------------------------------------------------------------------------------------------------
 
     def forward(
         self,
