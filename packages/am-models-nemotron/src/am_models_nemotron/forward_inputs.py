@@ -34,8 +34,8 @@ class ForwardInputs:
 
     input_ids: [B, S] ids, or [B, S, H] hidden states on a non-first pipeline stage; inputs_embeds: [B, S, H];
     layout: documents, padding, masks and the CP context; targets: [B, S] labels (unshifted) or next-token targets
-    (`labels_shifted`); mtp_runs: MTP runs off the pipeline in this call; per_depth_*: the caller's MTP inputs and
-    targets (D tensors); num_items_in_batch: transformers' loss normaliser; pipeline_stage: this model is a pruned
+    (`labels_shifted`); mtp_runs: MTP runs off the pipeline in this call; per_depth_targets: the caller's D MTP
+    targets; num_items_in_batch: transformers' loss normaliser; pipeline_stage: this model is a pruned
     stage.
     """
 
@@ -45,9 +45,6 @@ class ForwardInputs:
     targets: torch.Tensor | None
     labels_shifted: bool
     mtp_runs: bool
-    mtp_embed_inputs: tuple[torch.Tensor, ...]
-    per_depth_input_ids: Sequence[torch.Tensor] | torch.Tensor | None
-    per_depth_position_ids: Sequence[torch.Tensor] | torch.Tensor | None
     per_depth_targets: list[torch.Tensor] | None
     num_items_in_batch: Any
     pipeline_stage: bool
@@ -68,7 +65,6 @@ def resolve_forward_inputs(
     position_ids: torch.Tensor | None,
     padding_mask: torch.Tensor | None,
     mtp_per_depth_input_ids: Sequence[torch.Tensor] | torch.Tensor | None,
-    mtp_per_depth_position_ids: Sequence[torch.Tensor] | torch.Tensor | None,
     mtp_per_depth_targets: Sequence[torch.Tensor] | torch.Tensor | None,
     logits_to_keep: int | torch.Tensor,
     compute_logits: bool,
@@ -169,9 +165,6 @@ def resolve_forward_inputs(
         targets=targets,
         labels_shifted=shift_labels is not None,
         mtp_runs=mtp_runs and not stage,
-        mtp_embed_inputs=mtp_embed_inputs,
-        per_depth_input_ids=mtp_per_depth_input_ids,
-        per_depth_position_ids=mtp_per_depth_position_ids,
         per_depth_targets=per_depth(mtp_per_depth_targets),
         num_items_in_batch=num_items_in_batch,
         pipeline_stage=stage,

@@ -469,14 +469,13 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
             position_ids=position_ids,
             padding_mask=padding_mask,
             mtp_per_depth_input_ids=mtp_per_depth_input_ids,
-            mtp_per_depth_position_ids=mtp_per_depth_position_ids,
             mtp_per_depth_targets=mtp_per_depth_targets,
             logits_to_keep=logits_to_keep,
             compute_logits=compute_logits,
             kwargs=kwargs,
         )
         if inputs.pipeline_stage:
-            return pipeline_stage.stage_forward(self, inputs)
+            return pipeline_stage.stage_forward(self, inputs, mtp_embed_inputs, mtp_per_depth_input_ids)
         layout = inputs.layout
         reference = inputs.input_ids if inputs.input_ids is not None else inputs.inputs_embeds
         assert reference is not None
@@ -514,9 +513,9 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
                 input_ids=inputs.input_ids,
                 inputs_embeds=inputs.inputs_embeds,
                 seq_idx=layout.seq_idx,
-                embeds=inputs.mtp_embed_inputs,
-                per_depth_input_ids=inputs.per_depth_input_ids,
-                per_depth_position_ids=inputs.per_depth_position_ids,
+                embeds=mtp_embed_inputs,
+                per_depth_input_ids=mtp_per_depth_input_ids,
+                per_depth_position_ids=mtp_per_depth_position_ids,
             )
             mtp_hidden = self.mtp(hidden, embed_inputs=embeds, **layout.block_inputs(hidden))
 

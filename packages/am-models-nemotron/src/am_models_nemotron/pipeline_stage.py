@@ -44,13 +44,15 @@ def is_pipeline_stage(model: Any) -> bool:
     )
 
 
-def stage_forward(model: Any, inputs: ForwardInputs) -> Any:
-    """The forward of a pipeline stage (contract: `NemotronHForCausalLM.forward`). MTP depths travel and run whatever
-    the train/eval mode, so a stage's output arity always equals `stage_metas`."""
+def stage_forward(
+    model: Any, inputs: ForwardInputs, mtp_embed_inputs: tuple[torch.Tensor, ...], per_depth_input_ids: Any
+) -> Any:
+    """The forward of a pipeline stage (contract: `NemotronHForCausalLM.forward`; `mtp_embed_inputs`: the D MTP
+    embeddings a previous stage sent; `per_depth_input_ids`: under CP, shifted before sharding). MTP depths travel and
+    run whatever the train/eval mode, so a stage's output arity always equals `stage_metas`."""
     depths = model.num_mtp_depths
     layout = inputs.layout
     input_ids = inputs.input_ids
-    mtp_embed_inputs = inputs.mtp_embed_inputs
     hidden = model.model(input_ids, layout=layout)
     if depths and model.model.embed_tokens is not None:
         assert input_ids is not None
@@ -61,7 +63,7 @@ def stage_forward(model: Any, inputs: ForwardInputs) -> Any:
                 input_ids=input_ids,
                 inputs_embeds=None,
                 seq_idx=layout.seq_idx,
-                per_depth_input_ids=inputs.per_depth_input_ids,  # context parallelism: shifted before sharding
+                per_depth_input_ids=per_depth_input_ids,
             )
         )
     if depths and len(mtp_embed_inputs) != depths:

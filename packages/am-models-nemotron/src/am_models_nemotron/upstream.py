@@ -127,8 +127,6 @@ class NemotronV3StateDictAdapter(NemotronStateDictAdapter):
         if problems:
             raise ValueError(f"{type(self).__name__}:\n  - " + "\n  - ".join(problems))
         super().__init__(config, dtype=dtype)
-        self.moe_config = moe_config
-        self.backend = backend
 
 
 class MTPModule(_MTPModule):
