@@ -11,7 +11,7 @@ import torch
 from am_nemotron_helpers import assert_close_rel, hf_model, save_hf, tiny_hf_config, tokens
 from safetensors.torch import save_file
 
-from am_models_nemotron import NemotronHForCausalLM, NemotronV3StateDictAdapter, read_safetensors_folder
+from am_models_nemotron import NemotronHForCausalLM, NemotronStateDictAdapter, read_safetensors_folder
 from am_precision import fp32_keep_rules, match_keep_rule
 
 
@@ -35,7 +35,7 @@ def test_transformers_folder_plus_mtp_shard_loads_and_matches(hf_folder, tmp_pat
         NemotronHForCausalLM.from_pretrained(target)
     donor = NemotronHForCausalLM(hf.config)
     mtp = {
-        k: v for k, v in NemotronV3StateDictAdapter(hf.config).to_hf(donor.state_dict()).items() if k.startswith("mtp.")
+        k: v for k, v in NemotronStateDictAdapter(hf.config).to_hf(donor.state_dict()).items() if k.startswith("mtp.")
     }
     backbone = read_safetensors_folder(target)
     (target / "model.safetensors").rename(target / "model-00001-of-00002.safetensors")

@@ -77,10 +77,10 @@ def test_a_raw_transformers_config_works_wherever_our_config_does() -> None:
         MTPConfig,
         MTPModule,
         NemotronAttention,
+        NemotronBlock,
         NemotronHForCausalLM,
         NemotronHybridCache,
         NemotronMoE,
-        NemotronV3Block,
         NemotronV3Model,
         default_backend,
         mamba_cp_bytes_per_layer,
@@ -90,11 +90,11 @@ def test_a_raw_transformers_config_works_wherever_our_config_does() -> None:
     ours = NemotronConfig.from_any(raw)
     backend = default_backend()
     builders = {
-        "NemotronV3Block": lambda c: NemotronV3Block(c, 0, backend=backend),
+        "NemotronBlock": lambda c: NemotronBlock(c, 0, backend=backend),
         "Mamba2Mixer": lambda c: Mamba2Mixer(c, 0, backend=backend),
         "NemotronAttention": lambda c: NemotronAttention(c, 2, backend=backend),
         "NemotronMoE": lambda c: NemotronMoE(c, backend=backend),
-        "MTPModule": lambda c: MTPModule.for_config(c, MTPConfig.from_config(c), backend=backend),
+        "MTPModule": lambda c: MTPModule(c, MTPConfig.from_config(c), backend=backend),
         "NemotronV3Model": lambda c: NemotronV3Model(c),
         "NemotronHForCausalLM": lambda c: NemotronHForCausalLM(c),
     }

@@ -17,7 +17,7 @@ from transformers.masking_utils import create_causal_mask, create_recurrent_atte
 from am_models_nemotron import (
     NemotronHForCausalLM,
     NemotronHybridCache,
-    NemotronV3StateDictAdapter,
+    NemotronStateDictAdapter,
     resolve_batch_layout,
 )
 
@@ -148,7 +148,7 @@ def test_position_id_packing_matches_transformers_without_mamba() -> None:
     layers (its Mamba path does not reset) both implementations then compute the same packed logits."""
     hf = hf_model(tiny_hf_config("*E-*"), seed=3)
     ours = NemotronHForCausalLM(hf.config).eval()
-    ours.load_state_dict(NemotronV3StateDictAdapter(ours.config).from_hf(hf.state_dict()))
+    ours.load_state_dict(NemotronStateDictAdapter(ours.config).from_hf(hf.state_dict()))
     ids = torch.cat(_docs(), dim=1)
     positions = torch.cat([torch.arange(n) for n in DOC_LENGTHS])[None]
     with torch.no_grad():

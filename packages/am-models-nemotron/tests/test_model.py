@@ -10,7 +10,7 @@ import torch
 from am_nemotron_helpers import VOCAB, assert_close_rel, hf_model, randomize_, save_hf, tiny_hf_config, tokens
 from transformers import NemotronHForCausalLM as HFNemotronH
 
-from am_models_nemotron import NemotronHCausalLMOutputWithPast, NemotronHForCausalLM, NemotronV3StateDictAdapter
+from am_models_nemotron import NemotronHCausalLMOutputWithPast, NemotronHForCausalLM, NemotronStateDictAdapter
 from am_models_nemotron.checkpoint import read_safetensors_folder
 from am_precision import assert_fp32_contract, cast_model_to_dtype, fp32_report
 
@@ -89,7 +89,7 @@ def test_our_checkpoint_loads_in_transformers_with_equal_logits(pair, tmp_path: 
 
 def test_transformers_in_memory_state_dict_is_accepted(pair) -> None:
     hf, ours, _ = pair
-    adapter = NemotronV3StateDictAdapter(ours.config)
+    adapter = NemotronStateDictAdapter(ours.config)
     converted = adapter.from_hf(hf.state_dict())
     assert set(converted) == set(ours.state_dict())
     for key, value in ours.state_dict().items():

@@ -10,7 +10,7 @@ from am_nemotron_helpers import assert_close_rel, randomize_, tiny_hf_config, to
 
 from am_models_nemotron import (
     NemotronHForCausalLM,
-    NemotronV3StateDictAdapter,
+    NemotronStateDictAdapter,
     combined_causal_lm_loss,
     roll_tensor,
     shift_labels,
@@ -121,7 +121,7 @@ def test_constructor_override_disables_mtp_and_absent_fields_mean_none() -> None
 
 def test_checkpoint_names_follow_nvidia_layout() -> None:
     model = _model()
-    hf_names = NemotronV3StateDictAdapter(model.config).to_hf(model.state_dict())
+    hf_names = NemotronStateDictAdapter(model.config).to_hf(model.state_dict())
     for name in (
         "mtp.layers.0.eh_proj.weight",
         "mtp.layers.0.enorm.weight",
@@ -131,7 +131,7 @@ def test_checkpoint_names_follow_nvidia_layout() -> None:
         "mtp.layers.3.mixer.gate.e_score_correction_bias",
     ):
         assert name in hf_names, name
-    back = NemotronV3StateDictAdapter(model.config).from_hf(hf_names)
+    back = NemotronStateDictAdapter(model.config).from_hf(hf_names)
     for key, value in model.state_dict().items():
         assert torch.equal(back[key], value), key
 

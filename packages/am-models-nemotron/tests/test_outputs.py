@@ -16,7 +16,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from am_models_nemotron import (
     NemotronHCausalLMOutputWithPast,
     NemotronHForCausalLM,
-    NemotronV3StateDictAdapter,
+    NemotronStateDictAdapter,
     combined_causal_lm_loss,
     shift_labels,
 )
@@ -28,7 +28,7 @@ RTOL = 1e-5  # fp32 parity with transformers (see test_model)
 def pair():
     hf = hf_model(tiny_hf_config("M*E-M"), seed=6)
     ours = NemotronHForCausalLM(hf.config, num_nextn_predict_layers=0).eval()
-    ours.load_state_dict(NemotronV3StateDictAdapter(ours.config).from_hf(hf.state_dict()))
+    ours.load_state_dict(NemotronStateDictAdapter(ours.config).from_hf(hf.state_dict()))
     return hf, ours
 
 

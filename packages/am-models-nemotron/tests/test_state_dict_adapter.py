@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from am_nemotron_helpers import tiny_hf_config
 
-from am_models_nemotron import NemotronV3StateDictAdapter
+from am_models_nemotron import NemotronStateDictAdapter
 
 
 def test_prefixes_holder_and_experts_map_both_ways() -> None:
-    adapter = NemotronV3StateDictAdapter(tiny_hf_config("ME"))
+    adapter = NemotronStateDictAdapter(tiny_hf_config("ME"))
     hf = {
         "backbone.embeddings.weight": torch.zeros(1),
         "model.norm_f.weight": torch.zeros(1),
@@ -35,7 +35,7 @@ def test_prefixes_holder_and_experts_map_both_ways() -> None:
 
 
 def test_only_mamba_layers_get_the_fp32_holder_and_forced_dtypes() -> None:
-    adapter = NemotronV3StateDictAdapter(tiny_hf_config("M*"))
+    adapter = NemotronStateDictAdapter(tiny_hf_config("M*"))
     native = adapter.from_hf({"backbone.layers.1.mixer.D": torch.zeros(1)})
     assert list(native) == ["model.layers.1.mixer.D"]  # not a Mamba layer: left for the strict check to report
     assert adapter.forced_fp32("backbone.layers.0.mixer.dt_bias")
@@ -49,9 +49,9 @@ def test_forced_fp32_follows_the_model_classes_keep_list(monkeypatch) -> None:
 
     assert NemotronHForCausalLM._keep_in_fp32_modules_strict is NemotronV3Model._keep_in_fp32_modules_strict
     config = tiny_hf_config("M*E")
-    assert NemotronV3StateDictAdapter(config).forced_fp32("backbone.layers.2.mixer.gate.e_score_correction_bias")
+    assert NemotronStateDictAdapter(config).forced_fp32("backbone.layers.2.mixer.gate.e_score_correction_bias")
     monkeypatch.setattr(NemotronHForCausalLM, "_keep_in_fp32_modules_strict", ["_fp32_params", "in_proj"])
-    adapter = NemotronV3StateDictAdapter(config)
+    adapter = NemotronStateDictAdapter(config)
     assert not adapter.forced_fp32("backbone.layers.2.mixer.gate.e_score_correction_bias")
     assert adapter.forced_fp32("backbone.layers.0.mixer.in_proj.weight")
     assert adapter.forced_fp32("backbone.layers.0.mixer.A_log")

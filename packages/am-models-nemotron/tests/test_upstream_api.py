@@ -1,12 +1,15 @@
 """The seed API called as NeMo AutoModel documents it (`models/nemotron_v3/{model,layers,cache,mtp,
-state_dict_adapter}.py`, `common/mtp`): positional constructor order, upstream class names, class attributes the
-infrastructure reads, the pipeline and CP hooks, the cache, the state dict adapter, and the registry entry point
-naming the defining module (so `is_custom_model` is True). Behaviour of the forward, MTP loss and CP lives in the
-other test modules."""
+state_dict_adapter}.py`, `common/mtp`): positional constructor order, upstream class names (from
+`am_models_nemotron.upstream`), class attributes the infrastructure reads, the pipeline and CP hooks, the cache, the
+state dict adapter, and the registry entry point naming the defining module (so `is_custom_model` is True); and the
+split itself: one root name per thing, and a core that never imports `upstream`. Behaviour of the forward, MTP loss
+and CP lives in the other test modules."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import subprocess
+import sys
 import types
 
 import pytest
@@ -14,13 +17,26 @@ import torch
 from am_nemotron_helpers import VOCAB, hf_model, randomize_, tiny_hf_config, tokens
 from torch import nn
 
+import am_models_nemotron
 from am_models_nemotron import (
-    ModelClass,
+    Mamba2FP32Params,
+    Mamba2Mixer,
+    MambaRMSNormGated,
     MTPConfig,
-    MTPModule,
+    MTPSublayer,
     NemotronAttention,
+    NemotronBlock,
     NemotronHForCausalLM,
     NemotronHybridCache,
+    NemotronStateDictAdapter,
+    default_backend,
+    roll_tensor,
+    upstream,
+)
+from am_models_nemotron import MTPModule as CoreMTPModule
+from am_models_nemotron.upstream import (
+    ModelClass,
+    MTPModule,
     NemotronV3Attention,
     NemotronV3Block,
     NemotronV3Mamba2Mixer,
@@ -29,13 +45,34 @@ from am_models_nemotron import (
     NemotronV3MTPSublayer,
     NemotronV3StateDictAdapter,
     build_mtp_config_from_hf,
-    default_backend,
     parse_mtp_layer_pattern,
-    roll_tensor,
 )
-from am_models_nemotron.mamba2 import Mamba2FP32Params, Mamba2Mixer, MambaRMSNormGated
-from am_models_nemotron.mtp import MTPSublayer
 from am_precision import cast_model_to_dtype
+
+
+def test_the_root_has_one_name_per_thing_and_no_private_names():
+    """No two names of the root's `__all__` are bound to the same object, none is `_private`, and none of
+    upstream's extra spellings is at the root."""
+    by_object: dict[int, list[str]] = {}
+    for name in am_models_nemotron.__all__:
+        if name != "__version__":
+            by_object.setdefault(id(getattr(am_models_nemotron, name)), []).append(name)
+    assert [names for names in by_object.values() if len(names) > 1] == []
+    assert [name for name in am_models_nemotron.__all__ if name.startswith("_") and name != "__version__"] == []
+    assert not set(upstream.__all__) & set(am_models_nemotron.__all__) - {"MTPModule", "NemotronHForCausalLM"}
+    assert upstream.MTPModule is not CoreMTPModule
+    assert upstream.NemotronHForCausalLM is not NemotronHForCausalLM
+    for name in upstream.__all__:
+        assert hasattr(upstream, name), name
+
+
+def test_the_core_never_imports_upstream():
+    code = (
+        "import sys, am_models_nemotron, am_models_nemotron.model, am_models_nemotron.checkpoint; "
+        "print('am_models_nemotron.upstream' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
 
 
 def test_entry_point_names_the_defining_module():
@@ -44,7 +81,7 @@ def test_entry_point_names_the_defining_module():
     assert entry.module == NemotronHForCausalLM.__module__  # what is_custom_model matches, without importing
     assert entry.attr == NemotronHForCausalLM.__qualname__
     assert entry.load() is NemotronHForCausalLM
-    assert ModelClass is NemotronHForCausalLM
+    assert issubclass(ModelClass, NemotronHForCausalLM)  # upstream's registry name: the core + upstream's hooks
 
 
 def test_causal_lm_positional_backend_and_class_attributes():
@@ -119,8 +156,10 @@ def test_block_with_upstream_arguments_matches_the_models_block():
         torch.testing.assert_close(block(hidden), ours(hidden), rtol=0, atol=0)
     assert NemotronV3Block(config, 0).block_type == "mamba"  # backend=None: the plain-PyTorch default
     assert NemotronV3Block(config, 0, None, None, "mlp").block_type == "mlp"  # block_type override (MTP)
+    assert isinstance(NemotronV3Block(config, 0), NemotronBlock)
+    assert NemotronV3Block(config, 3, types.SimpleNamespace(n_routed_experts=6)).block_type == "moe"  # agrees
     with pytest.raises(ValueError, match="moe_config=None"):
-        NemotronV3Block(config, 3, types.SimpleNamespace(n_routed_experts=6))
+        NemotronV3Block(config, 3, types.SimpleNamespace(n_routed_experts=4))
 
 
 def test_layer_classes_under_upstream_names_and_signatures():
@@ -154,6 +193,7 @@ def test_state_dict_adapter_upstream_signature_round_trips_hf_keys():
     hf = hf_model(config)
     hf_state = dict(hf.state_dict())
     adapter = NemotronV3StateDictAdapter(config, types.SimpleNamespace(n_routed_experts=6), default_backend())
+    assert isinstance(adapter, NemotronStateDictAdapter)
     ours = NemotronHForCausalLM(config, default_backend())
     ours.load_state_dict(adapter.from_hf(hf_state))  # strict: every HF key placed, nothing missing
     exported = adapter.to_hf(ours.state_dict())
@@ -199,9 +239,29 @@ def test_mtp_module_upstream_constructor_calls_the_factory():
         MTPModule(mtp_config, ["attention"], factory)
     with pytest.raises(ValueError, match="enabled MTPConfig"):
         MTPModule(MTPConfig(), [], factory)
+    assert isinstance(module, CoreMTPModule)
     model = _model("M*", mtp_depths=2)
-    built = MTPModule.for_config(model.config, model.mtp_config, backend=default_backend())
+    built = CoreMTPModule(model.config, model.mtp_config, backend=default_backend())
     assert built.state_dict().keys() == model.mtp.state_dict().keys()
+    factory_built = MTPModule(  # upstream's constructor with the Nemotron sublayers: the same module
+        model.mtp_config,
+        model.mtp_config.layer_pattern,
+        lambda *, global_idx, block_type, has_fusion, has_final_norm, **_: MTPSublayer(
+            model.nemotron_config,
+            model.nemotron_config.num_hidden_layers + global_idx,
+            block_type=block_type,
+            has_fusion=has_fusion,
+            has_final_norm=has_final_norm,
+            backend=default_backend(),
+        ),
+    )
+    factory_built.load_state_dict(model.mtp.state_dict())
+    hidden = torch.randn(1, 8, model.config.hidden_size)
+    embeds = [torch.randn(1, 8, model.config.hidden_size) for _ in range(2)]
+    for ours, theirs in zip(
+        model.mtp(hidden, embed_inputs=embeds), factory_built(hidden, embed_inputs=embeds), strict=True
+    ):
+        torch.testing.assert_close(theirs, ours, rtol=0, atol=0)
 
 
 def test_mtp_pattern_and_config_helpers():
@@ -220,8 +280,14 @@ def test_mtp_pattern_and_config_helpers():
     assert (mtp.num_layers, mtp.loss_scaling_factor, mtp.num_physical_depths) == (3, 0.3, 1)
 
 
+def _upstream_model(pattern: str, *, mtp_depths: int = 0) -> upstream.NemotronHForCausalLM:
+    torch.manual_seed(0)
+    return upstream.NemotronHForCausalLM(tiny_hf_config(pattern, mtp_depths=mtp_depths), default_backend())
+
+
 def test_prepare_mtp_inputs_for_cp_is_the_mtp_part_of_prepare_batch_for_cp():
-    model = _model("M*", mtp_depths=2).train()
+    model = _upstream_model("M*", mtp_depths=2).train()
+    assert not hasattr(NemotronHForCausalLM, "prepare_mtp_inputs_for_cp")  # the core has one CP hook
     ids = tokens(2, 8)
     batch = {"input_ids": ids, "labels": ids.clone()}
     mtp_inputs = model.prepare_mtp_inputs_for_cp(batch, ignore_index=-100)
@@ -233,4 +299,4 @@ def test_prepare_mtp_inputs_for_cp_is_the_mtp_part_of_prepare_batch_for_cp():
     assert torch.equal(mtp_inputs["mtp_per_depth_input_ids"][:, 0], roll_tensor(ids, -1, 1))  # depth 0: token t + 1
     assert set(batch) == {"input_ids", "labels"}  # the batch is not changed
     assert model.eval().prepare_mtp_inputs_for_cp(batch) is None  # MTP does not run in eval
-    assert _model("M*").train().prepare_mtp_inputs_for_cp(batch) is None  # no MTP depths
+    assert _upstream_model("M*").train().prepare_mtp_inputs_for_cp(batch) is None  # no MTP depths

@@ -1,28 +1,31 @@
 """am-models-nemotron: Nemotron-H / Nemotron V3 hybrid Mamba2 + attention + MLP + MoE models with multi-token
 prediction, in plain PyTorch, loading and saving HF-format checkpoints.
 
+The root exports this package's own design (one name per thing) plus the seed's model surface
+(`NemotronHForCausalLM`, `NemotronV3Model`, `NemotronHybridCache`, `MTPConfig`, `roll_tensor`). NeMo AutoModel's
+other spellings (`NemotronV3Block`, `NemotronV3Attention`, `NemotronV3StateDictAdapter`, the generic `MTPModule`
+constructor, `prepare_mtp_inputs_for_cp`, `ModelClass`, ...) are in `am_models_nemotron.upstream`, built on this
+core and never imported by it.
+
 Importing this package never imports mamba_ssm, causal_conv1d, am-pipelining or am-capabilities.
 """
 
 from __future__ import annotations
 
 from ._version import __version__
-from .attention import NemotronAttention, NemotronV3Attention, build_attention_mask
+from .attention import NemotronAttention, build_attention_mask
 from .backbone import NemotronV3Model
 from .backend import SUPPORTED_BACKENDS, default_backend, resolve_backend
-from .blocks import NemotronV3Block
+from .blocks import NemotronBlock
 from .cache import NemotronHybridCache
 from .checkpoint import load_pretrained, read_safetensors_folder, save_pretrained
 from .config import BLOCK_KINDS, NemotronConfig, as_hf_config, normalize_block_types
-from .cp import prepare_mtp_inputs_for_cp
 from .inputs import BatchLayout, resolve_batch_layout
+from .loss import CombinedLoss, combined_causal_lm_loss
 from .mamba2 import (
     Mamba2FP32Params,
     Mamba2Mixer,
     MambaRMSNormGated,
-    NemotronV3Mamba2Mixer,
-    NemotronV3MambaFP32Params,
-    NemotronV3MambaRMSNormGated,
     mamba_kernels_available,
 )
 from .mamba2_cp import (
@@ -34,24 +37,19 @@ from .mamba2_cp import (
     prepend_conv_halo,
     ssd_chunked_scan_cp,
 )
-from .model import ModelClass, NemotronHForCausalLM
-from .moe import ExpertParallelHooks, GroupedExperts, NemotronMLP, NemotronMoE, NemotronRouter, relu2
+from .model import NemotronHForCausalLM
+from .moe import GroupedExperts, NemotronMLP, NemotronMoE, NemotronRouter, relu2
 from .mtp import (
     MTPConfig,
     MTPModule,
     MTPSublayer,
-    NemotronV3MTPSublayer,
-    build_mtp_config_from_hf,
-    mtp_depth_losses,
-    mtp_loss,
-    parse_mtp_layer_pattern,
     roll_tensor,
     shift_labels,
     shift_within_documents,
 )
-from .outputs import CombinedLoss, NemotronHCausalLMOutputWithPast, combined_causal_lm_loss
+from .outputs import NemotronHCausalLMOutputWithPast
 from .ssd import segment_sum, ssd_chunked_scan, ssd_sequential_scan
-from .state_dict_adapter import NemotronV3StateDictAdapter
+from .state_dict_adapter import NemotronStateDictAdapter
 
 __all__ = [
     # config
@@ -60,7 +58,6 @@ __all__ = [
     "as_hf_config",
     "normalize_block_types",
     # models
-    "ModelClass",
     "NemotronHForCausalLM",
     "NemotronV3Model",
     "NemotronHCausalLMOutputWithPast",
@@ -75,23 +72,17 @@ __all__ = [
     "BatchLayout",
     "resolve_batch_layout",
     # blocks
-    "NemotronV3Block",
+    "NemotronBlock",
     "NemotronAttention",
     "build_attention_mask",
     "Mamba2Mixer",
     "Mamba2FP32Params",
     "MambaRMSNormGated",
     "mamba_kernels_available",
-    # upstream class names (nemotron_v3.layers)
-    "NemotronV3Attention",
-    "NemotronV3Mamba2Mixer",
-    "NemotronV3MambaRMSNormGated",
-    "NemotronV3MambaFP32Params",
     "NemotronMLP",
     "NemotronMoE",
     "NemotronRouter",
     "GroupedExperts",
-    "ExpertParallelHooks",
     "relu2",
     # SSD scan
     "ssd_chunked_scan",
@@ -109,19 +100,13 @@ __all__ = [
     "MTPConfig",
     "MTPModule",
     "MTPSublayer",
-    "NemotronV3MTPSublayer",
-    "build_mtp_config_from_hf",
-    "parse_mtp_layer_pattern",
-    "prepare_mtp_inputs_for_cp",
-    "mtp_depth_losses",
-    "mtp_loss",
     "roll_tensor",
     "shift_labels",
     "shift_within_documents",
     # cache
     "NemotronHybridCache",
     # checkpoints
-    "NemotronV3StateDictAdapter",
+    "NemotronStateDictAdapter",
     "load_pretrained",
     "save_pretrained",
     "read_safetensors_folder",

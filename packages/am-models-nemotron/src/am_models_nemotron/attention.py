@@ -19,10 +19,9 @@ from torch import nn
 from am_precision import BackendConfig, initialize_linear_module
 
 from ._init import reset_linear_
-from .backend import resolve_backend
 from .config import NemotronConfig
 
-__all__ = ["NemotronAttention", "NemotronV3Attention", "build_attention_mask"]
+__all__ = ["NemotronAttention", "build_attention_mask"]
 
 SUPPORTED_ATTN_BACKENDS: tuple[str, ...] = ("sdpa",)
 
@@ -149,21 +148,3 @@ class NemotronAttention(nn.Module):
         out = out.transpose(1, 2).reshape(batch, seqlen, self.num_heads * self.head_dim)
         projected: torch.Tensor = self.o_proj(out)
         return projected
-
-
-class NemotronV3Attention(NemotronAttention):
-    """Upstream's name and signature, `NemotronV3Attention(config, backend=None)`: `NemotronAttention` with the
-    backend second (None -> `default_backend()`, unsupported fields resolved as the model does); the cache slot
-    `layer_idx` is keyword-only (upstream's block sets it), default 0."""
-
-    def __init__(
-        self,
-        config: NemotronConfig | Any,
-        backend: BackendConfig | None = None,
-        *,
-        layer_idx: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        backend = resolve_backend(backend, owner=type(self).__name__)
-        super().__init__(config, layer_idx, backend=backend, device=device, dtype=dtype)

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from am_precision import BackendConfig, initialize_rms_norm_module
 
 from .backend import resolve_backend
-from .blocks import NemotronV3Block
+from .blocks import NemotronBlock
 from .config import NemotronConfig
 from .cp import block_cp_problems, resolve_layout
 from .inputs import BatchLayout, pop_layout_kwargs
@@ -70,7 +70,7 @@ class NemotronV3Model(nn.Module):
         )
         self.layers = nn.ModuleDict(
             {
-                str(i): NemotronV3Block(cfg, i, backend=self.backend, device=device, dtype=dtype)
+                str(i): NemotronBlock(cfg, i, backend=self.backend, device=device, dtype=dtype)
                 for i in range(cfg.num_hidden_layers)
             }
         )

@@ -1,4 +1,4 @@
-"""`NemotronV3Block`: the pre-norm residual block `x + mixer(norm(x))` with one of four mixers.
+"""`NemotronBlock`: the pre-norm residual block `x + mixer(norm(x))` with one of four mixers.
 
 What it is for: choosing the mixer per layer kind — "mamba" (`Mamba2Mixer`), "attention" (`NemotronAttention`),
 "mlp" (`NemotronMLP`), "moe" (`NemotronMoE`) — and routing to each only the inputs it uses (padding mask to Mamba
@@ -22,45 +22,35 @@ from .config import BLOCK_KINDS, NemotronConfig
 from .mamba2 import Mamba2Mixer
 from .moe import NemotronMLP, NemotronMoE
 
-__all__ = ["NemotronV3Block"]
+__all__ = ["NemotronBlock"]
 
 
-class NemotronV3Block(nn.Module):
+class NemotronBlock(nn.Module):
     """Pre-norm residual block. hidden_states: [B, S, H] -> [B, S, H].
 
-    Upstream's signature `NemotronV3Block(config, layer_idx, moe_config=None, backend=None, block_type=None)`.
-
     Args:
-        config: the normalized config (or any config `NemotronConfig.from_any` reads).
+        config: the normalized config (or any config `NemotronConfig.from_any` reads); the MoE is built from its MoE
+            fields.
         layer_idx: global index (cache slot; MTP sublayers use num_hidden_layers + their index).
-        moe_config: must be None: the MoE is built from the config's MoE fields (upstream takes a separate
-            `MoEConfig`; overriding them here would make the block disagree with the checkpoint's config).
         backend: kernel choices (`linear`, `rms_norm`, `attn`, `experts`); None -> `default_backend()`, and fields
             this package does not implement resolve to the nearest implemented choice (`resolve_backend`).
         block_type: the kind; default `config.layers_block_type[layer_idx]`.
 
     Raises:
-        ValueError: a non-None `moe_config`, or an unknown `block_type`.
+        ValueError: an unknown `block_type`.
     """
 
     def __init__(
         self,
         config: NemotronConfig | Any,
         layer_idx: int,
-        moe_config: Any = None,
+        *,
         backend: BackendConfig | None = None,
         block_type: str | None = None,
-        *,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        if moe_config is not None:
-            raise ValueError(
-                f"NemotronV3Block(moe_config={type(moe_config).__name__}) is not supported: am-models-nemotron builds "
-                "the MoE from the config (n_routed_experts, num_experts_per_tok, moe_intermediate_size, ...); set "
-                "those on the config and pass moe_config=None."
-            )
         config = NemotronConfig.from_any(config)  # a raw transformers / NVIDIA config works too
         backend = resolve_backend(backend, owner=type(self).__name__)
         kind = block_type if block_type is not None else config.layers_block_type[layer_idx]

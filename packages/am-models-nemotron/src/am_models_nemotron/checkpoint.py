@@ -2,7 +2,7 @@
 
 What it is for: `load_pretrained` (a folder or a hub id; read the config, build the model on the meta device, check
 every tensor name and shape from the file headers, then read tensor by tensor — converted by
-`NemotronV3StateDictAdapter` — straight into the model's parameters, so a sharded checkpoint is never held twice)
+`NemotronStateDictAdapter` — straight into the model's parameters, so a sharded checkpoint is never held twice)
 and `save_pretrained` (NVIDIA naming; shards + `model.safetensors.index.json` above `max_shard_size`, written by
 huggingface_hub). Tensors pinned by the model's `_keep_in_fp32_modules_strict` (the adapter's `forced_fp32`) are
 loaded as fp32 and stored as F32.
@@ -33,7 +33,7 @@ from am_precision.hf_io import (
 )
 
 from .config import as_hf_config
-from .state_dict_adapter import NemotronV3StateDictAdapter
+from .state_dict_adapter import NemotronStateDictAdapter
 
 __all__ = ["load_pretrained", "read_safetensors_folder", "save_pretrained"]
 
@@ -120,7 +120,7 @@ def load_pretrained(
     config = as_hf_config(config) if config is not None else _load_config(folder)
     target_dtype = resolve_dtype(torch_dtype=torch_dtype, dtype=dtype, config=config)
     target = resolve_device(device_map=device_map, device=device)
-    adapter = NemotronV3StateDictAdapter(config)
+    adapter = NemotronStateDictAdapter(config)
     with LazyCheckpoint(folder) as checkpoint:
         model = cls(config, backend, device="meta", **model_kwargs)
         sources = _check_names_and_shapes(cls.__name__, model, checkpoint, adapter, folder)
@@ -139,7 +139,7 @@ def load_pretrained(
 
 
 def _check_names_and_shapes(
-    owner: str, model: nn.Module, checkpoint: LazyCheckpoint, adapter: NemotronV3StateDictAdapter, folder: Path
+    owner: str, model: nn.Module, checkpoint: LazyCheckpoint, adapter: NemotronStateDictAdapter, folder: Path
 ) -> dict[str, list[str]]:
     """Internal name -> the checkpoint keys it is built from, after checking every name and shape (headers only)."""
     converted = adapter.from_hf(checkpoint.meta_state_dict())  # raises on incomplete expert sets, all listed
@@ -257,7 +257,7 @@ def save_pretrained(
     # The constructor may override the MTP depth count; the saved config must describe the saved weights.
     config.num_nextn_predict_layers = model.mtp_config.num_layers if model.mtp is not None else 0
     config.save_pretrained(str(folder))
-    adapter = NemotronV3StateDictAdapter(config)
+    adapter = NemotronStateDictAdapter(config)
     tensors = adapter.to_hf(tensors)
     tensors = {k: (v.float() if adapter.forced_fp32(k) else v) for k, v in tensors.items()}
     write_safetensors(tensors, folder, max_shard_size=max_shard_size, safe_serialization=True)

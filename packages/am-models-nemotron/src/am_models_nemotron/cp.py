@@ -32,20 +32,18 @@ from am_context_parallel import (
 )
 
 from .inputs import BatchLayout, pop_layout_kwargs, resolve_batch_layout
+from .loss import causal_lm_targets
 from .mamba2_cp import Mamba2CPContext, conv_halo_width
 from .mtp import shift_within_documents
-from .outputs import causal_lm_targets
 
 __all__ = [
     "MTP_CP_KEYS",
-    "ContextParallelLimits",
     "NemotronCPContext",
     "active_cp_context",
     "block_cp_problems",
     "cp_kwarg_problems",
     "nemotron_cp_options",
     "prepare_batch_for_cp",
-    "prepare_mtp_inputs_for_cp",
     "raise_on_every_rank",
     "resolve_layout",
     "ring_kernel",
@@ -199,21 +197,6 @@ def prepare_batch_for_cp(
     return prepared
 
 
-def prepare_mtp_inputs_for_cp(
-    model: Any, batch: Mapping[str, Any], *, ignore_index: int = -100, labels_shifted: bool = False
-) -> dict[str, torch.Tensor] | None:
-    """Upstream's model hook (bound as `NemotronHForCausalLM.prepare_mtp_inputs_for_cp(batch, *, ignore_index)`):
-    the per-depth MTP inputs and targets of `batch`, computed on the whole sequences before sharding
-    (`mtp_per_depth_input_ids` / `mtp_per_depth_targets` [B, D, S], as `prepare_batch_for_cp` adds them), or None
-    when the model runs no MTP now (no MTP depths, or eval without `compute_mtp_in_eval`). `batch` is not changed.
-    """
-    depths = model.num_mtp_depths if (model.training or model.compute_mtp_in_eval) else 0
-    if not depths:
-        return None
-    prepared = prepare_batch_for_cp(batch, mtp_depths=depths, labels_shifted=labels_shifted, ignore_index=ignore_index)
-    return {key: prepared[key] for key in MTP_CP_KEYS}
-
-
 def block_cp_problems(blocks: Any, *, seqlen: int, training: bool) -> list[str]:
     """What the given blocks cannot run on a block of `seqlen` tokens under CP (the same on every rank)."""
     problems = []
@@ -228,25 +211,6 @@ def block_cp_problems(blocks: Any, *, seqlen: int, training: bool) -> list[str]:
     if training and any(b.block_type == "attention" and b.mixer.dropout for b in blocks):
         problems.append("attention dropout is not supported by ring attention; set attention_dropout=0")
     return problems
-
-
-class ContextParallelLimits:
-    """The up-front CP check of `NemotronHForCausalLM` (which provides `model`, `mtp`, `training` and
-    `compute_mtp_in_eval`): am-context-parallel's `model_cp_problems` calls `cp_problems` before any collective."""
-
-    model: Any
-    mtp: Any
-    training: bool
-    compute_mtp_in_eval: bool
-
-    def cp_problems(self, *, seq_len: int, local_seq_len: int, cp_size: int) -> list[str]:
-        """What the blocks that will run (the decoder's, and the MTP depths' when MTP runs in this mode) cannot honour
-        on contiguous shards of `local_seq_len` tokens: `block_cp_problems`, the rule the forward enforces again
-        (a shard shorter than the Mamba conv halo, attention dropout while training)."""
-        del seq_len, cp_size
-        mtp_runs = self.mtp is not None and (self.training or bool(self.compute_mtp_in_eval))
-        blocks = [*self.model.layers.values(), *(self.mtp.layers if mtp_runs else [])]
-        return block_cp_problems(blocks, seqlen=local_seq_len, training=self.training)
 
 
 def resolve_layout(

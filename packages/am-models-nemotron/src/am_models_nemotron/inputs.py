@@ -81,7 +81,7 @@ class BatchLayout:
     cp: Any = None
 
     def block_inputs(self, hidden_states: torch.Tensor, *, past_length: int = 0, cache: Any = None) -> dict[str, Any]:
-        """Keyword inputs of `NemotronV3Block.forward` for hidden states [B, S, H]."""
+        """Keyword inputs of `NemotronBlock.forward` for hidden states [B, S, H]."""
         batch, seqlen = hidden_states.shape[:2]
         attn_mask: torch.Tensor | None
         if self.cp is not None:

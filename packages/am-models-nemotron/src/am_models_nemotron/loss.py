@@ -1,6 +1,11 @@
-"""Cross entropy over the vocabulary whose gradient is computed in the forward pass, a block of rows at a time.
+"""THE training loss of Nemotron-H (next-token + scaled MTP, one rule) and its cross entropy.
 
-What it is for: the language-model losses (`NemotronHForCausalLM` with `labels`, the MTP depths). The plain
+What it is for: `combined_causal_lm_loss` — the one implementation of the loss: position t's next-token target is
+labels[t + 1], MTP depth k (0-based) at position t predicts token t + k + 2, never across a document, each depth
+weighted `scaling / D`. The forward's `loss` / `mtp_loss`, `NemotronHForCausalLM.combined_loss` (the duck-typed hook
+am-pipelining's `PipelineCausalLMLoss` and the reference trainer call) and context parallelism's target preparation
+(`causal_lm_targets`) all go through it.
+`cross_entropy`: cross entropy over the vocabulary whose gradient is computed in the forward pass. The plain
 `F.cross_entropy` keeps a log-softmax copy of the logits for its backward and then allocates two more logits-sized
 tensors there (a zero-filled NLL gradient and the log-softmax gradient); at [B·S, V] these are the largest tensors
 of the step. Here the softmax is evaluated once per block of rows while the block is in cache, and the gradient
@@ -14,14 +19,19 @@ With `create_graph=True` (second derivatives) the backward falls back to a diffe
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from .mtp import shift_labels, shift_within_documents
 from .ssd import _compute_dtype
 
-__all__ = ["cross_entropy"]
+__all__ = ["CombinedLoss", "causal_lm_targets", "combined_causal_lm_loss", "cross_entropy"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Rows per block: 256 rows of a 4k-256k vocabulary are 4-256 MiB of fp32; the block's softmax is read right after
 # it is written, so smaller blocks keep it in cache for the common vocabularies.
@@ -128,3 +138,108 @@ def cross_entropy(
         flat, targets.reshape(-1).to(torch.long), ignore_index, empty_is_zero, compute_grad
     )
     return loss
+
+
+@dataclass
+class CombinedLoss:
+    """loss = lm_loss + mtp_loss (mtp_loss None when no MTP depth took part); per-depth losses unscaled."""
+
+    loss: torch.Tensor
+    lm_loss: torch.Tensor
+    mtp_loss: torch.Tensor | None
+    mtp_per_depth_losses: list[torch.Tensor]
+
+
+def causal_lm_targets(
+    labels: torch.Tensor,
+    *,
+    depths: int = 0,
+    seq_idx: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    labels_shifted: bool = False,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(next-token targets [B, S], D MTP targets [B, S]): THE target rule.
+
+    Position t's next-token target is labels[t + 1] (or labels[t] when `labels_shifted`); depth k's is the
+    next-token target k + 1 positions on (the token t + k + 2). `ignore_index` past the row, across a document
+    (`seq_idx`), at padding positions and where the target token is padding (`padding_mask`, True = padding).
+    Context parallelism calls it on the whole sequence before sharding, so block edges are right.
+    """
+    if padding_mask is not None and not labels_shifted:
+        labels = labels.masked_fill(padding_mask, ignore_index)
+    shifted = labels if labels_shifted else shift_labels(labels, 1, seq_idx=seq_idx, ignore_index=ignore_index)
+    if padding_mask is not None:
+        shifted = shifted.masked_fill(padding_mask, ignore_index)
+        if labels_shifted:  # the target of position t is the token t + 1: ignored where that token is padding
+            # Past the row the caller's label stands (it names the token after the row; -100 where there is none),
+            # as without a padding mask; otherwise a trainer's full windows would lose their last target under CP.
+            shifted = shifted.masked_fill(shift_within_documents(padding_mask, 1, fill_value=False), ignore_index)
+    targets = []
+    for k in range(depths):
+        target = shift_labels(shifted, k + 1, seq_idx=seq_idx, ignore_index=ignore_index)
+        targets.append(target if padding_mask is None else target.masked_fill(padding_mask, ignore_index))
+    return shifted, targets
+
+
+def combined_causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    mtp_per_depth_h: Sequence[torch.Tensor] | None = None,
+    lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    mtp_loss_scaling_factor: float = 0.1,
+    seq_idx: torch.Tensor | None = None,
+    loss_fn: LossFn | None = None,
+    labels_shifted: bool = False,
+    mtp_per_depth_targets: Sequence[torch.Tensor] | None = None,
+    padding_mask: torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> CombinedLoss:
+    """Next-token loss plus `mtp_loss_scaling_factor / D` x the sum of the D MTP depth losses.
+
+    logits: [B, S, V]; labels: [B, S] token ids — unshifted (transformers' convention: the target of position t is
+    labels[t + 1]) or, with `labels_shifted=True`, already the next-token targets (the pipeline's convention);
+    mtp_per_depth_h: D hidden states [B, S, H], projected by `lm_head`; seq_idx: [B, S] document ids of packed rows
+    (targets never cross a document); mtp_per_depth_targets: D precomputed [B, S] targets (context parallelism:
+    shifted before sharding), used instead of shifting `labels`.
+
+    loss_fn: `(logits, targets) -> scalar`; default the mean cross entropy over non-ignored targets (an MTP depth
+    without targets then counts 0). A token-sum loss divided by a global count (the reference trainer's) works too.
+
+    Raises:
+        ValueError: MTP hidden states without `lm_head`, or precomputed targets of the wrong count or shape.
+    """
+    depths = len(mtp_per_depth_h) if mtp_per_depth_h else 0
+    shifted, targets = causal_lm_targets(
+        labels,
+        depths=depths if mtp_per_depth_targets is None else 0,
+        seq_idx=seq_idx,
+        padding_mask=padding_mask,
+        labels_shifted=labels_shifted,
+        ignore_index=ignore_index,
+    )
+
+    def loss_of(logits: torch.Tensor, targets: torch.Tensor, *, empty_is_zero: bool) -> torch.Tensor:
+        # empty_is_zero: an MTP depth without targets (short rows at deep depths) counts 0, not NaN
+        if loss_fn is not None:
+            return loss_fn(logits, targets)
+        return cross_entropy(logits, targets, ignore_index=ignore_index, empty_is_zero=empty_is_zero)
+
+    lm_loss = loss_of(logits, shifted, empty_is_zero=False)
+    if mtp_per_depth_targets is not None and depths:
+        targets = list(mtp_per_depth_targets)
+        if len(targets) != depths or any(t.shape != shifted.shape for t in targets):
+            raise ValueError(
+                f"MTP: got {len(targets)} target tensors of shapes {[tuple(t.shape) for t in targets]} for {depths} "
+                f"depths; each must have the labels' shape {tuple(shifted.shape)}."
+            )
+    depth_losses: list[torch.Tensor] = []
+    for hidden, target in zip(mtp_per_depth_h or [], targets, strict=True):
+        if lm_head is None:
+            raise ValueError("combined_causal_lm_loss: MTP hidden states need lm_head to become logits.")
+        depth_losses.append(loss_of(lm_head(hidden), target, empty_is_zero=True))
+    if not depth_losses:
+        return CombinedLoss(loss=lm_loss, lm_loss=lm_loss, mtp_loss=None, mtp_per_depth_losses=[])
+    mtp_loss = torch.stack(depth_losses).sum() * mtp_loss_scaling_factor / len(depth_losses)
+    return CombinedLoss(loss=lm_loss + mtp_loss, lm_loss=lm_loss, mtp_loss=mtp_loss, mtp_per_depth_losses=depth_losses)

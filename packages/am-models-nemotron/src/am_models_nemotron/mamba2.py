@@ -38,9 +38,6 @@ __all__ = [
     "Mamba2FP32Params",
     "Mamba2Mixer",
     "MambaRMSNormGated",
-    "NemotronV3Mamba2Mixer",
-    "NemotronV3MambaFP32Params",
-    "NemotronV3MambaRMSNormGated",
     "mamba_kernels_available",
 ]
 
@@ -480,9 +477,3 @@ class Mamba2Mixer(nn.Module):
         state.copy_(new_state.to(state.dtype))
         y = (new_state @ c_heads[..., None]).squeeze(-1)
         return y + x * d_skip.float()[:, None]
-
-
-# Upstream's class names (`nemotron_v3.layers`); the classes take upstream's positional arguments.
-NemotronV3Mamba2Mixer = Mamba2Mixer
-NemotronV3MambaRMSNormGated = MambaRMSNormGated
-NemotronV3MambaFP32Params = Mamba2FP32Params

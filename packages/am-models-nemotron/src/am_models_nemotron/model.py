@@ -1,8 +1,12 @@
 """`NemotronHForCausalLM`: the Nemotron-H causal LM — backbone, LM head, next-token loss, multi-token prediction,
 generation, pipeline-stage forward and checkpoints.
 
-What it is for: the forward of the whole model in three roles — a plain model (training, eval, generation through
-transformers' `GenerationMixin` with `NemotronHybridCache`), and a pruned pipeline stage (`pipeline_stage`). It
+What it is for: the model's parts — `model` (the backbone), `lm_head`, `mtp` (the MTP depths) — and a forward that
+reads as the model's math: resolve the inputs (`forward_inputs`, one place), run the backbone, the head, MTP and the
+loss (`loss.combined_causal_lm_loss`, one rule). The hooks the infrastructure finds by duck typing (pipeline, context
+and expert parallelism, the training loss, generation, checkpoints) are one-line methods over plain functions in the
+module of their concept. The forward serves a plain model (training, eval, generation through transformers'
+`GenerationMixin` with `NemotronHybridCache`) and a pruned pipeline stage (`pipeline_stage`). It
 accepts what NeMo AutoModel's forward accepts (packed rows through `seq_idx` / `_packed_seq_ids` / THD
 `cu_seqlens` / restarting `position_ids`, `padding_mask`, `causal_mask_mapping`, per-depth MTP inputs) with real
 semantics on its own SDPA path: a packed row gives each document the logits it gets alone.
@@ -14,66 +18,35 @@ embeddings (the architecture has none; rejected).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, Self, cast
 
 import torch
 from torch import nn
 from transformers import GenerationConfig, GenerationMixin
 
+import am_moe
 from am_context_parallel import ContiguousCPOptions
+from am_moe import GroupedExperts
 from am_precision import BackendConfig, initialize_linear_module, yield_fp32_model
 
+from . import pipeline_stage
 from ._init import weight_of
 from .backbone import NemotronV3Model, move_buffers_
-from .backend import default_backend, resolve_backend
+from .backend import resolve_backend
 from .cache import NemotronHybridCache
 from .config import NemotronConfig, as_hf_config
-from .cp import (
-    ContextParallelLimits,
-    NemotronCPContext,
-    cp_kwarg_problems,
-    nemotron_cp_options,
-    prepare_batch_for_cp,
-    resolve_layout,
-)
-from .cp import prepare_mtp_inputs_for_cp as _prepare_mtp_inputs_for_cp
-from .generation import NemotronGenerationMixin
-from .inputs import pop_layout_kwargs
-from .loss import cross_entropy
-from .moe import ExpertParallelHooks
+from .cp import block_cp_problems, nemotron_cp_options, prepare_batch_for_cp
+from .forward_inputs import resolve_forward_inputs
+from .generation import generation_inputs
+from .loss import combined_causal_lm_loss, cross_entropy
 from .mtp import MTPConfig, MTPModule
 from .mtp_inputs import mtp_fusion_inputs
-from .outputs import (
-    NemotronHCausalLMOutputWithPast,
-    NemotronLossMixin,
-    combined_causal_lm_loss,
-    select_hidden_states,
-)
-from .pipeline_stage import NemotronPipelineMixin
-from .pretrained import NemotronPretrainedMixin
+from .outputs import NemotronHCausalLMOutputWithPast, select_hidden_states
 
-__all__ = [
-    "ModelClass",
-    "NemotronHCausalLMOutputWithPast",
-    "NemotronHForCausalLM",
-    "NemotronV3Model",
-    "default_backend",
-]
-
-# Keyword arguments of transformers' generate() / Trainer that this forward takes but whose only value here is "off".
-_CP_KWARGS = ("cp_rank", "cp_size")
+__all__ = ["NemotronHForCausalLM"]
 
 
-class NemotronHForCausalLM(
-    ContextParallelLimits,
-    ExpertParallelHooks,
-    NemotronPipelineMixin,
-    NemotronGenerationMixin,
-    NemotronLossMixin,
-    NemotronPretrainedMixin,
-    nn.Module,
-    GenerationMixin,
-):
+class NemotronHForCausalLM(nn.Module, GenerationMixin):
     """Nemotron-H causal LM with optional multi-token prediction.
 
     Args:
@@ -153,7 +126,7 @@ class NemotronHForCausalLM(
             use_repeated_layer=mtp_use_repeated_layer,
         )
         self.mtp: MTPModule | None = (
-            MTPModule.for_config(cfg, self.mtp_config, backend=self.backend, device=device, dtype=dtype)
+            MTPModule(cfg, self.mtp_config, backend=self.backend, device=device, dtype=dtype)
             if self.mtp_config.enabled
             else None
         )
@@ -167,9 +140,7 @@ class NemotronHForCausalLM(
         """Build a randomly initialized model from a config (as the constructor; kwargs are its keyword options)."""
         return cls(config, backend, **kwargs)
 
-    # ------------------------------------------------------------------------------------------------------------
     # Basics
-    # ------------------------------------------------------------------------------------------------------------
 
     @property
     def device(self) -> torch.device:
@@ -232,9 +203,105 @@ class NemotronHForCausalLM(
     def is_gradient_checkpointing(self) -> bool:
         return bool(self.model.gradient_checkpointing)
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Context parallelism (am-context-parallel's contiguous path, declared by `_cp_layout`)
-    # ------------------------------------------------------------------------------------------------------------
+    @property
+    def num_mtp_depths(self) -> int:
+        """MTP depths D from the config (also on pipeline stages whose `mtp` module was pruned)."""
+        return int(self.mtp_config.num_layers) if self.mtp_config.enabled else 0
+
+    # Loading and saving (transformers' names; the logic is `checkpoint`'s, imported lazily: it imports this module)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: Any,
+        backend: BackendConfig | None = None,
+        *,
+        torch_dtype: Any = None,
+        dtype: Any = None,
+        device_map: Any = None,
+        device: torch.device | str | None = None,
+        revision: str | None = None,
+        **kwargs: Any,
+    ) -> Self:
+        """Load an HF-format folder or hub id (config.json + safetensors, single or sharded) tensor by tensor.
+
+        transformers' keywords: `torch_dtype` / `dtype` (fp32-pinned tensors stay fp32), `device_map` (None, "cpu"
+        or one device; splitting is refused), `revision`, `config`, `cache_dir`, `token`, `local_files_only`,
+        `force_download`; other keywords are the constructor's. See `checkpoint.load_pretrained`.
+        """
+        from .checkpoint import load_pretrained
+
+        options = {"torch_dtype": torch_dtype, "dtype": dtype, "device_map": device_map, "revision": revision}
+        return load_pretrained(cls, pretrained_model_name_or_path, backend=backend, device=device, **options, **kwargs)
+
+    def save_pretrained(
+        self,
+        save_directory: Any,
+        *,
+        max_shard_size: int | str | None = "5GB",
+        safe_serialization: bool = True,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Write config.json + safetensors in NVIDIA's naming (shards + index above `max_shard_size`; only
+        `safe_serialization=True`); `state_dict` (full tensors) replaces the model's own, e.g. the gathered experts
+        of an expert-parallel model. See `checkpoint.save_pretrained`."""
+        from .checkpoint import save_pretrained
+
+        save_pretrained(
+            self,
+            save_directory,
+            max_shard_size=max_shard_size,
+            safe_serialization=safe_serialization,
+            state_dict=state_dict,
+        )
+
+    # The infrastructure's duck-typed hooks (am-pipelining, am-context-parallel, am-capabilities, the trainer)
+
+    def combined_loss(
+        self,
+        output: Any,
+        labels: torch.Tensor,
+        *,
+        loss_fn: Any = None,
+        labels_shifted: bool = False,
+        seq_idx: torch.Tensor | None = None,
+        scaling_factor: float | None = None,
+        mtp_per_depth_targets: Sequence[torch.Tensor] | None = None,
+        ignore_index: int = -100,
+    ) -> torch.Tensor:
+        """THE training loss of one of this model's outputs: next-token loss + scaled MTP loss.
+
+        output: the forward's output, a last pipeline stage's tuple `(logits, *D MTP hidden states, int32 seq_idx
+        [B, S])`, or bare logits. labels: [B, S], unshifted unless `labels_shifted` (the pipeline's convention). MTP
+        counts while training (or with `compute_mtp_in_eval`); seq_idx defaults to the stage tuple's tail; the
+        output's `mtp_per_depth_targets` (context parallelism) are used unless given; scaling_factor: default
+        `mtp_config.loss_scaling_factor`. The rule itself is `loss.combined_causal_lm_loss`.
+        """
+        depths, mtp_hidden = self.num_mtp_depths, []
+        if isinstance(output, tuple):
+            logits = output[0]
+            if depths and len(output) >= 1 + depths:
+                mtp_hidden = list(output[1 : 1 + depths])
+                if seq_idx is None and len(output) == depths + 2:
+                    seq_idx = output[-1]
+        elif isinstance(output, torch.Tensor):
+            logits = output
+        else:
+            logits, mtp_hidden = output.logits, list(output.mtp_per_depth_h or [])
+            if mtp_per_depth_targets is None:
+                mtp_per_depth_targets = getattr(output, "mtp_per_depth_targets", None)
+        return combined_causal_lm_loss(
+            logits,
+            labels,
+            mtp_per_depth_h=mtp_hidden if (self.training or self.compute_mtp_in_eval) else [],
+            lm_head=self.lm_head,
+            mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor if scaling_factor is None else scaling_factor,
+            seq_idx=seq_idx,
+            loss_fn=loss_fn,
+            labels_shifted=labels_shifted,
+            mtp_per_depth_targets=mtp_per_depth_targets,
+            ignore_index=ignore_index,
+        ).loss
 
     def get_cp_options(self) -> ContiguousCPOptions:
         """What `make_cp_batch_and_ctx(mesh, batch, model=self)` shards besides the defaults: the MTP keys."""
@@ -249,11 +316,86 @@ class NemotronHForCausalLM(
         depths = self.num_mtp_depths if (self.training or self.compute_mtp_in_eval) else 0
         return prepare_batch_for_cp(batch, mtp_depths=depths, labels_shifted=labels_shifted, ignore_index=ignore_index)
 
-    prepare_mtp_inputs_for_cp = _prepare_mtp_inputs_for_cp  # upstream's hook name (cp.py)
+    def cp_problems(self, *, seq_len: int, local_seq_len: int, cp_size: int) -> list[str]:
+        """What the blocks that will run (the decoder's, and the MTP depths' when MTP runs in this mode) cannot honour
+        on contiguous shards of `local_seq_len` tokens (`cp.block_cp_problems`, the rule the forward enforces again):
+        a shard shorter than the Mamba conv halo, attention dropout while training. am-context-parallel's
+        `model_cp_problems` calls it before any collective."""
+        del seq_len, cp_size
+        mtp_runs = self.mtp is not None and (self.training or self.compute_mtp_in_eval)
+        blocks = [*self.model.layers.values(), *(self.mtp.layers if self.mtp is not None and mtp_runs else [])]
+        return block_cp_problems(blocks, seqlen=local_seq_len, training=self.training)
 
-    # ------------------------------------------------------------------------------------------------------------
+    def apply_expert_parallel(self, ep_mesh: Any) -> list[GroupedExperts]:
+        """Shard every routed expert (backbone and MTP) over the 1-D `ep_mesh` and switch the MoE layers to
+        all-to-all dispatch (`am_moe.apply_expert_parallel`: routing and `e_score_correction_bias` stay replicated);
+        returns the sharded `GroupedExperts`. NOTE: apply after pipeline splitting and before FSDP2.
+
+        Raises:
+            ValueError: before any collective: no MoE block, or am_moe's refusals (all listed).
+        """
+        if not self.nemotron_config.has_moe:
+            raise ValueError(
+                f"{type(self).__name__}: expert parallelism needs MoE blocks, but this config has none (block kinds "
+                f"{sorted(set(self.nemotron_config.layers_block_type))}); use ep=1"
+            )
+        return am_moe.apply_expert_parallel(self, ep_mesh)
+
+    def customize_pipeline_stage_modules(
+        self, module_names_per_stage: list[list[str]], *, layers_prefix: str = "model.", text_model: Any = None
+    ) -> list[list[str]]:
+        """am-pipelining's hook: a copy of the per-stage module names with `mtp` appended to the last stage
+        (`layers_prefix` / `text_model`: am-pipelining passes them; this model's module names need neither)."""
+        names = [list(stage) for stage in module_names_per_stage]
+        if self.mtp is not None and names and "mtp" not in names[-1]:
+            names[-1].append("mtp")
+        return names
+
+    def get_pipeline_stage_metas(
+        self, *, is_first: bool, microbatch_size: int, seq_len: int, dtype: torch.dtype
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """am-pipelining's hook: meta tensors of this stage's inputs and outputs (`pipeline_stage.stage_metas`)."""
+        return pipeline_stage.stage_metas(
+            self, is_first=is_first, microbatch_size=microbatch_size, seq_len=seq_len, dtype=dtype
+        )
+
+    def get_pipeline_kwargs_chunk_dims(self, kwargs: dict[str, Any]) -> dict[str, int]:
+        """am-pipelining's hook: per-sample tensors in `kwargs` are split into micro-batches along dim 0."""
+        return {name: 0 for name in pipeline_stage.PER_SAMPLE_KWARGS if isinstance(kwargs.get(name), torch.Tensor)}
+
+    # Generation (transformers' GenerationMixin hooks)
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        return True
+
+    def get_experts_implementation(self) -> dict[str, str]:
+        """GenerationMixin hook: our experts have one implementation, nothing to switch while decoding."""
+        return {}
+
+    def set_experts_implementation(self, implementation: Any) -> None:
+        """GenerationMixin hook (no-op, see `get_experts_implementation`)."""
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        past_key_values: Any = None,
+        attention_mask: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        is_first_iteration: bool | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The whole prompt and a fresh `NemotronHybridCache` first, then one token per step (`generation_inputs`)."""
+        return generation_inputs(
+            self, input_ids, past_key_values=past_key_values, attention_mask=attention_mask, inputs_embeds=inputs_embeds
+        )
+
+    def _reorder_cache(self, past_key_values: NemotronHybridCache, beam_idx: torch.LongTensor) -> NemotronHybridCache:
+        past_key_values.reorder_cache(beam_idx)
+        return past_key_values
+
     # Forward
-    # ------------------------------------------------------------------------------------------------------------
 
     def forward(
         self,
@@ -313,83 +455,33 @@ class NemotronHForCausalLM(
         Raises:
             TypeError: unknown keyword arguments. ValueError: every invalid or contradictory input (one message).
         """
-        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-        if kwargs.pop("output_attentions", None):
-            raise ValueError("output_attentions is not supported (SDPA does not return attention weights).")
-        cp_kwargs = {name: kwargs.pop(name) for name in _CP_KWARGS if name in kwargs}
-        layout_kwargs = pop_layout_kwargs(kwargs)
-        if kwargs:
-            raise TypeError(f"{type(self).__name__}.forward got unexpected keyword arguments {sorted(kwargs)}.")
-        if isinstance(attention_mask, dict):  # transformers passes its mask mapping as attention_mask
-            if causal_mask_mapping is not None:
-                raise ValueError("got a mask mapping as attention_mask and causal_mask_mapping; pass one of them")
-            causal_mask_mapping, attention_mask = attention_mask, None
-        if layout_kwargs.get("qkv_format") == "thd":  # one packed row may come as [T] / [T, H]
-            input_ids = input_ids[None] if input_ids is not None and input_ids.dim() == 1 else input_ids
-            inputs_embeds = (
-                inputs_embeds[None] if inputs_embeds is not None and inputs_embeds.dim() == 2 else inputs_embeds
-            )
-            labels = labels[None] if labels is not None and labels.dim() == 1 else labels
-        if position_ids is not None:
-            layout_kwargs["position_ids"] = position_ids
-        if padding_mask is not None:
-            layout_kwargs["padding_mask"] = padding_mask
-        if labels is not None and shift_labels is not None:
-            raise ValueError("pass labels (unshifted) or shift_labels (already shifted), not both")
-
-        reference = input_ids if input_ids is not None else inputs_embeds
-        if reference is None:
-            raise ValueError("input_ids must be provided if inputs_embeds is not provided.")
-        seqlen = reference.shape[1]
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
-        mtp_runs = self.mtp is not None and past_key_values is None and not use_cache
-        mtp_runs = mtp_runs and (self.training or self.compute_mtp_in_eval)
-        per_depth_given = bool(mtp_embed_inputs) or mtp_per_depth_input_ids is not None
-
-        def cp_problems(cp: NemotronCPContext) -> list[str]:
-            problems = self.cp_problems(seq_len=seqlen * cp.size, local_seq_len=seqlen, cp_size=cp.size)
-            problems += cp_kwarg_problems(cp_kwargs, cp.size, cp.rank)
-            if labels is not None:
-                problems.append(
-                    "labels would be shifted here, across block edges; prepare the batch with "
-                    "model.prepare_batch_for_cp before sharding and pass its labels as shift_labels (or compute the "
-                    "loss with model.combined_loss(out, labels, labels_shifted=True))"
-                )
-            if use_cache or past_key_values is not None:
-                problems.append("a generation cache cannot be combined with context parallelism")
-            first_stage = self.model.embed_tokens is not None
-            needs_ids = mtp_runs or (self._is_pipeline_stage() and self.num_mtp_depths > 0)
-            if needs_ids and first_stage and not per_depth_given:
-                problems.append(
-                    "MTP needs mtp_per_depth_input_ids shifted on the whole sequence before sharding "
-                    "(model.prepare_batch_for_cp)"
-                )
-            if shift_labels is not None and mtp_runs and mtp_per_depth_targets is None:
-                problems.append("the MTP loss needs mtp_per_depth_targets from model.prepare_batch_for_cp")
-            return problems
-
-        layout = resolve_layout(
-            owner=type(self).__name__,
-            batch=reference.shape[0],
-            seqlen=seqlen,
-            device=reference.device,
-            past_length=past,
+        inputs = resolve_forward_inputs(
+            self,
+            input_ids=input_ids,
+            mtp_embed_inputs=mtp_embed_inputs,
             attention_mask=attention_mask,
             causal_mask_mapping=causal_mask_mapping,
-            layout_kwargs=layout_kwargs,
-            cp_problems=cp_problems,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            shift_labels=shift_labels,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_ids=position_ids,
+            padding_mask=padding_mask,
+            mtp_per_depth_input_ids=mtp_per_depth_input_ids,
+            mtp_per_depth_targets=mtp_per_depth_targets,
+            logits_to_keep=logits_to_keep,
+            compute_logits=compute_logits,
+            kwargs=kwargs,
         )
-        if layout.cp is None and cp_kwarg_problems(cp_kwargs, 1, 0):
-            raise ValueError(
-                "; ".join(cp_kwarg_problems(cp_kwargs, 1, 0)) + ": context parallelism runs inside the "
-                "RingAttentionContext of make_cp_batch_and_ctx(mesh, batch, model=model), after "
-                "model.prepare_batch_for_cp(batch)."
-            )
-        if self._is_pipeline_stage():
-            return self._stage_forward(
-                input_ids, mtp_embed_inputs, layout=layout, per_depth_input_ids=mtp_per_depth_input_ids
-            )
+        if inputs.pipeline_stage:
+            return pipeline_stage.stage_forward(self, inputs, mtp_embed_inputs, mtp_per_depth_input_ids)
+        layout = inputs.layout
+        reference = inputs.input_ids if inputs.input_ids is not None else inputs.inputs_embeds
+        assert reference is not None
+        assert self.lm_head is not None
 
+        # h = backbone(x); logits = lm_head(h)
         cache = past_key_values
         if use_cache and cache is None:
             cache = NemotronHybridCache(self.nemotron_config, reference.shape[0], self.dtype, reference.device)
@@ -397,8 +489,8 @@ class NemotronHForCausalLM(
             output_hidden_states = getattr(self.config, "output_hidden_states", False)
         hidden_list: list[torch.Tensor] | None = [] if output_hidden_states not in (False, None, []) else None
         hidden = self.model(
-            input_ids,
-            inputs_embeds=inputs_embeds,
+            inputs.input_ids,
+            inputs_embeds=inputs.inputs_embeds,
             past_key_values=cache,
             cache_position=cache_position,
             layout=layout,
@@ -406,56 +498,44 @@ class NemotronHForCausalLM(
         )
         if cache is not None:
             cache.has_previous_state = True
-
-        assert self.lm_head is not None
-        keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
-        if labels is not None and not keep_all:
-            raise ValueError(
-                f"logits_to_keep={logits_to_keep!r} cannot be combined with labels: the loss needs the logits of every "
-                "position. Pass logits_to_keep=0 (the default) when computing a loss."
-            )
         if compute_logits:
-            logits = self.lm_head(hidden if keep_all else _keep(hidden, logits_to_keep))
+            logits = self.lm_head(_keep(hidden, logits_to_keep))
         else:
-            if labels is not None:
-                raise ValueError("compute_logits=False cannot be combined with labels (the loss needs logits).")
             logits = hidden.new_empty(*hidden.shape[:-1], 0)
 
+        # MTP depth d: h_d = mtp_d(h_{d-1}, embedding of the token d + 1 places ahead)
         mtp_hidden: list[torch.Tensor] | None = None
-        if mtp_runs:
+        if inputs.mtp_runs:
             assert self.mtp is not None
             embeds = mtp_fusion_inputs(
                 depths=self.num_mtp_depths,
                 embed_tokens=self.model.embed_tokens,
-                input_ids=input_ids,
-                inputs_embeds=inputs_embeds,
+                input_ids=inputs.input_ids,
+                inputs_embeds=inputs.inputs_embeds,
                 seq_idx=layout.seq_idx,
                 embeds=mtp_embed_inputs,
                 per_depth_input_ids=mtp_per_depth_input_ids,
                 per_depth_position_ids=mtp_per_depth_position_ids,
             )
             mtp_hidden = self.mtp(hidden, embed_inputs=embeds, **layout.block_inputs(hidden))
-        elif per_depth_given or mtp_per_depth_targets is not None:
-            raise ValueError("per-depth MTP inputs were given but MTP does not run (no MTP, eval, or a cache).")
 
-        depth_targets = _per_depth(mtp_per_depth_targets)
-        loss = mtp_term = None
-        targets = labels if labels is not None else shift_labels
-        if targets is not None:
+        # loss: next-token cross entropy; mtp_loss: the scaled MTP term (reported apart, see `combined_loss`)
+        loss = mtp_loss = None
+        if inputs.targets is not None:
             combined = combined_causal_lm_loss(
                 logits,
-                targets,
+                inputs.targets,
                 mtp_per_depth_h=mtp_hidden,
                 lm_head=self.lm_head,
                 mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor,
                 seq_idx=layout.seq_idx,
-                loss_fn=_sum_over(num_items_in_batch) if num_items_in_batch is not None else None,
-                labels_shifted=shift_labels is not None,
-                mtp_per_depth_targets=depth_targets,
+                loss_fn=_sum_over(inputs.num_items_in_batch) if inputs.num_items_in_batch is not None else None,
+                labels_shifted=inputs.labels_shifted,
+                mtp_per_depth_targets=inputs.per_depth_targets,
                 # padding is never a target, nor predicts one (under CP already applied before sharding)
                 padding_mask=layout.padding_mask if layout.cp is None else None,
             )
-            loss, mtp_term = combined.lm_loss, combined.mtp_loss
+            loss, mtp_loss = combined.lm_loss, combined.mtp_loss
 
         output = NemotronHCausalLMOutputWithPast(
             loss=loss,
@@ -463,20 +543,11 @@ class NemotronHForCausalLM(
             past_key_values=cast(Any, cache) if use_cache or past_key_values is not None else None,
             hidden_states=cast(Any, select_hidden_states(hidden_list, output_hidden_states)),
             mtp_per_depth_h=mtp_hidden,
-            mtp_loss=mtp_term,
+            mtp_loss=mtp_loss,
             mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor if mtp_hidden is not None else None,
-            mtp_per_depth_targets=depth_targets,
+            mtp_per_depth_targets=inputs.per_depth_targets,
         )
-        if return_dict is False:
-            return output.to_tuple()
-        return output
-
-
-def _per_depth(value: Sequence[torch.Tensor] | torch.Tensor | None) -> list[torch.Tensor] | None:
-    """D tensors from a sequence or a [B, D, S] tensor."""
-    if value is None:
-        return None
-    return list(value.unbind(1)) if isinstance(value, torch.Tensor) else list(value)
+        return output.to_tuple() if return_dict is False else output
 
 
 def _sum_over(count: Any) -> Any:
@@ -495,6 +566,3 @@ def _keep(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Ten
     if logits_to_keep < 0:
         raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
     return hidden[:, -logits_to_keep:]
-
-
-ModelClass = NemotronHForCausalLM

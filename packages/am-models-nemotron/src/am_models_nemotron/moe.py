@@ -18,20 +18,17 @@ biased score is negative.
 
 from __future__ import annotations
 
-from typing import Any, cast
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import am_moe
 from am_moe import GroupedExperts
 from am_precision import BackendConfig, initialize_linear_module
 
 from ._init import reset_linear_
 from .config import NemotronConfig
 
-__all__ = ["ExpertParallelHooks", "GroupedExperts", "NemotronMLP", "NemotronMoE", "NemotronRouter", "relu2"]
+__all__ = ["GroupedExperts", "NemotronMLP", "NemotronMoE", "NemotronRouter", "relu2"]
 
 # BackendConfig.experts -> am_moe's grouped-GEMM backend, as upstream names them: "torch" is one matmul per expert,
 # "torch_mm" is torch._grouped_mm (refused, with the reason, where it cannot run).
@@ -222,32 +219,3 @@ class NemotronMoE(nn.Module):
             expert_out = self.fc2_latent_proj(expert_out)
         routed_out = expert_out if real is None else flat.new_zeros(flat.shape).index_copy(0, real, expert_out)
         return routed_out.view(shape) + self.shared_experts(hidden_states)
-
-
-class ExpertParallelHooks:
-    """Mixin of `NemotronHForCausalLM`: expert parallelism (EP) of its MoE layers (backbone and MTP) through am-moe.
-
-    `apply_expert_parallel(ep_mesh)` is the hook a trainer calls and am-capabilities looks for (a model without it
-    is refused ep_size > 1). Routing, the padding exclusion and `e_score_correction_bias` stay replicated and
-    unchanged; only the experts are sharded and fed by all-to-all.
-    """
-
-    nemotron_config: NemotronConfig
-
-    def apply_expert_parallel(self, ep_mesh: Any) -> list[GroupedExperts]:
-        """Shard every routed expert over the 1-D `ep_mesh` (rank r owns experts [r*E/ep, (r+1)*E/ep)) and switch
-        the MoE layers to all-to-all dispatch; returns the sharded `GroupedExperts` (none on a pipeline stage
-        without MoE layers). Collective over `ep_mesh` (the weights are scattered from its first rank).
-
-        NOTE: apply after pipeline splitting and before FSDP2 (`am_moe.fully_shard_experts`, then `fully_shard`).
-
-        Raises:
-            ValueError: before any collective, when the config has no MoE block, n_routed_experts is not divisible
-                by the ep size, the mesh is not 1-D, or the experts are already sharded (all listed).
-        """
-        if not self.nemotron_config.has_moe:
-            raise ValueError(
-                f"{type(self).__name__}: expert parallelism needs MoE blocks, but this config has none (block kinds "
-                f"{sorted(set(self.nemotron_config.layers_block_type))}); use ep=1"
-            )
-        return am_moe.apply_expert_parallel(cast(nn.Module, self), ep_mesh)

@@ -18,10 +18,10 @@ from torch import nn
 
 from .mtp import shift_within_documents
 
-__all__ = ["mtp_fusion_inputs"]
+__all__ = ["mtp_fusion_inputs", "per_depth"]
 
 
-def _per_depth(value: Sequence[torch.Tensor] | torch.Tensor | None) -> list[torch.Tensor] | None:
+def per_depth(value: Sequence[torch.Tensor] | torch.Tensor | None) -> list[torch.Tensor] | None:
     """D tensors from a sequence or a [B, D, S(, H)] tensor."""
     if value is None:
         return None
@@ -52,8 +52,8 @@ def mtp_fusion_inputs(
     """
     reference = input_ids if input_ids is not None else inputs_embeds
     shape = tuple(reference.shape[:2]) if reference is not None else None
-    ids = _per_depth(per_depth_input_ids)
-    positions = _per_depth(per_depth_position_ids)
+    ids = per_depth(per_depth_input_ids)
+    positions = per_depth(per_depth_position_ids)
     problems = []
     if embeds and ids is not None:
         problems.append("pass either per-depth MTP embeddings (positional) or mtp_per_depth_input_ids, not both")

@@ -1,6 +1,6 @@
 """Translating state dicts between checkpoint naming and this package's module names.
 
-What it is for: `NemotronV3StateDictAdapter.from_hf` reads NVIDIA's published naming (`backbone.embeddings`,
+What it is for: `NemotronStateDictAdapter.from_hf` reads NVIDIA's published naming (`backbone.embeddings`,
 `backbone.layers.{i}.mixer.A_log`, per-expert `mixer.experts.{e}.up_proj.weight`, `backbone.norm_f`, `mtp.layers.*`)
 and transformers' in-memory naming (`model.` prefix, stacked `mixer.experts.up_proj` [E, I, D]) — which is also what
 `transformers.NemotronHForCausalLM.state_dict()` returns; `to_hf` writes NVIDIA's naming (what
@@ -20,57 +20,36 @@ from typing import Any
 
 import torch
 
-from am_precision import BackendConfig, fp32_keep_rules, match_keep_rule
+from am_precision import fp32_keep_rules, match_keep_rule
 
 from .config import NemotronConfig
 from .model import NemotronHForCausalLM
 
-__all__ = ["NemotronV3StateDictAdapter"]
+__all__ = ["NemotronStateDictAdapter"]
 
 _PEFT_PREFIX = "base_model.model."
 _PER_EXPERT = re.compile(r"^(?P<owner>.*\.mixer\.experts)\.(?P<expert>\d+)\.(?P<proj>up_proj|down_proj)\.weight$")
 _HOLDER_PARAMS = ("A_log", "dt_bias", "D")
 
 
-class NemotronV3StateDictAdapter:
+class NemotronStateDictAdapter:
     """Name and layout conversion for one config (knows which layers are Mamba and how many experts exist).
 
-    Upstream's signature `NemotronV3StateDictAdapter(config, moe_config, backend, dtype)`, all but `config` optional
-    here. The expert count is read from `config`; a `moe_config` (anything with `n_routed_experts`) must agree with
-    it. The layout does not depend on `backend` (a `BackendConfig` or None: every backend this package runs stores
-    experts stacked). `dtype` None (default) keeps every tensor's dtype; a dtype casts the floating tensors
-    `from_hf` and `to_hf` return to it, except the fp32-pinned ones (`forced_fp32`), which become fp32.
+    `dtype` None (default) keeps every tensor's dtype; a dtype casts the floating tensors `from_hf` and `to_hf` return
+    to it, except the fp32-pinned ones (`forced_fp32`), which become fp32. The layout does not depend on the backend
+    (every backend this package runs stores experts stacked).
 
     Raises:
-        ValueError: a `moe_config` that disagrees with the config, a `backend` that is not a `BackendConfig`, or a
-            `dtype` that is not a floating torch dtype (every problem listed).
+        ValueError: a `dtype` that is not a floating torch dtype.
     """
 
-    def __init__(
-        self,
-        config: Any,
-        moe_config: Any = None,
-        backend: BackendConfig | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        self.config = NemotronConfig.from_any(config)
-        problems = []
-        if moe_config is not None:
-            experts = getattr(moe_config, "n_routed_experts", None)
-            if experts != self.config.n_routed_experts:
-                problems.append(
-                    f"moe_config.n_routed_experts={experts!r} disagrees with the config's n_routed_experts="
-                    f"{self.config.n_routed_experts}; the adapter reads the experts from the config, pass "
-                    "moe_config=None or the model's own"
-                )
-        if backend is not None and not isinstance(backend, BackendConfig):
-            problems.append(f"backend={backend!r} must be an am_precision.BackendConfig or None")
+    def __init__(self, config: Any, *, dtype: torch.dtype | None = None) -> None:
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            problems.append(f"dtype={dtype!r} must be a floating torch.dtype or None (keep each tensor's dtype)")
-        if problems:
-            raise ValueError("NemotronV3StateDictAdapter:\n  - " + "\n  - ".join(problems))
-        self.moe_config = moe_config
-        self.backend = backend
+            raise ValueError(
+                f"{type(self).__name__}: dtype={dtype!r} must be a floating torch.dtype or None (keep each tensor's "
+                "dtype)"
+            )
+        self.config = NemotronConfig.from_any(config)
         self.dtype = dtype
         self._fp32_rules = fp32_keep_rules(NemotronHForCausalLM)
 
