@@ -4,6 +4,11 @@ Text decoder and causal LM (`model`), the vision-language model around HF's visi
 (`moe`), attention with ring CP (`attention`, `cp`, `kernels`), generation with a KV cache (`generation`, `cache`),
 HF checkpoint conversion (`state_dict_adapter`, `checkpoint`). Importing this package never imports am-pipelining,
 am-capabilities or transformer_engine.
+
+The root holds this package's own names (one per thing) and the names NeMo AutoModel documents that we implement as
+they are (`Gemma4ForConditionalGeneration`, with upstream's constructor). Upstream's other spellings (`Gemma4Gate`,
+`Gemma4MoEDecoderLayer`, `Gemma4MoETextModelBackend`, `Gemma4MoEStateDictAdapter`, `prepare_model_inputs_for_cp`,
+...) live in `am_models_gemma4.upstream`, which is built on the core and never imported by it.
 """
 
 from __future__ import annotations
@@ -34,16 +39,6 @@ from .model import (
 )
 from .moe import ExpertParallelHooks, Gemma4Experts, Gemma4MoE, Gemma4Router
 from .state_dict_adapter import Gemma4StateDictAdapter
-from .upstream import (
-    Gemma4ContiguousSharder,
-    Gemma4Gate,
-    Gemma4MoEDecoderLayer,
-    Gemma4MoEStateDictAdapter,
-    Gemma4MoETextModelBackend,
-    ShardLayout,
-    check_moe_config,
-    prepare_model_inputs_for_cp,
-)
 from .vlm import Gemma4ForConditionalGeneration, Gemma4Model
 
 __all__ = [
@@ -86,14 +81,5 @@ __all__ = [
     "softcap_logits",
     "text_config_of",
     "validate_text_config",
-    # NeMo AutoModel's names (upstream.py)
-    "Gemma4ContiguousSharder",
-    "Gemma4Gate",
-    "Gemma4MoEDecoderLayer",
-    "Gemma4MoEStateDictAdapter",
-    "Gemma4MoETextModelBackend",
-    "ShardLayout",
-    "check_moe_config",
-    "prepare_model_inputs_for_cp",
     "__version__",
 ]

@@ -35,7 +35,7 @@ from transformers.models.gemma4.modeling_gemma4 import (
 from am_context_parallel import cp_token_mean_loss
 from am_precision import compute_lm_head_logits
 
-from .config import normalize_text_config
+from .config import check_moe_config, normalize_text_config
 from .cp import ContextParallelHooks, active_ring_context, tokens_before_this_rank
 from .generation import Gemma4GenerationMixin
 from .model import (
@@ -141,22 +141,18 @@ class Gemma4ForConditionalGeneration(
 
         Args:
             config: `Gemma4Config` (text + optional vision sub-configs); not modified.
-            moe_config: must be None: the MoE block is built from the text config (`enable_moe_block`,
-                `num_experts`, `top_k_experts`, `moe_intermediate_size`).
+            moe_config: upstream's `MoEConfig` (anything with its field names), or None. The MoE block is built
+                from the text config (`enable_moe_block`, `num_experts`, `top_k_experts`, `moe_intermediate_size`);
+                a given `moe_config` is checked against it (`config.check_moe_config`), never a second source.
             backend: upstream's `BackendConfig`; Gemma 4 always runs its own PyTorch kernels (attention, RMSNorm,
                 linear), so a backend is accepted and one line is logged saying so.
             text_config: overrides applied to a copy of `config.text_config` (upstream's dict override).
 
         Raises:
-            NotImplementedError: `moe_config` is given.
-            ValueError: `config` has no text_config, or `text_config` names a field the text config lacks.
+            ValueError: `config` has no text_config, `text_config` names a field the text config lacks, or
+                `moe_config` disagrees with the (overridden) text config (every field named).
         """
         super().__init__()
-        if moe_config is not None:
-            raise NotImplementedError(
-                "Gemma4ForConditionalGeneration builds its MoE block from the text config; pass moe_config=None and "
-                "set enable_moe_block / num_experts / top_k_experts / moe_intermediate_size in text_config instead"
-            )
         if backend is not None:
             _logger.info(
                 "Gemma4ForConditionalGeneration runs its own PyTorch kernels; backend=%r does not change them", backend
@@ -173,6 +169,8 @@ class Gemma4ForConditionalGeneration(
                 f"Gemma4ForConditionalGeneration needs a Gemma4Config with a text_config; got {type(config).__name__}: "
                 "use Gemma4ForCausalLM for a text-only checkpoint"
             )
+        if moe_config is not None:
+            check_moe_config(config, moe_config)
         self.config = config
         self.model = Gemma4Model(config)
         text = config.text_config
