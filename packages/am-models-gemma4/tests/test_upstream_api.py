@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import Gemma4ForCausalLM as HFGemma4ForCausalLM
 
-from am_context_parallel import make_cp_batch_and_ctx
 import am_models_gemma4
+from am_context_parallel import make_cp_batch_and_ctx
 from am_models_gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextModel
 from am_models_gemma4.upstream import (
     Gemma4Gate,

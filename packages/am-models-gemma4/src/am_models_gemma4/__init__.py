@@ -14,7 +14,7 @@ they are (`Gemma4ForConditionalGeneration`, with upstream's constructor). Upstre
 from __future__ import annotations
 
 from ._version import __version__
-from .attention import AttentionInputs, Gemma4Attention, SharedKVStates, build_attention_mask
+from .attention import Gemma4Attention, SharedKVStates
 from .cache import Gemma4HybridCache
 from .checkpoint import load_pretrained, read_safetensors_folder, save_pretrained
 from .config import (
@@ -30,6 +30,7 @@ from .decoder import Gemma4DecoderLayer
 from .generation import Gemma4GenerationMixin
 from .kernels import BlockSparseAttentionKernel, default_ring_kernel
 from .layers import Gemma4RMSNorm
+from .masks import AttentionInputs, build_attention_mask
 from .model import (
     Gemma4ForCausalLM,
     Gemma4TextModel,

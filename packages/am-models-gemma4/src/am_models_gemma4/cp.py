@@ -1,9 +1,11 @@
-"""Context-parallel hooks of the Gemma 4 models: what they declare to am-context-parallel and what their forward reads.
+"""Context parallelism of the Gemma 4 models: the attention layers' ring path and what the models declare to it.
 
-What it is for: `ContextParallelHooks` declares `_cp_layout = "contiguous"` and `get_cp_options()` (our ring kernel),
-so am-context-parallel's `make_cp_batch_and_ctx(mesh, batch, model=model)` shards contiguously and returns the
-context our attention layers read (`active_ring_context`). `tokens_before_this_rank` gives
-the offset of this rank's image tokens in the gathered image features (the vision tower runs on the full images).
+What it is for: `ring_attention`, the CP path of every attention layer (am-context-parallel's ring with the layer's
+sliding window), and its one rule, `attention_cp_problem`. `ContextParallelHooks` declares `_cp_layout =
+"contiguous"` and `get_cp_options()` (our ring kernel), so am-context-parallel's `make_cp_batch_and_ctx(mesh, batch,
+model=model)` shards contiguously and returns the context our attention layers read (`active_ring_context`).
+`tokens_before_this_rank` gives the offset of this rank's image tokens in the gathered image features (the vision
+tower runs on the full images).
 What it must not do: import am-pipelining or am-capabilities, shard a batch itself, or route transformers' attention.
 
 Embedding gradients under CP: each rank embeds its own shard of `input_ids` (an embedding is per token), so the
@@ -23,7 +25,13 @@ from am_context_parallel import ContiguousCPOptions, RingAttentionContext, curre
 
 from .kernels import default_ring_kernel
 
-__all__ = ["ContextParallelHooks", "active_ring_context", "tokens_before_this_rank"]
+__all__ = [
+    "ContextParallelHooks",
+    "active_ring_context",
+    "attention_cp_problem",
+    "ring_attention",
+    "tokens_before_this_rank",
+]
 
 
 def active_ring_context() -> RingAttentionContext | None:
@@ -32,6 +40,39 @@ def active_ring_context() -> RingAttentionContext | None:
     if ctx is None or ctx.layout.cp_size <= 1:
         return None
     return ctx
+
+
+def attention_cp_problem(*, dropout: float) -> str | None:
+    """What an attention layer cannot honour under CP (None: nothing): attention dropout (the ring has none)."""
+    if dropout:
+        return f"attention_dropout={dropout} is not supported under context parallelism; set it to 0"
+    return None
+
+
+def ring_attention(
+    ring: RingAttentionContext,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    sliding_window: int | None,
+    scale: float,
+    dropout: float,
+) -> torch.Tensor:
+    """The CP path of an attention layer: queries `[B, H, S_local, d]`, keys/values `[B, H_kv, S_local, d]` of this
+    rank's contiguous shard → `[B, H, S_local, d]`, attending over every rank's tokens.
+
+    The ring context carries the global positions and packed-document ids (0 = padding) of the batch; a sliding
+    layer fetches only the ranks its window reaches (the previous one when the window is shorter than a shard).
+
+    Raises:
+        NotImplementedError: dropout > 0 (`attention_cp_problem`; trainers ask `cp_problems` before any collective,
+            this is the last line of defence).
+    """
+    problem = attention_cp_problem(dropout=dropout)
+    if problem is not None:
+        raise NotImplementedError(problem)
+    return ring.attention(queries, keys, values, causal=True, sliding_window=sliding_window, scale=scale)
 
 
 def tokens_before_this_rank(count: torch.Tensor, *, group: Any) -> int:

@@ -24,13 +24,14 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 from am_context_parallel import cp_token_mean_loss
 from am_precision import compute_lm_head_logits
 
-from .attention import AttentionInputs, SharedKVStates
+from .attention import SharedKVStates
 from .cache import Gemma4HybridCache
 from .config import is_moe_config, text_config_of, validate_text_config
 from .cp import ContextParallelHooks, active_ring_context
 from .decoder import Gemma4DecoderLayer
 from .generation import Gemma4GenerationMixin
 from .layers import Gemma4RMSNorm
+from .masks import AttentionInputs
 from .moe import ExpertParallelHooks, Gemma4Experts, Gemma4Router
 from .pretrained import Gemma4PretrainedMixin
 
