@@ -25,20 +25,14 @@ from .config import (
     text_config_of,
     validate_text_config,
 )
-from .cp import ContextParallelHooks, active_ring_context
+from .cp import active_ring_context
 from .decoder import Gemma4DecoderLayer
-from .generation import Gemma4GenerationMixin
 from .kernels import BlockSparseAttentionKernel, default_ring_kernel
 from .layers import Gemma4RMSNorm
 from .masks import AttentionInputs, build_attention_mask
-from .model import (
-    Gemma4ForCausalLM,
-    Gemma4TextModel,
-    causal_lm_loss,
-    gemma4_capabilities,
-    softcap_logits,
-)
-from .moe import ExpertParallelHooks, Gemma4Experts, Gemma4MoE, Gemma4Router
+from .model import Gemma4ForCausalLM, Gemma4TextModel
+from .moe import Gemma4Experts, Gemma4MoE, Gemma4Router
+from .pretrained import Gemma4PreTrainedModel, causal_lm_loss, gemma4_capabilities, softcap_logits
 from .state_dict_adapter import Gemma4StateDictAdapter
 from .vlm import Gemma4ForConditionalGeneration, Gemma4Model
 
@@ -53,7 +47,7 @@ __all__ = [
     "Gemma4MoE",
     "Gemma4Router",
     "Gemma4Experts",
-    "ExpertParallelHooks",
+    "Gemma4PreTrainedModel",
     "Gemma4RMSNorm",
     # attention inputs
     "AttentionInputs",
@@ -61,9 +55,7 @@ __all__ = [
     "build_attention_mask",
     # generation
     "Gemma4HybridCache",
-    "Gemma4GenerationMixin",
     # context parallelism
-    "ContextParallelHooks",
     "active_ring_context",
     "BlockSparseAttentionKernel",
     "default_ring_kernel",

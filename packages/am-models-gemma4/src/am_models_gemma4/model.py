@@ -16,56 +16,23 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding, Gemma4TextScaledWordEmbedding
 
-from am_context_parallel import cp_token_mean_loss
-from am_precision import compute_lm_head_logits
-
 from .attention import SharedKVStates
 from .cache import Gemma4HybridCache
-from .config import is_moe_config, text_config_of, validate_text_config
-from .cp import ContextParallelHooks, active_ring_context
+from .config import validate_text_config
+from .cp import active_ring_context
 from .decoder import Gemma4DecoderLayer
-from .generation import Gemma4GenerationMixin
 from .layers import Gemma4RMSNorm
 from .masks import AttentionInputs
-from .moe import ExpertParallelHooks, Gemma4Experts, Gemma4Router
-from .pretrained import Gemma4PretrainedMixin
+from .moe import Gemma4Experts, Gemma4Router
+from .pretrained import Gemma4PreTrainedModel
 
-__all__ = ["Gemma4ForCausalLM", "Gemma4TextModel", "causal_lm_loss", "gemma4_capabilities", "softcap_logits"]
+__all__ = ["Gemma4ForCausalLM", "Gemma4TextModel"]
 
 _IGNORED_KWARGS = frozenset({"return_dict", "output_attentions", "cache_position", "num_items_in_batch"})
-
-
-def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """`cap · tanh(logits / cap)` when `cap` is set (Gemma's final logit soft-capping), else `logits`."""
-    if cap is None:
-        return logits
-    return torch.tanh(logits / cap) * cap
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
-    """transformers' causal-LM loss: token t predicts label t+1 (shift inside), mean over non-ignored labels, fp32."""
-    shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1).to(logits.device), ignore_index=ignore_index
-    )
-
-
-def gemma4_capabilities(config: Any) -> dict[str, bool]:
-    """Declared capabilities for am-capabilities: dense → PP and CP; MoE → PP, CP and EP (`apply_expert_parallel`).
-
-    PP is not declared for variants with per-layer inputs or KV sharing (a stage would need token ids or another
-    stage's K/V). Under PP the MoE layers keep padding out of routing through the `padding_mask` the pipeline's
-    Gemma 4 stage forward passes to every layer (or, under CP, the ring context's document ids).
-    """
-    text = text_config_of(config)
-    moe = is_moe_config(text)
-    stage_local = not getattr(text, "hidden_size_per_layer_input", 0) and not getattr(text, "num_kv_shared_layers", 0)
-    return {"supports_cp": True, "supports_pp": bool(stage_local), "supports_ep": moe, "supports_tp": False}
 
 
 def _reject_unknown_kwargs(kwargs: dict[str, Any], where: str) -> None:
@@ -343,21 +310,14 @@ class Gemma4TextModel(nn.Module):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache)  # type: ignore[arg-type]
 
 
-class Gemma4ForCausalLM(
-    ContextParallelHooks, ExpertParallelHooks, Gemma4PretrainedMixin, nn.Module, Gemma4GenerationMixin
-):
+class Gemma4ForCausalLM(Gemma4PreTrainedModel):
     """Text-only Gemma 4 with a (tied) LM head: `logits = softcap(lm_head(model(...)))` `[B, S, V]`.
 
     Checkpoints: `from_pretrained` / `save_pretrained` read and write transformers' `Gemma4ForCausalLM` folders.
     Generation: `generate(...)` (transformers' `GenerationMixin`) with a `Gemma4HybridCache`.
     """
 
-    # The fp32-pinned tensors, listed once for the package (the VLM class reuses these lists; casting and checkpoint
-    # loading derive from them): the MoE router's proj, scale and per-expert scale, and the RoPE inv_freq buffers.
-    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["router"]
-    _keep_in_fp32_modules: ClassVar[list[str]] = ["rotary_emb"]
     _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
-    supports_gradient_checkpointing = False
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -371,10 +331,6 @@ class Gemma4ForCausalLM(
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self._init_generation_config(config)
-
-    @classmethod
-    def get_capabilities(cls, config: Any) -> dict[str, bool]:
-        return gemma4_capabilities(config)
 
     def tie_weights(self) -> None:
         """Point `lm_head.weight` at the input embedding when `tie_word_embeddings` (the Gemma 4 default)."""
@@ -414,18 +370,5 @@ class Gemma4ForCausalLM(
             use_cache,
             **kwargs,
         )
-        hidden = outputs.last_hidden_state
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:, :]
-        # compute_lm_head_logits runs the head in its compute dtype (FSDP2's param_dtype under mixed precision), so
-        # an fp32 final norm output meets a bf16 head
-        head_logits = compute_lm_head_logits(self.lm_head, hidden).logits
-        logits = softcap_logits(head_logits, getattr(self.config, "final_logit_softcapping", None))
-        loss = None
-        if labels is not None:
-            ring = active_ring_context()
-            if ring is not None:
-                loss, _ = cp_token_mean_loss(logits, labels, group=ring.group)
-            else:
-                loss = causal_lm_loss(logits, labels)
+        logits, loss = self.logits_and_loss(outputs.last_hidden_state, labels, logits_to_keep=logits_to_keep)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)

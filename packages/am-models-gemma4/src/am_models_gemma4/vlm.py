@@ -32,21 +32,10 @@ from transformers.models.gemma4.modeling_gemma4 import (
     get_block_sequence_ids_for_mask,
 )
 
-from am_context_parallel import cp_token_mean_loss
-from am_precision import compute_lm_head_logits
-
 from .config import check_moe_config, normalize_text_config
-from .cp import ContextParallelHooks, active_ring_context, tokens_before_this_rank
-from .generation import Gemma4GenerationMixin
-from .model import (
-    Gemma4ForCausalLM,
-    Gemma4TextModel,
-    causal_lm_loss,
-    gemma4_capabilities,
-    softcap_logits,
-)
-from .moe import ExpertParallelHooks
-from .pretrained import Gemma4PretrainedMixin
+from .cp import active_ring_context, tokens_before_this_rank
+from .model import Gemma4TextModel
+from .pretrained import Gemma4PreTrainedModel
 
 __all__ = ["Gemma4ForConditionalGeneration", "Gemma4Model"]
 
@@ -117,18 +106,12 @@ class Gemma4Model(nn.Module):
         return BaseModelOutputWithPooling(last_hidden_state=outputs.last_hidden_state, pooler_output=pooled)
 
 
-class Gemma4ForConditionalGeneration(
-    ContextParallelHooks, ExpertParallelHooks, Gemma4PretrainedMixin, nn.Module, Gemma4GenerationMixin
-):
+class Gemma4ForConditionalGeneration(Gemma4PreTrainedModel):
     """Gemma 4 vision-language model: logits `[B, S, V]` for text-only or image+text inputs; `generate(...)`."""
 
-    # The text model's keep lists (substrings of names, so they match under `model.language_model.` too).
-    _keep_in_fp32_modules_strict: ClassVar[list[str]] = Gemma4ForCausalLM._keep_in_fp32_modules_strict
-    _keep_in_fp32_modules: ClassVar[list[str]] = Gemma4ForCausalLM._keep_in_fp32_modules
     _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
     # The image inputs describe the prompt: after the prefill, steps carry new text tokens only.
     _prefill_only_inputs: ClassVar[tuple[str, ...]] = ("image_position_ids", "mm_token_type_ids")
-    supports_gradient_checkpointing = False
 
     def __init__(
         self,
@@ -177,10 +160,6 @@ class Gemma4ForConditionalGeneration(
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_weights()
         self._init_generation_config(config)
-
-    @classmethod
-    def get_capabilities(cls, config: Any) -> dict[str, bool]:
-        return gemma4_capabilities(config)
 
     def tie_weights(self) -> None:
         """Point `lm_head.weight` at the text embedding when `tie_word_embeddings` (top-level flag wins)."""
@@ -297,18 +276,5 @@ class Gemma4ForConditionalGeneration(
             _packed_seq_ids=_packed_seq_ids,
             vision_group_ids=vision_group_ids,
         )
-        hidden = outputs.last_hidden_state
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:, :]
-        # compute_lm_head_logits runs the head in its compute dtype (FSDP2's param_dtype under mixed precision), so
-        # an fp32 final norm output meets a bf16 head
-        head_logits = compute_lm_head_logits(self.lm_head, hidden).logits
-        logits = softcap_logits(head_logits, getattr(text_config, "final_logit_softcapping", None))
-        loss = None
-        if labels is not None:
-            loss = (
-                cp_token_mean_loss(logits, labels, group=ring.group)[0]
-                if ring is not None
-                else causal_lm_loss(logits, labels)
-            )
+        logits, loss = self.logits_and_loss(outputs.last_hidden_state, labels, logits_to_keep=logits_to_keep)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
