@@ -16,7 +16,7 @@ from __future__ import annotations
 from ._version import __version__
 from .attention import Gemma4Attention, SharedKVStates
 from .cache import Gemma4HybridCache
-from .checkpoint import load_pretrained, read_safetensors_folder, save_pretrained
+from .checkpoint import read_safetensors_folder
 from .config import (
     is_moe_config,
     layer_head_dim,
@@ -61,9 +61,7 @@ __all__ = [
     "default_ring_kernel",
     # checkpoints
     "Gemma4StateDictAdapter",
-    "load_pretrained",
     "read_safetensors_folder",
-    "save_pretrained",
     # config and helpers
     "causal_lm_loss",
     "gemma4_capabilities",

@@ -29,6 +29,7 @@ from am_context_parallel import ContiguousCPOptions, cp_token_mean_loss
 from am_moe import GroupedExperts
 from am_precision import compute_lm_head_logits
 
+from . import checkpoint
 from .attention import Gemma4Attention
 from .config import is_moe_config, text_config_of
 from .cp import active_ring_context
@@ -145,57 +146,9 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
         return logits, causal_lm_loss(logits, labels)
 
     @classmethod
-    def from_pretrained(
-        cls,
-        pretrained_model_name_or_path: str | os.PathLike[str],
-        *,
-        torch_dtype: Any = None,
-        dtype: Any = None,
-        device_map: Any = None,
-        device: Any = None,
-        revision: str | None = None,
-        **kwargs: Any,
-    ) -> Self:
-        """Load a transformers-format folder or hub id (config.json + safetensors, single or sharded) tensor by
-        tensor; every parameter must be present.
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike[str], **kwargs: Any) -> Self:
+        """transformers' `from_pretrained` (folder or hub id; `torch_dtype` / `dtype`, `device_map`, `revision`,
+        `config`, ...): `checkpoint.load_pretrained`, where every keyword is documented."""
+        return checkpoint.load_pretrained(cls, pretrained_model_name_or_path, **kwargs)
 
-        transformers' keywords: `torch_dtype` / `dtype` (fp32-pinned tensors stay fp32), `device_map` (None, "cpu"
-        or one device; splitting is refused), `revision`, `config`, `cache_dir`, `token`, `local_files_only`,
-        `force_download`. See `checkpoint.load_pretrained`.
-        """
-        from .checkpoint import load_pretrained
-
-        return load_pretrained(
-            cls,
-            pretrained_model_name_or_path,
-            torch_dtype=torch_dtype,
-            dtype=dtype,
-            device_map=device_map,
-            device=device,
-            revision=revision,
-            **kwargs,
-        )
-
-    def save_pretrained(
-        self,
-        save_directory: str | os.PathLike[str],
-        *,
-        max_shard_size: int | str | None = "5GB",
-        safe_serialization: bool = True,
-        state_dict: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        """Write a folder the same transformers class's `from_pretrained` loads.
-
-        The tied head is saved once; shards + index above `max_shard_size`; only `safe_serialization=True`;
-        `state_dict` (full tensors) replaces the model's own, e.g. the gathered experts of an expert-parallel model
-        (see `checkpoint.save_pretrained`).
-        """
-        from .checkpoint import save_pretrained
-
-        save_pretrained(
-            self,
-            save_directory,
-            max_shard_size=max_shard_size,
-            safe_serialization=safe_serialization,
-            state_dict=state_dict,
-        )
+    save_pretrained = checkpoint.save_pretrained  # (self, save_directory, *, max_shard_size, safe_serialization, ...)

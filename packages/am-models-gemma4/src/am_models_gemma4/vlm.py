@@ -34,12 +34,11 @@ from transformers.models.gemma4.modeling_gemma4 import (
 
 from .config import check_moe_config, normalize_text_config
 from .cp import active_ring_context, tokens_before_this_rank
-from .model import Gemma4TextModel
+from .model import Gemma4TextModel, reject_unknown_kwargs
 from .pretrained import Gemma4PreTrainedModel
 
 __all__ = ["Gemma4ForConditionalGeneration", "Gemma4Model"]
 
-_IGNORED_KWARGS = frozenset({"return_dict", "output_attentions", "cache_position", "num_items_in_batch"})
 # transformers' Gemma4ForConditionalGeneration inputs of the video and audio paths, which this model does not run
 _UNSUPPORTED_MEDIA_KWARGS = (
     "pixel_values_videos",
@@ -231,9 +230,8 @@ class Gemma4ForConditionalGeneration(Gemma4PreTrainedModel):
                 f"video and audio inputs are not supported by am_models_gemma4 (got {unsupported_media}); train with "
                 "text and images only (pixel_values + image_position_ids), or use transformers' Gemma4 for video/audio"
             )
-        unknown = sorted(k for k in kwargs if k not in _IGNORED_KWARGS and k not in _UNSUPPORTED_MEDIA_KWARGS)
-        if unknown:
-            raise TypeError(f"Gemma4ForConditionalGeneration.forward got unexpected keyword arguments {unknown}")
+        other = {k: v for k, v in kwargs.items() if k not in _UNSUPPORTED_MEDIA_KWARGS}
+        reject_unknown_kwargs(other, "Gemma4ForConditionalGeneration.forward")
         text_config = self.config.text_config
         language_model = self.model.language_model
         ring = active_ring_context()
