@@ -5,10 +5,7 @@ Text decoder and causal LM (`model`), the vision-language model around HF's visi
 HF checkpoint conversion (`state_dict_adapter`, `checkpoint`). Importing this package never imports am-pipelining,
 am-capabilities or transformer_engine.
 
-The root holds this package's own names (one per thing) and the names NeMo AutoModel documents that we implement as
-they are (`Gemma4ForConditionalGeneration`, with upstream's constructor). Upstream's other spellings (`Gemma4Gate`,
-`Gemma4MoEDecoderLayer`, `Gemma4MoETextModelBackend`, `Gemma4MoEStateDictAdapter`, `prepare_model_inputs_for_cp`,
-...) live in `am_models_gemma4.upstream`, which is built on the core and never imported by it.
+One root name per thing; NeMo AutoModel's other spellings (`Gemma4Gate`, ...) are in `am_models_gemma4.upstream`.
 """
 
 from __future__ import annotations
