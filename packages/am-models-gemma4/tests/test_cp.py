@@ -102,6 +102,8 @@ def _compare(model: torch.nn.Module, mesh: Any, batch: dict[str, torch.Tensor]) 
         "loss": (cp_loss, ref_loss),
         "worst_grad": max(worst.items(), key=lambda kv: kv[1]),
         "missing_grads": sorted(set(ref_grads) - set(cp_grads)),
+        "params": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+        "grad_max": {name: float(grad.abs().max()) for name, grad in cp_grads.items()},
         "num_grads": len(ref_grads),
         "sent_bytes": stats.forward_kv_bytes,
         "ring": (stats.calls, stats.setup_gathers),
@@ -225,10 +227,16 @@ def test_cp_loss_and_gradients_match_cp1(results: list[dict[str, Any]], case: st
 
 
 def test_embeddings_and_vision_tower_get_gradients_under_cp(results: list[dict[str, Any]]) -> None:
-    """The model embeds its own shard, so the embedding (and the vision tower) are among the matched gradients."""
-    got = case_result(results, "vlm_cp2", 0)
-    assert got["num_grads"] > 0
-    assert not got["missing_grads"]
+    """The model embeds its own shard and each rank runs the vision tower on the images, so every parameter of the
+    embedding, the vision tower and the projector has a nonzero CP gradient on every rank (whose values
+    `test_cp_loss_and_gradients_match_cp1` compares with the unsharded step)."""
+    for rank in range(4):
+        got = case_result(results, "vlm_cp2", rank)
+        for prefix in ("model.language_model.embed_tokens.", "model.vision_tower.", "model.embed_vision."):
+            params = [name for name in got["params"] if name.startswith(prefix)]
+            assert params, f"no trainable parameters under {prefix}"
+            no_grad = [name for name in params if not got["grad_max"].get(name)]
+            assert not no_grad, f"rank {rank}: no (or an all-zero) CP gradient for {no_grad}"
 
 
 def test_sliding_layers_fetch_only_the_neighbouring_chunk(results: list[dict[str, Any]]) -> None:

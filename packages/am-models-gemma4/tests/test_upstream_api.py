@@ -15,15 +15,14 @@ import pytest
 import torch
 from transformers import Gemma4ForCausalLM as HFGemma4ForCausalLM
 
+import am_models_gemma4
 from am_context_parallel import make_cp_batch_and_ctx
-from am_models_gemma4 import (
-    Gemma4ForCausalLM,
-    Gemma4ForConditionalGeneration,
+from am_models_gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextModel
+from am_models_gemma4.upstream import (
     Gemma4Gate,
     Gemma4MoEDecoderLayer,
     Gemma4MoEStateDictAdapter,
     Gemma4MoETextModelBackend,
-    Gemma4TextModel,
     ShardLayout,
     prepare_model_inputs_for_cp,
 )
@@ -63,8 +62,35 @@ def test_constructor_backend_and_moe_config(caplog):
     with_backend.load_state_dict(plain.state_dict())
     ids = torch.randint(0, C.IMAGE_TOKEN - 5, (1, 6))
     torch.testing.assert_close(with_backend(input_ids=ids).logits, plain(input_ids=ids).logits)
-    with pytest.raises(NotImplementedError, match="moe_config=None"):
-        Gemma4ForConditionalGeneration(config, object())
+    with pytest.raises(ValueError, match="this config is dense"):
+        Gemma4ForConditionalGeneration(config, _MoEConfig())  # an MoE setting for a dense model
+
+
+def test_constructor_moe_config_checked_against_the_config():
+    """upstream's `moe_config` is accepted when it describes the MoE the text config builds, refused otherwise."""
+    config = C.vlm_config(moe=True)
+    torch.manual_seed(0)
+    plain = Gemma4ForConditionalGeneration(config)
+    torch.manual_seed(0)
+    with_moe_config = Gemma4ForConditionalGeneration(config, _MoEConfig())
+    ids = torch.randint(0, C.IMAGE_TOKEN - 5, (1, 6))
+    torch.testing.assert_close(with_moe_config(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="disagree with it") as err:
+        Gemma4ForConditionalGeneration(config, _MoEConfig(n_routed_experts=8, moe_inter_dim=32))
+    for field in ("n_routed_experts=8", "moe_inter_dim=32"):
+        assert field in str(err.value)  # every disagreeing field named at once
+
+
+def test_root_has_one_name_per_object():
+    """The package root binds each object to one name; upstream's other spellings live in `upstream` only."""
+    names_of: dict[int, list[str]] = {}
+    for name in am_models_gemma4.__all__:
+        names_of.setdefault(id(getattr(am_models_gemma4, name)), []).append(name)
+    assert [names for names in names_of.values() if len(names) > 1] == []
+    assert not [name for name in am_models_gemma4.__all__ if name.startswith("_") and name != "__version__"]
+    upstream_only = {"Gemma4Gate", "Gemma4MoEDecoderLayer", "Gemma4MoEStateDictAdapter", "Gemma4MoETextModelBackend"}
+    assert upstream_only.isdisjoint(am_models_gemma4.__all__)
+    assert not upstream_only & set(dir(am_models_gemma4))
 
 
 def test_get_capabilities_classmethod():
@@ -76,7 +102,7 @@ def test_get_capabilities_classmethod():
 
 
 def test_package_modules_importable_by_upstream_style_paths():
-    for name in ("model", "vlm", "moe", "state_dict_adapter", "cp"):
+    for name in ("model", "vlm", "moe", "state_dict_adapter", "cp", "upstream"):
         importlib.import_module(f"am_models_gemma4.{name}")
 
 

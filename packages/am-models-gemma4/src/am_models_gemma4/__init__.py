@@ -4,14 +4,16 @@ Text decoder and causal LM (`model`), the vision-language model around HF's visi
 (`moe`), attention with ring CP (`attention`, `cp`, `kernels`), generation with a KV cache (`generation`, `cache`),
 HF checkpoint conversion (`state_dict_adapter`, `checkpoint`). Importing this package never imports am-pipelining,
 am-capabilities or transformer_engine.
+
+One root name per thing; NeMo AutoModel's other spellings (`Gemma4Gate`, ...) are in `am_models_gemma4.upstream`.
 """
 
 from __future__ import annotations
 
 from ._version import __version__
-from .attention import AttentionInputs, Gemma4Attention, SharedKVStates, build_attention_mask
+from .attention import Gemma4Attention, SharedKVStates
 from .cache import Gemma4HybridCache
-from .checkpoint import load_pretrained, read_safetensors_folder, save_pretrained
+from .checkpoint import read_safetensors_folder
 from .config import (
     is_moe_config,
     layer_head_dim,
@@ -20,30 +22,15 @@ from .config import (
     text_config_of,
     validate_text_config,
 )
-from .cp import ContextParallelHooks, active_ring_context
+from .cp import active_ring_context
 from .decoder import Gemma4DecoderLayer
-from .generation import Gemma4GenerationMixin
 from .kernels import BlockSparseAttentionKernel, default_ring_kernel
 from .layers import Gemma4RMSNorm
-from .model import (
-    Gemma4ForCausalLM,
-    Gemma4TextModel,
-    causal_lm_loss,
-    gemma4_capabilities,
-    softcap_logits,
-)
-from .moe import ExpertParallelHooks, Gemma4Experts, Gemma4MoE, Gemma4Router
+from .masks import AttentionInputs, build_attention_mask
+from .model import Gemma4ForCausalLM, Gemma4TextModel
+from .moe import Gemma4Experts, Gemma4MoE, Gemma4Router
+from .pretrained import Gemma4PreTrainedModel, causal_lm_loss, gemma4_capabilities, softcap_logits
 from .state_dict_adapter import Gemma4StateDictAdapter
-from .upstream import (
-    Gemma4ContiguousSharder,
-    Gemma4Gate,
-    Gemma4MoEDecoderLayer,
-    Gemma4MoEStateDictAdapter,
-    Gemma4MoETextModelBackend,
-    ShardLayout,
-    check_moe_config,
-    prepare_model_inputs_for_cp,
-)
 from .vlm import Gemma4ForConditionalGeneration, Gemma4Model
 
 __all__ = [
@@ -57,7 +44,7 @@ __all__ = [
     "Gemma4MoE",
     "Gemma4Router",
     "Gemma4Experts",
-    "ExpertParallelHooks",
+    "Gemma4PreTrainedModel",
     "Gemma4RMSNorm",
     # attention inputs
     "AttentionInputs",
@@ -65,17 +52,13 @@ __all__ = [
     "build_attention_mask",
     # generation
     "Gemma4HybridCache",
-    "Gemma4GenerationMixin",
     # context parallelism
-    "ContextParallelHooks",
     "active_ring_context",
     "BlockSparseAttentionKernel",
     "default_ring_kernel",
     # checkpoints
     "Gemma4StateDictAdapter",
-    "load_pretrained",
     "read_safetensors_folder",
-    "save_pretrained",
     # config and helpers
     "causal_lm_loss",
     "gemma4_capabilities",
@@ -86,14 +69,5 @@ __all__ = [
     "softcap_logits",
     "text_config_of",
     "validate_text_config",
-    # NeMo AutoModel's names (upstream.py)
-    "Gemma4ContiguousSharder",
-    "Gemma4Gate",
-    "Gemma4MoEDecoderLayer",
-    "Gemma4MoEStateDictAdapter",
-    "Gemma4MoETextModelBackend",
-    "ShardLayout",
-    "check_moe_config",
-    "prepare_model_inputs_for_cp",
     "__version__",
 ]

@@ -1,10 +1,11 @@
 """HF-format checkpoint folders for the Gemma 4 models: config.json plus safetensors (one file or shards + index).
 
-What it is for: `load_pretrained(cls, folder_or_hub_id)` (read the config with transformers' `AutoConfig`, build the
-model, check every tensor name and shape from the file headers, then copy tensor by tensor — converted by
-`Gemma4StateDictAdapter` — into the model, so a sharded checkpoint is never held in memory next to the model) and
-`save_pretrained(model, folder)` (transformers' names and layouts, the tied LM head saved once, shards + index
-written by huggingface_hub).
+What it is for: the models' `from_pretrained` and `save_pretrained` (`Gemma4PreTrainedModel` binds these functions).
+`load_pretrained(cls, folder_or_hub_id)` reads the config with transformers' `AutoConfig`, builds the model, checks
+every tensor name and shape from the file headers, then copies tensor by tensor — converted by
+`Gemma4StateDictAdapter` — into the model, so a sharded checkpoint is never held in memory next to the model.
+`save_pretrained(model, folder)` writes transformers' names and layouts, the tied LM head once, shards + index
+written by huggingface_hub.
 What it must not do: load partially. Missing or unexpected keys and shape mismatches raise one error listing all of
 them; an unreadable, truncated or corrupt file raises an error naming the file. The only keys skipped on load are
 the ones transformers skips too: a tied `lm_head.weight`, and K/V weights of KV-shared layers.
@@ -119,7 +120,7 @@ def _pop_auto_kwargs(kwargs: dict[str, Any]) -> None:
 
 def load_pretrained(
     cls: type[ModelT],
-    path_or_hub_id: str | os.PathLike[str],
+    pretrained_model_name_or_path: str | os.PathLike[str],
     *,
     config: Any = None,
     torch_dtype: Any = None,
@@ -140,7 +141,7 @@ def load_pretrained(
     the tensors `cls._keep_in_fp32_modules(_strict)` pins is cast after loading (`cast_model_to_dtype`).
 
     Args:
-        path_or_hub_id: a folder, or a hub id (`snapshot_download` at `revision`; `cache_dir`, `token`,
+        pretrained_model_name_or_path: a folder, or a hub id (`snapshot_download` at `revision`; `cache_dir`, `token`,
             `local_files_only`, `force_download` as in huggingface_hub).
         config: use this config instead of the folder's config.json (what `AutoModelForCausalLM` passes).
         torch_dtype / dtype: transformers' two names for the same option; "auto": the config's dtype.
@@ -155,7 +156,7 @@ def load_pretrained(
 
     _pop_auto_kwargs(kwargs)
     root = resolve_checkpoint_folder(
-        path_or_hub_id,
+        pretrained_model_name_or_path,
         revision=revision,
         cache_dir=cache_dir,
         token=token,
@@ -215,7 +216,7 @@ def _state_dict_to_save(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
 
 def save_pretrained(
     model: nn.Module,
-    folder: str | os.PathLike[str],
+    save_directory: str | os.PathLike[str],
     *,
     max_shard_size: int | str | None = "5GB",
     safe_serialization: bool = True,
@@ -230,14 +231,14 @@ def save_pretrained(
         state_dict: the full state dict to write instead of `model.state_dict()` (transformers' `save_pretrained`
             option). For an expert-parallel model every rank calls
             `full = {**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` (collective: the experts are
-            gathered back to `[E, out, in]`), then one rank calls `save_pretrained(model, folder, state_dict=full)`.
+            gathered back to `[E, out, in]`), then one rank calls `model.save_pretrained(folder, state_dict=full)`.
 
     Raises:
         ValueError: sharded DTensors (expert parallel / FSDP2) in what would be written, or a state_dict whose keys
             differ from the model's (all listed); safe_serialization=False.
     """
     tensors = _state_dict_to_save(model, state_dict)
-    root = Path(folder)
+    root = Path(save_directory)
     if not safe_serialization:
         write_safetensors({}, root, max_shard_size=max_shard_size, safe_serialization=False)  # raises
     root.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 
 What it is for: per-layer head dim and KV heads (full layers use `global_head_dim` and, with `attention_k_eq_v`,
 `num_global_key_value_heads`), KV-sharing roles, the MoE fields (with the older `expert_intermediate_size`
-spelling), and one validation that lists every unsupported setting at once.
+spelling), one validation that lists every unsupported setting at once, and `check_moe_config`, which holds
+NeMo AutoModel's MoE settings (`moe_config`, `moe_overrides`) against the MoE this package builds from the config.
 What it must not do: build modules or change the config it is given (except `normalize_text_config`, which only
 mirrors the two MoE spellings).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "check_moe_config",
     "is_moe_config",
     "kv_sharing_modes",
     "layer_head_dim",
@@ -150,3 +152,59 @@ def validate_text_config(config: Any) -> None:
             )
     if problems:
         raise ValueError("unsupported Gemma 4 text config:\n  - " + "\n  - ".join(problems))
+
+
+def _moe_fields_of(config: Any) -> dict[str, Any]:
+    """Upstream's `MoEConfig` fields as this package builds the MoE from `config` (upstream's defaults for Gemma 4)."""
+    return {
+        "dim": int(config.hidden_size),
+        "inter_dim": int(config.intermediate_size),
+        "moe_inter_dim": moe_intermediate_size(config),
+        "n_routed_experts": int(config.num_experts),
+        "n_shared_experts": 0,
+        "n_activated_experts": int(config.top_k_experts),
+        "n_expert_groups": 0,
+        "n_limited_groups": 0,
+        "gate_bias_update_factor": 0,
+        "score_func": "softmax",
+        "route_scale": 1.0,
+        "aux_loss_coeff": 0,
+        "norm_topk_prob": True,
+        "expert_activation": "geglu",
+        "softmax_before_topk": False,
+    }
+
+
+def check_moe_config(config: Any, moe_config: Any = None, *, overrides: dict[str, Any] | None = None) -> None:
+    """Refuse upstream MoE settings that disagree with the MoE this package builds from `config`.
+
+    `moe_config` is anything with upstream's `MoEConfig` attribute names (only the fields it has are compared);
+    `overrides` is upstream's `moe_overrides` dict. Fields that do not describe the computation (`dtype`,
+    `train_gate`, ...) are not compared.
+
+    Raises:
+        ValueError: the config has no MoE block, or listing every field that disagrees (or is unknown in `overrides`).
+    """
+    text = text_config_of(config)
+    if not is_moe_config(text):
+        raise ValueError(
+            "a Gemma 4 MoE layer needs a config with enable_moe_block=True (and num_experts, top_k_experts, "
+            "moe_intermediate_size); this config is dense: pass no moe_config, or use Gemma4DecoderLayer / "
+            "Gemma4TextModel"
+        )
+    expected = _moe_fields_of(text)
+    problems: list[str] = []
+    for name, value in expected.items():
+        if moe_config is not None and hasattr(moe_config, name) and getattr(moe_config, name) != value:
+            problems.append(f"moe_config.{name}={getattr(moe_config, name)!r}, but the config gives {value!r}")
+    for name, value in (overrides or {}).items():
+        if name not in expected:
+            problems.append(f"moe_overrides[{name!r}]: not a field this package reads (known: {sorted(expected)})")
+        elif value != expected[name]:
+            problems.append(f"moe_overrides[{name!r}]={value!r}, but the config gives {expected[name]!r}")
+    if problems:
+        raise ValueError(
+            "the MoE is built from the text config (enable_moe_block, num_experts, top_k_experts, "
+            "moe_intermediate_size); these upstream MoE settings disagree with it — change the config instead:\n  - "
+            + "\n  - ".join(problems)
+        )

@@ -20,10 +20,11 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextMLP
 
-from .attention import AttentionInputs, Gemma4Attention
+from .attention import Gemma4Attention
 from .cache import Gemma4HybridCache
 from .cp import active_ring_context
 from .layers import Gemma4RMSNorm
+from .masks import AttentionInputs
 from .moe import Gemma4MoE
 
 __all__ = ["Gemma4DecoderLayer"]

@@ -16,58 +16,27 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding, Gemma4TextScaledWordEmbedding
 
-from am_context_parallel import cp_token_mean_loss
-from am_precision import compute_lm_head_logits
-
-from .attention import AttentionInputs, SharedKVStates
+from .attention import SharedKVStates
 from .cache import Gemma4HybridCache
-from .config import is_moe_config, text_config_of, validate_text_config
-from .cp import ContextParallelHooks, active_ring_context
+from .config import validate_text_config
+from .cp import active_ring_context
 from .decoder import Gemma4DecoderLayer
-from .generation import Gemma4GenerationMixin
 from .layers import Gemma4RMSNorm
-from .moe import ExpertParallelHooks, Gemma4Experts, Gemma4Router
-from .pretrained import Gemma4PretrainedMixin
+from .masks import AttentionInputs
+from .moe import Gemma4Experts, Gemma4Router
+from .pretrained import Gemma4PreTrainedModel
 
-__all__ = ["Gemma4ForCausalLM", "Gemma4TextModel", "causal_lm_loss", "gemma4_capabilities", "softcap_logits"]
+__all__ = ["Gemma4ForCausalLM", "Gemma4TextModel"]
 
 _IGNORED_KWARGS = frozenset({"return_dict", "output_attentions", "cache_position", "num_items_in_batch"})
 
 
-def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """`cap · tanh(logits / cap)` when `cap` is set (Gemma's final logit soft-capping), else `logits`."""
-    if cap is None:
-        return logits
-    return torch.tanh(logits / cap) * cap
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
-    """transformers' causal-LM loss: token t predicts label t+1 (shift inside), mean over non-ignored labels, fp32."""
-    shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1).to(logits.device), ignore_index=ignore_index
-    )
-
-
-def gemma4_capabilities(config: Any) -> dict[str, bool]:
-    """Declared capabilities for am-capabilities: dense → PP and CP; MoE → PP, CP and EP (`apply_expert_parallel`).
-
-    PP is not declared for variants with per-layer inputs or KV sharing (a stage would need token ids or another
-    stage's K/V). Under PP the MoE layers keep padding out of routing through the `padding_mask` the pipeline's
-    Gemma 4 stage forward passes to every layer (or, under CP, the ring context's document ids).
-    """
-    text = text_config_of(config)
-    moe = is_moe_config(text)
-    stage_local = not getattr(text, "hidden_size_per_layer_input", 0) and not getattr(text, "num_kv_shared_layers", 0)
-    return {"supports_cp": True, "supports_pp": bool(stage_local), "supports_ep": moe, "supports_tp": False}
-
-
-def _reject_unknown_kwargs(kwargs: dict[str, Any], where: str) -> None:
+def reject_unknown_kwargs(kwargs: dict[str, Any], where: str) -> None:
+    """Refuse keywords a forward does not read (transformers' `return_dict`, ... are accepted and have no effect)."""
     unknown = sorted(k for k in kwargs if k not in _IGNORED_KWARGS)
     if unknown:
         raise TypeError(f"{where} got unexpected keyword arguments {unknown}")
@@ -218,7 +187,7 @@ class Gemma4TextModel(nn.Module):
     ) -> BaseModelOutputWithPast:
         """input_ids `[B, S]` (or inputs_embeds `[B, S, H]`) → `last_hidden_state` `[B, S, H]` (and the cache, when
         generating, as `past_key_values`)."""
-        _reject_unknown_kwargs(kwargs, "Gemma4TextModel.forward")
+        reject_unknown_kwargs(kwargs, "Gemma4TextModel.forward")
         cache = _generation_cache(self.config, past_key_values, use_cache)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
@@ -231,36 +200,68 @@ class Gemma4TextModel(nn.Module):
                     raise ValueError("per-layer inputs (PLE) need input_ids or precomputed per_layer_inputs")
                 per_layer_inputs = self.get_per_layer_inputs(input_ids)
             per_layer_inputs = self.project_per_layer_inputs(inputs_embeds, per_layer_inputs)
+        position_ids, attention_inputs, external_mask, padding_mask = self._positions_and_masks(
+            inputs_embeds, attention_mask, position_ids, padding_mask, _packed_seq_ids, vision_group_ids, cache
+        )
 
-        seq = inputs_embeds.shape[1]
+        position_embeddings = {
+            layer_type: self.rotary_emb(inputs_embeds, position_ids, layer_type)
+            for layer_type in sorted(set(self.config.layer_types))
+        }
+        shared_kv_states = SharedKVStates()  # KV-shared layers read what their store layer publishes here
+        hidden_states = inputs_embeds
+        for key, layer in self.layers.items():
+            layer_type = self.config.layer_types[int(key)]
+            hidden_states = layer(
+                hidden_states,
+                per_layer_inputs[:, :, int(key), :] if per_layer_inputs is not None else None,
+                position_embeddings=position_embeddings[layer_type],
+                shared_kv_states=shared_kv_states,
+                attention_mask=external_mask.get(layer_type) if isinstance(external_mask, dict) else external_mask,
+                attention_inputs=attention_inputs,
+                padding_mask=padding_mask,
+                past_key_values=cache,
+            )
+        if self.norm is not None:
+            hidden_states = self.norm(hidden_states)
+        # `past_key_values` is our Gemma4HybridCache, not a transformers `Cache`
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache)  # type: ignore[arg-type]
+
+    def _positions_and_masks(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: Any,
+        position_ids: torch.Tensor | None,
+        padding_mask: torch.Tensor | None,
+        packed_seq_ids: torch.Tensor | None,
+        vision_group_ids: torch.Tensor | None,
+        cache: Gemma4HybridCache | None,
+    ) -> tuple[torch.Tensor, AttentionInputs | None, Any, torch.Tensor | None]:
+        """Every way a caller describes positions and masks, normalized once per forward.
+
+        Returns `(position_ids [B or 1, S], attention_inputs, external_mask, padding_mask [B, S] True = pad)`:
+        `attention_inputs` for our masks (documents from `_packed_seq_ids`, else from the 2-D `attention_mask` /
+        `padding_mask`; under CP the ring context's global positions and document ids; while generating the
+        cache's past length), or None with `external_mask`, a 4-D mask or transformers' `{layer_type: mask}`
+        mapping handed to the layers as is (pipeline stages).
+        """
+        seq, device = inputs_embeds.shape[1], inputs_embeds.device
         ring = active_ring_context()
         if cache is not None:
-            _check_cached_inputs(attention_mask, ring=ring, packed=_packed_seq_ids is not None)
+            _check_cached_inputs(attention_mask, ring=ring, packed=packed_seq_ids is not None)
             past = cache.get_seq_length()
             if attention_mask is None and padding_mask is not None:
                 attention_mask = ~padding_mask.bool()
-            assert not isinstance(attention_mask, dict)  # refused by _check_cached_inputs
             real = cache.step_mask(attention_mask, seq)  # [B, past + S] True = token, or None: nothing padded
-            padding_mask = None if real is None else ~real[:, -seq:]
             if position_ids is None:
-                position_ids = torch.arange(past, past + seq, device=inputs_embeds.device).unsqueeze(0)
-            return self._run_layers(
-                inputs_embeds,
-                per_layer_inputs,
-                position_ids,
-                attention_inputs=AttentionInputs(
-                    seq_len=seq,
-                    device=inputs_embeds.device,
-                    doc_ids=None if real is None else real.long(),
-                    vision_group_ids=vision_group_ids,
-                    past_length=past,
-                ),
-                padding_mask=padding_mask,
-                cache=cache,
+                position_ids = torch.arange(past, past + seq, device=device).unsqueeze(0)
+            doc_ids = None if real is None else real.long()
+            inputs = AttentionInputs(
+                seq_len=seq, device=device, doc_ids=doc_ids, vision_group_ids=vision_group_ids, past_length=past
             )
+            return position_ids, inputs, None, None if real is None else ~real[:, -seq:]
 
-        # A 4-D mask, or transformers' {layer_type: mask} mapping, is handed to the layers as is (pipeline stages).
-        external_mask: Any = None
+        external_mask = None
         if isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() == 4):
             external_mask = attention_mask
         elif attention_mask is not None and padding_mask is None:
@@ -275,88 +276,29 @@ class Gemma4TextModel(nn.Module):
             if position_ids is None:
                 position_ids = ring.positions.view(1, -1)
         else:
-            doc_ids = _packed_seq_ids
+            doc_ids = packed_seq_ids
             if doc_ids is None and padding_mask is not None:
                 doc_ids = (~padding_mask.bool()).long()
         if doc_ids is not None:
             padding_mask = doc_ids == 0
         if position_ids is None:
-            position_ids = torch.arange(seq, device=inputs_embeds.device).unsqueeze(0)
-
-        attention_inputs = None
-        if external_mask is None:
-            attention_inputs = AttentionInputs(
-                seq_len=seq,
-                device=inputs_embeds.device,
-                doc_ids=doc_ids,
-                vision_group_ids=vision_group_ids,
-                ring=ring,
-            )
-        return self._run_layers(
-            inputs_embeds,
-            per_layer_inputs,
-            position_ids,
-            attention_inputs=attention_inputs,
-            external_mask=external_mask,
-            padding_mask=padding_mask,
+            position_ids = torch.arange(seq, device=device).unsqueeze(0)
+        if external_mask is not None:
+            return position_ids, None, external_mask, padding_mask
+        attention = AttentionInputs(
+            seq_len=seq, device=device, doc_ids=doc_ids, vision_group_ids=vision_group_ids, ring=ring
         )
-
-    def _run_layers(
-        self,
-        inputs_embeds: torch.Tensor,
-        per_layer_inputs: torch.Tensor | None,
-        position_ids: torch.Tensor,
-        *,
-        attention_inputs: AttentionInputs | None,
-        external_mask: Any = None,
-        padding_mask: torch.Tensor | None,
-        cache: Gemma4HybridCache | None = None,
-    ) -> BaseModelOutputWithPast:
-        """RoPE per layer type, every layer in order (KV-shared layers read what their store layer published), the
-        final norm. per_layer_inputs: `[B, S, L, H_ple]` projected, or None; padding_mask: `[B, S]` True = pad."""
-        position_embeddings = {
-            layer_type: self.rotary_emb(inputs_embeds, position_ids, layer_type)
-            for layer_type in sorted(set(self.config.layer_types))
-        }
-        shared_kv_states = SharedKVStates()
-        hidden_states = inputs_embeds
-        for key, layer in self.layers.items():
-            index = int(key)
-            hidden_states = layer(
-                hidden_states,
-                per_layer_inputs[:, :, index, :] if per_layer_inputs is not None else None,
-                position_embeddings=position_embeddings[self.config.layer_types[index]],
-                shared_kv_states=shared_kv_states,
-                attention_mask=(
-                    external_mask.get(self.config.layer_types[index])
-                    if isinstance(external_mask, dict)
-                    else external_mask
-                ),
-                attention_inputs=attention_inputs,
-                padding_mask=padding_mask,
-                past_key_values=cache,
-            )
-        if self.norm is not None:
-            hidden_states = self.norm(hidden_states)
-        # `past_key_values` is our Gemma4HybridCache, not a transformers `Cache`
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache)  # type: ignore[arg-type]
+        return position_ids, attention, None, padding_mask
 
 
-class Gemma4ForCausalLM(
-    ContextParallelHooks, ExpertParallelHooks, Gemma4PretrainedMixin, nn.Module, Gemma4GenerationMixin
-):
+class Gemma4ForCausalLM(Gemma4PreTrainedModel):
     """Text-only Gemma 4 with a (tied) LM head: `logits = softcap(lm_head(model(...)))` `[B, S, V]`.
 
     Checkpoints: `from_pretrained` / `save_pretrained` read and write transformers' `Gemma4ForCausalLM` folders.
     Generation: `generate(...)` (transformers' `GenerationMixin`) with a `Gemma4HybridCache`.
     """
 
-    # The fp32-pinned tensors, listed once for the package (the VLM class reuses these lists; casting and checkpoint
-    # loading derive from them): the MoE router's proj, scale and per-expert scale, and the RoPE inv_freq buffers.
-    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["router"]
-    _keep_in_fp32_modules: ClassVar[list[str]] = ["rotary_emb"]
     _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
-    supports_gradient_checkpointing = False
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -370,10 +312,6 @@ class Gemma4ForCausalLM(
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self._init_generation_config(config)
-
-    @classmethod
-    def get_capabilities(cls, config: Any) -> dict[str, bool]:
-        return gemma4_capabilities(config)
 
     def tie_weights(self) -> None:
         """Point `lm_head.weight` at the input embedding when `tie_word_embeddings` (the Gemma 4 default)."""
@@ -413,18 +351,5 @@ class Gemma4ForCausalLM(
             use_cache,
             **kwargs,
         )
-        hidden = outputs.last_hidden_state
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:, :]
-        # compute_lm_head_logits runs the head in its compute dtype (FSDP2's param_dtype under mixed precision), so
-        # an fp32 final norm output meets a bf16 head
-        head_logits = compute_lm_head_logits(self.lm_head, hidden).logits
-        logits = softcap_logits(head_logits, getattr(self.config, "final_logit_softcapping", None))
-        loss = None
-        if labels is not None:
-            ring = active_ring_context()
-            if ring is not None:
-                loss, _ = cp_token_mean_loss(logits, labels, group=ring.group)
-            else:
-                loss = causal_lm_loss(logits, labels)
+        logits, loss = self.logits_and_loss(outputs.last_hidden_state, labels, logits_to_keep=logits_to_keep)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)

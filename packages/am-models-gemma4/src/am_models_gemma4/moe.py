@@ -4,8 +4,8 @@ What it is for: `Gemma4Router` (RMSNorm without scale · `scale` · H^-0.5 → l
 top-k → renormalize → per-expert scale, all in fp32), `Gemma4Experts` (`am_moe.GroupedExperts` with GeGLU,
 transformers' layout `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]`, one grouped GEMM per projection) and
 `Gemma4MoE`, which routes on the un-normalized residual, computes the experts on the pre-normalized input and keeps
-padding tokens out of the experts (their output is 0, they count in no expert's load). `ExpertParallelHooks` gives
-the Gemma 4 models `apply_expert_parallel(ep_mesh)`.
+padding tokens out of the experts (their output is 0, they count in no expert's load).
+Expert parallelism of these experts is am-moe's (`Gemma4PreTrainedModel.apply_expert_parallel`).
 What it must not do: change routing with the storage dtype (the router casts its input and weights to fp32 and its
 parameters are pinned fp32 by the model's `_keep_in_fp32_modules_strict`), or compute experts itself (dispatch,
 grouped GEMMs, expert parallelism and load statistics are am-moe's).
@@ -16,19 +16,18 @@ Names versus transformers: HF keeps `router.*` and `experts.*` directly in the d
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import am_moe
 from am_moe import GroupedExperts
 
-from .config import is_moe_config, moe_intermediate_size
+from .config import moe_intermediate_size
 from .layers import Gemma4RMSNorm, rms_norm
 
-__all__ = ["ExpertParallelHooks", "Gemma4Experts", "Gemma4MoE", "Gemma4Router"]
+__all__ = ["Gemma4Experts", "Gemma4MoE", "Gemma4Router"]
 
 
 class Gemma4Router(nn.Module):
@@ -100,32 +99,3 @@ class Gemma4MoE(nn.Module):
         token_mask = None if padding_mask is None else ~padding_mask.reshape(-1).bool()
         out = self.experts(hidden_states.reshape(-1, shape[-1]), indices, weights, token_mask=token_mask)
         return out.reshape(shape)
-
-
-class ExpertParallelHooks:
-    """Mixin of the Gemma 4 models: expert parallelism (EP) of their MoE blocks through am-moe.
-
-    `apply_expert_parallel(ep_mesh)` is the hook a trainer calls and am-capabilities looks for (a model without it
-    is refused ep_size > 1). Routers and the dense MLP stay replicated; only the experts are sharded and fed by
-    all-to-all.
-    """
-
-    config: Any
-
-    def apply_expert_parallel(self, ep_mesh: Any) -> list[GroupedExperts]:
-        """Shard every layer's experts over the 1-D `ep_mesh` (rank r owns experts [r*E/ep, (r+1)*E/ep)) and switch
-        them to all-to-all dispatch; returns the sharded `GroupedExperts` (none on a pipeline stage without MoE
-        layers). Collective over `ep_mesh` (the weights are scattered from its first rank).
-
-        NOTE: apply after pipeline splitting and before FSDP2 (`am_moe.fully_shard_experts`, then `fully_shard`).
-
-        Raises:
-            ValueError: before any collective, when the config has no MoE block (`enable_moe_block`), num_experts is
-                not divisible by the ep size, the mesh is not 1-D, or the experts are already sharded (all listed).
-        """
-        if not is_moe_config(self.config):
-            raise ValueError(
-                f"{type(self).__name__}: expert parallelism needs the MoE block, but this config has "
-                "enable_moe_block=False (a dense Gemma 4); use ep=1"
-            )
-        return am_moe.apply_expert_parallel(cast(nn.Module, self), ep_mesh)

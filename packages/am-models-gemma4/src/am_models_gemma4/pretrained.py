@@ -1,78 +1,154 @@
-"""Loading and saving the Gemma 4 models like transformers: `from_pretrained` / `save_pretrained` of both classes.
+"""What every Gemma 4 model class is besides its modules: one base, `Gemma4PreTrainedModel`.
 
-What it is for: the model-class entry points of `checkpoint` (transformers' keywords, hub ids, lazy loading).
-What it must not do: hold checkpoint logic itself (`checkpoint` does), or import the model modules (a cycle).
+What it is for: the parts `Gemma4ForCausalLM` and `Gemma4ForConditionalGeneration` share, each with one job:
+  - what a model declares to the infrastructure, in one place: the fp32 keep lists (am-precision),
+    `get_capabilities(config)` (am-capabilities), the contiguous CP layout with `get_cp_options()` and
+    `cp_problems(...)` (am-context-parallel), `apply_expert_parallel(ep_mesh)` (am-moe, through the trainer);
+  - the LM head's output: `logits_and_loss` (soft-capped logits; the loss without CP or this rank's share under CP);
+  - loading and saving like transformers (`from_pretrained` / `save_pretrained`, written in `checkpoint`);
+  - `generate(...)`: transformers' `GenerationMixin` with our cache (`generation.Gemma4GenerationMixin`).
+What it must not do: import the model modules (they import it), am-pipelining or am-capabilities, or hold checkpoint
+logic itself (`checkpoint` does).
+
+Embedding gradients under CP: each rank embeds its own shard of `input_ids` (an embedding is per token), so the
+embedding (and the vision tower, through the image rows a rank consumes) receives the gradient of the local tokens;
+`all_reduce_cp_gradients` then sums the ranks into the full-sequence gradient.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Self, cast
+from typing import Any, ClassVar, Self
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Gemma4PretrainedMixin"]
+import am_moe
+from am_context_parallel import ContiguousCPOptions, cp_token_mean_loss
+from am_moe import GroupedExperts
+from am_precision import compute_lm_head_logits
+
+from . import checkpoint
+from .attention import Gemma4Attention
+from .config import is_moe_config, text_config_of
+from .cp import active_ring_context
+from .generation import Gemma4GenerationMixin
+from .kernels import default_ring_kernel
+
+__all__ = ["Gemma4PreTrainedModel", "causal_lm_loss", "gemma4_capabilities", "softcap_logits"]
 
 
-class Gemma4PretrainedMixin:
-    """`from_pretrained` / `save_pretrained` of `Gemma4ForCausalLM` and `Gemma4ForConditionalGeneration`."""
+def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """`cap · tanh(logits / cap)` when `cap` is set (Gemma's final logit soft-capping), else `logits`."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
+    """transformers' causal-LM loss: token t predicts label t+1 (shift inside), mean over non-ignored labels, fp32."""
+    shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1).to(logits.device), ignore_index=ignore_index
+    )
+
+
+def gemma4_capabilities(config: Any) -> dict[str, bool]:
+    """Declared capabilities for am-capabilities: dense → PP and CP; MoE → PP, CP and EP (`apply_expert_parallel`).
+
+    PP is not declared for variants with per-layer inputs or KV sharing (a stage would need token ids or another
+    stage's K/V). Under PP the MoE layers keep padding out of routing through the `padding_mask` the pipeline's
+    Gemma 4 stage forward passes to every layer (or, under CP, the ring context's document ids).
+    """
+    text = text_config_of(config)
+    moe = is_moe_config(text)
+    stage_local = not getattr(text, "hidden_size_per_layer_input", 0) and not getattr(text, "num_kv_shared_layers", 0)
+    return {"supports_cp": True, "supports_pp": bool(stage_local), "supports_ep": moe, "supports_tp": False}
+
+
+class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
+    """The base of the Gemma 4 model classes (see the module docstring). A subclass sets `config`, builds its
+    modules and an `lm_head`, and calls `_init_generation_config(config)` in its `__init__`."""
+
+    # The fp32-pinned tensors (casting and checkpoint loading derive from them): the MoE router's proj, scale and
+    # per-expert scale, and the RoPE inv_freq buffers. Substrings of names: they match under `model.language_model.`.
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["router"]
+    _keep_in_fp32_modules: ClassVar[list[str]] = ["rotary_emb"]
+    supports_gradient_checkpointing = False
+    _cp_layout = "contiguous"  # am-context-parallel: contiguous shards and the ring context, no sharder of our own
+    _owns_cp_attention = True  # am-capabilities: the model runs its own CP attention
+    config: Any
+    lm_head: nn.Linear
 
     @classmethod
-    def from_pretrained(
-        cls,
-        pretrained_model_name_or_path: str | os.PathLike[str],
-        *,
-        torch_dtype: Any = None,
-        dtype: Any = None,
-        device_map: Any = None,
-        device: Any = None,
-        revision: str | None = None,
-        **kwargs: Any,
-    ) -> Self:
-        """Load a transformers-format folder or hub id (config.json + safetensors, single or sharded) tensor by
-        tensor; every parameter must be present.
+    def get_capabilities(cls, config: Any) -> dict[str, bool]:
+        return gemma4_capabilities(config)
 
-        transformers' keywords: `torch_dtype` / `dtype` (fp32-pinned tensors stay fp32), `device_map` (None, "cpu"
-        or one device; splitting is refused), `revision`, `config`, `cache_dir`, `token`, `local_files_only`,
-        `force_download`. See `checkpoint.load_pretrained`.
+    def get_cp_options(self) -> ContiguousCPOptions:
+        """What `make_cp_batch_and_ctx(mesh, batch, model=model)` reads: the block-sparse ring kernel
+        (`default_ring_kernel` for the batch's device); input_ids required, since each rank embeds its own shard
+        (per-layer inputs and image positions come from the token ids); transformers' attention is not routed (the
+        vision tower keeps its own attention on whole images). Forward AND backward run inside `with ctx():`."""
+        return ContiguousCPOptions(kernel=default_ring_kernel, primary_keys=("input_ids",))
+
+    def cp_problems(self, *, seq_len: int, local_seq_len: int, cp_size: int) -> list[str]:
+        """What this model cannot honour under CP, asked before any collective (am-context-parallel's
+        `model_cp_problems`): each decoder attention layer's `cp_problem()` (attention dropout while training), the
+        rule its forward enforces. Sequence lengths set no limit: the ring fetches whichever ranks a sliding window
+        reaches, however short the shards; image batches with `use_bidirectional_attention="vision"` are refused at
+        forward time (they depend on the batch, not the configuration)."""
+        del seq_len, local_seq_len, cp_size
+        where: dict[str, list[str]] = {}  # one line per problem, naming every layer that has it
+        for name, module in self.named_modules():
+            problem = module.cp_problem() if isinstance(module, Gemma4Attention) else None
+            if problem is not None:
+                where.setdefault(problem, []).append(name)
+        return [f"{problem} (in {', '.join(names)})" for problem, names in where.items()]
+
+    def apply_expert_parallel(self, ep_mesh: Any) -> list[GroupedExperts]:
+        """Shard every layer's experts over the 1-D `ep_mesh` (rank r owns experts [r*E/ep, (r+1)*E/ep)) and switch
+        them to all-to-all dispatch; returns the sharded `GroupedExperts` (none on a pipeline stage without MoE
+        layers). Routers and the dense MLP stay replicated. Collective over `ep_mesh` (the weights are scattered from
+        its first rank). A trainer calls it; am-capabilities refuses ep_size > 1 to a model without it.
+
+        NOTE: apply after pipeline splitting and before FSDP2 (`am_moe.fully_shard_experts`, then `fully_shard`).
+
+        Raises:
+            ValueError: before any collective, when the config has no MoE block (`enable_moe_block`), num_experts is
+                not divisible by the ep size, the mesh is not 1-D, or the experts are already sharded (all listed).
         """
-        from .checkpoint import load_pretrained
+        if not is_moe_config(self.config):
+            raise ValueError(
+                f"{type(self).__name__}: expert parallelism needs the MoE block, but this config has "
+                "enable_moe_block=False (a dense Gemma 4); use ep=1"
+            )
+        return am_moe.apply_expert_parallel(self, ep_mesh)
 
-        return cast(  # the concrete model class this mixin is part of
-            Self,
-            load_pretrained(
-                cast(type[nn.Module], cls),
-                pretrained_model_name_or_path,
-                torch_dtype=torch_dtype,
-                dtype=dtype,
-                device_map=device_map,
-                device=device,
-                revision=revision,
-                **kwargs,
-            ),
-        )
+    def logits_and_loss(
+        self, hidden: torch.Tensor, labels: torch.Tensor | None, *, logits_to_keep: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final hidden states `[B, S, H]` → soft-capped logits `[B, S or logits_to_keep, V]` and, with labels, the
+        loss: transformers' (labels unshifted, shifted inside) without CP; under CP (inside the context of
+        `make_cp_batch_and_ctx`) labels are ALREADY shifted and the loss is this rank's share of the global token
+        mean (`cp_token_mean_loss`), so sum gradients over the CP group."""
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:, :]
+        # compute_lm_head_logits runs the head in its compute dtype (FSDP2's param_dtype under mixed precision), so
+        # an fp32 final norm output meets a bf16 head
+        head_logits = compute_lm_head_logits(self.lm_head, hidden).logits
+        logits = softcap_logits(head_logits, getattr(text_config_of(self.config), "final_logit_softcapping", None))
+        if labels is None:
+            return logits, None
+        ring = active_ring_context()
+        if ring is not None:
+            return logits, cp_token_mean_loss(logits, labels, group=ring.group)[0]
+        return logits, causal_lm_loss(logits, labels)
 
-    def save_pretrained(
-        self,
-        save_directory: str | os.PathLike[str],
-        *,
-        max_shard_size: int | str | None = "5GB",
-        safe_serialization: bool = True,
-        state_dict: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        """Write a folder the same transformers class's `from_pretrained` loads.
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike[str], **kwargs: Any) -> Self:
+        """transformers' `from_pretrained` (folder or hub id; `torch_dtype` / `dtype`, `device_map`, `revision`,
+        `config`, ...): `checkpoint.load_pretrained`, where every keyword is documented."""
+        return checkpoint.load_pretrained(cls, pretrained_model_name_or_path, **kwargs)
 
-        The tied head is saved once; shards + index above `max_shard_size`; only `safe_serialization=True`;
-        `state_dict` (full tensors) replaces the model's own, e.g. the gathered experts of an expert-parallel model
-        (see `checkpoint.save_pretrained`).
-        """
-        from .checkpoint import save_pretrained
-
-        save_pretrained(
-            cast(nn.Module, self),
-            save_directory,
-            max_shard_size=max_shard_size,
-            safe_serialization=safe_serialization,
-            state_dict=state_dict,
-        )
+    save_pretrained = checkpoint.save_pretrained  # (self, save_directory, *, max_shard_size, safe_serialization, ...)

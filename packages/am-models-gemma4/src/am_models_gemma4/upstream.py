@@ -6,8 +6,9 @@ enable_routing_replay=False)` returning `(weights, indices, aux_loss)`, `Gemma4M
 moe_config=None, backend=None, dtype=torch.float32)` with `from_hf` / `to_hf`, `Gemma4MoETextModelBackend(config,
 backend=None, *, moe_config=None, moe_overrides=None)` and upstream's CP entry point `prepare_model_inputs_for_cp`.
 Every name here is a thin layer over `decoder`, `moe`, `model`, `state_dict_adapter` and am-context-parallel.
-What it must not do: hold a second implementation of anything (layers, routing, renaming, sharding), or accept an
-option and ignore it: upstream's MoE settings are checked against the config and refused when they disagree.
+What it must not do: hold a second implementation of anything (layers, routing, renaming, sharding), accept an
+option and ignore it (upstream's MoE settings are checked against the config by `config.check_moe_config` and
+refused when they disagree), or be imported by the core modules (this is a layer over them, not part of them).
 
 Deliberate differences (README "Coming from NeMo AutoModel"): the per-expert scale stays in the router (transformers'
 layout) instead of being folded into the experts' down projections; there is no `MoEConfig` (the MoE is built from the
@@ -28,7 +29,7 @@ from am_context_parallel import ContiguousLayout, make_contiguous_shard_cp_batch
 from am_context_parallel.mesh import cp_rank
 from am_precision import fp32_keep_rules, match_keep_rule
 
-from .config import is_moe_config, moe_intermediate_size, text_config_of
+from .config import check_moe_config, text_config_of
 from .cp import active_ring_context
 from .decoder import Gemma4DecoderLayer
 from .model import Gemma4ForCausalLM, Gemma4TextModel
@@ -42,66 +43,10 @@ __all__ = [
     "Gemma4MoEStateDictAdapter",
     "Gemma4MoETextModelBackend",
     "ShardLayout",
-    "check_moe_config",
     "prepare_model_inputs_for_cp",
 ]
 
 _logger = logging.getLogger(__name__)
-
-
-def _moe_fields_of(config: Any) -> dict[str, Any]:
-    """Upstream's `MoEConfig` fields as this package builds the MoE from `config` (upstream's defaults for Gemma 4)."""
-    return {
-        "dim": int(config.hidden_size),
-        "inter_dim": int(config.intermediate_size),
-        "moe_inter_dim": moe_intermediate_size(config),
-        "n_routed_experts": int(config.num_experts),
-        "n_shared_experts": 0,
-        "n_activated_experts": int(config.top_k_experts),
-        "n_expert_groups": 0,
-        "n_limited_groups": 0,
-        "gate_bias_update_factor": 0,
-        "score_func": "softmax",
-        "route_scale": 1.0,
-        "aux_loss_coeff": 0,
-        "norm_topk_prob": True,
-        "expert_activation": "geglu",
-        "softmax_before_topk": False,
-    }
-
-
-def check_moe_config(config: Any, moe_config: Any = None, *, overrides: dict[str, Any] | None = None) -> None:
-    """Refuse upstream MoE settings that disagree with the MoE this package builds from `config`.
-
-    `moe_config` is anything with upstream's `MoEConfig` attribute names (only the fields it has are compared);
-    `overrides` is upstream's `moe_overrides` dict. Fields that do not describe the computation (`dtype`,
-    `train_gate`, ...) are not compared.
-
-    Raises:
-        ValueError: the config has no MoE block, or listing every field that disagrees (or is unknown in `overrides`).
-    """
-    text = text_config_of(config)
-    if not is_moe_config(text):
-        raise ValueError(
-            "a Gemma 4 MoE layer needs a config with enable_moe_block=True (and num_experts, top_k_experts, "
-            "moe_intermediate_size); this config is dense: use Gemma4DecoderLayer / Gemma4TextModel"
-        )
-    expected = _moe_fields_of(text)
-    problems: list[str] = []
-    for name, value in expected.items():
-        if moe_config is not None and hasattr(moe_config, name) and getattr(moe_config, name) != value:
-            problems.append(f"moe_config.{name}={getattr(moe_config, name)!r}, but the config gives {value!r}")
-    for name, value in (overrides or {}).items():
-        if name not in expected:
-            problems.append(f"moe_overrides[{name!r}]: not a field this package reads (known: {sorted(expected)})")
-        elif value != expected[name]:
-            problems.append(f"moe_overrides[{name!r}]={value!r}, but the config gives {expected[name]!r}")
-    if problems:
-        raise ValueError(
-            "the MoE is built from the text config (enable_moe_block, num_experts, top_k_experts, "
-            "moe_intermediate_size); these upstream MoE settings disagree with it — change the config instead:\n  - "
-            + "\n  - ".join(problems)
-        )
 
 
 def _log_backend(where: str, backend: Any) -> None:

@@ -32,25 +32,13 @@ from transformers.models.gemma4.modeling_gemma4 import (
     get_block_sequence_ids_for_mask,
 )
 
-from am_context_parallel import cp_token_mean_loss
-from am_precision import compute_lm_head_logits
-
-from .config import normalize_text_config
-from .cp import ContextParallelHooks, active_ring_context, tokens_before_this_rank
-from .generation import Gemma4GenerationMixin
-from .model import (
-    Gemma4ForCausalLM,
-    Gemma4TextModel,
-    causal_lm_loss,
-    gemma4_capabilities,
-    softcap_logits,
-)
-from .moe import ExpertParallelHooks
-from .pretrained import Gemma4PretrainedMixin
+from .config import check_moe_config, normalize_text_config
+from .cp import active_ring_context, tokens_before_this_rank
+from .model import Gemma4TextModel, reject_unknown_kwargs
+from .pretrained import Gemma4PreTrainedModel
 
 __all__ = ["Gemma4ForConditionalGeneration", "Gemma4Model"]
 
-_IGNORED_KWARGS = frozenset({"return_dict", "output_attentions", "cache_position", "num_items_in_batch"})
 # transformers' Gemma4ForConditionalGeneration inputs of the video and audio paths, which this model does not run
 _UNSUPPORTED_MEDIA_KWARGS = (
     "pixel_values_videos",
@@ -117,18 +105,12 @@ class Gemma4Model(nn.Module):
         return BaseModelOutputWithPooling(last_hidden_state=outputs.last_hidden_state, pooler_output=pooled)
 
 
-class Gemma4ForConditionalGeneration(
-    ContextParallelHooks, ExpertParallelHooks, Gemma4PretrainedMixin, nn.Module, Gemma4GenerationMixin
-):
+class Gemma4ForConditionalGeneration(Gemma4PreTrainedModel):
     """Gemma 4 vision-language model: logits `[B, S, V]` for text-only or image+text inputs; `generate(...)`."""
 
-    # The text model's keep lists (substrings of names, so they match under `model.language_model.` too).
-    _keep_in_fp32_modules_strict: ClassVar[list[str]] = Gemma4ForCausalLM._keep_in_fp32_modules_strict
-    _keep_in_fp32_modules: ClassVar[list[str]] = Gemma4ForCausalLM._keep_in_fp32_modules
     _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
     # The image inputs describe the prompt: after the prefill, steps carry new text tokens only.
     _prefill_only_inputs: ClassVar[tuple[str, ...]] = ("image_position_ids", "mm_token_type_ids")
-    supports_gradient_checkpointing = False
 
     def __init__(
         self,
@@ -141,22 +123,18 @@ class Gemma4ForConditionalGeneration(
 
         Args:
             config: `Gemma4Config` (text + optional vision sub-configs); not modified.
-            moe_config: must be None: the MoE block is built from the text config (`enable_moe_block`,
-                `num_experts`, `top_k_experts`, `moe_intermediate_size`).
+            moe_config: upstream's `MoEConfig` (anything with its field names), or None. The MoE block is built
+                from the text config (`enable_moe_block`, `num_experts`, `top_k_experts`, `moe_intermediate_size`);
+                a given `moe_config` is checked against it (`config.check_moe_config`), never a second source.
             backend: upstream's `BackendConfig`; Gemma 4 always runs its own PyTorch kernels (attention, RMSNorm,
                 linear), so a backend is accepted and one line is logged saying so.
             text_config: overrides applied to a copy of `config.text_config` (upstream's dict override).
 
         Raises:
-            NotImplementedError: `moe_config` is given.
-            ValueError: `config` has no text_config, or `text_config` names a field the text config lacks.
+            ValueError: `config` has no text_config, `text_config` names a field the text config lacks, or
+                `moe_config` disagrees with the (overridden) text config (every field named).
         """
         super().__init__()
-        if moe_config is not None:
-            raise NotImplementedError(
-                "Gemma4ForConditionalGeneration builds its MoE block from the text config; pass moe_config=None and "
-                "set enable_moe_block / num_experts / top_k_experts / moe_intermediate_size in text_config instead"
-            )
         if backend is not None:
             _logger.info(
                 "Gemma4ForConditionalGeneration runs its own PyTorch kernels; backend=%r does not change them", backend
@@ -173,16 +151,14 @@ class Gemma4ForConditionalGeneration(
                 f"Gemma4ForConditionalGeneration needs a Gemma4Config with a text_config; got {type(config).__name__}: "
                 "use Gemma4ForCausalLM for a text-only checkpoint"
             )
+        if moe_config is not None:
+            check_moe_config(config, moe_config)
         self.config = config
         self.model = Gemma4Model(config)
         text = config.text_config
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_weights()
         self._init_generation_config(config)
-
-    @classmethod
-    def get_capabilities(cls, config: Any) -> dict[str, bool]:
-        return gemma4_capabilities(config)
 
     def tie_weights(self) -> None:
         """Point `lm_head.weight` at the text embedding when `tie_word_embeddings` (top-level flag wins)."""
@@ -254,9 +230,8 @@ class Gemma4ForConditionalGeneration(
                 f"video and audio inputs are not supported by am_models_gemma4 (got {unsupported_media}); train with "
                 "text and images only (pixel_values + image_position_ids), or use transformers' Gemma4 for video/audio"
             )
-        unknown = sorted(k for k in kwargs if k not in _IGNORED_KWARGS and k not in _UNSUPPORTED_MEDIA_KWARGS)
-        if unknown:
-            raise TypeError(f"Gemma4ForConditionalGeneration.forward got unexpected keyword arguments {unknown}")
+        other = {k: v for k, v in kwargs.items() if k not in _UNSUPPORTED_MEDIA_KWARGS}
+        reject_unknown_kwargs(other, "Gemma4ForConditionalGeneration.forward")
         text_config = self.config.text_config
         language_model = self.model.language_model
         ring = active_ring_context()
@@ -299,18 +274,5 @@ class Gemma4ForConditionalGeneration(
             _packed_seq_ids=_packed_seq_ids,
             vision_group_ids=vision_group_ids,
         )
-        hidden = outputs.last_hidden_state
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:, :]
-        # compute_lm_head_logits runs the head in its compute dtype (FSDP2's param_dtype under mixed precision), so
-        # an fp32 final norm output meets a bf16 head
-        head_logits = compute_lm_head_logits(self.lm_head, hidden).logits
-        logits = softcap_logits(head_logits, getattr(text_config, "final_logit_softcapping", None))
-        loss = None
-        if labels is not None:
-            loss = (
-                cp_token_mean_loss(logits, labels, group=ring.group)[0]
-                if ring is not None
-                else causal_lm_loss(logits, labels)
-            )
+        logits, loss = self.logits_and_loss(outputs.last_hidden_state, labels, logits_to_keep=logits_to_keep)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
