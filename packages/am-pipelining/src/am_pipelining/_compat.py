@@ -152,7 +152,9 @@ def schedule_compute_actions(
             stand_ins = _StandInStage(num_stages=num_stages, group_size=pp_size)
         instance = schedule_class(stand_ins, n_microbatches)
         order = getattr(instance, "pipeline_order", None)
-    except Exception:  # a torch whose constructors need more than the stand-in offers
+    # ValueError: torch refuses fewer microbatches than the schedule needs (1F1B, DualPipeV); AttributeError /
+    # TypeError: a torch whose constructor reads more of a stage than the stand-in offers. Either way: no list.
+    except (ValueError, AttributeError, TypeError):
         order = None
     if not isinstance(order, dict) or not order:
         return {}
