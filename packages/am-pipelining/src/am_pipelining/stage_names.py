@@ -178,7 +178,7 @@ def module_names_problems(
 ) -> list[str]:
     """Why `names_per_stage` would not run the model as one model (empty when it would).
 
-    Decoder-layer coverage and order are `plan_pipeline`'s (see `plan_for_module_names`); this checks the rest:
+    Decoder-layer coverage and order are `plan_pipeline`'s (see `plan_for_model`); this checks the rest:
     unknown names and partial layers (explicit lists only: generated lists name absent encoders on purpose), every
     parameter kept by exactly one stage, and the modules the forwards need on a given stage.
     """

@@ -96,8 +96,8 @@ def build_stages(
 
     Raises:
         ValueError: a plan for another group size or layer count, stage lists that do not hold the plan's layers,
-            `seq_len` with a plan without a batch, reentrant checkpointing, a model whose own forward the pipeline
-            forwards do not reproduce (`check_forward_reproduction`).
+            `seq_len` with a plan without a batch, `dtype` without `seq_len`, reentrant checkpointing, a model whose
+            own forward the pipeline forwards do not reproduce (`check_forward_reproduction`).
 
     NOTE: call it on every rank of the default process group (SPMD). When tied input/output embeddings land on
     different ranks, the first/last-stage pair groups of all pipeline replicas are created here, collectively.
@@ -112,6 +112,8 @@ def build_stages(
         problems.append(f"the plan is for {plan.num_layers} layers but the model has {layout.num_layers}")
     if seq_len is not None and plan.microbatch_size is None:
         problems.append("seq_len asks for static shapes of a microbatch, but the plan has no batch")
+    if seq_len is None and dtype is not None:
+        problems.append("dtype describes static shapes and needs seq_len (give seq_len, or drop dtype)")
     explicit = None if module_names_per_stage is None else [list(stage) for stage in module_names_per_stage]
     planned = [list(layers) for layers in plan.stage_layers or ()]
     if explicit is not None and _stage_layers_from_names(explicit, layout) != planned:
@@ -172,8 +174,8 @@ def _set_static_shapes(
     outputs `[microbatch_size, seq_len, V]` on a stage with an LM head, else hidden states (a model's
     `get_pipeline_stage_metas` wins; see `stage_metas`). `config` gives H and V (default: each stage module's own);
     `dtype` defaults to each stage's parameter dtype. With the built `schedule`, its next `step()` re-initializes
-    the stages for the new shapes (accumulated gradients are kept). Every later step's inputs are checked against
-    these shapes before anything is sent (`check_step_shapes`).
+    the stages for the new shapes (accumulated gradients are kept). Schedules built on stages with static shapes
+    check every step's inputs against them before anything is sent (`check_step_shapes`).
 
     Raises:
         RuntimeError: this torch's stages take no static metadata.
