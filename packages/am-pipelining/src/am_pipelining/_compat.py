@@ -24,7 +24,6 @@ __all__ = [
     "get_schedule_class",
     "is_schedule_class",
     "is_multi_stage_schedule",
-    "is_runtime_schedule",
     "schedule_class_name",
     "schedule_compute_actions",
     "schedule_stage_to_rank",
@@ -75,10 +74,6 @@ def is_multi_stage_schedule(schedule_class: type) -> bool:
 def runtime_schedule_class() -> type:
     """The class that runs a schedule loaded from a CSV file."""
     return _schedules._PipelineScheduleRuntime
-
-
-def is_runtime_schedule(schedule: Any) -> bool:
-    return isinstance(schedule, _schedules._PipelineScheduleRuntime)
 
 
 def load_schedule_csv(schedule: Any, path: str) -> None:
