@@ -217,23 +217,10 @@ def set_stage_metas(stage: Any, inputs: tuple[torch.Tensor, ...], outputs: tuple
     user_meta.output_grads = None
 
 
-def reset_stage_shapes(
-    schedule: Any,
-    stages: list[Any],
-    new_metas: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]],
-) -> None:
-    """Give each stage new static input/output shapes and make the schedule re-run its setup on the next step.
-
-    Args:
-        schedule: the built schedule.
-        stages: this rank's `PipelineStage`s.
-        new_metas: per stage, `(inputs, outputs)` meta tensors.
-
-    Raises:
-        RuntimeError: when this torch's stages expose no known metadata API.
-    """
-    for stage, (inputs, outputs) in zip(stages, new_metas, strict=True):
-        set_stage_metas(stage, inputs, outputs)
+def reset_stage_shapes(schedule: Any, stages: list[Any]) -> None:
+    """Forget what each stage inferred or sent for its old shapes and make the schedule re-run its setup on the next
+    step (after `set_stage_metas` gave the stages their new shapes)."""
+    for stage in stages:
         stage_meta = getattr(stage, "_stage_meta", None)
         if stage_meta is not None:
             for field in ("inputs", "outputs", "input_grads", "output_grads"):

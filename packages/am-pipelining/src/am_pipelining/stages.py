@@ -192,12 +192,11 @@ def _set_static_shapes(
         )
         for stage in stages
     ]
-    if schedule is not None:
-        _compat.reset_stage_shapes(schedule, list(stages), metas)
     for stage, (inputs, outputs) in zip(stages, metas, strict=True):
-        if schedule is None:
-            _compat.set_stage_metas(stage, inputs, outputs)
+        _compat.set_stage_metas(stage, inputs, outputs)
         stage._am_static_shape = (microbatch_size, seq_len)  # type: ignore[attr-defined]
+    if schedule is not None:
+        _compat.reset_stage_shapes(schedule, list(stages))
 
 
 def split_model_into_stages(
