@@ -166,7 +166,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     model.to(device)
     apply_precision(model, dtype=cfg.dtype)
     loss_fn = TokenSumLoss()
-    from am_pipelining import PipelineCausalLMLoss, build_pipeline_schedule, sync_tied_embedding_grads
+    from am_pipelining import PipelineCausalLMLoss, build_schedule, sync_tied_embedding_grads
 
     if cfg.pp > 1:
         local_seq_len = cp_local_seq_len(model, seq_len=cfg.seq_len, cp=cfg.cp)
@@ -190,14 +190,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     pipeline_loss = PipelineCausalLMLoss(loss_fn, model=last_part)
     schedule = None
     if stages:
-        schedule = build_pipeline_schedule(
-            None,
-            cfg.schedule,
-            cfg.microbatch_size,
-            cfg.local_batch,
-            stages,
-            loss_fn=CPPipelineTargets(pipeline_loss) if cfg.cp > 1 else pipeline_loss,
-            plan=plan,
+        schedule = build_schedule(
+            stages, plan, loss_fn=CPPipelineTargets(pipeline_loss) if cfg.cp > 1 else pipeline_loss
         )
     has_first = not stages or any(s.is_first for s in stages)
 

@@ -145,19 +145,9 @@ def split_pipeline(
     collective) lays them out, with static shapes [microbatch, seq_len] for the microbatches (`seq_len`: this rank's
     tokens per sequence, the CP shard's length when cp > 1). The model's hooks (e.g. Nemotron's `mtp` on the last
     stage) are honoured by am-pipelining."""
-    from am_pipelining import split_model_into_stages
+    from am_pipelining import build_stages
 
-    return split_model_into_stages(
-        model,
-        mesh,
-        "pp",
-        cfg.schedule,
-        device,
-        plan=plan,
-        microbatch_size=cfg.microbatch_size,
-        seq_len=seq_len,
-        tensor_dtype=PRECISIONS[cfg.dtype].compute,
-    )
+    return build_stages(model, mesh, plan, device=device, seq_len=seq_len, dtype=PRECISIONS[cfg.dtype].compute)
 
 
 def _strict_fp32_modules(model: nn.Module) -> list[nn.Module]:

@@ -24,11 +24,15 @@ from am_pipelining import (
     AutoPipeline,
     PipelineCausalLMLoss,
     build_pipeline_schedule,
+    build_schedule,
+    build_stages,
     pipeline_model,
+    plan_for_model,
+    reset_pp_stage_shapes,
+    scale_grads_by_divisor,
     split_model_into_stages,
     sync_tied_embedding_grads,
 )
-from am_pipelining.functional import reset_pp_stage_shapes, scale_grads_by_divisor
 from am_pipelining.schedule_picture import schedule_timeline
 
 REL_TOL = 1e-5
@@ -108,26 +112,25 @@ def parity_case(
     expected_layers: dict[int, list[list[int]]] | None = None,
 ) -> None:
     """Pipelined loss and gradients equal the unsplit model's; with `expected_layers` ({rank: layers per local
-    stage}) the split is checked too."""
+    stage}) the split is checked too. Planned once; stages and schedule are built from the plan (the core path)."""
     ref_model = M.FACTORIES[name](layers)
     model = copy.deepcopy(ref_model)
     data = M.batch(name, batch_size)
     ref_losses = _reference(ref_model, name, data, microbatch)
-    stages, parts = split_model_into_stages(
+    plan = plan_for_model(
         model,
-        _mesh(),
-        "pp",
+        dist.get_world_size(),
         schedule,
-        "cpu",
         stages_per_rank=stages_per_rank,
+        local_batch_size=batch_size,
         microbatch_size=microbatch,
-        seq_len=M.SEQ,
     )
+    stages, parts = build_stages(model, _mesh(), plan, device="cpu", seq_len=M.SEQ)
     if expected_layers is not None:
         got = [[int(k) for k in part.model.layers] for part in parts]
         want = expected_layers[dist.get_rank()]
         assert got == want, f"rank {dist.get_rank()} runs layers {got}, expected {want}"
-    sched = build_pipeline_schedule(None, schedule, microbatch, batch_size, stages, M.mean_ce)
+    sched = build_schedule(stages, plan, loss_fn=M.mean_ce)
     has_first = any(s.is_first for s in stages)
     has_last = any(s.is_last for s in stages)
     losses: list[torch.Tensor] = []

@@ -7,8 +7,7 @@ from __future__ import annotations
 import _models as M
 import pytest
 
-from am_pipelining import PipelinePlanError, find_layers, split_model_into_stages
-from am_pipelining.stage_names import plan_for_module_names
+from am_pipelining import PipelinePlanError, plan_for_model, split_model_into_stages
 
 GOOD = [
     ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.rotary_emb"],
@@ -18,7 +17,7 @@ GOOD = [
 
 def _plan(names, model=None):
     model = model if model is not None else M.llama(4)
-    return plan_for_module_names(model, find_layers(model), 2, "1F1B", names)
+    return plan_for_model(model, 2, "1F1B", names)
 
 
 def _problems(names, model=None):

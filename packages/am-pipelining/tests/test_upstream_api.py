@@ -1,5 +1,7 @@
 """The seed API called exactly as NeMo AutoModel documents it (`pipelining/{hf_utils,functional,autopipeline}`,
-`loss/mtp`): positional order, parameter names, defaults, module attributes and error-message key phrases.
+`loss/mtp`), from where it lives here (the package root; upstream's private helper names in
+`am_pipelining.upstream`): positional order, parameter names, defaults, module attributes and error-message key
+phrases. Also: the root exports one name per object, and `build_schedule` trusts its plan.
 
 Single process on tiny HF models. The calls that need ranks (`split_model_into_stages`, `build_pipeline_schedule`,
 `reset_pp_stage_shapes`, `scale_grads_by_divisor`) run positionally in the 2/4-rank modules (`_cases.py`).
@@ -7,8 +9,10 @@ Single process on tiny HF models. The calls that need ranks (`split_model_into_s
 
 from __future__ import annotations
 
+import ast
 import inspect
 import logging
+import pathlib
 import types
 
 import _models as M
@@ -16,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+import am_pipelining
 from am_pipelining import (
     AutoPipeline,
     MTPLossConfig,
@@ -35,9 +40,9 @@ from am_pipelining import (
     roll_tensor,
     shift_packed_tensor,
     stage_ids_this_rank,
+    upstream,
     validate_hf_model_for_pipeline_support,
 )
-from am_pipelining import functional as F
 
 IGN = -100
 
@@ -53,23 +58,37 @@ def test_hf_utils_module_attributes():
     assert {"vision_tower", "multi_modal_projector", "audio_projector"} <= set(hf_utils.MULTIMODAL_SUFFIXES)
 
 
-def test_functional_module_names():
-    for name in (
-        "stage_ids_this_rank",
-        "generate_hf_model_fqn_per_model_part",
-        "calculate_virtual_stages",
-        "split_model_into_stages",
-        "build_pipeline_schedule",
-        "pipeline_model",
-        "reset_pp_stage_shapes",
-        "scale_grads_by_divisor",
-        "ParallelizeFnProtocol",
-    ):
-        assert hasattr(F, name), name
+def test_functional_names_at_the_root():
+    seed = "stage_ids_this_rank generate_hf_model_fqn_per_model_part calculate_virtual_stages split_model_into_stages"
+    seed += " build_pipeline_schedule pipeline_model reset_pp_stage_shapes scale_grads_by_divisor ParallelizeFnProtocol"
+    assert set(seed.split()) <= set(am_pipelining.__all__)
+
+
+def test_root_exports_one_public_name_per_object():
+    """No aliases at the root (two names bound to one object) and no private names in `__all__`."""
+    names_of: dict[int, list[str]] = {}
+    for name in am_pipelining.__all__:
+        names_of.setdefault(id(getattr(am_pipelining, name)), []).append(name)
+    assert [names for names in names_of.values() if len(names) > 1] == []
+    assert [name for name in am_pipelining.__all__ if name.startswith("_") and name != "__version__"] == []
+
+
+def test_core_never_imports_upstream():
+    """`am_pipelining.upstream` is built on the core; no other module of the package imports it."""
+    package = pathlib.Path(am_pipelining.__file__).parent
+    importers = [
+        path.name
+        for path in package.glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom)
+        and node.level == 1
+        and (node.module == "upstream" or any(alias.name == "upstream" for alias in node.names))
+    ]
+    assert importers == []
 
 
 def test_pipeline_model_accepts_upstream_keywords():
-    params = inspect.signature(F.pipeline_model).parameters
+    params = inspect.signature(am_pipelining.pipeline_model).parameters
     upstream = [
         "model",
         "world_mesh",
@@ -101,7 +120,7 @@ def test_pipeline_model_accepts_upstream_keywords():
     assert set(upstream) <= set(params)
     assert list(params)[:3] == ["model", "world_mesh", "moe_mesh"]
     with pytest.raises(ValueError, match="reduce_grad_per_microbatch=True are not supported"):
-        F.pipeline_model(M.llama(2), object(), reduce_grad_per_microbatch=True)
+        am_pipelining.pipeline_model(M.llama(2), object(), reduce_grad_per_microbatch=True)
 
 
 def test_get_text_module():
@@ -280,10 +299,10 @@ def test_private_stage_metadata_helpers_under_upstream_names():
 
     model = M.llama(2)
     names = [["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "model.rotary_emb", "lm_head"]]
-    (stage_model,) = F.build_stage_modules(model, names, [0])
+    (stage_model,) = am_pipelining.build_stage_modules(model, names, [0])
     stage = PipelineStage(stage_model, 0, 1, torch.device("cpu"))
 
-    F._precompute_stage_shapes([stage], model.config, 2, 8)  # (stages, model_config, microbatch_size, seq_len)
+    upstream._precompute_stage_shapes([stage], model.config, 2, 8)  # (stages, model_config, microbatch_size, seq_len)
     assert [tuple(t.shape) for t in stage._user_meta.inputs] == [(2, 8)]
     assert [tuple(t.shape) for t in stage._user_meta.outputs] == [(2, 8, model.config.vocab_size)]
     assert stage._user_meta.outputs[0].dtype == torch.float32
@@ -291,21 +310,54 @@ def test_private_stage_metadata_helpers_under_upstream_names():
     meta = torch.device("meta")
     inputs = (torch.empty(3, 5, dtype=torch.long, device=meta),)
     outputs = (torch.empty(3, 5, model.config.vocab_size, device=meta, requires_grad=True),)
-    F._set_stage_metas(stage, inputs, outputs)
+    upstream._set_stage_metas(stage, inputs, outputs)
     assert [tuple(t.shape) for t in stage._user_meta.inputs] == [(3, 5)]
     assert [tuple(t.shape) for t in stage._user_meta.outputs] == [(3, 5, model.config.vocab_size)]
     with pytest.raises(RuntimeError, match="Unsupported PipelineStage metadata API"):
-        F._set_stage_metas(types.SimpleNamespace(), inputs, outputs)
+        upstream._set_stage_metas(types.SimpleNamespace(), inputs, outputs)
 
-    F._preserve_grads_across_stage_reinit([stage, types.SimpleNamespace()])  # stages without the hook are skipped
+    # stages without the hook are skipped
+    upstream._preserve_grads_across_stage_reinit([stage, types.SimpleNamespace()])
     wrapped = stage._post_metadata_inference_cleanup
     assert wrapped._am_pp_preserves_grads
-    F._preserve_grads_across_stage_reinit([stage])
+    upstream._preserve_grads_across_stage_reinit([stage])
     assert stage._post_metadata_inference_cleanup is wrapped  # idempotent
 
-    assert F._get_hidden_and_vocab_size(model.config) == (model.config.hidden_size, model.config.vocab_size)
-    assert F._wrap_stage_forward_to_emit_tensor(stage_model) is stage_model
+    assert upstream._get_hidden_and_vocab_size(model.config) == (model.config.hidden_size, model.config.vocab_size)
+    assert upstream._wrap_stage_forward_to_emit_tensor(stage_model) is stage_model
     assert stage_model.forward._pp_unwraps_model_output
     logits = stage_model(torch.ones(1, 4, dtype=torch.long))
     assert isinstance(logits, torch.Tensor)
     assert logits.shape == (1, 4, model.config.vocab_size)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_build_schedule_trusts_the_plan(monkeypatch):
+    """`build_stages` / `build_schedule` run the plan they are given and never call the planner again: with the
+    planner disabled, a plan of 6 sequences in microbatches of 2 runs 3 microbatches (upstream's
+    `build_pipeline_schedule` options would re-plan to another count), and stages of another plan are refused."""
+    import torch.distributed as dist
+
+    from am_pipelining import build_schedule, build_stages, plan_pipeline, planning
+
+    model = M.llama(2)
+    plan = plan_pipeline(2, 1, "GPipe", local_batch_size=6, microbatch_size=2)
+    for module in ("planning", "schedules", "stage_names", "autopipeline", "schedule_picture"):  # all its importers
+        monkeypatch.setattr(f"am_pipelining.{module}.plan_pipeline", lambda *_, **__: pytest.fail("planned again"))
+    stages, _ = build_stages(model, dist.group.WORLD, plan, device="cpu", seq_len=M.SEQ)
+    schedule = build_schedule(stages, plan, loss_fn=M.mean_ce)
+    assert schedule._n_microbatches == 3
+    data = M.batch("llama", 6)
+    losses: list[torch.Tensor] = []
+    schedule.step(data["input_ids"], target=data["labels"], losses=losses)
+    assert len(losses) == 3
+    monkeypatch.undo()
+    assert planning.plan_pipeline is plan_pipeline
+
+    with pytest.raises(ValueError, match="the plan has no batch"):
+        build_schedule(stages, plan_pipeline(2, 1, "GPipe"), loss_fn=M.mean_ce)
+    interleaved = plan_pipeline(2, 1, "Interleaved1F1B", local_batch_size=2, microbatch_size=1)
+    with pytest.raises(ValueError, match=r"runs 2 of 2 stage\(s\) per rank but this rank has 1"):
+        build_schedule(stages, interleaved, loss_fn=None)
+    with pytest.raises(ValueError, match="the plan is for 3 layers but the model has 2"):
+        build_stages(model, dist.group.WORLD, plan_pipeline(3, 1, "GPipe"), device="cpu")

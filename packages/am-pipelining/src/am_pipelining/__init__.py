@@ -1,8 +1,11 @@
 """Pipeline parallelism for HuggingFace-style models on torch.distributed.pipelining.
 
-Split a model into stages by construction (no tracing, no full copy per stage), place them on ranks (loop or V),
-run any torch schedule, compute the pipeline loss (with multi-token prediction), keep tied embeddings correct,
-and draw the schedule with its bubble fraction.
+Plan once (`plan_pipeline` / `plan_for_model` -> `PipelinePlan`), then build this rank's stages (`build_stages`) and
+their schedule (`build_schedule`) from the plan: stages by construction (no tracing, no full copy per stage), loop
+or V placement, any torch schedule, the pipeline loss (with multi-token prediction), tied embeddings kept correct,
+and a picture of the schedule with its bubble fraction. The names NeMo AutoModel documents (`AutoPipeline`,
+`pipeline_model`, `split_model_into_stages`, `build_pipeline_schedule`, ...) are here too, as thin layers over that
+core; upstream's private helper names are in `am_pipelining.upstream`.
 """
 
 from ._version import __version__
@@ -57,29 +60,42 @@ from .schedule_picture import (
     schedule_timeline,
     textbook_bubble_fraction,
 )
-from .schedules import build_pipeline_schedule, pipeline_model
+from .schedules import (
+    ParallelizeFnProtocol,
+    build_pipeline_schedule,
+    build_schedule,
+    pipeline_model,
+    reset_pp_stage_shapes,
+    scale_grads_by_divisor,
+)
 from .stage_modules import build_stage_modules, stage_metas
-from .stages import generate_hf_model_fqn_per_model_part, split_model_into_stages
+from .stage_names import generate_hf_model_fqn_per_model_part, plan_for_model
+from .stages import build_stages, split_model_into_stages
 from .tied import sync_tied_embedding_grads, sync_tied_embedding_weights
 
 __all__ = [
-    # facade
+    # the core: plan once, then stages and schedule from the plan
+    "plan_pipeline",
+    "plan_for_model",
+    "PipelinePlan",
+    "PipelinePlanError",
+    "build_stages",
+    "build_schedule",
+    "build_stage_modules",
+    "stage_metas",
+    # upstream's documented spellings, built on the core
     "AutoPipeline",
     "PipelineConfig",
     "PipelineInfo",
-    # planning
-    "plan_pipeline",
-    "PipelinePlan",
-    "PipelinePlanError",
-    # splitting and schedules
+    "pipeline_model",
+    "ParallelizeFnProtocol",
+    "split_model_into_stages",
+    "build_pipeline_schedule",
+    "reset_pp_stage_shapes",
+    "scale_grads_by_divisor",
     "stage_ids_this_rank",
     "generate_hf_model_fqn_per_model_part",
     "calculate_virtual_stages",
-    "build_stage_modules",
-    "split_model_into_stages",
-    "stage_metas",
-    "build_pipeline_schedule",
-    "pipeline_model",
     # where the layers live
     "find_layers",
     "DecoderLayers",

@@ -24,7 +24,6 @@ __all__ = [
     "get_schedule_class",
     "is_schedule_class",
     "is_multi_stage_schedule",
-    "is_runtime_schedule",
     "schedule_class_name",
     "schedule_compute_actions",
     "schedule_stage_to_rank",
@@ -75,10 +74,6 @@ def is_multi_stage_schedule(schedule_class: type) -> bool:
 def runtime_schedule_class() -> type:
     """The class that runs a schedule loaded from a CSV file."""
     return _schedules._PipelineScheduleRuntime
-
-
-def is_runtime_schedule(schedule: Any) -> bool:
-    return isinstance(schedule, _schedules._PipelineScheduleRuntime)
 
 
 def load_schedule_csv(schedule: Any, path: str) -> None:
@@ -152,7 +147,9 @@ def schedule_compute_actions(
             stand_ins = _StandInStage(num_stages=num_stages, group_size=pp_size)
         instance = schedule_class(stand_ins, n_microbatches)
         order = getattr(instance, "pipeline_order", None)
-    except Exception:  # a torch whose constructors need more than the stand-in offers
+    # ValueError: torch refuses fewer microbatches than the schedule needs (1F1B, DualPipeV); AttributeError /
+    # TypeError: a torch whose constructor reads more of a stage than the stand-in offers. Either way: no list.
+    except (ValueError, AttributeError, TypeError):
         order = None
     if not isinstance(order, dict) or not order:
         return {}
@@ -220,23 +217,10 @@ def set_stage_metas(stage: Any, inputs: tuple[torch.Tensor, ...], outputs: tuple
     user_meta.output_grads = None
 
 
-def reset_stage_shapes(
-    schedule: Any,
-    stages: list[Any],
-    new_metas: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]],
-) -> None:
-    """Give each stage new static input/output shapes and make the schedule re-run its setup on the next step.
-
-    Args:
-        schedule: the built schedule.
-        stages: this rank's `PipelineStage`s.
-        new_metas: per stage, `(inputs, outputs)` meta tensors.
-
-    Raises:
-        RuntimeError: when this torch's stages expose no known metadata API.
-    """
-    for stage, (inputs, outputs) in zip(stages, new_metas, strict=True):
-        set_stage_metas(stage, inputs, outputs)
+def reset_stage_shapes(schedule: Any, stages: list[Any]) -> None:
+    """Forget what each stage inferred or sent for its old shapes and make the schedule re-run its setup on the next
+    step (after `set_stage_metas` gave the stages their new shapes)."""
+    for stage in stages:
         stage_meta = getattr(stage, "_stage_meta", None)
         if stage_meta is not None:
             for field in ("inputs", "outputs", "input_grads", "output_grads"):

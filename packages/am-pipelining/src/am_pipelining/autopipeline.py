@@ -1,9 +1,9 @@
 """`AutoPipeline`: one object that validates, splits, parallelizes and schedules a model, then runs steps.
 
-It wraps `functional.pipeline_model` and adds what a training loop needs: `step()` with per-kwarg chunking from
-the model's `get_pipeline_kwargs_chunk_dims` hook, the tied-embedding gradient sum after every step, variable
-sequence lengths (`update_seq_len`), parameter counts per stage and a debug summary. Private torch internals are
-reached only through `am_pipelining._compat`.
+It wraps `pipeline_model` (plan, split, parallelize, schedule) and adds what a training loop needs: `step()` with
+per-kwarg chunking from the model's `get_pipeline_kwargs_chunk_dims` hook, the tied-embedding gradient sum after
+every step, variable sequence lengths (`update_seq_len`), parameter counts per stage and a debug summary. Private
+torch internals are reached only through `am_pipelining._compat`.
 """
 
 from __future__ import annotations

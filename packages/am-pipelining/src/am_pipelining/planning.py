@@ -2,11 +2,11 @@
 microbatches a step has.
 
 `plan_pipeline` is a pure function (no process group, no model, no stage): it turns a request into a frozen
-`PipelinePlan`, or raises ONE `PipelinePlanError` listing every problem with its fix. Splitting
-(`split_model_into_stages`), schedule building (`build_pipeline_schedule`, `pipeline_model`), `AutoPipeline`, the
-schedule picture and the reference trainer all ask it; nobody else derives a stage count, a placement, a layer split
-or a microbatch rule. The upstream-named helpers (`calculate_virtual_stages`, `stage_ids_this_rank`,
-`min_microbatches`) are thin wrappers over it.
+`PipelinePlan`, or raises ONE `PipelinePlanError` listing every problem with its fix. Splitting (`build_stages`)
+and schedule building (`build_schedule`) take the plan and do not re-derive it; the upstream spellings
+(`split_model_into_stages`, `build_pipeline_schedule`, `pipeline_model`, `AutoPipeline`, `calculate_virtual_stages`,
+`stage_ids_this_rank`), the schedule picture and the reference trainer plan through it. Nobody else derives a stage
+count, a placement, a layer split or a microbatch rule.
 
 What it must not do: touch torch.distributed, a model or a stage. Schedule classes are looked up through
 `am_pipelining._compat` (the only module that knows torch pipelining internals).
@@ -43,7 +43,6 @@ __all__ = [
     "schedule_placement_style",
     "calculate_virtual_stages",
     "stage_ids_this_rank",
-    "min_microbatches",
     "csv_problems",
 ]
 
@@ -329,8 +328,3 @@ def stage_ids_this_rank(pp_rank: int, pp_size: int, num_stages: int, style: str 
     else:
         raise ValueError(f"Unknown stage placement style {style!r}; use 'loop' or 'v'.")
     return plan_pipeline(None, pp_size, kind, num_stages=num_stages).stage_ids(pp_rank)
-
-
-def min_microbatches(schedule_class: type, *, num_stages: int) -> int:
-    """Fewest microbatches the schedule runs on `num_stages` stages without erroring or stalling (1: any count)."""
-    return min_microbatches_for(schedule_class, num_stages)

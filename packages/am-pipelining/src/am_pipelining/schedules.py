@@ -1,11 +1,9 @@
-"""Build the torch schedule that runs a rank's stages, and `pipeline_model`: plan, split, parallelize, schedule.
+"""Build the torch schedule that runs a rank's stages from a `PipelinePlan` (`build_schedule`), and upstream's
+spellings around it: `build_pipeline_schedule`, `pipeline_model` (plan, split, parallelize, schedule),
+`reset_pp_stage_shapes` and `scale_grads_by_divisor`.
 
-What it is for: `build_pipeline_schedule` (any torch schedule by name, or a compute-only CSV) with the batch rules
-of `plan_pipeline`, and `pipeline_model`, which plans the whole layout first (so a request that cannot run is refused
-before any collective), splits, applies a per-stage `parallelize_fn` (e.g. FSDP2) and builds the schedule.
-
-What it must not do: re-derive a schedule rule (ask `planning`) or reach torch pipelining internals other than
-through `am_pipelining._compat`.
+What it must not do: re-plan a given plan, derive a schedule rule (ask `planning`), or reach torch pipelining
+internals other than through `am_pipelining._compat`.
 """
 
 from __future__ import annotations
@@ -22,18 +20,16 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from . import _compat
-from .layers import find_layers
 from .planning import PipelinePlan, csv_problems, plan_pipeline
-from .stage_modules import stage_metas
-from .stage_names import plan_for_module_names
-from .stages import split_model_into_stages
+from .stage_names import plan_for_model
+from .stages import _set_static_shapes, build_stages
 
 __all__ = [
     "ParallelizeFnProtocol",
     "build_pipeline_schedule",
+    "build_schedule",
     "check_step_shapes",
     "pipeline_model",
-    "precompute_stage_shapes",
     "reset_pp_stage_shapes",
     "scale_grads_by_divisor",
 ]
@@ -52,67 +48,35 @@ class ParallelizeFnProtocol(Protocol):
 # ------------------------------------------------------------------------------------------------------------
 
 
-def build_pipeline_schedule(
-    csv: str | os.PathLike[str] | None,
-    schedule_name: str | None,
-    microbatch_size: int,
-    local_batch_size: int,
-    stages: list[PipelineStage],
+def build_schedule(
+    stages: Sequence[PipelineStage],
+    plan: PipelinePlan,
+    *,
     loss_fn: Callable[..., torch.Tensor] | None,
     scale_grads: bool = False,
-    *,
-    plan: PipelinePlan | None = None,
 ) -> Any:
-    """Build the schedule that runs `stages` with `local_batch_size // microbatch_size` microbatches.
+    """The schedule that runs this rank's `stages` exactly as `plan` says: its schedule (or CSV file) and its
+    `n_microbatches` (`plan.local_batch_size // plan.microbatch_size`). The plan is trusted, not re-planned.
 
-    Accepts every schedule name the installed torch knows (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
-    InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, case-insensitive) or a compute-only CSV file (one row per
-    rank, actions like `0F1,1B0`). With `scale_grads=False` gradients are the sum over microbatches. The batch
-    rules come from `plan_pipeline`, applied to the plan the stages were split with (or to `plan`).
-
-    `loss_fn` must be the same kind on EVERY pipeline rank, including ranks that hold no last stage: a callable
-    gives a training schedule (forward + backward); None gives a forward-only (inference) schedule. Mixing the two
-    across ranks makes the ranks disagree about backward sends and deadlocks, so None logs a warning.
+    With `scale_grads=False` gradients are the sum over microbatches. `loss_fn` must be the same kind on EVERY
+    pipeline rank, including ranks that hold no last stage: a callable gives a training schedule (forward +
+    backward); None gives a forward-only (inference) schedule. Mixing the two across ranks makes the ranks
+    disagree about backward sends and deadlocks, so None logs a warning.
 
     Raises:
-        FileNotFoundError: the CSV path is not a file.
-        PipelinePlanError (ValueError): batch not divisible by the microbatch size, too few microbatches for the
-            schedule, a schedule that cannot run the stages' layout.
-        ValueError: no stages, or a wrong number of local stages for the plan.
+        ValueError: a plan without a batch, or stages that are not the plan's (count on this rank, total count).
     """
-    problems = csv_problems(csv)
-    if problems:
-        raise FileNotFoundError(problems[0])
-    if not stages:
-        raise ValueError("No pipeline stages on this rank; split the model first.")
-    split_plan = plan if plan is not None else getattr(stages[0], "_am_pipeline_plan", None)
-    if split_plan is not None:
-        plan = plan_pipeline(
-            split_plan.num_layers,
-            split_plan.pp_size,
-            schedule_name,
-            csv=csv,
-            stage_layers=split_plan.stage_layers,
-            num_stages=None if split_plan.stage_layers is not None else split_plan.num_stages,
-            local_batch_size=local_batch_size,
-            microbatch_size=microbatch_size,
-        )
-    else:  # stages built elsewhere: plan from what they say about themselves
-        plan = plan_pipeline(
-            None,
-            stages[0].group_size,
-            schedule_name,
-            csv=csv,
-            num_stages=stages[0].num_stages,
-            local_batch_size=local_batch_size,
-            microbatch_size=microbatch_size,
-        )
-    if len(stages) != plan.stages_per_rank:
+    if plan.n_microbatches is None:
         raise ValueError(
-            f"{plan.schedule} runs {plan.stages_per_rank} stage(s) per rank but this rank has {len(stages)}; split "
-            "the model with the same schedule and stage request."
+            "build_schedule: the plan has no batch; plan it with local_batch_size= and microbatch_size= "
+            "(plan_pipeline), which also checks the schedule's microbatch rules."
         )
-    assert plan.n_microbatches is not None
+    if len(stages) != plan.stages_per_rank or any(stage.num_stages != plan.num_stages for stage in stages):
+        raise ValueError(
+            f"{plan.schedule} runs {plan.stages_per_rank} of {plan.num_stages} stage(s) per rank but this rank has "
+            f"{len(stages)} of {[stage.num_stages for stage in stages]}; build the stages from the same plan "
+            "(build_stages)."
+        )
     if plan.n_microbatches < plan.pp_size:
         logger.warning(
             "%d microbatches for %d pipeline ranks: most of each step is bubble. Use >= %d microbatches.",
@@ -122,19 +86,62 @@ def build_pipeline_schedule(
         )
     if loss_fn is None:
         logger.warning(
-            "build_pipeline_schedule(loss_fn=None) builds a forward-only schedule; every pipeline rank must pass "
-            "loss_fn=None too (pass the loss function on all ranks, not only the last stage's, to train)."
+            "A forward-only schedule (loss_fn=None): every pipeline rank must pass loss_fn=None too (pass the loss "
+            "function on all ranks, not only the last stage's, to train)."
         )
-    schedule_class = _compat.runtime_schedule_class() if csv is not None else plan.schedule_class
+    schedule_class = _compat.runtime_schedule_class() if plan.csv is not None else plan.schedule_class
     multi = _compat.is_multi_stage_schedule(schedule_class)
     schedule = schedule_class(
-        stages if multi else stages[0], n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads
+        list(stages) if multi else stages[0],
+        n_microbatches=plan.n_microbatches,
+        loss_fn=loss_fn,
+        scale_grads=scale_grads,
     )
-    if csv is not None:
-        _compat.load_schedule_csv(schedule, os.fspath(csv))
+    if plan.csv is not None:
+        _compat.load_schedule_csv(schedule, plan.csv)
     if any(getattr(stage, "_am_static_shape", None) is not None for stage in stages):
         _check_shapes_before_each_step(schedule, stages, plan.n_microbatches)
     return schedule
+
+
+def build_pipeline_schedule(
+    csv: str | os.PathLike[str] | None,
+    schedule_name: str | None,
+    microbatch_size: int,
+    local_batch_size: int,
+    stages: list[PipelineStage],
+    loss_fn: Callable[..., torch.Tensor] | None,
+    scale_grads: bool = False,
+) -> Any:
+    """Upstream's spelling: plan the schedule and batch of `stages` from these options, then `build_schedule`.
+
+    Accepts every schedule name the installed torch knows (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+    InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, case-insensitive) or a compute-only CSV file (one row per
+    rank, actions like `0F1,1B0`). The layers come from the plan the stages were built with.
+
+    Raises:
+        FileNotFoundError: the CSV path is not a file.
+        PipelinePlanError (ValueError): batch not divisible by the microbatch size, too few microbatches for the
+            schedule, a schedule that cannot run the stages' layout.
+        ValueError: no stages, or `build_schedule`'s errors.
+    """
+    problems = csv_problems(csv)
+    if problems:
+        raise FileNotFoundError(problems[0])
+    if not stages:
+        raise ValueError("No pipeline stages on this rank; split the model first.")
+    split: PipelinePlan | None = getattr(stages[0], "_am_pipeline_plan", None)
+    plan = plan_pipeline(
+        split.num_layers if split is not None else None,
+        split.pp_size if split is not None else stages[0].group_size,
+        schedule_name,
+        csv=csv,
+        stage_layers=split.stage_layers if split is not None else None,
+        num_stages=None if split is not None else stages[0].num_stages,  # stages built elsewhere: their own count
+        local_batch_size=local_batch_size,
+        microbatch_size=microbatch_size,
+    )
+    return build_schedule(stages, plan, loss_fn=loss_fn, scale_grads=scale_grads)
 
 
 def check_step_shapes(
@@ -247,7 +254,7 @@ def pipeline_model(
     Raises:
         ValueError: the pipeline axis has size 1, `patch_stage_backward_maybe_with_nosync` or
             `reduce_grad_per_microbatch` is True (upstream options torch's stage already covers), or any error of
-            `split_model_into_stages` / `build_pipeline_schedule`.
+            `plan_for_model` / `build_stages` / `build_schedule`.
     """
     if patch_stage_backward_maybe_with_nosync or reduce_grad_per_microbatch:
         raise ValueError(
@@ -271,48 +278,29 @@ def pipeline_model(
         raise ValueError(f"Pipeline parallelism is not enabled: the {pp_axis_name!r} mesh axis has size {pp_size}.")
     # With a CSV, the schedule name (if any) still decides stages per rank and placement; without one, the CSV
     # runtime's defaults apply (2 stages per rank, loop placement).
-    layout = find_layers(model)
-    explicit = None if module_fqns_per_model_part is None else [list(s) for s in module_fqns_per_model_part]
-    if explicit is not None:
-        plan = plan_for_module_names(
-            model,
-            layout,
-            pp_size,
-            pipeline_parallel_schedule,
-            explicit,
-            option_label="module_fqns_per_model_part",
-            csv=pipeline_parallel_schedule_csv,
-            stages_per_rank=stages_per_rank,
-            layers_per_stage=layers_per_stage,
-            round_to_pp_multiple=round_to_pp_multiple,
-            local_batch_size=local_batch_size,
-            microbatch_size=microbatch_size,
-        )
-    else:
-        plan = plan_pipeline(
-            layout.num_layers,
-            pp_size,
-            pipeline_parallel_schedule,
-            csv=pipeline_parallel_schedule_csv,
-            stages_per_rank=stages_per_rank,
-            layers_per_stage=layers_per_stage,
-            round_to_pp_multiple=round_to_pp_multiple,
-            local_batch_size=local_batch_size,
-            microbatch_size=microbatch_size,
-        )
-    stages, model_parts = split_model_into_stages(
+    plan = plan_for_model(
+        model,
+        pp_size,
+        pipeline_parallel_schedule,
+        module_fqns_per_model_part,
+        option_label="module_fqns_per_model_part",
+        csv=pipeline_parallel_schedule_csv,
+        stages_per_rank=stages_per_rank,
+        layers_per_stage=layers_per_stage,
+        round_to_pp_multiple=round_to_pp_multiple,
+        local_batch_size=local_batch_size,
+        microbatch_size=microbatch_size,
+    )
+    stages, model_parts = build_stages(
         model,
         pp_mesh,
-        pp_axis_name,
-        pipeline_parallel_schedule,
-        device,
-        module_names_per_stage=explicit,
+        plan,
+        device=device,
+        module_names_per_stage=module_fqns_per_model_part,
+        seq_len=seq_len,
+        dtype=tensor_dtype if seq_len is not None else None,
         patch_inner_model=patch_inner_model,
         patch_causal_lm_model=patch_causal_lm_model,
-        plan=plan,
-        microbatch_size=microbatch_size if seq_len is not None else None,
-        seq_len=seq_len,
-        tensor_dtype=tensor_dtype if seq_len is not None else None,
     )
     if parallelize_fn is not None:
         for i, part in enumerate(model_parts):
@@ -332,23 +320,14 @@ def pipeline_model(
                         setattr(result, attr, getattr(part, attr))
                 model_parts[i] = result
             stages[i].submod = model_parts[i]
-    schedule = build_pipeline_schedule(
-        pipeline_parallel_schedule_csv,
-        pipeline_parallel_schedule,
-        microbatch_size,
-        local_batch_size,
-        stages,
-        loss_fn,
-        scale_grads=scale_grads,
-        plan=plan,
-    )
+    schedule = build_schedule(stages, plan, loss_fn=loss_fn, scale_grads=scale_grads)
     has_first = any(stage.is_first for stage in stages)
     has_last = any(stage.is_last for stage in stages)
     return schedule, model_parts, has_first, has_last, stages
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Between steps (upstream names)
+# Between steps
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -360,60 +339,15 @@ def reset_pp_stage_shapes(
     seq_len: int,
     tensor_dtype: torch.dtype | None = None,
 ) -> None:
-    """Give this rank's stages static shapes for a new sequence length; the next `schedule.step()` re-initializes.
-
-    Inputs of the first stage become `[microbatch_size, seq_len]` int64, later ones `[microbatch_size, seq_len, H]`;
-    outputs `[microbatch_size, seq_len, V]` on a stage with an LM head, else hidden states (a model's
-    `get_pipeline_stage_metas` wins). `config` gives H and V (its `text_config` as fallback); `tensor_dtype`
-    defaults to each stage's parameter dtype. Accumulated gradients are kept.
+    """Give this rank's stages static shapes for a new sequence length; the next `schedule.step()` re-initializes
+    (`_set_static_shapes` with the schedule; `config`, when not None, gives the hidden and vocabulary sizes).
 
     Raises:
         RuntimeError: this torch's stages expose no known static-metadata API.
     """
-    metas = _metas_of_stages(stages, config, microbatch_size, seq_len, tensor_dtype)
-    _compat.reset_stage_shapes(schedule, list(stages), metas)
-    for stage in stages:
-        stage._am_static_shape = (microbatch_size, seq_len)  # type: ignore[attr-defined]
-
-
-def _metas_of_stages(
-    stages: Sequence[PipelineStage], config: Any, microbatch_size: int, seq_len: int, dtype: torch.dtype | None
-) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
-    return [
-        stage_metas(
-            stage.submod,
-            is_first=stage.is_first,
-            is_last=stage.is_last,
-            microbatch_size=microbatch_size,
-            seq_len=seq_len,
-            dtype=dtype,
-            config=config,
-        )
-        for stage in stages
-    ]
-
-
-def precompute_stage_shapes(
-    stages: Sequence[PipelineStage],
-    config: Any,
-    microbatch_size: int,
-    seq_len: int,
-    tensor_dtype: torch.dtype | None = None,
-) -> bool:
-    """Give stages that were built without shapes static ones, so torch skips its shape-inference round trip.
-
-    Same shapes as `reset_pp_stage_shapes` (which also makes a built schedule re-initialize). Returns False, and
-    leaves every stage to torch's dynamic inference, when this torch's stages take no static metadata.
-    """
-    if not all(_compat.has_static_meta_api(stage) for stage in stages):
-        logger.info("PipelineStage takes no static metadata in torch %s; shapes are inferred", torch.__version__)
-        return False
-    for stage, (inputs, outputs) in zip(
-        stages, _metas_of_stages(stages, config, microbatch_size, seq_len, tensor_dtype), strict=True
-    ):
-        _compat.set_stage_metas(stage, inputs, outputs)
-        stage._am_static_shape = (microbatch_size, seq_len)  # type: ignore[attr-defined]
-    return True
+    _set_static_shapes(
+        stages, microbatch_size=microbatch_size, seq_len=seq_len, dtype=tensor_dtype, config=config, schedule=schedule
+    )
 
 
 @torch.no_grad()
@@ -423,35 +357,3 @@ def scale_grads_by_divisor(stages: Sequence[Any], divisor: int | float) -> None:
         scale = getattr(stage, "scale_grads", None)
         if callable(scale):
             scale(divisor)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Upstream's private stage-metadata helper names (`functional` re-exports them)
-# ------------------------------------------------------------------------------------------------------------
-
-
-def _set_stage_metas(stage: Any, inputs_meta: tuple[torch.Tensor, ...], outputs_meta: tuple[torch.Tensor, ...]) -> None:
-    """Upstream's name: give one `PipelineStage` static input/output meta tensors (`_compat.set_stage_metas`).
-
-    Raises:
-        RuntimeError: "Unsupported PipelineStage metadata API" on a torch whose stages take no static metadata.
-    """
-    _compat.set_stage_metas(stage, tuple(inputs_meta), tuple(outputs_meta))
-
-
-def _precompute_stage_shapes(
-    stages: Sequence[Any],
-    model_config: Any,
-    microbatch_size: int,
-    seq_len: int,
-    tensor_dtype: torch.dtype | None = None,
-) -> None:
-    """Upstream's name for `precompute_stage_shapes` (logs and leaves shapes to torch when it cannot set them)."""
-    precompute_stage_shapes(stages, model_config, microbatch_size, seq_len, tensor_dtype)
-
-
-def _preserve_grads_across_stage_reinit(stages: Sequence[Any]) -> None:
-    """Upstream's name: keep accumulated gradients when the schedule re-initializes each stage in static mode
-    (`_compat.preserve_grads_across_stage_reinit`; stages without torch's cleanup hook are skipped)."""
-    for stage in stages:
-        _compat.preserve_grads_across_stage_reinit(stage)

@@ -84,7 +84,7 @@ def _check_activation_checkpointing(model: nn.Module) -> None:
         )
 
 
-def _wrap_stage_forward_to_emit_tensor(stage_model: nn.Module, *, stage_index: int = -1) -> nn.Module:
+def _emit_tensors_only(stage_model: nn.Module, *, stage_index: int = -1) -> nn.Module:
     """Make the stage return tensors only: `ModelOutput` -> `.logits`; anything else that is not a tensor or a
     tuple of tensors raises a ValueError (it could not travel to the next stage). Idempotent."""
     original = stage_model.forward
@@ -158,7 +158,7 @@ def build_stage_modules(
                 stage_model, patch_inner_model=patch_inner_model, patch_causal_lm_model=patch_causal_lm_model
             )
         stage_model._pp_stage_index = stage_id  # type: ignore[assignment]
-        _wrap_stage_forward_to_emit_tensor(stage_model, stage_index=stage_id)
+        _emit_tensors_only(stage_model, stage_index=stage_id)
         stage_models.append(stage_model)
     return stage_models
 
@@ -168,7 +168,7 @@ def build_stage_modules(
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _get_hidden_and_vocab_size(config: Any) -> tuple[int, int]:
+def _hidden_and_vocab_size(config: Any) -> tuple[int, int]:
     text_config = getattr(config, "text_config", None)
     sizes = []
     for field in ("hidden_size", "vocab_size"):
@@ -214,7 +214,7 @@ def stage_metas(
         if is_last and names is not None:
             read_stage_output(tuple(hook_outputs), names=names)  # the declaration must fit the declared shapes
         return tuple(hook_inputs), tuple(hook_outputs)
-    hidden, vocab = _get_hidden_and_vocab_size(stage_model.config if config is None else config)
+    hidden, vocab = _hidden_and_vocab_size(stage_model.config if config is None else config)
     meta = torch.device("meta")
     if is_first:
         inputs: tuple[torch.Tensor, ...] = (torch.empty(microbatch_size, seq_len, dtype=torch.long, device=meta),)

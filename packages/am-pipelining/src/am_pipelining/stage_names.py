@@ -22,7 +22,7 @@ from .hf_utils import MULTIMODAL_SUFFIXES, statically_defines
 from .layers import DecoderLayers, find_layers, module_at
 from .planning import PipelinePlan, PipelinePlanError, plan_pipeline, split_layers
 
-__all__ = ["generate_hf_model_fqn_per_model_part", "module_names_problems", "plan_for_module_names"]
+__all__ = ["generate_hf_model_fqn_per_model_part", "module_names_problems", "plan_for_model"]
 
 
 def generate_hf_model_fqn_per_model_part(
@@ -178,7 +178,7 @@ def module_names_problems(
 ) -> list[str]:
     """Why `names_per_stage` would not run the model as one model (empty when it would).
 
-    Decoder-layer coverage and order are `plan_pipeline`'s (see `plan_for_module_names`); this checks the rest:
+    Decoder-layer coverage and order are `plan_pipeline`'s (see `plan_for_model`); this checks the rest:
     unknown names and partial layers (explicit lists only: generated lists name absent encoders on purpose), every
     parameter kept by exactly one stage, and the modules the forwards need on a given stage.
     """
@@ -256,21 +256,24 @@ def _placement_problems(model: nn.Module, layout: DecoderLayers, stage_names: li
     return problems
 
 
-def plan_for_module_names(
+def plan_for_model(
     model: nn.Module,
-    layout: DecoderLayers,
     pp_size: int,
     schedule: Any,
-    module_names_per_stage: Sequence[Sequence[str]],
+    module_names_per_stage: Sequence[Sequence[str]] | None = None,
     *,
     option_label: str = "module_names_per_stage",
     **plan_options: Any,
 ) -> PipelinePlan:
-    """`plan_pipeline` for explicit stage lists, with the lists' own problems in the same single error.
+    """`plan_pipeline` for `model`'s decoder layers; with explicit stage lists, for the layers they hold, and the
+    lists' own problems in the same single error.
 
     Raises:
         PipelinePlanError: every problem of the plan and of the lists.
     """
+    layout = find_layers(model)
+    if module_names_per_stage is None:
+        return plan_pipeline(layout.num_layers, pp_size, schedule, **plan_options)
     problems = module_names_problems(model, layout, module_names_per_stage)
     try:
         plan = plan_pipeline(

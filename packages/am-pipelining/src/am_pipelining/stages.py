@@ -1,12 +1,12 @@
-"""Split a model into this rank's `PipelineStage`s, as `plan_pipeline` plans them.
+"""Build this rank's `PipelineStage`s from a `PipelinePlan` (`build_stages`), and upstream's spelling of it.
 
-What it is for: planning the split (or taking a given plan), the module lists of the stages (`stage_names`: generated
-from the plan's layer split, or given explicitly and validated), building this rank's stage modules
-(`stage_modules`), marking tied-embedding copies, and wrapping each stage module into a `PipelineStage` (with static
-shapes when a sequence length is given).
+What it is for: the module lists of the stages (`stage_names`: generated from the plan's layer split, or given
+explicitly and validated), building this rank's stage modules (`stage_modules`), marking tied-embedding copies,
+wrapping each stage module into a `PipelineStage`, and static shapes (`_set_static_shapes`).
+`split_model_into_stages` keeps upstream's signature: it plans from its options, then calls `build_stages`.
 
-What it must not do: re-derive a stage count, a placement or a layer split (ask `planning`), or import a model
-package. Errors that would otherwise surface as hangs are raised here, early, naming the fix.
+What it must not do: re-derive a stage count, a placement or a layer split from a given plan (ask `planning`), or
+import a model package. Errors that would otherwise surface as hangs are raised here, early, naming the fix.
 """
 
 from __future__ import annotations
@@ -23,17 +23,12 @@ from . import _compat
 from .hf_validation import check_forward_reproduction
 from .layers import DecoderLayers, find_layers, module_at
 from .outputs import output_names_problems, pipeline_output_names
-from .planning import PipelinePlan, plan_pipeline
+from .planning import PipelinePlan
 from .stage_modules import build_stage_modules, stage_metas
-from .stage_names import (
-    _default_module_names,
-    generate_hf_model_fqn_per_model_part,
-    module_names_problems,
-    plan_for_module_names,
-)
+from .stage_names import _default_module_names, _stage_layers_from_names, module_names_problems, plan_for_model
 from .tied import TiedEmbeddingCopy, pair_group
 
-__all__ = ["generate_hf_model_fqn_per_model_part", "split_model_into_stages"]
+__all__ = ["build_stages", "split_model_into_stages"]
 
 
 def _find_tied_embedding(model: nn.Module, layout: DecoderLayers) -> tuple[str, str] | None:
@@ -54,16 +49,154 @@ def _find_tied_embedding(model: nn.Module, layout: DecoderLayers) -> tuple[str, 
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _pp_rank_size_group(pp_mesh: Any, pp_axis_name: str | None) -> tuple[int, int, Any]:
-    """(rank, size, process group) from a 1-D DeviceMesh (or a mesh with `pp_axis_name`) or a ProcessGroup."""
+def _pipeline_axis(pp_mesh: Any, pp_axis_name: str) -> Any:
+    """The 1-D pipeline mesh: `pp_mesh` itself (1-D, or a ProcessGroup), or its `pp_axis_name` axis."""
+    names = getattr(pp_mesh, "mesh_dim_names", None)
+    if names is None or len(names) <= 1:
+        return pp_mesh
+    if pp_axis_name not in names:
+        raise ValueError(f"Mesh axes {names} have no pipeline axis {pp_axis_name!r}.")
+    return pp_mesh[pp_axis_name]
+
+
+def _pp_rank_size_group(pp_mesh: Any) -> tuple[int, int, Any]:
+    """(rank, size, process group) of a 1-D DeviceMesh or a ProcessGroup."""
     if isinstance(pp_mesh, dist.ProcessGroup):
         return dist.get_rank(pp_mesh), dist.get_world_size(pp_mesh), pp_mesh
-    names = getattr(pp_mesh, "mesh_dim_names", None)
-    if names is not None and pp_axis_name is not None and len(names) > 1:
-        if pp_axis_name not in names:
-            raise ValueError(f"Mesh axes {names} have no pipeline axis {pp_axis_name!r}.")
-        pp_mesh = pp_mesh[pp_axis_name]
     return pp_mesh.get_local_rank(), pp_mesh.size(), pp_mesh.get_group()
+
+
+def build_stages(
+    model: nn.Module,
+    pp_mesh: Any,
+    plan: PipelinePlan,
+    *,
+    device: torch.device | str,
+    module_names_per_stage: Sequence[Sequence[str]] | None = None,
+    seq_len: int | None = None,
+    dtype: torch.dtype | None = None,
+    patch_inner_model: bool = True,
+    patch_causal_lm_model: bool = True,
+) -> tuple[list[PipelineStage], list[nn.Module]]:
+    """This rank's `PipelineStage`s and their modules, in stage order, exactly as `plan` lays them out.
+
+    The plan is trusted: nothing is re-planned. It is only checked against what it is applied to (the pipeline
+    group's size, the model's layer count, and `module_names_per_stage` when given).
+
+    Args:
+        model: the full model (meta device is fine; it is left unchanged).
+        pp_mesh: a DeviceMesh (its "pp" axis when it has several) or the pipeline ProcessGroup.
+        plan: from `plan_pipeline` with the model's layer count (for explicit stage lists, the plan made from them).
+        device: device the stages compute on.
+        module_names_per_stage: explicit FQN lists per global stage, holding the plan's layers (default: generated
+            from the plan's layer split, then passed through the model's `customize_pipeline_stage_modules` hook).
+        seq_len / dtype: with `seq_len`, stages get static shapes `[plan.microbatch_size, seq_len, ...]` in `dtype`
+            (default: the stage's parameter dtype); the plan must then have a batch.
+        patch_inner_model / patch_causal_lm_model: patch the inner / causal-LM forward (`patch_hf_model_for_pp`).
+
+    Raises:
+        ValueError: a plan for another group size or layer count, stage lists that do not hold the plan's layers,
+            `seq_len` with a plan without a batch, `dtype` without `seq_len`, reentrant checkpointing, a model whose
+            own forward the pipeline forwards do not reproduce (`check_forward_reproduction`).
+
+    NOTE: call it on every rank of the default process group (SPMD). When tied input/output embeddings land on
+    different ranks, the first/last-stage pair groups of all pipeline replicas are created here, collectively.
+    """
+    pp_rank, pp_size, group = _pp_rank_size_group(_pipeline_axis(pp_mesh, "pp"))
+    check_forward_reproduction(model)  # first: a stage list cannot fix a forward the stages do not reproduce
+    layout = find_layers(model)
+    problems = []
+    if plan.pp_size != pp_size:
+        problems.append(f"the plan is for {plan.pp_size} pipeline ranks but the pipeline group has {pp_size}")
+    if plan.num_layers != layout.num_layers or plan.stage_layers is None:
+        problems.append(f"the plan is for {plan.num_layers} layers but the model has {layout.num_layers}")
+    if seq_len is not None and plan.microbatch_size is None:
+        problems.append("seq_len asks for static shapes of a microbatch, but the plan has no batch")
+    if seq_len is None and dtype is not None:
+        problems.append("dtype describes static shapes and needs seq_len (give seq_len, or drop dtype)")
+    explicit = None if module_names_per_stage is None else [list(stage) for stage in module_names_per_stage]
+    planned = [list(layers) for layers in plan.stage_layers or ()]
+    if explicit is not None and _stage_layers_from_names(explicit, layout) != planned:
+        problems.append("module_names_per_stage do not hold the plan's layers per stage")
+    if problems:
+        raise ValueError(
+            "build_stages: " + "; ".join(problems) + ". Plan with this model, group and stage lists "
+            "(plan_pipeline(num_layers, pp_size, schedule, ..., local_batch_size=, microbatch_size=)), "
+            "or with plan_for_model for explicit stage lists."
+        )
+    if explicit is not None:
+        names = explicit
+        problems = module_names_problems(model, layout, names)
+    else:  # generated from the plan, then edited by the model's hook: the hook must keep the model whole
+        names = _default_module_names(model, plan.stage_layers or (), layout)[0]
+        problems = module_names_problems(model, layout, names, explicit=False)
+    if problems:
+        whose = (
+            "module_names_per_stage"
+            if explicit is not None
+            else f"{type(model).__name__}.customize_pipeline_stage_modules returned stage lists that"
+        )
+        raise ValueError(f"{whose} do not run the model as one: " + " ".join(problems))
+    stage_ids = plan.stage_ids(pp_rank)
+    models = build_stage_modules(
+        model, names, stage_ids, patch_inner_model=patch_inner_model, patch_causal_lm_model=patch_causal_lm_model
+    )
+    _attach_tied_embedding_copies(model, layout, names, stage_ids, models, plan, group)
+    declared = pipeline_output_names(model)
+    if declared is not None and output_names_problems(declared):
+        raise ValueError(
+            f"{type(model).__name__}.pipeline_output_names is invalid: " + "; ".join(output_names_problems(declared))
+        )
+    stages = []
+    for stage_id, stage_model in zip(stage_ids, models, strict=True):
+        stage = PipelineStage(stage_model, stage_id, plan.num_stages, torch.device(device), group=group)
+        _compat.preserve_grads_across_stage_reinit(stage)
+        stage._am_pipeline_plan = plan  # type: ignore[attr-defined]  # build_pipeline_schedule reads it back
+        stages.append(stage)
+    if seq_len is not None:
+        assert plan.microbatch_size is not None
+        _set_static_shapes(stages, microbatch_size=plan.microbatch_size, seq_len=seq_len, dtype=dtype)
+    return stages, models
+
+
+def _set_static_shapes(
+    stages: Sequence[PipelineStage],
+    *,
+    microbatch_size: int,
+    seq_len: int,
+    dtype: torch.dtype | None = None,
+    config: Any = None,
+    schedule: Any = None,
+) -> None:
+    """Give this rank's stages static shapes, so torch skips its shape-inference round trip.
+
+    Inputs of the first stage are `[microbatch_size, seq_len]` int64, later ones `[microbatch_size, seq_len, H]`;
+    outputs `[microbatch_size, seq_len, V]` on a stage with an LM head, else hidden states (a model's
+    `get_pipeline_stage_metas` wins; see `stage_metas`). `config` gives H and V (default: each stage module's own);
+    `dtype` defaults to each stage's parameter dtype. With the built `schedule`, its next `step()` re-initializes
+    the stages for the new shapes (accumulated gradients are kept). Schedules built on stages with static shapes
+    check every step's inputs against them before anything is sent (`check_step_shapes`).
+
+    Raises:
+        RuntimeError: this torch's stages take no static metadata.
+    """
+    metas = [
+        stage_metas(
+            stage.submod,
+            is_first=stage.is_first,
+            is_last=stage.is_last,
+            microbatch_size=microbatch_size,
+            seq_len=seq_len,
+            dtype=dtype,
+            config=config,
+        )
+        for stage in stages
+    ]
+    for stage, (inputs, outputs) in zip(stages, metas, strict=True):
+        _compat.set_stage_metas(stage, inputs, outputs)
+        stage._am_static_shape = (microbatch_size, seq_len)  # type: ignore[attr-defined]
+    if schedule is not None:
+        _compat.reset_stage_shapes(schedule, list(stages))
 
 
 def split_model_into_stages(
@@ -79,144 +212,56 @@ def split_model_into_stages(
     round_to_pp_multiple: str | None = None,
     *,
     stages_per_rank: int | None = None,
-    plan: PipelinePlan | None = None,
     microbatch_size: int | None = None,
     seq_len: int | None = None,
     tensor_dtype: torch.dtype | None = None,
 ) -> tuple[list[PipelineStage], list[nn.Module]]:
-    """Build this rank's `PipelineStage`s and their modules, in stage order, as `plan_pipeline` plans them.
+    """Upstream's spelling: plan from these options (`plan_for_model`), then `build_stages`.
 
     Args:
-        model: the full model (meta device is fine; it is left unchanged).
-        pp_mesh: a DeviceMesh with the pipeline axis (or a ProcessGroup) — needs an initialized process group.
-        pp_axis_name: name of the pipeline mesh axis.
+        pp_mesh / pp_axis_name: a DeviceMesh with the pipeline axis (or a 1-D one, or a ProcessGroup).
         pp_schedule: schedule name (decides stages per rank and loop/V placement); None means a CSV runtime
             schedule with loop placement.
-        device: device the stages compute on.
-        module_names_per_stage: explicit FQN lists per global stage (default: generated from the plan's layer
-            split, then passed through the model's `customize_pipeline_stage_modules` hook).
-        layers_per_stage / round_to_pp_multiple: upstream's stage-count request (see `plan_pipeline`).
-        stages_per_rank: run exactly this many stages per rank (layers split as evenly as possible).
-        plan: an already computed `PipelinePlan` (then give none of the stage requests above).
-        microbatch_size / seq_len / tensor_dtype: with `seq_len`, stages get static shapes
-            `[microbatch_size (default 1), seq_len, ...]` in `tensor_dtype` (default: the stage's parameter dtype).
+        module_names_per_stage: explicit FQN lists per global stage (validated).
+        layers_per_stage / round_to_pp_multiple / stages_per_rank: the stage request (see `plan_pipeline`).
+        microbatch_size / seq_len / tensor_dtype: with `seq_len`, static shapes `[microbatch_size (default 1),
+            seq_len, ...]` in `tensor_dtype` (default: the stage's parameter dtype).
 
     Returns:
         (stages, models) for this rank.
 
     Raises:
-        PipelinePlanError (ValueError): every planning problem (see `plan_pipeline`).
-        ValueError: a plan for another pipeline size or layer count, shape options without `seq_len`,
-            reentrant checkpointing, a model whose own forward the pipeline forwards do not reproduce
-            (`check_forward_reproduction`).
-
-    NOTE: call it on every rank of the default process group (SPMD). When tied input/output embeddings land on
-    different ranks, the first/last-stage pair groups of all pipeline replicas are created here, collectively.
+        PipelinePlanError (ValueError): every planning problem (see `plan_pipeline`), and `build_stages`'s errors.
     """
     if seq_len is None and (microbatch_size is not None or tensor_dtype is not None):
         raise ValueError(
             "microbatch_size and tensor_dtype describe static stage shapes and need seq_len; give seq_len too, or "
             "drop them (shapes are then inferred at the first step)."
         )
-    pp_rank, pp_size, group = _pp_rank_size_group(pp_mesh, pp_axis_name)
+    pp_mesh = _pipeline_axis(pp_mesh, pp_axis_name)
+    pp_size = _pp_rank_size_group(pp_mesh)[1]
     check_forward_reproduction(model)  # first: a stage list cannot fix a forward the stages do not reproduce
-    layout = find_layers(model)
-    explicit = None if module_names_per_stage is None else [list(stage) for stage in module_names_per_stage]
-    if plan is None and explicit is not None:
-        plan = plan_for_module_names(
-            model,
-            layout,
-            pp_size,
-            pp_schedule,
-            explicit,
-            stages_per_rank=stages_per_rank,
-            layers_per_stage=layers_per_stage,
-            round_to_pp_multiple=round_to_pp_multiple,
-        )
-    elif plan is None:
-        plan = plan_pipeline(
-            layout.num_layers,
-            pp_size,
-            pp_schedule,
-            stages_per_rank=stages_per_rank,
-            layers_per_stage=layers_per_stage,
-            round_to_pp_multiple=round_to_pp_multiple,
-        )
-    else:
-        _check_given_plan(plan, pp_size, layout.num_layers, stages_per_rank, layers_per_stage, round_to_pp_multiple)
-    if explicit is not None:
-        names = explicit
-    else:  # generated from the plan, then edited by the model's hook: the hook must keep the model whole
-        names = _default_module_names(model, plan.stage_layers or (), layout)[0]
-        problems = module_names_problems(model, layout, names, explicit=False)
-        if problems:
-            raise ValueError(
-                f"{type(model).__name__}.customize_pipeline_stage_modules returned stage lists that do not run the "
-                "model as one: " + " ".join(problems)
-            )
-    stage_ids = plan.stage_ids(pp_rank)
-    models = build_stage_modules(
+    plan = plan_for_model(
         model,
-        names,
-        stage_ids,
+        pp_size,
+        pp_schedule,
+        module_names_per_stage,
+        stages_per_rank=stages_per_rank,
+        layers_per_stage=layers_per_stage,
+        round_to_pp_multiple=round_to_pp_multiple,
+    )
+    stages, models = build_stages(
+        model,
+        pp_mesh,
+        plan,
+        device=device,
+        module_names_per_stage=module_names_per_stage,
         patch_inner_model=patch_inner_model,
         patch_causal_lm_model=patch_causal_lm_model,
     )
-    _attach_tied_embedding_copies(model, layout, names, stage_ids, models, plan, group)
-    declared = pipeline_output_names(model)
-    if declared is not None and output_names_problems(declared):
-        raise ValueError(
-            f"{type(model).__name__}.pipeline_output_names is invalid: " + "; ".join(output_names_problems(declared))
-        )
-    device = torch.device(device)
-    stages = []
-    for stage_id, stage_model in zip(stage_ids, models, strict=True):
-        static: dict[str, Any] = {}
-        if seq_len is not None:
-            inputs, outputs = stage_metas(
-                stage_model,
-                is_first=stage_id == 0,
-                is_last=stage_id == plan.num_stages - 1,
-                microbatch_size=microbatch_size or 1,
-                seq_len=seq_len,
-                dtype=tensor_dtype,
-            )
-            static = {"input_args": inputs, "output_args": outputs}
-        stage = PipelineStage(stage_model, stage_id, plan.num_stages, device, group=group, **static)
-        _compat.preserve_grads_across_stage_reinit(stage)
-        stage._am_pipeline_plan = plan  # type: ignore[attr-defined]  # build_pipeline_schedule reads it back
-        if seq_len is not None:  # checked against every step's inputs (see schedules.check_step_shapes)
-            stage._am_static_shape = (microbatch_size or 1, seq_len)  # type: ignore[attr-defined]
-        stages.append(stage)
+    if seq_len is not None:
+        _set_static_shapes(stages, microbatch_size=microbatch_size or 1, seq_len=seq_len, dtype=tensor_dtype)
     return stages, models
-
-
-def _check_given_plan(
-    plan: PipelinePlan,
-    pp_size: int,
-    num_layers: int,
-    stages_per_rank: int | None,
-    layers_per_stage: int | None,
-    round_to_pp_multiple: str | None,
-) -> None:
-    problems = []
-    if plan.pp_size != pp_size:
-        problems.append(f"the plan is for {plan.pp_size} pipeline ranks but the pipeline group has {pp_size}")
-    if plan.num_layers != num_layers:
-        problems.append(f"the plan is for {plan.num_layers} layers but the model has {num_layers}")
-    extra = [
-        name
-        for name, value in (
-            ("stages_per_rank", stages_per_rank),
-            ("layers_per_stage", layers_per_stage),
-            ("round_to_pp_multiple", round_to_pp_multiple),
-        )
-        if value is not None
-    ]
-    if extra:
-        problems.append(f"{', '.join(extra)} given together with a plan: the plan already fixes the stages")
-    if problems:
-        raise ValueError("split_model_into_stages(plan=...): " + "; ".join(problems) + ".")
 
 
 def _attach_tied_embedding_copies(
