@@ -1,7 +1,7 @@
 """The seed API called exactly as NeMo AutoModel documents it (pre-refactor `cp_utils`, `thd_utils`,
 `gemma4_moe/cp_batch`): positional order, defaults and the documented vectors. The single-process cases fake a C=2
-mesh (no collective runs in those paths); the torch-style entry points (`train_context.py`) run on one real 2-rank
-gloo group per module, checked against the same model on the unsharded sequence."""
+mesh (no collective runs in those paths); the torch-style entry points (`am_context_parallel.upstream`) run on one
+real 2-rank gloo group per module, checked against the same model on the unsharded sequence."""
 
 from __future__ import annotations
 
@@ -21,18 +21,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from am_context_parallel import (
     LoadBalancedLayout,
     all_reduce_cp_gradients,
+    make_cp_batch_for_te,
+    process_input_for_thd,
+    split_batch_into_thd_chunks,
+)
+from am_context_parallel.upstream import (
+    _ring_sdpa,
     attach_context_parallel_hooks,
     attach_cp_sdpa_hooks,
     create_context_parallel_ctx,
     get_train_context,
     make_contiguous_shard_cp_batch_and_ctx,
     make_cp_batch_and_ctx,
-    make_cp_batch_for_te,
-    process_input_for_thd,
-    split_batch_into_thd_chunks,
     unshard_context_parallel_tensor,
 )
-from am_context_parallel.train_context import _ring_sdpa
 
 
 def _fake_cp_mesh(size: int, rank: int) -> object:
@@ -103,7 +105,7 @@ def test_contiguous_shard_reference_vector():
     assert out["position_ids"].tolist() == [[2, 3]]
 
 
-# --- torch-style entry points (train_context.py) ---------------------------------------------------------------
+# --- torch-style entry points (upstream.py) -------------------------------------------------------------------
 
 # fp32 ring vs local fp32 SDPA on the full sequence: only the order of the softmax sums differs.
 FP32_ATOL = 1e-5
