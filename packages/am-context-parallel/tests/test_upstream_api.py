@@ -313,3 +313,28 @@ def test_ring_sdpa_refuses_to_run_outside_a_cp_context():
     q = torch.zeros(1, 1, 2, 4)
     with pytest.raises(RuntimeError, match="outside a CP context"):
         _ring_sdpa(q, q, q, is_causal=True)
+
+
+def test_the_root_has_one_name_per_thing_and_upstream_is_a_layer() -> None:
+    """Issue 21: the root exports the core (and the seed names that ARE the core) without `_private` names; every
+    other upstream spelling lives in `am_context_parallel.upstream` only; importing the core never imports it."""
+    import subprocess
+    import sys
+
+    import am_context_parallel
+    from am_context_parallel import upstream
+
+    assert [name for name in am_context_parallel.__all__ if name.startswith("_") and name != "__version__"] == []
+    assert sorted(set(upstream.__all__) & set(am_context_parallel.__all__)) == ["make_cp_batch_and_ctx"]
+    assert upstream.make_cp_batch_and_ctx is not am_context_parallel.make_cp_batch_and_ctx  # the model-less wrapper
+    core_modules = (
+        "batch context coverage hf kernels layouts mesh model_protocol ring ring_setup ring_stats thd training"
+    )
+    code = (
+        "import sys, importlib\n"
+        f"for name in {core_modules.split()!r}:\n"
+        "    importlib.import_module('am_context_parallel.' + name)\n"
+        "assert 'am_context_parallel.upstream' not in sys.modules, 'the core imported upstream'\n"
+        "assert 'transformers' not in sys.modules, 'the core imported transformers'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -266,7 +266,7 @@ def make_cp_batch_and_ctx(
     """Shard `batch` along the sequence for the `cp` dim of `device_mesh`; return `(context_factory, batch)`.
 
     Resolution order: a `model` that declares `_cp_layout = "contiguous"` (see `model_protocol.py`) gets the
-    contiguous shard and its `RingAttentionContext` (`make_contiguous_shard_cp_batch_and_ctx` with the model's
+    contiguous shard and its `RingAttentionContext` (`contiguous_shard` with the model's
     `get_cp_options()`; run even at C = 1, where it only adds position ids, document ids and padding_mask) > THD
     for Transformer Engine (`use_te`) > identity when C ≤ 1 or there is no `cp` dim (same batch object, unchanged)
     > the load-balanced head-tail layout.

@@ -31,7 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .batch import _synthesize_single_document_seq_ids, contiguous_shard, shard_cp_batch
+# upstream's name, private there too: importable by name (`from am_context_parallel.upstream import ...`), not in
+# `__all__`
+from .batch import _synthesize_single_document_seq_ids as _synthesize_single_document_seq_ids
+from .batch import contiguous_shard, shard_cp_batch
 from .context import RingAttentionContext, current_ring_context
 from .hf import RING_ATTENTION_NAME, hf_ring_attention_forward
 from .layouts import LoadBalancedLayout
@@ -39,7 +42,6 @@ from .mesh import cp_rank
 from .model_protocol import ContiguousCPOptions
 
 __all__ = [
-    "_synthesize_single_document_seq_ids",
     "attach_context_parallel_hooks",
     "attach_cp_sdpa_hooks",
     "create_context_parallel_ctx",
