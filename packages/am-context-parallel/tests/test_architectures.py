@@ -243,6 +243,21 @@ def _custom_model(mesh: Any, rings: list[bool]) -> dict[str, Any]:
     return {"err": (ctx.unshard(local, seq_dim=1) - expected).abs().max().item()}
 
 
+def _blocks_without_the_model_forward(mesh: Any) -> str:
+    """A caller that runs the blocks itself (not `model(...)`): the count is checked when the context closes."""
+    model = _CustomModel([True, False])
+    batch = {"input_ids": _batch()["input_ids"][:1, :12], "labels": _batch()["labels"][:1, :12]}
+    ctx, batch = make_cp_batch_and_ctx(mesh, batch, model=model)
+    try:
+        with torch.no_grad(), ctx():
+            x = model.embed(batch["input_ids"])
+            for layer in model.layers:
+                x = layer(x)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
     del rank
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
@@ -250,6 +265,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     cases["falcon_bypassed"] = lambda: _falcon_bypassing_the_upfront_check(mesh)
     cases["custom_ring"] = lambda: _custom_model(mesh, [True, True])
     cases["custom_one_local_block"] = lambda: _custom_model(mesh, [True, False])
+    cases["blocks_without_the_model_forward"] = lambda: _blocks_without_the_model_forward(mesh)
     cases["barrier"] = lambda: dist.barrier()
     return run_cases(cases)
 
@@ -297,4 +313,12 @@ def test_a_model_outside_transformers_is_checked_by_its_ring_calls(results: list
         message = case_result(results, "custom_one_local_block", rank)["error"]
         assert "_CustomModel" in message, message
         assert "1 of the 2 blocks of 'layers'" in message, message
+        assert "blocks [1] made none" in message, message
+
+
+def test_blocks_run_without_the_model_forward_are_checked_when_the_context_closes(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank in range(2):
+        message = case_result(results, "blocks_without_the_model_forward", rank)
         assert "blocks [1] made none" in message, message

@@ -141,9 +141,14 @@ class RingAttentionContext:
                     yield self
             else:
                 yield self
-        finally:
+        except BaseException:
             if coverage is not None:
-                coverage.detach()
+                coverage.detach()  # the propagating error is the news; no verdict on a broken forward
+            raise
+        else:
+            if coverage is not None:
+                coverage.close()
+        finally:
             _CURRENT.reset(token)
 
     def attention(

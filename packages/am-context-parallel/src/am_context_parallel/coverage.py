@@ -163,8 +163,10 @@ class AttentionCoverage:
     """First-forward check that every block of `model`'s layer stack called the ring at least once.
 
     `attach()` registers forward hooks on the model and its blocks (this model only); `record()` is called by the
-    context for every ring-attention call. At the end of the model's first forward the counts are compared and the
-    hooks removed; `detach()` removes whatever is left. Later forwards of the same context are not counted.
+    context for every ring-attention call. Counting starts at the first block (or model) forward and is checked at
+    the end of the model's forward — or, when the blocks ran without the model's own forward (a caller that runs
+    `model.model` and its own head), when the context closes (`close()`). The hooks are then removed; later forwards
+    of the same context are not counted. `detach()` removes them without a verdict (an exception is propagating).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -193,16 +195,24 @@ class AttentionCoverage:
         self._handles = []
         self._counts, self._current = None, None
 
+    def close(self) -> None:
+        """The context closes normally: check a forward that started but whose model-level end was not seen."""
+        if self._counts is not None and not self.verified:
+            self._finish()
+        self.detach()
+
     def record(self) -> None:
         """One ring-attention call (inside the block being run, if any)."""
         if self._counts is not None and self._current is not None:
             self._counts[self._current] += 1
 
     def _enter(self, index: int | None) -> None:
+        if index is not None:
+            self._start()
         self._current = index
 
     def _start(self, *_: Any) -> None:
-        if self._counts is None:
+        if self._counts is None and not self.verified:
             self._counts = [0] * len(self.blocks)
 
     def _finish(self, *_: Any) -> None:
