@@ -26,6 +26,7 @@ from torch import nn
 from .coverage import AttentionCoverage, hf_configs
 from .kernels import AttentionKernel, select_kernel
 from .layouts import Layout
+from .model_protocol import model_cp_options
 from .ring import attend
 from .ring_setup import RingState
 
@@ -56,7 +57,8 @@ class RingAttentionContext:
 
     Raises:
         ValueError: when padded_len < seq_len, the positions do not hold the layout's number of local tokens, or
-            `route_hf_attention=True` comes without a `model` (or with a model in which no layer stack is found).
+            `route_hf_attention=True` comes without a `model`, or a `model` that does not own its CP has no layer
+            stack (see `coverage.attention_blocks`).
     """
 
     def __init__(
@@ -96,7 +98,7 @@ class RingAttentionContext:
         self._auto_kernel: AttentionKernel | None = None
         self.model = model
         # A model that declares the contiguous layout owns its CP attention: routed when asked, never counted.
-        owns_cp = model is not None and getattr(model, "_cp_layout", None) == "contiguous"
+        owns_cp = model is not None and model_cp_options(model) is not None
         self._coverage = AttentionCoverage(model) if model is not None and not owns_cp else None
         routed = self._coverage.blocks if self._coverage is not None else [model] if model is not None else []
         self._routed_configs = hf_configs(routed) if route_hf_attention else []
