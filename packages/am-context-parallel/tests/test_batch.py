@@ -21,13 +21,12 @@ from am_context_parallel import (
     FlashCPUAttentionKernel,
     LoadBalancedLayout,
     RingAttentionContext,
-    _synthesize_single_document_seq_ids,
     cp_local_seq_len,
-    make_contiguous_shard_cp_batch_and_ctx,
     make_cp_batch_and_ctx,
     model_cp_options,
     model_cp_problems,
 )
+from am_context_parallel.upstream import _synthesize_single_document_seq_ids, make_contiguous_shard_cp_batch_and_ctx
 
 PAD_ID = 9
 # rank r of 2 keeps chunks r and 3 - r of 8 padded tokens (chunk = 2 tokens)
@@ -43,11 +42,23 @@ def _full_batch() -> dict[str, torch.Tensor]:
     }
 
 
+class _RingModel(torch.nn.Module):
+    """The model the load-balanced path is given (required at C > 1): a layer stack whose blocks would call the
+    ring; the sharding cases never run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+
+
+RING_MODEL = _RingModel()
+
+
 def _load_balanced_case(mesh: Any) -> dict[str, Any]:
     batch = _full_batch()
     batch_id = id(batch)
     loss_mask = torch.ones(2, 7)
-    ctx, out = make_cp_batch_and_ctx(mesh, batch, loss_mask=loss_mask, padding_token_id=PAD_ID)
+    ctx, out = make_cp_batch_and_ctx(mesh, batch, loss_mask=loss_mask, padding_token_id=PAD_ID, model=RING_MODEL)
     assert isinstance(ctx, RingAttentionContext)
     return {
         "same_object": id(out) == batch_id,
@@ -65,7 +76,7 @@ def _load_balanced_case(mesh: Any) -> dict[str, Any]:
 def _embeds_case(mesh: Any) -> dict[str, Any]:
     embeds = torch.randn(1, 8, 3, requires_grad=True)
     batch = {"inputs_embeds": embeds, "labels": torch.zeros(1, 8, dtype=torch.long)}
-    _, out = make_cp_batch_and_ctx(mesh, batch)
+    _, out = make_cp_batch_and_ctx(mesh, batch, model=RING_MODEL)
     out["inputs_embeds"].sum().backward()
     assert embeds.grad is not None
     return {"grad_mask": embeds.grad[0, :, 0], "position_ids": out["position_ids"]}
@@ -79,13 +90,13 @@ def _mrope_and_extra_case(mesh: Any) -> dict[str, Any]:
         "padding_mask": torch.zeros(1, 6, dtype=torch.bool),
         "token_weights": torch.full((1, 6), 0.5),
     }
-    _, out = make_cp_batch_and_ctx(mesh, batch, extra_seq_buffers=["token_weights"])
+    _, out = make_cp_batch_and_ctx(mesh, batch, extra_seq_buffers=["token_weights"], model=RING_MODEL)
     return {k: out[k] for k in ("position_ids", "padding_mask", "token_weights")}
 
 
 def _error_case(mesh: Any, batch: dict[str, Any], **kwargs: Any) -> str:
     try:
-        make_cp_batch_and_ctx(mesh, batch, **kwargs)
+        make_cp_batch_and_ctx(mesh, batch, **{"model": RING_MODEL, **kwargs})
     except ValueError as error:
         return str(error)
     return "no error"
@@ -234,6 +245,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
             "tp": _tp_case,
             "err_contiguous_labels": lambda: _contiguous_error_case(mesh),
             "err_labels": lambda: _error_case(mesh, {"input_ids": ids}),
+            "err_no_model": lambda: _error_case(mesh, _full_batch(), model=None),
             "err_both": lambda: _error_case(
                 mesh, {"input_ids": ids, "inputs_embeds": torch.ones(2, 7, 3), "labels": ids}
             ),
@@ -337,6 +349,8 @@ def test_thd_path_with_chunks_stacks_per_chunk_shards(results: list[dict[str, An
         ("err_seq_dim", ["'padding_mask' has shape (2,)", "sequence dim is 1"]),
         ("err_all_at_once", ["requires 'labels'", "'missing_key' is missing", "'position_ids' has 5 tokens"]),
         ("err_group_size", ["2 ranks", "sharded for 4"]),
+        # the load-balanced path must know the model it routes and checks (issue 22 item 1)
+        ("err_no_model", ["needs the model", "Pass model=", "am_context_parallel.upstream.make_cp_batch_and_ctx"]),
         ("err_contiguous_labels", ["requires 'labels'"]),
     ],
 )

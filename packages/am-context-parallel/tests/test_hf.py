@@ -1,10 +1,10 @@
 """HF integration: a tiny LlamaForCausalLM trained 3 steps with CP=2 on gloo equals the same training at CP=1.
 
-Each rank builds the same seeded model, shards every batch with `make_cp_batch_and_ctx`, runs forward and backward
-inside the returned context (HF `sdpa` dispatch is routed to the ring), takes the global-token-mean loss and sums
-gradients over the CP group (`cp_token_mean_loss`, `all_reduce_cp_gradients`). The pytest process trains the
-same model on the unsharded batches with plain HF attention (its own causal + padding mask) and compares the
-loss of every step and every final parameter.
+Each rank builds the same seeded model, shards every batch with `make_cp_batch_and_ctx(..., model=model)`, runs
+forward and backward inside the returned context (the model's HF attention is routed to the ring), takes the
+global-token-mean loss and sums gradients over the CP group (`cp_token_mean_loss`, `all_reduce_cp_gradients`). The
+pytest process trains the same model on the unsharded batches with plain HF attention (its own causal + padding
+mask) and compares the loss of every step and every final parameter.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _train_cp(mesh: Any) -> dict[str, Any]:
     losses, first_logits, first_grads = [], None, {}
     with count_ring_bytes() as stats:
         for step in range(STEPS):
-            ctx, batch = make_cp_batch_and_ctx(mesh, _batch(step))
+            ctx, batch = make_cp_batch_and_ctx(mesh, _batch(step), model=model)
             with ctx():
                 logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
                 local_loss, global_loss = cp_token_mean_loss(logits, batch["labels"], group=group)
@@ -113,7 +113,7 @@ def _train_cp(mesh: Any) -> dict[str, Any]:
 def _eager_forward(mesh: Any) -> torch.Tensor:
     """The `eager` attention name is routed too: logits equal the reference forward."""
     model = _model("eager")
-    ctx, batch = make_cp_batch_and_ctx(mesh, _batch(0))
+    ctx, batch = make_cp_batch_and_ctx(mesh, _batch(0), model=model)
     with torch.no_grad(), ctx():
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     return ctx.unshard(logits, seq_dim=1)
@@ -199,20 +199,56 @@ def test_three_training_steps_match_cp1(results: list[dict[str, Any]], reference
         assert moved > 100 * PARAM_ATOL, "training must move the weights well beyond the tolerance"
 
 
-def test_routing_is_scoped_to_the_context() -> None:
-    """Single process, C=1 context: HF dispatch goes to the ring inside, back to plain sdpa outside."""
+def test_routing_is_scoped_to_the_model() -> None:
+    """Single process, C=1 context: inside, the given model's attention is the ring (its config names it) while
+    transformers' registry and every other model keep theirs; outside, the model's own sdpa is back."""
     from transformers.modeling_utils import AttentionInterface
+
+    model, bystander = _model(), _model()
+    batch = _batch(0)
+    ids = batch["input_ids"][:1]
+    ctx = RingAttentionContext(
+        group=None,
+        layout=IdentityLayout(),
+        positions=torch.arange(13),
+        doc_ids=None,
+        seq_len=13,
+        padded_len=13,
+        route_hf_attention=True,
+        model=model,
+    )
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        before = dict(AttentionInterface._global_mapping)
+        with count_ring_bytes() as stats, ctx():
+            assert model.config._attn_implementation == RING_ATTENTION_NAME
+            assert bystander.config._attn_implementation == "sdpa"
+            assert {k: v for k, v in AttentionInterface._global_mapping.items() if k != RING_ATTENTION_NAME} == {
+                k: v for k, v in before.items() if k != RING_ATTENTION_NAME
+            }
+            routed = model(input_ids=ids).logits
+            bystander_logits = bystander(input_ids=ids).logits  # its own sdpa, not the ring
+    assert stats.calls == 2  # the routed model's two layers, none of the bystander's
+    assert model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(routed, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bystander_logits, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_upstream_routing_is_process_wide_and_scoped_to_the_context() -> None:
+    """Upstream's model-less convention (`am_context_parallel.upstream`) swaps transformers' `sdpa` entry while open."""
+    from transformers.modeling_utils import AttentionInterface
+
+    from am_context_parallel.upstream import routed_hf_attention
 
     before = dict(AttentionInterface._global_mapping)
     model = _model()
-    batch = _batch(0)
-    ids = batch["input_ids"][:1]
+    ids = _batch(0)["input_ids"][:1]
     ctx = RingAttentionContext(
         group=None, layout=IdentityLayout(), positions=torch.arange(13), doc_ids=None, seq_len=13, padded_len=13
     )
     with torch.no_grad():
         plain = model(input_ids=ids).logits
-        with ctx():
+        with ctx(), routed_hf_attention():
             assert AttentionInterface._global_mapping["sdpa"] is not before["sdpa"]
             routed = model(input_ids=ids).logits
     assert AttentionInterface._global_mapping == before

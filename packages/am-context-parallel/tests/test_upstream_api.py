@@ -1,7 +1,7 @@
 """The seed API called exactly as NeMo AutoModel documents it (pre-refactor `cp_utils`, `thd_utils`,
 `gemma4_moe/cp_batch`): positional order, defaults and the documented vectors. The single-process cases fake a C=2
-mesh (no collective runs in those paths); the torch-style entry points (`train_context.py`) run on one real 2-rank
-gloo group per module, checked against the same model on the unsharded sequence."""
+mesh (no collective runs in those paths); the torch-style entry points (`am_context_parallel.upstream`) run on one
+real 2-rank gloo group per module, checked against the same model on the unsharded sequence."""
 
 from __future__ import annotations
 
@@ -21,18 +21,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from am_context_parallel import (
     LoadBalancedLayout,
     all_reduce_cp_gradients,
+    make_cp_batch_for_te,
+    process_input_for_thd,
+    split_batch_into_thd_chunks,
+)
+from am_context_parallel.upstream import (
+    _ring_sdpa,
     attach_context_parallel_hooks,
     attach_cp_sdpa_hooks,
     create_context_parallel_ctx,
     get_train_context,
     make_contiguous_shard_cp_batch_and_ctx,
     make_cp_batch_and_ctx,
-    make_cp_batch_for_te,
-    process_input_for_thd,
-    split_batch_into_thd_chunks,
     unshard_context_parallel_tensor,
 )
-from am_context_parallel.train_context import _ring_sdpa
 
 
 def _fake_cp_mesh(size: int, rank: int) -> object:
@@ -103,7 +105,7 @@ def test_contiguous_shard_reference_vector():
     assert out["position_ids"].tolist() == [[2, 3]]
 
 
-# --- torch-style entry points (train_context.py) ---------------------------------------------------------------
+# --- torch-style entry points (upstream.py) -------------------------------------------------------------------
 
 # fp32 ring vs local fp32 SDPA on the full sequence: only the order of the softmax sums differs.
 FP32_ATOL = 1e-5
@@ -311,3 +313,28 @@ def test_ring_sdpa_refuses_to_run_outside_a_cp_context():
     q = torch.zeros(1, 1, 2, 4)
     with pytest.raises(RuntimeError, match="outside a CP context"):
         _ring_sdpa(q, q, q, is_causal=True)
+
+
+def test_the_root_has_one_name_per_thing_and_upstream_is_a_layer() -> None:
+    """Issue 21: the root exports the core (and the seed names that ARE the core) without `_private` names; every
+    other upstream spelling lives in `am_context_parallel.upstream` only; importing the core never imports it."""
+    import subprocess
+    import sys
+
+    import am_context_parallel
+    from am_context_parallel import upstream
+
+    assert [name for name in am_context_parallel.__all__ if name.startswith("_") and name != "__version__"] == []
+    assert sorted(set(upstream.__all__) & set(am_context_parallel.__all__)) == ["make_cp_batch_and_ctx"]
+    assert upstream.make_cp_batch_and_ctx is not am_context_parallel.make_cp_batch_and_ctx  # the model-less wrapper
+    core_modules = (
+        "batch context coverage hf kernels layouts mesh model_protocol ring ring_setup ring_stats thd training"
+    )
+    code = (
+        "import sys, importlib\n"
+        f"for name in {core_modules.split()!r}:\n"
+        "    importlib.import_module('am_context_parallel.' + name)\n"
+        "assert 'am_context_parallel.upstream' not in sys.modules, 'the core imported upstream'\n"
+        "assert 'transformers' not in sys.modules, 'the core imported transformers'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

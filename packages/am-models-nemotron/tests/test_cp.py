@@ -127,8 +127,10 @@ def _refusal(mesh: Any, case: str) -> str:
     """The message every rank gets for a bad CP input ("did not raise" when it ran)."""
     model = _model()
     batch, _ = _batch("packed")
-    if case == "load_balanced":
-        ctx, shard = make_cp_batch_and_ctx(mesh, {k: v for k, v in batch.items() if k != "seq_idx"})
+    if case == "load_balanced":  # upstream's model-less call (the core needs model=, which picks the contiguous path)
+        from am_context_parallel.upstream import make_cp_batch_and_ctx as model_less_make_cp_batch_and_ctx
+
+        ctx, shard = model_less_make_cp_batch_and_ctx(mesh, {k: v for k, v in batch.items() if k != "seq_idx"})
     elif case == "short":  # 4 tokens at CP = 4: two per rank, fewer than the conv halo
         short = {"input_ids": batch["input_ids"][:, :4], "labels": batch["labels"][:, :4]}
         ctx, shard = make_cp_batch_and_ctx(mesh, model.prepare_batch_for_cp(short), model=model)

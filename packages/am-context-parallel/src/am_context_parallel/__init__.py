@@ -1,27 +1,22 @@
 """Sequence sharding and ring attention for context parallelism (CP), in plain PyTorch.
 
-Layouts (`layouts`), batch sharding with upstream's padding semantics (`batch`), what a model declares to get the
-contiguous path (`model_protocol`), THD conversion (`thd`), the ring attention over point-to-point sends (`ring`,
-with pluggable per-chunk `kernels`), the context that routes attention to the ring (`context`, `hf`), upstream's
-torch-style entry points on top of it (`train_context`) and the loss/gradient reduction of a CP step (`training`).
-Importing this package never imports transformers, transformer_engine or flash_attn.
+Layouts (`layouts`), batch sharding with upstream's padding semantics (`batch`: `make_cp_batch_and_ctx`, the one
+entry point), what a model declares to get the contiguous path (`model_protocol`), THD conversion (`thd`), the ring
+attention over point-to-point sends (`ring`, with pluggable per-chunk `kernels`), the context that routes a model's
+attention to the ring (`context`, `hf`) and checks that every attention layer reached it (`coverage`), and the
+loss/gradient reduction of a CP step (`training`). NeMo AutoModel's other spellings (torch-style entry points,
+Gemma 4's contiguous shard, the model-less `make_cp_batch_and_ctx`) live in `am_context_parallel.upstream`, which
+this package's core never imports. Importing this package never imports transformers, transformer_engine or
+flash_attn.
 """
 
 from __future__ import annotations
 
 from ._version import __version__
-from .batch import (
-    _synthesize_single_document_seq_ids,
-    make_contiguous_shard_cp_batch_and_ctx,
-    make_cp_batch_and_ctx,
-)
+from .batch import make_cp_batch_and_ctx
 from .context import RingAttentionContext, current_ring_context
-from .hf import (
-    RING_ATTENTION_NAME,
-    hf_ring_attention_forward,
-    register_ring_attention,
-    routed_hf_attention,
-)
+from .coverage import cp_attention_problems
+from .hf import RING_ATTENTION_NAME, hf_ring_attention_forward, register_ring_attention
 from .kernels import (
     AttentionKernel,
     FlashCPUAttentionKernel,
@@ -42,13 +37,6 @@ from .ring import ring_attention
 from .ring_setup import ring_plan
 from .ring_stats import RingCommStats, count_ring_bytes
 from .thd import make_cp_batch_for_te, process_input_for_thd, split_batch_into_thd_chunks
-from .train_context import (
-    attach_context_parallel_hooks,
-    attach_cp_sdpa_hooks,
-    create_context_parallel_ctx,
-    get_train_context,
-    unshard_context_parallel_tensor,
-)
 from .training import all_reduce_cp_gradients, cp_token_mean_loss
 
 __all__ = [
@@ -59,9 +47,7 @@ __all__ = [
     "LoadBalancedLayout",
     "PackedLayout",
     "pad_sequence_dim",
-    # batch sharding (upstream names)
-    "_synthesize_single_document_seq_ids",
-    "make_contiguous_shard_cp_batch_and_ctx",
+    # the entry point, and the THD conversion (upstream names)
     "make_cp_batch_and_ctx",
     "make_cp_batch_for_te",
     "process_input_for_thd",
@@ -72,6 +58,8 @@ __all__ = [
     "model_cp_options",
     "model_cp_problems",
     "cp_local_seq_len",
+    # can the package show that every attention of a model goes through the ring?
+    "cp_attention_problems",
     # ring attention
     "AttentionKernel",
     "FlashCPUAttentionKernel",
@@ -88,13 +76,6 @@ __all__ = [
     "current_ring_context",
     "hf_ring_attention_forward",
     "register_ring_attention",
-    "routed_hf_attention",
-    # upstream's torch-style entry points (train_context.py)
-    "attach_context_parallel_hooks",
-    "attach_cp_sdpa_hooks",
-    "create_context_parallel_ctx",
-    "get_train_context",
-    "unshard_context_parallel_tensor",
     # training step
     "all_reduce_cp_gradients",
     "cp_token_mean_loss",

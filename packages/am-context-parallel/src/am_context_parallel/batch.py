@@ -1,10 +1,10 @@
 """Shard a training batch over the CP group: padding semantics, layouts, and the attention context.
 
-What it is for: the upstream entry points `make_cp_batch_and_ctx` (contiguous for a model that declares it > THD >
-identity > load-balanced) and `make_contiguous_shard_cp_batch_and_ctx` (the contiguous shard and its
-`RingAttentionContext`), plus `_synthesize_single_document_seq_ids`; the THD path is `thd.make_cp_batch_for_te`.
-Every input problem is reported at once, before anything is changed. What a model declares is read by
-`model_protocol.py`.
+What it is for: the one entry point `make_cp_batch_and_ctx` (contiguous for a model that declares it > THD >
+identity > load-balanced, with the model's attention routed to the ring and checked by `coverage.py`); the THD path
+is `thd.make_cp_batch_for_te`. Every input problem is reported at once, before anything is changed. What a model
+declares is read by `model_protocol.py`. Upstream's other spellings (`make_contiguous_shard_cp_batch_and_ctx`, the
+model-less `make_cp_batch_and_ctx`) are thin wrappers in `upstream.py` over `shard_cp_batch` / `contiguous_shard`.
 What it must not do: shard in place (torch's experimental `context_parallel` resizes buffers in place and rejects
 tensors that need grad; we build new tensors and put them in the batch dict), or communicate (the CP rank comes
 from the mesh).
@@ -24,12 +24,13 @@ from typing import Any
 import torch
 
 from .context import RingAttentionContext
+from .coverage import cp_attention_problems
 from .layouts import ContiguousLayout, Layout, LoadBalancedLayout
 from .mesh import cp_rank, sub_mesh
 from .model_protocol import ContiguousCPOptions, model_cp_options
 from .thd import make_cp_batch_for_te
 
-__all__ = ["make_contiguous_shard_cp_batch_and_ctx", "make_cp_batch_and_ctx"]
+__all__ = ["contiguous_shard", "make_cp_batch_and_ctx", "shard_cp_batch"]
 
 ContextFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 
@@ -265,18 +266,23 @@ def make_cp_batch_and_ctx(
     """Shard `batch` along the sequence for the `cp` dim of `device_mesh`; return `(context_factory, batch)`.
 
     Resolution order: a `model` that declares `_cp_layout = "contiguous"` (see `model_protocol.py`) gets the
-    contiguous shard and its `RingAttentionContext` (`make_contiguous_shard_cp_batch_and_ctx` with the model's
+    contiguous shard and its `RingAttentionContext` (`contiguous_shard` with the model's
     `get_cp_options()`; run even at C = 1, where it only adds position ids, document ids and padding_mask) > THD
     for Transformer Engine (`use_te`) > identity when C ≤ 1 or there is no `cp` dim (same batch object, unchanged)
     > the load-balanced head-tail layout.
 
-    Load-balanced path: `attention_mask` is popped (its padding becomes document id 0 for the ring); position_ids
-    are synthesized as `arange(S)` when missing; input_ids/inputs_embeds `[B, S, ...]`, labels, position_ids
-    (`[B, S]` or mRoPE `[3, B, S]`), padding_mask, `_packed_seq_ids`, a `loss_mask` (argument or batch key; the
-    local one is stored in `batch["loss_mask"]`) and every `extra_seq_buffers` key are padded to a multiple of 2C and
-    replaced IN THE DICT by this rank's out-of-place shard (embeddings keep their autograd history). The returned
+    Load-balanced path (C > 1): `model` is required — it is the model that runs inside the context. Refused up front
+    (`ValueError`, nothing changed, no collective) when the package cannot show that every attention layer of it goes
+    through the ring (`cp_attention_problems`: no layer stack, an attention implementation that cannot be routed,
+    attention code that bypasses transformers' registry, attention dropout); inside the context its blocks dispatch HF
+    attention to the ring (only this model: nothing process-wide) and its first forward must call the ring in every
+    block (`RuntimeError` otherwise). `attention_mask` is popped (its padding becomes document id 0 for the ring);
+    position_ids are synthesized as `arange(S)` when missing; input_ids/inputs_embeds `[B, S, ...]`, labels,
+    position_ids (`[B, S]` or mRoPE `[3, B, S]`), padding_mask, `_packed_seq_ids`, a `loss_mask` (argument or batch key;
+    the local one is stored in `batch["loss_mask"]`) and every `extra_seq_buffers` key are padded to a multiple of 2C
+    and replaced IN THE DICT by this rank's out-of-place shard (embeddings keep their autograd history). The returned
     factory is a `RingAttentionContext`: run forward AND backward inside `with ctx():` so attention is a ring
-    over the CP group (HF models dispatching to `sdpa`/`eager` are routed automatically; see `context.py`).
+    over the CP group.
     The caller must then: compute the loss as a global token mean over the CP group and all-reduce gradients over
     it (`cp_token_mean_loss`, `all_reduce_cp_gradients`); labels must be ALREADY shifted (label t = token t+1),
     since a shard cannot see its neighbour's next token; pop `loss_mask` before `model(**batch)`.
@@ -287,10 +293,40 @@ def make_cp_batch_and_ctx(
     Raises:
         ValueError: listing every problem (missing labels, both/neither of input_ids/inputs_embeds, sequence tensors
             of different lengths or with a sequence dim they do not have, missing extra buffers); for a batch that
-            still carries the removed `_cp_make_batch_fn` hook; for THD options without `use_te`, or `use_te` with a
+            still carries the removed `_cp_make_batch_fn` hook; without `model` at C > 1 on the load-balanced path,
+            or with the model's `cp_attention_problems`; for THD options without `use_te`, or `use_te` with a
             model that declares the contiguous layout; on every path (C <= 1 included), for float (or bool) token ids
             or labels and for labels whose batch size differs from the inputs'.
     """
+    return shard_cp_batch(
+        device_mesh,
+        batch,
+        loss_mask,
+        use_te,
+        padding_token_id,
+        num_chunks,
+        seq_lens_padding_value,
+        extra_seq_buffers,
+        model=model,
+        require_model=True,
+    )
+
+
+def shard_cp_batch(
+    device_mesh: Any,
+    batch: dict[str, Any],
+    loss_mask: torch.Tensor | None,
+    use_te: bool,
+    padding_token_id: int,
+    num_chunks: int,
+    seq_lens_padding_value: int,
+    extra_seq_buffers: list[str] | None,
+    *,
+    model: Any,
+    require_model: bool,
+) -> tuple[ContextFactory, dict[str, Any]]:
+    """`make_cp_batch_and_ctx`'s work; `require_model=False` (upstream's model-less convention, `upstream.py` only)
+    returns a load-balanced context that routes nothing and checks nothing (the caller routes attention)."""
     _refuse_function_in_batch(batch)
     _check_token_tensors(batch)
     if not use_te and (num_chunks != 1 or seq_lens_padding_value != -1000):
@@ -306,8 +342,15 @@ def make_cp_batch_and_ctx(
                 f"use_te=True asks for the THD path, but {type(model).__name__} declares `_cp_layout = "
                 '"contiguous"` (it runs its own ring attention on contiguous shards); drop use_te'
             )
-        return make_contiguous_shard_cp_batch_and_ctx(
-            cp_mesh, tp_mesh, batch, loss_mask, padding_token_id, options=options, extra_seq_buffers=extra_seq_buffers
+        return contiguous_shard(
+            cp_mesh,
+            tp_mesh,
+            batch,
+            loss_mask,
+            padding_token_id,
+            options=options,
+            extra_seq_buffers=extra_seq_buffers,
+            model=model,
         )
     if use_te:
         if extra_seq_buffers:
@@ -326,6 +369,8 @@ def make_cp_batch_and_ctx(
     cp_size = cp_mesh.size() if cp_mesh is not None else 1
     if cp_size <= 1:
         return contextlib.nullcontext, batch
+    if require_model:
+        _check_model_for_ring(model)
 
     keys = _sequence_keys(batch, padding_token_id, extra_seq_buffers)
     extra = list(extra_seq_buffers or [])
@@ -359,33 +404,53 @@ def make_cp_batch_and_ctx(
         doc_ids=local_doc_ids,
         seq_len=seq_len,
         padded_len=padded_len,
+        route_hf_attention=model is not None,
+        model=model,
     )
     return ctx, batch
 
 
-def make_contiguous_shard_cp_batch_and_ctx(
+def _check_model_for_ring(model: Any) -> None:
+    """Refuse, before anything changes, a load-balanced run whose model is unknown or cannot be shown to send every
+    attention layer through the ring."""
+    if model is None:
+        raise ValueError(
+            "make_cp_batch_and_ctx(mesh, batch, model=model): at C > 1 the load-balanced path needs the model that "
+            "will run inside the context, so that its attention is routed to the ring and checked (a layer that "
+            "attends by itself would see only this rank's tokens). Pass model=; upstream's model-less calling "
+            "convention is am_context_parallel.upstream.make_cp_batch_and_ctx (process-wide routing, unchecked)"
+        )
+    problems = cp_attention_problems(model)
+    if problems:
+        raise ValueError(
+            "context parallelism cannot be shown to be exact for this model:\n  - " + "\n  - ".join(problems)
+        )
+
+
+def contiguous_shard(
     cp_mesh: Any,
     tp_mesh: Any,
     batch: dict[str, Any],
-    loss_mask: torch.Tensor | None = None,
-    padding_token_id: int = 0,
+    loss_mask: torch.Tensor | None,
+    padding_token_id: int,
     *,
-    options: ContiguousCPOptions | None = None,
-    extra_seq_buffers: list[str] | None = None,
+    options: ContiguousCPOptions,
+    extra_seq_buffers: list[str] | None,
+    model: Any,
 ) -> tuple[ContextFactory, dict[str, Any]]:
     """Contiguous shard: rank r keeps tokens `[r·P/C, (r+1)·P/C)` of every sequence tensor; returns `(ctx, batch)`.
 
-    The generic path of models that declare `_cp_layout = "contiguous"` (`make_cp_batch_and_ctx(..., model=)`
-    calls this with their `get_cp_options()`), and upstream's seed function. Pops `attention_mask` (deriving
-    `padding_mask` from it when missing); synthesizes `_packed_seq_ids` (`_synthesize_single_document_seq_ids`),
-    and position_ids `arange(S)` when missing and C > 1 or `tp_mesh` has more than one rank (upstream's rule; a
-    `[1, S]` tensor is expanded to B); labels come from the batch, else `loss_mask` is promoted to labels.
-    Keys sharded: input_ids, inputs_embeds, labels, position_ids (continuing), padding_mask, `_packed_seq_ids`,
-    mm_token_type_ids, per_layer_inputs (`[B, S, L, H]`), loss_mask, the model's `options.extra_seq_keys` (when
-    present in the batch), and — required when named — upstream's `batch["_cp_metadata_seq_dims"]` /
-    `batch["_cp_metadata_pad_values"]` (popped; pad default 0) and `extra_seq_buffers` (seq dim 1, padded like
-    `make_cp_batch_and_ctx` pads them). Padded to a multiple of `options.pad_multiple · C` (2C by default). No
-    collective.
+    The generic path of models that declare `_cp_layout = "contiguous"` (`make_cp_batch_and_ctx(..., model=)` calls this
+    with their `get_cp_options()`; upstream's `make_contiguous_shard_cp_batch_and_ctx` wraps it). Pops `attention_mask`
+    (deriving `padding_mask` from it when missing); synthesizes `_packed_seq_ids`
+    (`_synthesize_single_document_seq_ids`), and position_ids `arange(S)` when missing and C > 1 or `tp_mesh` has more
+    than one rank (upstream's rule; a `[1, S]` tensor is expanded to B); labels come from the batch, else `loss_mask` is
+    promoted to labels. Keys sharded: input_ids, inputs_embeds, labels, position_ids (continuing), padding_mask,
+    `_packed_seq_ids`, mm_token_type_ids, per_layer_inputs (`[B, S, L, H]`), loss_mask, the model's
+    `options.extra_seq_keys` (when present in the batch), and — required when named — upstream's
+    `batch["_cp_metadata_seq_dims"]` / `batch["_cp_metadata_pad_values"]` (popped; pad default 0) and
+    `extra_seq_buffers` (seq dim 1, padded like `make_cp_batch_and_ctx` pads them). Padded to a multiple of
+    `options.pad_multiple · C` (2C by default). No collective.
 
     Returns:
         For C > 1 a `RingAttentionContext` (contiguous layout, the global positions of the local tokens, the local
@@ -396,7 +461,6 @@ def make_contiguous_shard_cp_batch_and_ctx(
         ValueError: listing every problem with the batch.
     """
     _refuse_function_in_batch(batch)
-    options = options if options is not None else ContiguousCPOptions()
     seq_dims: dict[str, int] = dict(batch.pop("_cp_metadata_seq_dims", None) or {})
     pad_values: dict[str, Any] = dict(batch.pop("_cp_metadata_pad_values", None) or {})
     attention_mask = batch.get("attention_mask")
@@ -450,5 +514,6 @@ def make_contiguous_shard_cp_batch_and_ctx(
         padded_len=padded_len,
         route_hf_attention=options.route_hf_attention,
         kernel=options.kernel_for(primary.device),
+        model=model if options.route_hf_attention else None,
     )
     return ctx, batch

@@ -3,12 +3,13 @@
 What it is for: `make_cp_batch_and_ctx` shards the batch itself (out of place) and returns a `RingAttentionContext`
 — a factory like upstream's (`with ctx():` around forward AND backward). Entering it
   1. records, for this thread, the CP group and the global positions / document ids of the local tokens, and
-  2. if transformers is already imported, routes HF attention dispatch (`sdpa` and `eager`, plus our own
-     `am_cp_ring` name) to `ring_attention` for the duration (see `hf.py`); the model's local 4-D masks are
-     ignored: the ring builds its mask from global positions and document ids.
+  2. with `model=` and `route_hf_attention=True`: makes that model's blocks name the ring as their HF attention
+     implementation for the duration (`hf.routed_model_attention`; HF builds no local mask for it), and counts the
+     ring calls per block during the model's first forward (`coverage.AttentionCoverage`): a block that never
+     called the ring raises instead of attending to this rank's tokens only.
 Models that call attention themselves use `ctx.attention(q, k, v, ...)` or read `current_ring_context()`.
-What it must not do: import transformers (hf.py does, lazily, and only when transformers is already loaded), or
-shard anything (batch.py did that).
+What it must not do: import transformers (hf.py does, lazily, only for a model that has an HF config), change
+anything process-wide, or shard anything (batch.py did that).
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from .coverage import AttentionCoverage, hf_configs
 from .kernels import AttentionKernel, select_kernel
 from .layouts import Layout
+from .model_protocol import model_cp_options
 from .ring import attend
 from .ring_setup import RingState
 
@@ -45,8 +49,16 @@ class RingAttentionContext:
     checked against the layout and the positions (the layout keeps `len(layout.local_indices(padded_len))` tokens
     per rank), so a context is never built from another batch's positions.
 
+    model: the model that runs inside the context. Unless it declares the contiguous layout (it owns its CP
+    attention), its first forward inside the context must call the ring in every block of its layer stack
+    (`coverage.py`; a RuntimeError names the blocks that did not). None: nothing is checked (a model calling
+    `ctx.attention` itself, or upstream's model-less entry points). route_hf_attention: route `model`'s HF attention
+    (its layer stack's configs) to the ring while entered; needs `model`.
+
     Raises:
-        ValueError: when padded_len < seq_len, or the positions do not hold the layout's number of local tokens.
+        ValueError: when padded_len < seq_len, the positions do not hold the layout's number of local tokens, or
+            `route_hf_attention=True` comes without a `model`, or a `model` that does not own its CP has no layer
+            stack (see `coverage.attention_blocks`).
     """
 
     def __init__(
@@ -58,8 +70,9 @@ class RingAttentionContext:
         doc_ids: torch.Tensor | None,
         seq_len: int,
         padded_len: int,
-        route_hf_attention: bool = True,
+        route_hf_attention: bool = False,
         kernel: AttentionKernel | None = None,
+        model: nn.Module | None = None,
     ) -> None:
         local_tokens = layout.local_indices(padded_len).numel()
         if padded_len < seq_len or positions.shape[-1] != local_tokens:
@@ -67,6 +80,11 @@ class RingAttentionContext:
                 f"RingAttentionContext: seq_len={seq_len}, padded_len={padded_len} and {layout!r} keep "
                 f"{local_tokens} tokens per rank, but the positions hold {positions.shape[-1]}; pass this batch's "
                 "lengths and positions (layout.local_indices(padded_len))"
+            )
+        if route_hf_attention and model is None:
+            raise ValueError(
+                "RingAttentionContext(route_hf_attention=True) routes ONE model's attention to the ring: pass "
+                "model=model (nothing is routed process-wide)"
             )
         self.group = group
         self.layout = layout
@@ -78,6 +96,12 @@ class RingAttentionContext:
         # call of every layer, forward and backward.
         self._ring = RingState(group=group, positions=positions, doc_ids=doc_ids)
         self._auto_kernel: AttentionKernel | None = None
+        self.model = model
+        # A model that declares the contiguous layout owns its CP attention: routed when asked, never counted.
+        owns_cp = model is not None and model_cp_options(model) is not None
+        self._coverage = AttentionCoverage(model) if model is not None and not owns_cp else None
+        routed = self._coverage.blocks if self._coverage is not None else [model] if model is not None else []
+        self._routed_configs = hf_configs(routed) if route_hf_attention else []
 
     @property
     def positions(self) -> torch.Tensor:
@@ -108,14 +132,24 @@ class RingAttentionContext:
         """Activate ring attention for this thread (and HF attention dispatch) until exit."""
         self._check_group()
         token = _CURRENT.set(self)
+        coverage = self._coverage
         try:
+            if coverage is not None:
+                coverage.attach()
             if self.route_hf_attention:
-                from .hf import routed_hf_attention
+                from .hf import routed_model_attention
 
-                with routed_hf_attention():
+                with routed_model_attention(self._routed_configs):
                     yield self
             else:
                 yield self
+        except BaseException:
+            if coverage is not None:
+                coverage.detach()  # the propagating error is the news; no verdict on a broken forward
+            raise
+        else:
+            if coverage is not None:
+                coverage.close()
         finally:
             _CURRENT.reset(token)
 
@@ -134,6 +168,8 @@ class RingAttentionContext:
         The first call gathers the header, positions and doc ids over the group; the first call of each
         (causal, sliding_window) builds its plan and chunk masks; every other call only moves K/V (and gradients).
         """
+        if self._coverage is not None:
+            self._coverage.record()
         kernel = self.kernel
         if kernel is None:
             if self._auto_kernel is None:

@@ -2,19 +2,17 @@
 
 What it is for: an attention function in transformers' registry (`AttentionInterface`, name `am_cp_ring`) that
 calls `ring_attention` with the positions and document ids of the active `RingAttentionContext`, and
-`routed_hf_attention`, which the context uses to send HF's `sdpa` and `eager` dispatch to it while it is open —
-so `make_cp_batch_and_ctx` + `with ctx():` is all a trainer needs for HF Llama-style models.
+`routed_model_attention`, which the context uses to make ONE model's blocks name it as their attention
+implementation while it is open — so `make_cp_batch_and_ctx(mesh, batch, model=model)` + `with ctx():` is all a
+trainer needs for HF models whose attention dispatches through the registry (`coverage.py` checks that it does).
 What it must not do: import transformers at import time (it is not a dependency of this package): the registry is
-only touched when transformers is already loaded, which it is whenever an HF model exists.
-
-Scope of the routing: process-wide for the `sdpa`/`eager` names while a context is open (like torch's own
-`context_parallel`, which swaps SDPA globally); other threads running HF attention outside a CP context at the
-same time would fail loudly (no active context), never silently. Flash/flex implementations are not routed.
+only touched when a model with an HF config is routed, so transformers is loaded; or change anything process-wide
+(no existing registry name is replaced: the swap of `sdpa`/`eager` that upstream's torch-style entry points need
+lives in `upstream.py`). Flash/flex implementations are not routed (`coverage.cp_attention_problems` refuses them).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,11 +21,9 @@ import torch
 
 from .context import current_ring_context
 
-__all__ = ["RING_ATTENTION_NAME", "hf_ring_attention_forward", "register_ring_attention", "routed_hf_attention"]
+__all__ = ["RING_ATTENTION_NAME", "hf_ring_attention_forward", "register_ring_attention", "routed_model_attention"]
 
 RING_ATTENTION_NAME = "am_cp_ring"
-_ROUTED_NAMES = ("sdpa", "eager", RING_ATTENTION_NAME)
-_MISSING = object()
 
 
 def hf_ring_attention_forward(
@@ -89,25 +85,21 @@ def register_ring_attention() -> str:
 
 
 @contextmanager
-def routed_hf_attention() -> Iterator[None]:
-    """While open, HF's `sdpa`, `eager` and `am_cp_ring` attention names all dispatch to the ring.
-
-    A no-op when transformers has not been imported (no HF model can exist then).
-    """
-    modeling_utils = sys.modules.get("transformers.modeling_utils")
-    interface = getattr(modeling_utils, "AttentionInterface", None)
-    if interface is None:
+def routed_model_attention(configs: list[Any]) -> Iterator[None]:
+    """While open, these HF configs (a model's, see `coverage.attention_blocks`) name the ring as their attention
+    implementation; restored on exit. Nothing process-wide changes: the ring's name is registered once in
+    transformers' `AttentionInterface` (a new name, no existing one is replaced), and a model with another config
+    keeps its own attention. HF builds no mask for the ring's name (none is registered for it)."""
+    if not configs:
         yield
         return
-    mapping: dict[str, Any] = interface._global_mapping
-    saved = {name: mapping.get(name, _MISSING) for name in _ROUTED_NAMES}
-    for name in _ROUTED_NAMES:
-        mapping[name] = hf_ring_attention_forward
+    register_ring_attention()
+    saved = [config._attn_implementation_internal for config in configs]
     try:
+        for config in configs:
+            # the internal field, not the setter: the setter recurses into sub-configs (a vision tower's) too
+            config._attn_implementation_internal = RING_ATTENTION_NAME
         yield
     finally:
-        for name, previous in saved.items():
-            if previous is _MISSING:
-                mapping.pop(name, None)
-            else:
-                mapping[name] = previous
+        for config, previous in zip(configs, saved, strict=True):
+            config._attn_implementation_internal = previous

@@ -18,7 +18,7 @@ every other check, so the problems are listed at once; the model keeps its forwa
 defence (it must use the same rule).
 
 `make_cp_batch_and_ctx(mesh, batch, *, model=model)` reads it through `model_cp_options(model)` and calls the
-generic contiguous sharder (`make_contiguous_shard_cp_batch_and_ctx`), which returns the `RingAttentionContext`
+generic contiguous sharder (`batch.contiguous_shard`), which returns the `RingAttentionContext`
 itself (layout, global positions, document ids, lengths). The model's layers then read the entered context
 (`current_ring_context()`: `ctx.attention(q, k, v, causal=, sliding_window=, scale=)`, `ctx.group`,
 `ctx.layout.cp_rank`, `ctx.doc_ids`, `ctx.positions`); per-layer facts such as sliding windows are passed at call time.

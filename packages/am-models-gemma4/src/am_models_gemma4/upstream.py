@@ -25,8 +25,9 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.gemma4.modeling_gemma4 import get_block_sequence_ids_for_mask
 
-from am_context_parallel import ContiguousLayout, make_contiguous_shard_cp_batch_and_ctx
+from am_context_parallel import ContiguousLayout
 from am_context_parallel.mesh import cp_rank
+from am_context_parallel.upstream import make_contiguous_shard_cp_batch_and_ctx
 from am_precision import fp32_keep_rules, match_keep_rule
 
 from .config import check_moe_config, text_config_of

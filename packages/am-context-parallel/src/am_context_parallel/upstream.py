@@ -1,18 +1,29 @@
-"""Upstream's torch-style CP entry points (pre-refactor `cp_utils`), on top of this package's ring attention.
+"""NeMo AutoModel's CP spellings (pre-refactor `cp_utils`, `gemma4_moe/cp_batch`), as thin wrappers over the core.
 
-What it is for: code written against NeMo AutoModel's `get_train_context`, `create_context_parallel_ctx`,
-`attach_context_parallel_hooks`, `attach_cp_sdpa_hooks` and `unshard_context_parallel_tensor` runs unchanged.
-Upstream builds them on torch's experimental `context_parallel` (in-place head-tail sharding of registered buffers,
-SDPA swapped for ring attention); here the same contract is met with `LoadBalancedLayout` (the same head-tail
-layout) and `RingAttentionContext`: while a context is open, `torch.nn.functional.scaled_dot_product_attention`
-(and HF's `sdpa`/`eager` dispatch) computes exact attention over the whole CP group.
-What it must not do: import transformers, or accept an option it does not honour (`cp_rotate_method="allgather"`:
-our ring always rotates K/V point to point, torch's "alltoall").
+What it is for: code written against upstream runs unchanged after `from am_context_parallel.upstream import ...`:
+`make_cp_batch_and_ctx(device_mesh, batch, loss_mask, use_te, padding_token_id, num_chunks, seq_lens_padding_value,
+extra_seq_buffers)` without a model, `make_contiguous_shard_cp_batch_and_ctx(cp_mesh, tp_mesh, batch, loss_mask,
+padding_token_id)`, `_synthesize_single_document_seq_ids`, and the torch-style `get_train_context`,
+`create_context_parallel_ctx`, `attach_context_parallel_hooks`, `attach_cp_sdpa_hooks`,
+`unshard_context_parallel_tensor`. Upstream builds the torch-style ones on torch's experimental `context_parallel`
+(in-place head-tail sharding of registered buffers, SDPA swapped for ring attention); here the same contract is met
+with `LoadBalancedLayout` (the same head-tail layout) and `RingAttentionContext`.
+
+The process-wide swap lives HERE only (the core routes one model, through transformers' attention registry, and
+checks that every block called the ring): upstream's model-less entry points cannot know the model, so while their
+context is open they route, for every thread and model, transformers' `sdpa` / `eager` registry entries and the
+module attribute `torch.nn.functional.scaled_dot_product_attention` to the ring — as torch's `context_parallel`
+does. What that cannot see (as upstream): attention computed without either (a model that multiplies Q and K itself,
+or bound `F.scaled_dot_product_attention` at import time) stays local and is NOT detected here; use the core
+`am_context_parallel.make_cp_batch_and_ctx(mesh, batch, model=model)`, which refuses such a model.
+What it must not do: be imported by the core, hold a second implementation of anything, import transformers, or
+accept an option it does not honour (`cp_rotate_method="allgather"`: our ring always rotates K/V point to point).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,17 +31,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# upstream's name, private there too: importable by name (`from am_context_parallel.upstream import ...`), not in
+# `__all__`
+from .batch import _synthesize_single_document_seq_ids as _synthesize_single_document_seq_ids
+from .batch import contiguous_shard, shard_cp_batch
 from .context import RingAttentionContext, current_ring_context
+from .hf import RING_ATTENTION_NAME, hf_ring_attention_forward
 from .layouts import LoadBalancedLayout
 from .mesh import cp_rank
+from .model_protocol import ContiguousCPOptions
 
 __all__ = [
     "attach_context_parallel_hooks",
     "attach_cp_sdpa_hooks",
     "create_context_parallel_ctx",
     "get_train_context",
+    "make_contiguous_shard_cp_batch_and_ctx",
+    "make_cp_batch_and_ctx",
+    "routed_hf_attention",
     "unshard_context_parallel_tensor",
 ]
+
+ContextFactory = Callable[[], contextlib.AbstractContextManager[Any]]
+_ROUTED_NAMES = ("sdpa", "eager", RING_ATTENTION_NAME)
+_MISSING = object()
 
 # torch's names for its K/V rotation; our ring sends K/V chunks point to point, which is torch's "alltoall".
 _ROTATE_METHODS = (None, "alltoall")
@@ -70,6 +94,112 @@ def _ring_sdpa(
         raise NotImplementedError(f"attention dropout ({dropout_p}) is not supported by ring attention; use 0.0")
     del enable_gqa  # the ring handles fewer K/V heads than query heads either way
     return ctx.attention(query, key, value, causal=is_causal, scale=scale)
+
+
+@contextlib.contextmanager
+def routed_hf_attention() -> Iterator[None]:
+    """While open, transformers' `sdpa`, `eager` and `am_cp_ring` registry entries all dispatch to the ring, for every
+    model and thread (upstream's process-wide routing; the core routes one model instead).
+
+    A no-op when transformers has not been imported (no HF model can exist then).
+    """
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    interface = getattr(modeling_utils, "AttentionInterface", None)
+    if interface is None:
+        yield
+        return
+    mapping: dict[str, Any] = interface._global_mapping
+    saved = {name: mapping.get(name, _MISSING) for name in _ROUTED_NAMES}
+    for name in _ROUTED_NAMES:
+        mapping[name] = hf_ring_attention_forward
+    try:
+        yield
+    finally:
+        for name, previous in saved.items():
+            if previous is _MISSING:
+                mapping.pop(name, None)
+            else:
+                mapping[name] = previous
+
+
+class _ProcessWideRing:
+    """A core `RingAttentionContext` whose entry also swaps the process-wide attention entry points to the ring.
+
+    Reads like the context it wraps (`positions`, `doc_ids`, `layout`, `unshard`, `attention`, ...)."""
+
+    def __init__(self, ring: RingAttentionContext) -> None:
+        self.ring = ring
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ring, name)
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[RingAttentionContext]:
+        with self.ring() as ring, routed_hf_attention(), _sdpa_routed_to_ring():
+            yield ring
+
+
+def make_cp_batch_and_ctx(
+    device_mesh: Any,
+    batch: dict[str, Any],
+    loss_mask: torch.Tensor | None = None,
+    use_te: bool = False,
+    padding_token_id: int = 0,
+    num_chunks: int = 1,
+    seq_lens_padding_value: int = -1000,
+    extra_seq_buffers: list[str] | None = None,
+) -> tuple[ContextFactory, dict[str, Any]]:
+    """Upstream's model-less `make_cp_batch_and_ctx`: the core's sharding, with process-wide attention routing.
+
+    Same positional order, defaults, paths and batch semantics as `am_context_parallel.make_cp_batch_and_ctx` (see
+    it). On the load-balanced path (C > 1) the returned factory enters the core's ring context and, while open,
+    `routed_hf_attention()` and the `F.scaled_dot_product_attention` swap (module docstring): nothing checks that
+    the model's attention reached the ring — pass the model to the core function for that.
+    """
+    ctx, batch = shard_cp_batch(
+        device_mesh,
+        batch,
+        loss_mask,
+        use_te,
+        padding_token_id,
+        num_chunks,
+        seq_lens_padding_value,
+        extra_seq_buffers,
+        model=None,
+        require_model=False,
+    )
+    if isinstance(ctx, RingAttentionContext) and ctx.model is None:
+        return _ProcessWideRing(ctx), batch
+    return ctx, batch
+
+
+def make_contiguous_shard_cp_batch_and_ctx(
+    cp_mesh: Any,
+    tp_mesh: Any,
+    batch: dict[str, Any],
+    loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0,
+    *,
+    options: ContiguousCPOptions | None = None,
+    extra_seq_buffers: list[str] | None = None,
+) -> tuple[ContextFactory, dict[str, Any]]:
+    """Upstream's Gemma 4 contiguous shard (`gemma4_moe/cp_batch`): the core's `contiguous_shard` without a model.
+
+    The core entry is `make_cp_batch_and_ctx(mesh, batch, model=model)` for a model that declares
+    `_cp_layout = "contiguous"`. Returns a `RingAttentionContext` for C > 1 (upstream: `nullcontext`), which routes
+    no HF attention (`options.route_hf_attention=True` needs the model: use the core entry), and
+    `(contextlib.nullcontext, batch)` for C <= 1. See `batch.contiguous_shard` for the keys and padding.
+    """
+    return contiguous_shard(
+        cp_mesh,
+        tp_mesh,
+        batch,
+        loss_mask,
+        padding_token_id,
+        options=options if options is not None else ContiguousCPOptions(),
+        extra_seq_buffers=extra_seq_buffers,
+        model=None,
+    )
 
 
 def get_train_context(
@@ -133,6 +263,7 @@ class _BufferShardContext:
             buffer.data = local.contiguous()  # in place for every holder of `buffer` (no resize_ of grad tensors)
         stack = contextlib.ExitStack()
         ring = stack.enter_context(self._ring())
+        stack.enter_context(routed_hf_attention())
         stack.enter_context(_sdpa_routed_to_ring())
         self._stack = stack
         return ring
