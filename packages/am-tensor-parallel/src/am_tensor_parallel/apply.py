@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from .plan import TensorParallelPlan
-from .styles import GatherSequence, ShardSequence, check_sequence_divisible, translate_style
+from .styles import ShardSequence, check_sequence_divisible, enter_region, translate_style
 from .validate import plan_tensor_parallel
 
 __all__ = ["apply_tensor_parallel", "tp_submesh"]
@@ -79,8 +79,6 @@ def apply_tensor_parallel(
     modules = dict(model.named_modules())
 
     styles: dict[str, ParallelStyle] = {}
-    for name in frozen.region_inputs:
-        styles[name] = GatherSequence()
     for name, style in frozen.styles.items():
         role = "head" if name == frozen.output_head else ""
         styles[name] = translate_style(style, sequence_parallel=sp, role=role)
@@ -94,6 +92,8 @@ def apply_tensor_parallel(
             lambda _m, args: check_sequence_divisible(args[0].unsqueeze(-1), tp)
         )
     parallelize_module(model, tp_mesh, styles)  # type: ignore[arg-type]
+    for name in frozen.region_inputs:
+        enter_region(modules[name], tp_mesh)
 
     if frozen.tied:
         embedding, head = (modules[n] for n in frozen.tied)

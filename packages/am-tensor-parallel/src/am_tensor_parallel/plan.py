@@ -91,7 +91,8 @@ class TensorParallelPlan:
             `vocab_parallel_cross_entropy`.
         input_embedding / output_head: the names of the model's input embedding and output projection ("" if none).
         norms: the modules run on sequence shards under sequence parallelism (empty without it).
-        region_inputs: modules whose inputs are gathered from the sequence shards under sequence parallelism.
+        region_inputs: modules that open a TP region (parents of colwise projections): their input enters once for
+            all their projections (gathered from the sequence shards under sequence parallelism).
         head_counts: `{attention module name: {attribute: local value}}`, the head counts set on the attention
             modules whose projections are sharded by heads.
         tied: `(embedding weight owner, head weight owner)` when they share one weight, else None.

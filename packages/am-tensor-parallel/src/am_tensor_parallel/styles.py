@@ -281,22 +281,33 @@ class _ReplicatedGradAllReduce(ParallelStyle):
         return distribute_module(module, device_mesh, partition, pre, post)  # type: ignore[arg-type]
 
 
-class GatherSequence(ParallelStyle):
-    """Under sequence parallelism, the module that opens a TP region (an attention or MLP whose projections are
-    colwise) receives the sequence-sharded stream: all-gather every DTensor argument sharded on the sequence dim to
-    Replicate, once for all its projections (backward: one reduce-scatter of the summed partial gradients)."""
+def enter_region(module: nn.Module, device_mesh: DeviceMesh) -> None:
+    """Make `module` (an attention or MLP whose projections are colwise) take its input once for all of them.
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def gather(t: Any) -> Any:
-            if isinstance(t, DTensor) and t.device_mesh == device_mesh and t.placements == (Shard(1),):
+    Its first tensor argument (positional or keyword, in call order: the hidden states) becomes a `Replicate`
+    DTensor: a plain replicated tensor is wrapped, a sequence-sharded `Shard(1)` DTensor (sequence parallelism) is
+    all-gathered. Each projection's input gradient is then a `Partial` that accumulates on this one DTensor and is
+    reduced once per region in the backward (one all-reduce, or one reduce-scatter under sequence parallelism),
+    instead of once per projection.
+    """
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            if t.device_mesh == device_mesh and t.placements == (Shard(1),):
                 return t.redistribute(placements=[Replicate()])
             return t
+        return DTensor.from_local(t, device_mesh, [Replicate()], run_check=False)
 
-        def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-            return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
+    def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and a.is_floating_point():
+                return (*args[:i], convert(a), *args[i + 1 :]), kwargs
+        for key, value in kwargs.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                return args, {**kwargs, key: convert(value)}
+        return args, kwargs
 
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        return module
+    module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 class ShardSequence(ParallelStyle):

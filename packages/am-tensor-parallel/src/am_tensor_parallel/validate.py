@@ -196,8 +196,10 @@ def _analyse(
         else:
             styles[head] = "colwise"
 
+    # modules that open a TP region (parents of colwise projections): their input enters once for all projections
+    region_inputs = sorted({n.rpartition(".")[0] for n, s in styles.items() if s in COLWISE_STYLES and n != head})
+    region_inputs = [r for r in region_inputs if r]
     norms: list[str] = []
-    region_inputs: list[str] = []
     if sequence_parallel:
         if not embedding:
             problems.append("sequence_parallel=True needs the model's input embedding (get_input_embeddings())")
@@ -212,10 +214,6 @@ def _analyse(
                     f"{name}: {style!r} sums a replicated output, which sequence parallelism cannot shard; use "
                     "'colwise'/'rowwise' or sequence_parallel=False"
                 )
-        regions = sorted({n.rpartition(".")[0] for n, s in styles.items() if s in COLWISE_STYLES and n != head})
-        if "" in regions:
-            problems.append("sequence_parallel=True needs colwise projections inside a module (attention, MLP)")
-        region_inputs = [r for r in regions if r]
         for name, module in modules.items():
             inside = any(name.startswith(r + ".") for r in region_inputs)
             if name and name not in styles and not inside and _is_norm(module):
