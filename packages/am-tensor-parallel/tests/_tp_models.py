@@ -17,7 +17,8 @@ ARCHS: dict[str, dict[str, Any]] = {
     "Qwen3": {},  # per-head q/k norms: 'replicated_with_grad_allreduce'
     "Gemma": {},  # tied embeddings
     "Starcoder2": {},  # biases, LayerNorm, c_fc / c_proj
-    "Phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},  # fused qkv / gate_up: 'colwise_gather_output' + 'rowwise_split_input'
+    # fused qkv / gate_up: 'colwise_gather_output' + 'rowwise_split_input'
+    "Phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     "Granite": {},
 }
 
@@ -42,7 +43,7 @@ def hf_model(arch: str, *, seed: int = 0, **overrides: Any) -> nn.Module:
     model = getattr(transformers, f"{arch}ForCausalLM")(config_cls(**kwargs)).float()
     # deterministic, non-trivial norm weights and biases (HF initializes them to 1 / 0)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 1:
                 param.add_(0.1 * torch.randn_like(param))
     return model
@@ -61,7 +62,10 @@ class ToyAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 

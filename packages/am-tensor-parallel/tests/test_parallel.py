@@ -182,7 +182,8 @@ def test_loss_parallel_equals_single_process(results: Any) -> None:
     """The head keeps its vocabulary shard; vocab_parallel_cross_entropy gives the model's own loss and gradients."""
     expected = _hf_step("Llama")
     shards = [case_result(results, "loss_parallel/Llama", rank) for rank in range(TP)]
-    torch.testing.assert_close(torch.cat([s["local_logits"] for s in shards], -1), expected["logits"], rtol=TOL, atol=TOL)
+    gathered = torch.cat([s["local_logits"] for s in shards], -1)
+    torch.testing.assert_close(gathered, expected["logits"], rtol=TOL, atol=TOL)
     for got in shards:
         assert got["local_logits"].shape[-1] == VOCAB // TP
         _check(got, expected)

@@ -91,7 +91,7 @@ def apply_tensor_parallel(
         modules[frozen.input_embedding].register_forward_pre_hook(
             lambda _m, args: check_sequence_divisible(args[0].unsqueeze(-1), tp)
         )
-    parallelize_module(model, tp_mesh, styles)  # type: ignore[arg-type]
+    parallelize_module(model, tp_mesh, styles)
     for name in frozen.region_inputs:
         enter_region(modules[name], tp_mesh)
 

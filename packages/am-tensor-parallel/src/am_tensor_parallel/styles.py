@@ -212,8 +212,8 @@ class _Packed(ParallelStyle):
             return (x, *inputs[1:])
 
         def forward(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-            weight = mod.weight.to_local() if isinstance(mod.weight, DTensor) else mod.weight
-            bias = mod.bias
+            weight: torch.Tensor = mod.weight.to_local() if isinstance(mod.weight, DTensor) else mod.weight
+            bias: torch.Tensor | None = mod.bias
             if dim == 1 and bias is not None:  # added once, after the sum over ranks
                 bias = None
             elif isinstance(bias, DTensor):
@@ -223,10 +223,14 @@ class _Packed(ParallelStyle):
         def post(mod: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> Any:
             if dim == 0:
                 return out
-            summed = DTensor.from_local(out, mesh, [Partial()], run_check=False)
-            if mod.bias is not None:
-                bias = mod.bias if isinstance(mod.bias, DTensor) else DTensor.from_local(mod.bias, mesh, [Replicate()])
+            summed: torch.Tensor = DTensor.from_local(out, mesh, [Partial()], run_check=False)
+            bias = mod.bias
+            if isinstance(bias, torch.Tensor):
+                if not isinstance(bias, DTensor):
+                    bias = DTensor.from_local(bias, mesh, [Replicate()])
+                assert isinstance(summed, DTensor)
                 summed = summed.redistribute(placements=[Replicate()]) + bias
+            assert isinstance(summed, DTensor)
             summed = summed.redistribute(placements=[self.reduce_output or Replicate()])
             return summed if self.keep_dtensor else summed.to_local()
 

@@ -18,7 +18,6 @@ from .styles import (
     COLWISE_STYLES,
     EMBEDDING_STYLES,
     LINEAR_STYLES,
-    ROWWISE_STYLES,
     STYLES,
     UNSUPPORTED_STYLES,
     canonical_style,
@@ -27,7 +26,14 @@ from .styles import (
 __all__ = ["HEAD_COUNT_ATTRIBUTES", "plan_tensor_parallel", "tp_problems"]
 
 # Instance attributes of attention modules that count heads; divided by tp when the projections are head-sharded.
-HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_kv_heads")
+HEAD_COUNT_ATTRIBUTES = (
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_heads",
+    "n_kv_heads",
+)
 _Q = ("q_proj", "query", "wq")
 _KV = ("k_proj", "v_proj", "key", "value", "wk", "wv")
 _FUSED_QKV = ("qkv_proj", "query_key_value", "Wqkv", "c_attn")
@@ -82,9 +88,13 @@ def _analyse(
         return [f"tp must be a positive int, got {tp!r}"], None
     raw = dict(plan) if plan is not None else declared_plan(model)
     if not raw:
-        where = "the plan passed is empty" if plan is not None else (
-            f"{type(model).__name__} declares no tensor-parallel plan (no `_tp_plan` class attribute, no "
-            "`config.base_model_tp_plan`)"
+        where = (
+            "the plan passed is empty"
+            if plan is not None
+            else (
+                f"{type(model).__name__} declares no tensor-parallel plan (no `_tp_plan` class attribute, no "
+                "`config.base_model_tp_plan`)"
+            )
         )
         return [f"{where}: pass plan={{module pattern: style}} or run with tp=1"], None
     problems: list[str] = []
