@@ -106,6 +106,10 @@ def test_module_kinds_and_fused_qkv() -> None:
     assert any("fused q/k/v projection sharded 'colwise'" in p for p in problems), problems
     assert any("model.norm: style 'rowwise' shards nn.Linear modules" in p for p in problems), problems
     assert any("lm_head: style 'embedding_rowwise' shards nn.Embedding modules" in p for p in problems), problems
+    problems = tp_problems(model, 2, {**declared_plan(model), "model.norm": "sequence_parallel"})  # type: ignore[dict-item]
+    assert problems == [
+        "model.norm: style 'sequence_parallel' needs sequence_parallel=True (its output is a sequence shard)"
+    ]
 
 
 def test_sequence_and_loss_parallel_options() -> None:

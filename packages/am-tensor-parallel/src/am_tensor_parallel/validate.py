@@ -210,6 +210,12 @@ def _analyse(
     region_inputs = sorted({n.rpartition(".")[0] for n, s in styles.items() if s in COLWISE_STYLES and n != head})
     region_inputs = [r for r in region_inputs if r]
     norms: list[str] = []
+    if not sequence_parallel:
+        problems += [
+            f"{name}: style 'sequence_parallel' needs sequence_parallel=True (its output is a sequence shard)"
+            for name, style in styles.items()
+            if style == "sequence_parallel"
+        ]
     if sequence_parallel:
         if not embedding:
             problems.append("sequence_parallel=True needs the model's input embedding (get_input_embeddings())")
