@@ -151,9 +151,10 @@ class _SumOutput(ParallelStyle):
 
 
 class _LocalRowwise(ParallelStyle):
-    """`local_rowwise`: rowwise sharding whose output stays this rank's partial sum (a plain tensor); the bias is
-    added on tp rank 0 only, so the `gather` parent's sum counts it once. The incoming gradient is the replicated
-    gradient of the summed output, hence `grad_placements=Replicate`."""
+    """`local_rowwise`: rowwise sharding whose output stays this rank's partial sum (a plain tensor); the replicated
+    bias enters the partial sums so that their sum (the `gather` parent's) counts it once (DTensor's `Partial`
+    output of a linear). The incoming gradient is the replicated gradient of the summed output, hence
+    `grad_placements=Replicate`."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
