@@ -1,0 +1,126 @@
+"""Plans as data: read a model's declared tensor-parallel plan, match its patterns to modules, freeze the result.
+
+A plan maps module-name patterns to style names, as transformers writes them: `"layers.*.self_attn.q_proj":
+"colwise"`, where `*` stands for a layer index (a number between dots) and nothing else. `declared_plan(model)`
+reads what a model declares, the way transformers' `init_parallel_plans` merges it (the class's `_tp_plan`, the base
+model's `config.base_model_tp_plan` under its prefix, `embed_tokens` made vocabulary-parallel); `plan_tensor_parallel`
+validates a plan against a model and a tp size and returns a frozen `TensorParallelPlan` naming every module once.
+
+Pure: no process group, no collective; the model is only read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from torch import nn
+
+__all__ = [
+    "TensorParallelPlan",
+    "declared_plan",
+    "layer_pattern",
+    "match_plan",
+]
+
+
+def layer_pattern(name: str) -> str:
+    """transformers' generic name of a module: every index between dots becomes `*`
+    (`model.layers.3.mlp.up_proj` -> `model.layers.*.mlp.up_proj`; `w1` keeps its digit)."""
+    return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+
+
+def declared_plan(model: nn.Module) -> dict[str, str] | None:
+    """The tensor-parallel plan a model declares, with full module-name patterns; None when it declares none.
+
+    Mirrors transformers' merge: a module's class attribute `_tp_plan` (patterns relative to it), plus, for a base
+    model (an HF `PreTrainedModel` whose `base_model` is itself), `config.base_model_tp_plan`, with
+    `embed_tokens: embedding_rowwise` first when the plan is not empty and `embed_tokens` is an `nn.Embedding` (as
+    transformers adds it). Children contribute under their names (`model.layers.*...` in a `...ForCausalLM`).
+    """
+    plan = _declared(model, "")
+    return plan or None
+
+
+def _declared(module: nn.Module, prefix: str) -> dict[str, str]:
+    plan: dict[str, str] = {}
+    own = dict(getattr(type(module), "_tp_plan", None) or {})
+    config = getattr(module, "config", None)
+    if hasattr(module, "base_model_prefix") and getattr(module, "base_model", None) is module and config is not None:
+        own.update(getattr(config, "base_model_tp_plan", None) or {})
+        if own and isinstance(getattr(module, "embed_tokens", None), nn.Embedding) and "embed_tokens" not in own:
+            own = {"embed_tokens": "embedding_rowwise", **own}
+    plan.update({prefix + key: style for key, style in own.items()})
+    for name, child in module.named_children():
+        plan.update(_declared(child, f"{prefix}{name}."))
+    return plan
+
+
+def match_plan(model: nn.Module, plan: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """`({module name: style}, [patterns that match no module])`.
+
+    A pattern matches a module when it equals the module's name or its `layer_pattern`. A pattern naming a
+    parameter (`...experts.gate_up_proj`) matches no module and is reported as unmatched.
+    """
+    keys = set(plan)
+    matched: dict[str, str] = {}
+    used: set[str] = set()
+    for name, _module in model.named_modules():
+        if not name:
+            continue
+        for key in (name, layer_pattern(name)):
+            if key in keys:
+                matched[name] = plan[key]
+                used.add(key)
+                break
+    return matched, [key for key in plan if key not in used]
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """A validated tensor-parallel plan for one model and one tp size: the data every apply step reads.
+
+    Attributes:
+        tp: the size of the tp mesh dimension.
+        styles: `{module name: style name}`, one entry per module (patterns already expanded).
+        sequence_parallel: the residual stream between TP regions is sharded on the sequence dim (dim 1).
+        loss_parallel: the output head keeps its vocabulary shard (`colwise` output, not gathered); the loss must be
+            `vocab_parallel_cross_entropy`.
+        input_embedding / output_head: the names of the model's input embedding and output projection ("" if none).
+        norms: the modules run on sequence shards under sequence parallelism (empty without it).
+        region_inputs: modules that open a TP region (parents of colwise projections): their input enters once for
+            all their projections (gathered from the sequence shards under sequence parallelism).
+        head_counts: `{attention module name: {attribute: local value}}`, the head counts set on the attention
+            modules whose projections are sharded by heads.
+        tied: `(embedding weight owner, head weight owner)` when they share one weight, else None.
+    """
+
+    tp: int
+    styles: Mapping[str, str]
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    input_embedding: str = ""
+    output_head: str = ""
+    norms: tuple[str, ...] = ()
+    region_inputs: tuple[str, ...] = ()
+    head_counts: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    tied: tuple[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "styles", MappingProxyType(dict(self.styles)))
+        object.__setattr__(self, "head_counts", MappingProxyType({k: dict(v) for k, v in self.head_counts.items()}))
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-ready summary (for `summary.json`-style records)."""
+        return {
+            "tp": self.tp,
+            "sequence_parallel": self.sequence_parallel,
+            "loss_parallel": self.loss_parallel,
+            "styles": dict(self.styles),
+            "norms": list(self.norms),
+            "head_counts": {k: dict(v) for k, v in self.head_counts.items()},
+            "tied": list(self.tied) if self.tied else None,
+        }

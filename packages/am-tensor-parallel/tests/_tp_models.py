@@ -1,0 +1,147 @@
+"""Tiny models for the tests: HF architectures built from their configs (fp32, eager attention, 2 layers), and a
+toy model whose attention reads its head count from an attribute and whose MLP uses the packed and local styles."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+VOCAB, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 64, 32, 48, 4, 2, 8
+# Architectures whose transformers config declares a base_model_tp_plan: (config / model class prefix, extra config)
+ARCHS: dict[str, dict[str, Any]] = {
+    "Llama": {},
+    "Qwen2": {},
+    "Mistral": {},
+    "Qwen3": {},  # per-head q/k norms: 'replicated_with_grad_allreduce'
+    "Gemma": {},  # tied embeddings
+    "Starcoder2": {},  # biases, LayerNorm, c_fc / c_proj
+    # fused qkv / gate_up: 'colwise_gather_output' + 'rowwise_split_input'
+    "Phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    "Granite": {},
+}
+
+
+def hf_model(arch: str, *, seed: int = 0, **overrides: Any) -> nn.Module:
+    import transformers
+
+    config_cls = getattr(transformers, f"{arch}Config")
+    kwargs: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTER,
+        "num_hidden_layers": 2,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "attn_implementation": "eager",
+        **ARCHS.get(arch, {}),
+        **overrides,
+    }
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{arch}ForCausalLM")(config_cls(**kwargs)).float()
+    # deterministic, non-trivial norm weights and biases (HF initializes them to 1 / 0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+class ToyAttention(nn.Module):
+    """Reads `self.num_heads` in its reshape (no -1): TP must set the local head count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = HEADS, HEAD_DIM
+        self.q_proj = nn.Linear(HIDDEN, HEADS * HEAD_DIM)
+        self.k_proj = nn.Linear(HIDDEN, HEADS * HEAD_DIM)
+        self.v_proj = nn.Linear(HIDDEN, HEADS * HEAD_DIM)
+        self.o_proj = nn.Linear(HEADS * HEAD_DIM, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (
+            p(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+class PackedMLP(nn.Module):
+    """A fused [gate; up] projection split with `chunk` (packed_colwise), then a rowwise down projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(HIDDEN, 2 * INTER)
+        self.down_proj = nn.Linear(INTER, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.gate_up_proj(x)
+        gate, up = packed.chunk(2, dim=-1)
+        return self.down_proj(torch.nn.functional.silu(gate) * up)
+
+
+class PackedMix(nn.Module):
+    """A layer reading the packed activations [gate; up] as its input (packed_rowwise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(HIDDEN, 2 * INTER)
+        self.mix = nn.Linear(2 * INTER, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mix(torch.tanh(self.gate_up_proj(x)))
+
+
+class LocalMLP(nn.Module):
+    """transformers 4.x local styles: local_colwise / local_rowwise children, summed by a 'gather' parent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(HIDDEN, INTER)
+        self.down = nn.Linear(INTER, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class Toy(nn.Module):
+    """Every style HF models do not exercise here: head-count attributes, packed, local + gather, embedding_colwise."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.attn = ToyAttention()
+        self.mlp = PackedMLP()
+        self.mix = PackedMix()
+        self.local = LocalMLP()
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + self.attn(h)
+        h = h + self.mlp(h)
+        h = h + self.mix(h)
+        h = h + self.local(h)
+        return self.head(h)
+
+
+TOY_PLAN = {
+    "embed": "embedding_colwise",
+    "attn.q_proj": "colwise",
+    "attn.k_proj": "local_colwise",
+    "attn.v_proj": "colwise",
+    "attn.o_proj": "rowwise",
+    "mlp.gate_up_proj": "packed_colwise",
+    "mlp.down_proj": "rowwise",
+    "mix.gate_up_proj": "packed_colwise",
+    "mix.mix": "packed_rowwise",
+    "local": "gather",
+    "local.up": "local_colwise",
+    "local.down": "local_rowwise",
+    "head": "colwise_rep",
+}
