@@ -110,7 +110,7 @@ def test_config_round_trips_through_the_hf_folder(name: str, tmp_path: Path) -> 
 
 def test_presets_are_copies_and_unknown_names_are_named() -> None:
     """A caller cannot change a preset; an unknown name lists the known ones."""
-    assert PRESET_NAMES == tuple(PRESETS)
+    assert tuple(PRESETS) == PRESET_NAMES
     copy = preset_dict(MOE)
     copy["text_config"]["num_experts"] = 1
     assert PRESETS[MOE]["text_config"]["num_experts"] == 128

@@ -83,7 +83,7 @@ def test_config_round_trips_through_the_hf_folder(tmp_path: Path) -> None:
 
 def test_presets_are_copies_and_unknown_names_are_named() -> None:
     """A caller cannot change a preset; an unknown name lists the known ones."""
-    assert PRESET_NAMES == tuple(PRESETS)
+    assert tuple(PRESETS) == PRESET_NAMES
     copy = preset_dict(NANO)
     copy["hidden_size"] = 1
     assert PRESETS[NANO]["hidden_size"] == 2688

@@ -164,6 +164,4 @@ def count_parameters(config: Any) -> ParameterCount:
     total = everything - vision
     embed_tokens = model.get_input_embeddings()
     embedding = sum(p.numel() for p in embed_tokens.parameters())
-    return ParameterCount(
-        total=total, active=total - unused, routed_experts=routed, embedding=embedding, vision=vision
-    )
+    return ParameterCount(total=total, active=total - unused, routed_experts=routed, embedding=embedding, vision=vision)
