@@ -242,3 +242,42 @@ def test_the_pp_x_cp_refusal_names_the_model_path_it_was_given(tmp_path: Path) -
     (problem,) = cp_problems(cfg, cp_layout="load_balanced", pad_multiple=2)
     assert f"and --model-path {tmp_path / 'm'} uses the load_balanced layout" in problem, problem
     assert "--model nemotron" not in problem
+
+
+def _hf_folder(folder: Path, config: object) -> Path:
+    import transformers
+
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def test_a_pipeline_that_cannot_reproduce_the_forward_is_refused_before_the_process_group(tmp_path: Path) -> None:
+    """Issue 22 item 5: Phi at --pp 2 (its final LayerNorm lies outside the generic stage forward) is refused by
+    validation, naming the module, instead of by the stage split on every rank after init_process_group."""
+    import transformers
+
+    config = transformers.PhiConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    )
+    folder = _hf_folder(tmp_path / "phi", config)
+    message = _refusal([*FOLDER, "--model-path", str(folder), "--pp", "2", "--out", str(tmp_path / "o")], world_size=2)
+    assert "--pp 2: PhiForCausalLM: model.final_layernorm (LayerNorm) is part of the model's own forward" in message
+
+
+def test_attention_the_ring_cannot_honour_is_refused_before_the_process_group(tmp_path: Path) -> None:
+    """Issue 22 item 5: an HF model with attention dropout at --cp 2 is refused by validation (am-context-parallel's
+    `cp_attention_problems`), not by the CP context on every rank after init_process_group."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_dropout=0.1,
+    )
+    folder = _hf_folder(tmp_path / "llama", config)
+    message = _refusal([*FOLDER, "--model-path", str(folder), "--cp", "2", "--out", str(tmp_path / "o")], world_size=2)
+    assert "--cp 2: LlamaForCausalLM: attention dropout [0.1] is not supported by ring attention" in message

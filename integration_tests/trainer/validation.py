@@ -147,13 +147,24 @@ def model_cp_limits(cfg: RunConfig, model: nn.Module) -> list[str]:
     """What the model declares it cannot honour under `--cp` with `--seq-len` (am-context-parallel's
     `model_cp_problems`: the model's `cp_problems` hook, e.g. a shard shorter than a Mamba conv halo, attention
     dropout under the ring). The model's forward checks the same again, as the last line of defence."""
-    from am_context_parallel import model_cp_problems
+    from am_context_parallel import cp_attention_problems, model_cp_problems
 
     try:
         found = model_cp_problems(model, seq_len=cfg.seq_len, cp_size=cfg.cp)
     except (TypeError, ValueError) as exc:  # a malformed hook or CP declaration on the model
         return [str(exc)]
-    return [f"--cp {cfg.cp} with --seq-len {cfg.seq_len}: {type(model).__name__}: {problem}" for problem in found]
+    limits = [f"--cp {cfg.cp} with --seq-len {cfg.seq_len}: {type(model).__name__}: {problem}" for problem in found]
+    # What keeps the ring from some attention of the model (am-context-parallel's structural rule: a block that
+    # calls attention itself, an unroutable attn_implementation, soft-capping, attention dropout), known up front.
+    return limits + [f"--cp {cfg.cp}: {problem}" for problem in cp_attention_problems(model)]
+
+
+def model_pp_limits(cfg: RunConfig, model: nn.Module) -> list[str]:
+    """What keeps am-pipelining's stage forwards from reproducing the model's own forward (its
+    `forward_reproduction_problems`, which the stage split would raise after the process group exists)."""
+    from am_pipelining import forward_reproduction_problems
+
+    return [f"--pp {cfg.pp}: {type(model).__name__}: {problem}" for problem in forward_reproduction_problems(model)]
 
 
 def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, Corpus, Path | None, Any]:
@@ -195,6 +206,8 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
     problems += cp_problems(cfg, cp_layout=cp_layout, pad_multiple=pad_multiple)
     if model is not None and cfg.cp > 1:
         problems += model_cp_limits(cfg, model)
+    if model is not None and cfg.pp > 1 and num_layers is not None:
+        problems += model_pp_limits(cfg, model)
     if model is not None and min(cfg.pp, cfg.dp, cfg.cp, cfg.ep) >= 1:
         try:  # ep > 1: the model must implement EP and its expert counts must split over ep (am-capabilities' rule)
             validate_for_mesh(model, mesh_context(cfg))
