@@ -174,3 +174,14 @@ def test_a_model_refused_before_trains_and_dp2_equals_single_process(tmp_path: P
     for key, tensor in expected.items():
         error = (actual[key].double() - tensor.double()).norm() / tensor.double().norm().clamp(min=1e-30)
         assert error <= 1e-5, f"{key}: relative error {error.item():.2e}"
+
+
+@pytest.mark.parametrize("name", ["gemma2", "xglm", "bloom"])
+def test_an_eager_only_model_is_still_refused_under_cp(folders: Path, name: str) -> None:
+    """The eager fallback is for --cp 1: a class without SDPA cannot run the ring (am-capabilities' rule, asked up
+    front with am-context-parallel's attention check), so --cp 2 is refused before any process group, as before."""
+    args = [*FOLDER, "--model-path", str(_folder(name, folders)), "--out", str(folders / "cp"), "--cp", "2"]
+    with pytest.raises(BadInput) as info:
+        validate(parse_args(args), world_size=2)
+    expected = f"cp_size=2: {SWEEP[name][0]} cannot use context parallelism: it declares neither `_supports_sdpa"
+    assert expected in str(info.value), str(info.value)
