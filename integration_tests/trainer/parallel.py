@@ -224,7 +224,7 @@ def layer_notes(model: nn.Module) -> list[str]:
     if grouping == "decoder layers":
         return []
     how = (
-        f"one group per {' / '.join(sorted(getattr(model, '_no_split_modules', None) or ()))} block "
+        f"one group per {' / '.join(sorted(getattr(model, '_no_split_modules', None) or ()))} "
         "(transformers' _no_split_modules)"
         if grouping == "_no_split_modules"
         else "one group for the whole model"
