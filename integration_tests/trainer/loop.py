@@ -50,7 +50,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from am_pipelining import find_layers
 from trainer import checkpoint as ckpt
 from trainer.config import RunConfig, mesh_context
 from trainer.data import BatchStream
@@ -64,6 +63,7 @@ from trainer.expert_parallel import (
 )
 from trainer.guards import EXIT_RUN_STOPPED, RunStopped, StepGuard
 from trainer.layer_wrappers import apply_activation_checkpointing, apply_compile
+from trainer.models import attn_implementation
 from trainer.optim import build_optimizers, lr_at, set_lr
 from trainer.parallel import (
     PRECISIONS,
@@ -73,7 +73,10 @@ from trainer.parallel import (
     build_mesh,
     cp_layout_name,
     cp_local_seq_len,
+    decoder_layers,
+    fsdp_grouping,
     init_distributed,
+    layer_notes,
     shard_batch_for_cp,
     shard_pipeline_batch_for_cp,
     split_cp_targets,
@@ -138,6 +141,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     warnings = [precision.warning] if precision.warning else []
     if resume_dir is not None:
         warnings += resume_changes(cfg, ckpt.read_trainer_state(resume_dir))
+    warnings += layer_notes(model)  # a model trained without findable decoder layers: how FSDP2 groups it
     if int(os.environ.get("RANK", "0")) == 0:
         for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
@@ -156,7 +160,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     dp_rank = mesh["dp"].get_local_rank()
     shard_rank = dp_cp_mesh.get_local_rank()
 
-    num_layers = find_layers(model).num_layers
+    num_layers = getattr(decoder_layers(model), "num_layers", None)  # None: found no layers (pp = 1 only)
+    attention, grouping = attn_implementation(model), fsdp_grouping(model)
     cp_layout = cp_layout_name(model) if cfg.cp > 1 else None
     # 3. Model -> capabilities -> precision -> pipeline -> FSDP2.
     from am_capabilities import attach_capabilities_and_validate
@@ -351,6 +356,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             "lr_schedule": cfg.lr_schedule,
             "activation_checkpointing": cfg.activation_checkpointing,
             "compile": cfg.compile,
+            "attn_implementation": attention,  # "sdpa" where the model supports it, else e.g. "eager"
+            "fsdp_groups": grouping if uses_fsdp(dtype=cfg.dtype, dp=cfg.dp, cp=cfg.cp) else None,
             "tensorboard": str(tensorboard.folder) if tensorboard.folder else None,
             "tokens_per_s": steps_run * cfg.global_batch * cfg.seq_len / max(wall, 1e-9),
             "wall_s": wall,
@@ -380,7 +387,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     return summary
 
 
-def run_layout(cfg: RunConfig, plan: Any, *, num_layers: int, cp_layout: str | None = None) -> dict[str, Any]:
+def run_layout(cfg: RunConfig, plan: Any, *, num_layers: int | None, cp_layout: str | None = None) -> dict[str, Any]:
     """The layout that ran: mesh sizes (`ep`: expert parallelism, carved out of dp x cp), the CP layout
     (`cp_layout`: "contiguous" or "load_balanced", None at cp = 1), and the pipeline plan's stages, placement, layer
     split and microbatches (for pp = 1: one stage holding every layer, microbatches = gradient-accumulation steps)."""
@@ -394,7 +401,7 @@ def run_layout(cfg: RunConfig, plan: Any, *, num_layers: int, cp_layout: str | N
             stages=1,
             stages_per_rank=1,
             layers=num_layers,
-            layers_per_stage=[num_layers],
+            layers_per_stage=[num_layers] if num_layers is not None else None,
             rank_stages=[[0]],
             microbatch_size=cfg.microbatch_size,
             microbatches=cfg.local_batch // cfg.microbatch_size,

@@ -187,10 +187,31 @@ def preset_spec(
     raise ValueError(f"--model {name!r} is unknown; choose one of {', '.join(MODELS)}")
 
 
+def hf_attention_implementation(folder: str | Path) -> str:
+    """The attention a transformers causal LM in `folder` is loaded with: "sdpa" where its class supports it
+    (`_supports_sdpa`; the ring attention of am-context-parallel routes it under CP), else "eager" (Gemma2, XGLM,
+    Bloom, GPT-J, ... : every transformers model implements eager). A folder whose class transformers does not know
+    gets "sdpa" here; `AutoModelForCausalLM` then refuses it in its own words."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.from_pretrained(str(folder))
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_class is None or getattr(model_class, "_supports_sdpa", False):
+        return "sdpa"
+    return "eager"
+
+
+def attn_implementation(model: nn.Module) -> str | None:
+    """The attention implementation `model` runs (its config's `_attn_implementation`; None when it has none)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
 def folder_spec(folder: str | Path) -> ModelSpec:
     """The spec of an HF-format folder: the model class registered for its `architectures` / `model_type` in the
     am-capabilities registry (our model packages register theirs through the `am_capabilities.models` entry
-    points), else any transformers causal LM (`AutoModelForCausalLM`). `family` is the config's `model_type`."""
+    points), else any transformers causal LM (`AutoModelForCausalLM`, with SDPA where the class supports it, else
+    eager: `hf_attention_implementation`). `family` is the config's `model_type`."""
     from am_capabilities import find_model_class
 
     folder = Path(folder)
@@ -211,7 +232,10 @@ def folder_spec(folder: str | Path) -> ModelSpec:
         from transformers import AutoModelForCausalLM
 
         loaded: Any = AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=torch.float32, attn_implementation="sdpa", output_loading_info=True
+            str(folder),
+            dtype=torch.float32,
+            attn_implementation=hf_attention_implementation(folder),
+            output_loading_info=True,
         )
         model, info = loaded  # (model, loading info) with output_loading_info=True
         check_loaded_keys(folder, info)

@@ -60,7 +60,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from am_pipelining import find_layers
+from am_pipelining import DecoderLayers, find_layers
+from am_pipelining.layers import LAYER_PREFIX_CANDIDATES
 from am_precision import cast_model_to_dtype, fp32_keep_rules
 
 
@@ -164,10 +165,85 @@ def _strict_fp32_modules(model: nn.Module) -> list[nn.Module]:
     return [module for _, module in found]
 
 
+def decoder_layers(model: nn.Module) -> DecoderLayers | None:
+    """The decoder layers of `model` (am-pipelining's `find_layers`), None when it cannot find them (GPTNeoX's
+    `gpt_neox.layers`, Falcon's / GPT-2's / Bloom's `transformer.h`, OPT's `model.decoder.layers`). Only the
+    features that work per layer need them (`layer_feature_problems`); FSDP2 and pp = 1 training do not."""
+    try:
+        return find_layers(model)
+    except ValueError:
+        return None
+
+
+def layer_feature_problems(model: nn.Module, cfg: Any) -> list[str]:
+    """One problem when `cfg` asks for a feature that works on the decoder layers (--pp > 1, --activation-checkpointing,
+    --compile) and `model`'s decoder layers cannot be found; [] otherwise (such a model trains at --pp 1 with FSDP2
+    over dp x cp). The hint is one the CLI can follow: the option to drop."""
+    wanted = [
+        (need, fix)
+        for asked, need, fix in (
+            (cfg.pp > 1, f"--pp {cfg.pp} cuts the stages between them", "--pp 1"),
+            (cfg.activation_checkpointing, "--activation-checkpointing wraps each", "no --activation-checkpointing"),
+            (cfg.compile, "--compile compiles each", "no --compile"),
+        )
+        if asked
+    ]
+    if not wanted or decoder_layers(model) is not None:
+        return []
+    searched = ", ".join(f"{prefix or '<root>.'}layers" for prefix in LAYER_PREFIX_CANDIDATES)
+    return [
+        f"{type(model).__name__}: its decoder layers cannot be found (am-pipelining looks for a ModuleList at "
+        f"{searched}), and {'; '.join(need for need, _ in wanted)}: run it with {', '.join(fix for _, fix in wanted)} "
+        "(it trains without them: dp, cp and FSDP2 need no layers)"
+    ]
+
+
+def _no_split_layers(model: nn.Module) -> list[nn.Module]:
+    """The outermost modules whose class transformers lists in the model's `_no_split_modules` (its own statement of
+    which blocks hold together: the decoder layers of every transformers causal LM), in module order."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if name and type(module).__name__ in names and not any(name.startswith(p + ".") for p, _ in found):
+            found.append((name, module))
+    return [module for _, module in found]
+
+
+def fsdp_grouping(model: nn.Module) -> str:
+    """How `apply_fsdp` groups `model` (recorded in summary.json): "decoder layers" (am-pipelining's `find_layers`),
+    "_no_split_modules" (transformers' layer classes, where `find_layers` finds none), or "root" (one group)."""
+    if decoder_layers(model) is not None:
+        return "decoder layers"
+    return "_no_split_modules" if _no_split_layers(model) else "root"
+
+
+def layer_notes(model: nn.Module) -> list[str]:
+    """What a run of a model whose decoder layers cannot be found does instead (printed on rank 0 before training):
+    [] when `find_layers` finds them."""
+    grouping = fsdp_grouping(model)
+    if grouping == "decoder layers":
+        return []
+    how = (
+        f"one group per {' / '.join(sorted(getattr(model, '_no_split_modules', None) or ()))} "
+        "(transformers' _no_split_modules)"
+        if grouping == "_no_split_modules"
+        else "one group for the whole model"
+    )
+    return [
+        f"{type(model).__name__}: am-pipelining cannot find its decoder layers; it trains at --pp 1 (dp, cp) with "
+        f"FSDP2 {how}, and --pp > 1, --activation-checkpointing and --compile are not available for it"
+    ]
+
+
 def _layer_modules(model: nn.Module) -> list[nn.Module]:
     """One FSDP2 group per layer: the decoder layers (am-pipelining's `find_layers`), then the layers of any other
-    `layers` container of the model (e.g. Nemotron's multi-token-prediction depths, `mtp.layers`)."""
-    decoder = find_layers(model).container
+    `layers` container of the model (e.g. Nemotron's multi-token-prediction depths, `mtp.layers`). A model whose
+    decoder layers `find_layers` cannot find gets one group per block of its `_no_split_modules` classes, or none
+    (the root group holds everything): grouping is memory, never arithmetic, so the gradients are the same."""
+    found = decoder_layers(model)
+    if found is None:
+        return _no_split_layers(model)
+    decoder = found.container
     layers: list[nn.Module] = list(decoder.children())
     for name, module in model.named_modules():
         if module is decoder or name.rsplit(".", 1)[-1] != "layers":

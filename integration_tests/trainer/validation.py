@@ -3,13 +3,14 @@
 What it is for: `validate(cfg, world_size=...)` runs on every rank before `init_process_group`, so a run that
 cannot go ends on every rank with the same message listing every problem: the arguments (`config.find_problems`),
 the `--out` folder (writable; holds no checkpoints unless `--resume` or `--overwrite`), the model (built here: an
-HF folder must supply every tensor), the pipeline plan against its layers (am-pipelining), the mesh against its
-capabilities (am-capabilities), what the model cannot honour under `--cp` (its `cp_problems` hook, through
-am-context-parallel), a NaN / inf tensor in a `--model-path` folder (tensor and file named), the data and the
-checkpoint to resume (sha256 manifest; the layout, model and data options must match, while the optimizer's numbers
-and `--steps` may change: `resume_changes` words the warnings the loop prints); and for the training
-features: the tokenizer against the model's vocabulary, the held-out data, activation checkpointing against the
-model's capabilities, and a pipeline schedule that can evaluate.
+HF folder must supply every tensor), the pipeline plan against its layers (am-pipelining; a model whose decoder
+layers cannot be found is refused only for the features that need them: --pp > 1, --activation-checkpointing,
+--compile), the mesh against its capabilities (am-capabilities), what the model cannot honour under `--cp` (its
+`cp_problems` hook, through am-context-parallel), a NaN / inf tensor in a `--model-path` folder (tensor and file
+named), the data and the checkpoint to resume (sha256 manifest; the layout, model and data options must match,
+while the optimizer's numbers and `--steps` may change: `resume_changes` words the warnings the loop prints); and
+for the training features: the tokenizer against the model's vocabulary, the held-out data, activation
+checkpointing against the model's capabilities, and a pipeline schedule that can evaluate.
 What it must not do: touch torch.distributed, or decide a rule that another module owns (it asks them).
 """
 
@@ -23,7 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_pipelining import find_layers
 from trainer import checkpoint as ckpt
 from trainer.config import (
     PRESET_HIDDEN_SIZE,
@@ -37,7 +37,7 @@ from trainer.config import (
 from trainer.data import Corpus, load_tokens
 from trainer.guards import model_path_nonfinite_problems, nonfinite_parameters
 from trainer.models import ModelSpec, build_model, folder_spec, preset_spec
-from trainer.parallel import cp_layout_name, cp_pad_multiple
+from trainer.parallel import cp_layout_name, cp_pad_multiple, decoder_layers, layer_feature_problems
 
 EXIT_BAD_INPUT = 2
 
@@ -190,11 +190,10 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
     if model is not None and cfg.model_path is not None:
         problems += _model_path_value_problems(cfg.model_path, model)
     num_layers = None
-    if model is not None:
-        try:
-            num_layers = find_layers(model).num_layers
-        except ValueError as exc:
-            problems.append(str(exc))
+    if model is not None:  # only the per-layer features need the layers (pp > 1, checkpointing, compile)
+        layers = decoder_layers(model)
+        num_layers = layers.num_layers if layers is not None else None
+        problems += layer_feature_problems(model, cfg)
     plan, plan_problems = pipeline_plan(cfg, num_layers=num_layers)
     problems += plan_problems
     cp_layout, pad_multiple = None, 2

@@ -1,0 +1,187 @@
+"""Issue 22 item 6: any transformers causal LM trains at --pp 1 through `--model-path`.
+
+A sweep of real transformers architectures, built tiny from their configs and saved as HF folders: validation
+accepts each one at --pp 1 (dp, FSDP2 need no decoder layers) with SDPA where its class supports it and eager
+otherwise, and refuses --pp 2 / --activation-checkpointing / --compile up front, with a hint the CLI can follow, only
+for the models whose decoder layers am-pipelining cannot find. One launch pair proves a model that was refused before
+(GPTNeoX: `gpt_neox.layers`) trains, and that its dp 2 run (FSDP2 grouped by transformers' `_no_split_modules`)
+equals the single-process run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import PARITY, launch, without_preset_sizes
+from trainer.config import parse_args
+from trainer.validation import BadInput, validate
+
+FOLDER = ["--seq-len", "16", "--global-batch", "4", "--steps", "1"]
+
+
+def _config(name: str) -> Any:
+    """A tiny config of architecture `name` (hidden 32, 2 layers, the byte vocabulary)."""
+    import transformers as t
+
+    small = dict(vocab_size=256, bos_token_id=1, eos_token_id=2)
+    return {
+        "gpt_neox": lambda: t.GPTNeoXConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, **small
+        ),
+        "falcon": lambda: t.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **small),
+        "gemma2": lambda: t.Gemma2Config(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size=64,
+            **small,
+        ),
+        "xglm": lambda: t.XGLMConfig(d_model=32, num_layers=2, attention_heads=4, ffn_dim=64, **small),
+        "gpt2": lambda: t.GPT2Config(n_embd=32, n_layer=2, n_head=4, **small),
+        "opt": lambda: t.OPTConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=32, **small
+        ),
+        "bloom": lambda: t.BloomConfig(hidden_size=32, n_layer=2, n_head=4, **small),
+        "gptj": lambda: t.GPTJConfig(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, **small),
+        "mpt": lambda: t.MptConfig(d_model=32, n_layers=2, n_heads=4, **small),
+        "qwen2": lambda: t.Qwen2Config(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            **small,
+        ),
+    }[name]()
+
+
+# architecture -> (class, attention it is loaded with, whether am-pipelining finds its decoder layers)
+SWEEP = {
+    "gpt_neox": ("GPTNeoXForCausalLM", "sdpa", False),
+    "falcon": ("FalconForCausalLM", "sdpa", False),
+    "gemma2": ("Gemma2ForCausalLM", "eager", True),
+    "xglm": ("XGLMForCausalLM", "eager", True),
+    "gpt2": ("GPT2LMHeadModel", "sdpa", False),
+    "opt": ("OPTForCausalLM", "sdpa", False),
+    "bloom": ("BloomForCausalLM", "eager", False),
+    "gptj": ("GPTJForCausalLM", "eager", False),
+    "mpt": ("MptForCausalLM", "eager", False),
+    "qwen2": ("Qwen2ForCausalLM", "sdpa", True),
+}
+
+
+def _folder(name: str, root: Path) -> Path:
+    import transformers
+
+    folder = root / name
+    if not (folder / "config.json").is_file():
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(_config(name)).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("any_lm")
+
+
+@pytest.mark.parametrize("name", sorted(SWEEP))
+def test_any_causal_lm_is_accepted_at_pp1_with_the_attention_it_supports(folders: Path, name: str) -> None:
+    """Accepted at --pp 1, loaded with SDPA where the class supports it (else eager), and the model validate()
+    returns computes a finite loss and gradients (what the trainer's step does with it)."""
+    from trainer.models import attn_implementation
+    from trainer.parallel import decoder_layers, fsdp_grouping
+
+    class_name, attention, layers_found = SWEEP[name]
+    cfg = parse_args([*FOLDER, "--model-path", str(_folder(name, folders)), "--out", str(folders / f"out-{name}")])
+    _, model, _, _, plan = validate(cfg, world_size=1)
+    assert (type(model).__name__, attn_implementation(model), plan) == (class_name, attention, None)
+    assert (decoder_layers(model) is not None) == layers_found
+    # FSDP2 groups: the decoder layers where found, else transformers' own layer classes
+    assert fsdp_grouping(model) == ("decoder layers" if layers_found else "_no_split_modules")
+    ids = torch.randint(0, 256, (2, 16))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize(
+    ("options", "world_size", "need", "fix"),
+    [
+        (["--pp", "2"], 2, "--pp 2 cuts the stages between them", "run it with --pp 1"),
+        (["--activation-checkpointing"], 1, "--activation-checkpointing wraps each", "no --activation-checkpointing"),
+        (["--compile"], 1, "--compile compiles each", "run it with no --compile"),
+    ],
+    ids=["pp2", "activation-checkpointing", "compile"],
+)
+@pytest.mark.parametrize("name", ["gpt_neox", "falcon", "opt"])
+def test_per_layer_features_are_refused_up_front_with_a_hint_the_cli_can_follow(
+    folders: Path, name: str, options: list[str], world_size: int, need: str, fix: str
+) -> None:
+    """Only a feature that works on the decoder layers needs them; its refusal names the option to drop, not an API
+    argument (am-pipelining's own message says "Pass module_names_per_stage explicitly")."""
+    args = [*FOLDER, "--model-path", str(_folder(name, folders)), "--out", str(folders / "refused"), *options]
+    with pytest.raises(BadInput) as info:
+        validate(parse_args(args), world_size=world_size)
+    message = str(info.value)
+    assert f"{SWEEP[name][0]}: its decoder layers cannot be found" in message, message
+    assert need in message, message
+    assert fix in message, message
+    assert "module_names_per_stage" not in message
+
+
+def test_per_layer_features_still_run_where_the_layers_are_found(folders: Path) -> None:
+    """Gemma2 (eager attention, layers at model.layers) keeps --activation-checkpointing."""
+    args = [*FOLDER, "--model-path", str(_folder("gemma2", folders)), "--out", str(folders / "ac")]
+    _, model, *_ = validate(parse_args([*args, "--activation-checkpointing"]), world_size=1)
+    assert type(model).__name__ == "Gemma2ForCausalLM"
+
+
+def test_a_model_without_any_known_layers_is_one_fsdp_group() -> None:
+    from trainer.parallel import _layer_modules, fsdp_grouping, layer_notes
+
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8))
+    assert (fsdp_grouping(model), _layer_modules(model)) == ("root", [])
+    (note,) = layer_notes(model)
+    assert "Sequential: am-pipelining cannot find its decoder layers" in note
+    assert "FSDP2 one group for the whole model" in note
+
+
+def test_a_model_refused_before_trains_and_dp2_equals_single_process(tmp_path: Path) -> None:
+    """GPTNeoX (refused for its layers before issue 22) trains at --pp 1, and its dp 2 run, FSDP2-sharded with one
+    group per GPTNeoXLayer, has the single-process loss at every step and the same final weights (fp32)."""
+    folder = _folder("gpt_neox", tmp_path)
+    args = [*without_preset_sizes(PARITY), "--model-path", str(folder)]
+    single = launch(args, nproc=1, out=tmp_path / "single").check()
+    dp2 = launch([*args, "--dp", "2"], nproc=2, out=tmp_path / "dp2").check()
+    assert "GPTNeoXForCausalLM: am-pipelining cannot find its decoder layers" in single.output
+    assert (single.summary["attn_implementation"], dp2.summary["attn_implementation"]) == ("sdpa", "sdpa")
+    assert (single.summary["fsdp_groups"], dp2.summary["fsdp_groups"]) == (None, "_no_split_modules")
+    assert single.summary["layout"]["layers"] is None
+    got, want = torch.tensor(dp2.summary["losses"]), torch.tensor(single.summary["losses"])
+    assert want.shape == (3,)
+    assert bool(torch.isfinite(want).all())
+    assert want[0] != want[-1]  # it trains
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0.0)
+    expected, actual = single.final_weights(), dp2.final_weights()
+    assert actual.keys() == expected.keys()
+    for key, tensor in expected.items():
+        error = (actual[key].double() - tensor.double()).norm() / tensor.double().norm().clamp(min=1e-30)
+        assert error <= 1e-5, f"{key}: relative error {error.item():.2e}"
+
+
+@pytest.mark.parametrize("name", ["gemma2", "xglm", "bloom"])
+def test_an_eager_only_model_is_still_refused_under_cp(folders: Path, name: str) -> None:
+    """The eager fallback is for --cp 1: a class without SDPA cannot run the ring (am-capabilities' rule, asked up
+    front with am-context-parallel's attention check), so --cp 2 is refused before any process group, as before."""
+    args = [*FOLDER, "--model-path", str(_folder(name, folders)), "--out", str(folders / "cp"), "--cp", "2"]
+    with pytest.raises(BadInput) as info:
+        validate(parse_args(args), world_size=2)
+    expected = f"cp_size=2: {SWEEP[name][0]} cannot use context parallelism: it declares neither `_supports_sdpa"
+    assert expected in str(info.value), str(info.value)
