@@ -106,3 +106,74 @@ def test_a_model_whose_config_leaves_the_aux_loss_out_keeps_cross_entropy_but_re
         seed=0,
     )
     assert router_aux_spec(llama) is None and RouterAuxLoss.for_model(llama) is None
+
+
+def _save_mixtral(folder: Path) -> None:
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=COEF, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(str(folder))
+
+
+def test_mixtral_trains_on_its_own_objective_at_dp2_with_microbatches_as_in_one_process(tmp_path: Path) -> None:
+    """The trainer end to end on a Mixtral folder: step 1's loss is transformers' own `loss` (CE + 0.02 x aux) on
+    the first global batch; dp 2 with two microbatches of one row per rank trains like one process with one
+    microbatch of four (loss incl. aux and aux within 1e-5 each step); aux and the expert imbalance are reported
+    apart (summary.json, TensorBoard). `--pp 2` is refused before any process group, naming the term."""
+    from conftest import PARITY, launch, without_preset_sizes
+    from trainer.config import parse_args
+    from trainer.data import BatchStream
+    from trainer.validation import BadInput, validate
+
+    folder = tmp_path / "mixtral"
+    _save_mixtral(folder)
+    args = [*without_preset_sizes(PARITY), "--model-path", str(folder)]
+    cfg = parse_args([*args, "--out", str(tmp_path / "oracle")])
+    _, model, corpus, _, _ = validate(cfg, world_size=1)
+    inputs, labels = BatchStream(corpus.train, seq_len=cfg.seq_len, global_batch=cfg.global_batch).next_batch()
+    with torch.no_grad():
+        own = model.train()(input_ids=inputs, labels=labels, shift_labels=labels, output_router_logits=True)
+
+    with pytest.raises(BadInput) as refused:
+        validate(parse_args([*args, "--pp", "2", "--out", str(tmp_path / "pp2")]), world_size=2)
+    assert (
+        "--pp 2: MixtralForCausalLM trains with its router load-balancing loss (config output_router_logits=true, "
+        f"router_aux_loss_coef={COEF}), which the pipeline cannot compute over the global batch; run with --pp 1"
+    ) in str(refused.value)
+
+    single = launch(args, nproc=1, out=tmp_path / "single").check()
+    dp2 = launch([*args, "--dp", "2", "--microbatch-size", "1"], nproc=2, out=tmp_path / "dp2").check()
+    for run in (single, dp2):
+        summary = run.summary
+        assert summary["aux_loss_coef"] == COEF
+        assert len(summary["aux_losses"]) == len(summary["losses"]) == 3
+        assert summary["final_aux_loss"] == summary["aux_losses"][-1]
+        assert summary["losses"][0] == pytest.approx(float(own.loss), rel=1e-5)
+        assert summary["aux_losses"][0] == pytest.approx(float(own.aux_loss), rel=1e-5)
+        imbalance = summary["expert_imbalance"]
+        assert len(imbalance) == 3 and all(1.0 <= value <= 4.0 for value in imbalance)
+    for key in ("losses", "aux_losses", "expert_imbalance"):
+        assert dp2.summary[key] == pytest.approx(single.summary[key], rel=1e-5), key
+    tb = single.summary["tensorboard"]
+    if tb is not None:  # tensorboard installed: the aux loss is its own scalar
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(tb)
+        events.Reload()
+        logged = [event.value for event in events.Scalars("train/aux_loss")]
+        assert logged == pytest.approx(single.summary["aux_losses"], rel=1e-6)
+
+
+def test_progress_shows_the_aux_loss_apart_from_the_loss(capsys) -> None:
+    from trainer.progress import Progress
+
+    progress = Progress(total_steps=2, start_step=0, tokens_per_step=10, enabled=True)
+    progress.update(step=1, loss=2.5, lr=1e-3, expert_imbalance=1.5, aux_loss=2.03125)
+    progress.close()
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "loss=2.5000, aux_loss=2.0312, experts max/mean=1.50," in line, line
