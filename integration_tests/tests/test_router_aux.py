@@ -25,16 +25,20 @@ def _tiny(family: str, *, output_router_logits: bool = True) -> Any:
         num_key_value_heads=2, num_experts_per_tok=2, output_router_logits=output_router_logits,
         router_aux_loss_coef=COEF, max_position_embeddings=64,
     )  # fmt: skip
-    if family == "mixtral":
-        config = transformers.MixtralConfig(num_local_experts=4, **common)
-        cls = transformers.MixtralForCausalLM
-    elif family == "qwen2_moe":
-        config = transformers.Qwen2MoeConfig(num_experts=4, moe_intermediate_size=24, shared_expert_intermediate_size=
-                                             24, **common)  # fmt: skip
-        cls = transformers.Qwen2MoeForCausalLM
-    else:
-        config = transformers.OlmoeConfig(num_experts=4, **common)
-        cls = transformers.OlmoeForCausalLM
+    experts = {
+        "mixtral": ("MixtralForCausalLM", "MixtralConfig", {"num_local_experts": 4}),
+        "qwen2_moe": (
+            "Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+            {"num_experts": 4, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 24},
+        ),
+        "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", {"num_experts": 4}),
+        "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", {"num_experts": 4, "moe_intermediate_size": 24}),
+        "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig", {"num_local_experts": 4}),
+        "doge": ("DogeForCausalLM", "DogeConfig", {"num_experts": 4, "is_moe": True}),
+    }  # fmt: skip
+    model_name, config_name, sizes = experts[family]
+    config = getattr(transformers, config_name)(**sizes, **common)
+    cls = getattr(transformers, model_name)
     torch.manual_seed(0)
     return cls(config).train()
 
@@ -43,7 +47,7 @@ def _windows(rows: int = 4, seq: int = 12) -> torch.Tensor:
     return torch.randint(0, VOCAB, (rows, seq + 1), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "granitemoe"])
 def test_objective_and_gradient_equal_the_models_own_loss_however_the_batch_is_split(family: str) -> None:
     """CE (global token mean) + coef x aux, computed from pieces of the batch (2 "ranks" x 2 microbatches of one
     row: counts summed first, then each piece's share), equals transformers' loss on the whole batch, value and
@@ -177,3 +181,23 @@ def test_progress_shows_the_aux_loss_apart_from_the_loss(capsys) -> None:
     progress.close()
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "loss=2.5000, aux_loss=2.0312, experts max/mean=1.50," in line, line
+
+
+def test_a_router_loss_of_another_rule_is_refused_before_any_process_group() -> None:
+    """Doge adds a router loss of its own (not the Switch-Transformer function the trainer reproduces): refused by
+    validation with the way out, never trained on cross-entropy alone."""
+    from trainer.step_parts import router_aux_problems
+    from trainer.validation import router_aux_model_problems
+
+    model = _tiny("doge")
+    assert router_aux_spec(model) is None and RouterAuxLoss.for_model(model) is None
+    (problem,) = router_aux_problems(model)
+    assert problem.startswith(
+        "DogeForCausalLM trains with a router auxiliary loss (config output_router_logits=true, "
+        f"router_aux_loss_coef={COEF}) that is not transformers' Switch-Transformer load_balancing_loss_func"
+    ), problem
+    assert 'set "output_router_logits": false' in problem
+    from trainer.config import parse_args
+
+    assert router_aux_model_problems(parse_args(["--pp", "1"]), model) == [problem]
+    assert router_aux_problems(_tiny("mixtral")) == []

@@ -43,25 +43,70 @@ class TokenSumLoss:
 # ------------------------------------------------------------------------------------------------------------------
 
 
+def _declares_router_loss(model: nn.Module) -> bool:
+    """The model reports router logits: its config has `router_aux_loss_coef`, its forward `output_router_logits`."""
+    import inspect
+
+    coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
+    return coef is not None and "output_router_logits" in inspect.signature(model.forward).parameters
+
+
+def _same_code(a: Any, b: Any) -> bool:
+    """Two functions with the same bytecode, names and constants (their docstrings aside)."""
+    ca, cb = a.__code__, b.__code__
+    return (ca.co_code, ca.co_names, ca.co_varnames, ca.co_consts[1:]) == (
+        cb.co_code, cb.co_names, cb.co_varnames, cb.co_consts[1:]
+    )  # fmt: skip
+
+
+def _reproducible(model: nn.Module) -> bool:
+    """The model's modeling module computes its aux with transformers' Switch-Transformer `load_balancing_loss_func`
+    (the very code of Mixtral's, which `RouterAuxLoss` reproduces), called with the model's own `num_experts` and
+    `num_experts_per_tok`. Structural, not a list of architectures: Qwen2-MoE, OLMoE, Qwen3-MoE, PhiMoE, GPT-OSS,
+    Jamba, ... qualify; a model with another rule (e.g. Doge) does not."""
+    import sys
+
+    from transformers.models.mixtral import modeling_mixtral
+
+    theirs = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    has_sizes = bool(getattr(model, "num_experts", None)) and bool(getattr(model, "num_experts_per_tok", None))
+    return callable(theirs) and has_sizes and _same_code(theirs, modeling_mixtral.load_balancing_loss_func)
+
+
 def router_aux_spec(model: nn.Module) -> tuple[int, int, float, bool] | None:
-    """`(num_experts, top_k, coef, in_objective)` of a transformers MoE model that reports router logits (its config
-    has `router_aux_loss_coef` and its forward accepts `output_router_logits`); None for any other model.
+    """`(num_experts, top_k, coef, in_objective)` of a transformers MoE model whose router loss `RouterAuxLoss`
+    reproduces (see `_reproducible`); None for any other model (`router_aux_problems` names the ones that train
+    with a router loss this trainer cannot reproduce).
 
     `in_objective`: the model's own training loss adds `coef x aux` (transformers does so exactly when
     `config.output_router_logits` is true); otherwise the router logits serve the expert-imbalance statistics only.
     """
-    import inspect
+    if not _declares_router_loss(model) or not _reproducible(model):
+        return None
+    config: Any = model.config
+    return (
+        int(model.num_experts),  # type: ignore[arg-type]
+        int(model.num_experts_per_tok),  # type: ignore[arg-type]
+        float(config.router_aux_loss_coef),
+        bool(getattr(config, "output_router_logits", False)),
+    )
 
+
+def router_aux_problems(model: nn.Module) -> list[str]:
+    """A model whose training objective includes a router loss that `RouterAuxLoss` does not reproduce: refused
+    (in validation, before any process group) rather than trained on cross-entropy alone."""
     config = getattr(model, "config", None)
-    coef = getattr(config, "router_aux_loss_coef", None)
-    if coef is None or "output_router_logits" not in inspect.signature(model.forward).parameters:
-        return None
-    experts = getattr(model, "num_experts", None) or getattr(config, "num_local_experts", None)
-    experts = experts or getattr(config, "num_experts", None)
-    top_k = getattr(model, "num_experts_per_tok", None) or getattr(config, "num_experts_per_tok", None)
-    if not experts or not top_k:
-        return None
-    return int(experts), int(top_k), float(coef), bool(getattr(config, "output_router_logits", False))
+    if not _declares_router_loss(model) or not getattr(config, "output_router_logits", False):
+        return []
+    if _reproducible(model):
+        return []
+    return [
+        f"{type(model).__name__} trains with a router auxiliary loss (config output_router_logits=true, "
+        f"router_aux_loss_coef={config.router_aux_loss_coef}) that is not transformers' Switch-Transformer "  # type: ignore[union-attr]
+        "load_balancing_loss_func with the model's num_experts / num_experts_per_tok, which this trainer reproduces "
+        'over the global batch; set "output_router_logits": false in the config.json of --model-path to train on '
+        "cross-entropy alone"
+    ]
 
 
 class RouterAuxLoss:
@@ -226,4 +271,11 @@ def make_hf_exporter(spec: ModelSpec, parts: list[nn.Module], *, dtype: str, sha
     return export
 
 
-__all__ = ["RouterAuxLoss", "TokenSumLoss", "clip_grad_norm", "make_hf_exporter", "router_aux_spec"]
+__all__ = [
+    "RouterAuxLoss",
+    "TokenSumLoss",
+    "clip_grad_norm",
+    "make_hf_exporter",
+    "router_aux_problems",
+    "router_aux_spec",
+]
