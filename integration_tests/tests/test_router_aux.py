@@ -64,7 +64,8 @@ def test_objective_and_gradient_equal_the_models_own_loss_however_the_batch_is_s
     ref_grads = torch.autograd.grad(theirs.loss, list(model.parameters()), allow_unused=True)
 
     router = RouterAuxLoss.for_model(model)
-    assert router is not None and router.coef == COEF
+    assert router is not None
+    assert router.coef == COEF
     ce = TokenSumLoss()
     ce.denominator = float((labels != -100).sum())
     pieces = []
@@ -102,14 +103,16 @@ def test_a_model_whose_config_leaves_the_aux_loss_out_keeps_cross_entropy_but_re
     model = _tiny("mixtral", output_router_logits=False)
     assert router_aux_spec(model) == (4, 2, COEF, False)
     router = RouterAuxLoss.for_model(model)
-    assert router is not None and router.coef == 0.0
+    assert router is not None
+    assert router.coef == 0.0
     from trainer.models import build_model, preset_spec
 
     llama = build_model(
         preset_spec("llama", hidden_size=32, num_layers=2, mtp_depths=0, tie_embeddings=False, vocab_size=None),
         seed=0,
     )
-    assert router_aux_spec(llama) is None and RouterAuxLoss.for_model(llama) is None
+    assert router_aux_spec(llama) is None
+    assert RouterAuxLoss.for_model(llama) is None
 
 
 def _save_mixtral(folder: Path) -> None:
@@ -160,7 +163,8 @@ def test_mixtral_trains_on_its_own_objective_at_dp2_with_microbatches_as_in_one_
         assert summary["losses"][0] == pytest.approx(float(own.loss), rel=1e-5)
         assert summary["aux_losses"][0] == pytest.approx(float(own.aux_loss), rel=1e-5)
         imbalance = summary["expert_imbalance"]
-        assert len(imbalance) == 3 and all(1.0 <= value <= 4.0 for value in imbalance)
+        assert len(imbalance) == 3
+        assert all(1.0 <= value <= 4.0 for value in imbalance)
     for key in ("losses", "aux_losses", "expert_imbalance"):
         assert dp2.summary[key] == pytest.approx(single.summary[key], rel=1e-5), key
     tb = single.summary["tensorboard"]
@@ -190,7 +194,8 @@ def test_a_router_loss_of_another_rule_is_refused_before_any_process_group() -> 
     from trainer.validation import router_aux_model_problems
 
     model = _tiny("doge")
-    assert router_aux_spec(model) is None and RouterAuxLoss.for_model(model) is None
+    assert router_aux_spec(model) is None
+    assert RouterAuxLoss.for_model(model) is None
     (problem,) = router_aux_problems(model)
     assert problem.startswith(
         "DogeForCausalLM trains with a router auxiliary loss (config output_router_logits=true, "

@@ -28,7 +28,8 @@ model whose config asks for it, `router_aux_loss_coef` x its router load-balanci
 trainer/step_parts.py's `RouterAuxLoss`, at pp = 1; reported apart as `aux_loss`). Every rank divides the token SUM
 of its own tokens by the number of label tokens in the whole global batch (known on every rank, no collective);
 microbatch gradients add up (pipeline `scale_grads=False`, or the pp = 1 accumulation loop), FSDP2 sums over dp x cp,
-and the logged loss is the sum of the last stages' losses over all ranks. Hence every parallel layout computes exactly the single-process loss and gradient.
+and the logged loss is the sum of the last stages' losses over all ranks. Hence every parallel layout computes
+exactly the single-process loss and gradient.
 
 Fault injection (tests only): AM_TRAIN_FAIL_AT_STEP=<step> AM_TRAIN_FAIL_RANK=<rank> AM_TRAIN_FAIL_MODE=raise|sigkill
 makes that rank raise (or SIGKILL itself) when the step starts. AM_TRAIN_FP32_REPORT=<folder> makes every rank write

@@ -14,7 +14,8 @@ from pathlib import Path
 
 class Progress:
     """Progress bar with step, loss, tokens/s and ETA on rank 0 (MoE models: the expert load imbalance, the worst
-    layer's busiest expert over the mean; transformers MoE models: the router load-balancing loss apart); a no-op elsewhere."""
+    layer's busiest expert over the mean; transformers MoE models: the router load-balancing loss apart); a no-op
+    elsewhere."""
 
     def __init__(self, *, total_steps: int, start_step: int, tokens_per_step: int, enabled: bool) -> None:
         self.enabled = enabled
@@ -49,8 +50,8 @@ class Progress:
         skipped: int | None = None,
     ) -> None:
         """One optimizer step done; `val_loss` when this step validated (the bar keeps showing the latest);
-        `expert_imbalance` for MoE models (max / mean tokens per expert, shown next to the loss); `aux_loss`: a transformers
-        MoE model's router load-balancing loss (unscaled; `loss` includes its coef x it); `skipped`: the
+        `expert_imbalance` for MoE models (max / mean tokens per expert, shown next to the loss); `aux_loss`: a
+        transformers MoE model's router load-balancing loss (unscaled; `loss` includes its coef x it); `skipped`: the
         steps dropped so far for a non-finite loss or gradient norm (with `--skip-nonfinite-steps`; None: not shown)."""
         self.steps_done += 1
         if val_loss is not None:

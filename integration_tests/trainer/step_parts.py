@@ -2,9 +2,9 @@
 norm, and the HF-format export.
 
 What it is for: `TokenSumLoss` (fp32 cross-entropy sum over the global batch's label tokens), `RouterAuxLoss` (the
-router load-balancing loss of a transformers MoE model over the global batch, and its expert imbalance), `clip_grad_norm`
-(one norm over every pipeline stage, FSDP2 shard and expert mesh; a tied embedding's output copy counted once),
-`make_hf_exporter` (gathers the full weights, rank 0 writes them with the model's `save_pretrained`).
+router load-balancing loss of a transformers MoE model over the global batch, and its expert imbalance),
+`clip_grad_norm` (one norm over every pipeline stage, FSDP2 shard and expert mesh; a tied embedding's output copy
+counted once), `make_hf_exporter` (gathers the full weights, rank 0 writes them with the model's `save_pretrained`).
 What it must not do: decide the layout (parallel.py) or run the loop (loop.py).
 """
 

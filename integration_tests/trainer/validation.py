@@ -315,11 +315,12 @@ def router_aux_model_problems(cfg: RunConfig, model: nn.Module | None) -> list[s
     spec = router_aux_spec(model) if cfg.pp > 1 else None
     if spec is None or not spec[3]:
         return problems
-    return problems + [
+    return [
+        *problems,
         f"--pp {cfg.pp}: {type(model).__name__} trains with its router load-balancing loss "
         f"(config output_router_logits=true, router_aux_loss_coef={spec[2]}), which the pipeline cannot compute "
         "over the global batch; run with --pp 1 (dp, cp and FSDP2 compute it exactly), or set "
-        '"output_router_logits": false in the config.json of --model-path to train on cross-entropy alone'
+        '"output_router_logits": false in the config.json of --model-path to train on cross-entropy alone',
     ]
 
 
