@@ -452,13 +452,15 @@ def _forward_backward(
     With `router` (a transformers MoE model): every microbatch's forward first (graphs kept), then the top-k counts
     summed over the microbatches and the dp x cp ranks, then each microbatch's backward of cross-entropy + coef x its
     aux share (see RouterAuxLoss: the global counts must be known before any backward). NOTE: this holds the
-    activations of all of the rank's microbatches at once, as a run with one microbatch per rank does.
+    activations of all of the rank's microbatches at once, as a run with one microbatch per rank does. A model whose
+    config leaves the term out (coef 0) runs each backward right after its forward, counting only (imbalance, aux).
     `router.last_aux_share` is then this rank's share of the step's aux (the returned loss includes coef x it)."""
     n_micro = input_ids.shape[0] // cfg.microbatch_size
     total = torch.zeros((), device=input_ids.device)
     sync = getattr(model, "set_requires_gradient_sync", None)
     pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # router: (ring context, CE loss, router prob sums)
     counts: torch.Tensor | None = None
+    deferred = router is not None and router.coef != 0.0  # the aux term is in the objective: backward after counts
     for i in range(n_micro):
         rows = slice(i * cfg.microbatch_size, (i + 1) * cfg.microbatch_size)
         batch: dict[str, torch.Tensor] = {"input_ids": input_ids[rows], "labels": labels[rows]}
@@ -469,7 +471,7 @@ def _forward_backward(
             mb_labels, mtp_targets = split_cp_targets(batch)
         else:
             mb_labels = batch.pop("labels")
-        if callable(sync) and backward and router is None:
+        if callable(sync) and backward and not deferred:
             sync(i == n_micro - 1)  # FSDP2: reduce gradients once, after the last microbatch
         with ctx():
             output = model(**batch, **({"output_router_logits": True} if router is not None else {}))
@@ -479,8 +481,8 @@ def _forward_backward(
             if router is not None:
                 mb_counts, prob_sum = router.layer_stats(output.router_logits)
                 counts = mb_counts if counts is None else counts + mb_counts
-                pending.append((ctx, loss, prob_sum))
-            elif backward:
+                pending.append((ctx, loss, prob_sum if deferred else prob_sum.detach()))
+            if backward and not deferred:
                 loss.backward()
         total += loss.detach().float()
     if router is None or counts is None:
@@ -490,7 +492,7 @@ def _forward_backward(
     for i, (ctx, loss, prob_sum) in enumerate(pending):
         share = router.share(global_counts, prob_sum)
         aux_share += share.detach().float()
-        if backward:
+        if backward and deferred:
             if callable(sync):
                 sync(i == n_micro - 1)
             with ctx():  # the ring context again: CP attention's backward runs in it, as its forward did
