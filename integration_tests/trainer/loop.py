@@ -23,10 +23,13 @@ on every rank at once (exit code 3, the step and the value named; trainer/guards
 `--skip-nonfinite-steps N` lets it drop up to N such updates (counted in the progress bar and summary.json); a
 checkpoint is never written from non-finite weights, nor onto a disk without room (exit code 3 as well).
 
-Loss: the GLOBAL token mean. Every rank divides the token SUM of its own tokens by the number of label tokens in the
-whole global batch (known on every rank, no collective); microbatch gradients add up (pipeline `scale_grads=False`,
-or the pp = 1 accumulation loop), FSDP2 sums over dp x cp, and the logged loss is the sum of the last stages'
-losses over all ranks. Hence every parallel layout computes exactly the single-process loss and gradient.
+Loss: the model's own training objective, the GLOBAL token mean of the cross-entropy (plus, for a transformers MoE
+model whose config asks for it, `router_aux_loss_coef` x its router load-balancing loss over the global batch:
+trainer/step_parts.py's `RouterAuxLoss`, at pp = 1; reported apart as `aux_loss`). Every rank divides the token SUM
+of its own tokens by the number of label tokens in the whole global batch (known on every rank, no collective);
+microbatch gradients add up (pipeline `scale_grads=False`, or the pp = 1 accumulation loop), FSDP2 sums over dp x cp,
+and the logged loss is the sum of the last stages' losses over all ranks. Hence every parallel layout computes
+exactly the single-process loss and gradient.
 
 Fault injection (tests only): AM_TRAIN_FAIL_AT_STEP=<step> AM_TRAIN_FAIL_RANK=<rank> AM_TRAIN_FAIL_MODE=raise|sigkill
 makes that rank raise (or SIGKILL itself) when the step starts. AM_TRAIN_FP32_REPORT=<folder> makes every rank write
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -84,7 +88,7 @@ from trainer.parallel import (
     uses_fsdp,
 )
 from trainer.progress import Progress, save_loss_curve
-from trainer.step_parts import TokenSumLoss, clip_grad_norm, make_hf_exporter
+from trainer.step_parts import RouterAuxLoss, TokenSumLoss, clip_grad_norm, make_hf_exporter
 from trainer.tb_logging import TensorBoardLog
 from trainer.validation import EXIT_BAD_INPUT, BadInput, resume_changes, validate
 
@@ -168,6 +172,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     attach_capabilities_and_validate(model, mesh_context(cfg))
     moe = has_experts(model)
+    # A transformers MoE model (router logits): its load-balancing loss (when its config adds it to the objective)
+    # and its expert imbalance, over the global batch (dp x cp). pp = 1 only: validation refuses --pp > 1 when the
+    # term is in the objective; otherwise a pipelined run trains on cross-entropy alone, its imbalance not counted.
+    router = RouterAuxLoss.for_model(model, group=dp_cp_mesh.get_group()) if cfg.pp == 1 else None
     model.to(device)
     apply_precision(model, dtype=cfg.dtype)
     loss_fn = TokenSumLoss()
@@ -205,12 +213,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     stream = BatchStream(corpus.train, seq_len=cfg.seq_len, global_batch=cfg.global_batch)
     start_step, history, val_history = 0, [], []
     imbalances: list[float] = []  # per step, MoE models only: the worst layer's busiest expert / mean (global batch)
+    aux_losses: list[float] = []  # per applied step (as `history`), router models only: the load-balancing loss
     guard = StepGuard(max_skips=cfg.skip_nonfinite_steps)
     if resume_dir is not None:
         state = ckpt.load_checkpoint(resume_dir, model_parts=parts, optimizers=optimizers)
         start_step, history = int(state["step"]), [tuple(x) for x in state["losses"]]
         val_history = [tuple(x) for x in state.get("val_losses", [])]
         imbalances = list(state.get("expert_imbalance") or [])
+        aux_losses = list(state.get("aux_losses") or [])
         guard = StepGuard(max_skips=cfg.skip_nonfinite_steps, skipped=state.get("skipped_steps", []))
         stream.load_state_dict(state["data"])
     val_batches = validation_batches(corpus.val, cfg) if corpus.val is not None else []
@@ -230,7 +240,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             "data": stream.state_dict(),
             "losses": history,
             "val_losses": val_history,
-            "expert_imbalance": imbalances if moe else None,
+            "expert_imbalance": imbalances if moe or router else None,
+            "aux_losses": aux_losses if router else None,
             "skipped_steps": guard.skipped,
         }
         return ckpt.save_checkpoint(
@@ -248,7 +259,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         rows = slice(dp_rank * cfg.local_batch, (dp_rank + 1) * cfg.local_batch)
         input_ids, labels = input_ids[rows].to(device), labels[rows].to(device)
         if schedule is None:
-            return _forward_backward(parts[0], pipeline_loss, input_ids, labels, cfg=cfg, mesh=mesh, backward=train)
+            return _forward_backward(
+                parts[0], pipeline_loss, input_ids, labels, cfg=cfg, mesh=mesh, backward=train,
+                router=router if train else None,  # validation: the held-out cross-entropy alone
+            )  # fmt: skip
         losses: list[torch.Tensor] = []
         step_ctx: Any = contextlib.nullcontext
         first_inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
@@ -274,7 +288,13 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         input_ids, labels = stream.next_batch()
         loss_fn.denominator = float((labels != -100).sum())
         local = run_batch(input_ids, labels, train=True)
-        dist.all_reduce(local)  # the sum of every rank's share is the global token mean
+        aux_loss = None
+        if router is not None and router.last_aux_share is not None:  # one all-reduce for both shares
+            both = torch.stack([local, router.last_aux_share.to(local)])
+            dist.all_reduce(both)
+            local, aux_loss = both[0], float(both[1])
+        else:
+            dist.all_reduce(local)  # the sum of every rank's share is the global token mean
         grad_norm = clip_grad_norm(parts, max_norm=cfg.grad_clip, pp_group=pp_group)
         lr = lr_at(step, cfg)
         # The loss is all-reduced and the norm is global, so every rank takes the same decision here (no rank is
@@ -287,6 +307,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             optimizer.zero_grad(set_to_none=True)
         if apply:
             history.append((step, float(local), float(grad_norm)))
+            if aux_loss is not None:
+                aux_losses.append(aux_loss)
         elif rank == 0:
             print(
                 f"warning: {guard.last_problem}; update skipped ({len(guard.skipped)} of --skip-nonfinite-steps "
@@ -300,6 +322,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                 parts, data_group=dp_cp_mesh.get_group(), pp_group=pp_group, device=device
             )
             imbalances.append(imbalance)
+        elif router is not None:  # counted in the step's forwards, over the global batch
+            imbalance = router.last_imbalance if router.last_imbalance is not None else math.nan
+            imbalances.append(imbalance)
         val_loss = None
         if val_batches and (step % cfg.val_every == 0 or step == cfg.steps):
             val_loss = evaluate(val_batches, run_batch=run_batch, loss_fn=loss_fn, model_parts=parts)
@@ -312,6 +337,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             lr=lr,
             val_loss=val_loss,
             expert_imbalance=imbalance,
+            aux_loss=aux_loss,
             skipped=len(guard.skipped) if cfg.skip_nonfinite_steps else None,
         )
         tensorboard.scalars(
@@ -319,6 +345,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             {"train/loss": float(local), "train/lr": lr, "train/grad_norm": float(grad_norm)}
             | {"train/tokens_per_s": progress.tokens_per_second()}
             | ({"train/expert_imbalance": imbalance} if imbalance is not None else {})
+            | ({"train/aux_loss": aux_loss} if aux_loss is not None else {})
             | ({"val/loss": val_loss} if val_loss is not None else {}),
         )
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
@@ -344,7 +371,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             "resumed_from": start_step or None,
             "losses": [loss for _, loss, _ in history],
             "grad_norms": [norm for _, _, norm in history],
-            "expert_imbalance": imbalances if moe else None,
+            "expert_imbalance": imbalances if moe or router else None,
+            # router models (pp = 1): the load-balancing loss per applied step, unscaled (as transformers' aux_loss);
+            # `losses` include router_aux_loss_coef x it when the model's config adds it (`aux_loss_coef`)
+            "aux_losses": aux_losses if router else None,
+            "final_aux_loss": aux_losses[-1] if router and aux_losses else None,
+            "aux_loss_coef": router.coef if router else None,
             "first_loss": history[0][1] if history else None,
             "final_loss": history[-1][1] if history else None,
             "val_losses": [list(entry) for entry in val_history],  # [step, validation loss]
@@ -418,13 +450,24 @@ def _forward_backward(
     cfg: RunConfig,
     mesh: Any,
     backward: bool = True,
+    router: RouterAuxLoss | None = None,
 ) -> torch.Tensor:
     """pp = 1: forward and backward (forward only without `backward`: validation) over the microbatches of this
     rank's batch, each CP-sharded when cp > 1 (the ring context describes one microbatch's shard; MTP targets
-    computed before sharding go to the loss); returns this rank's share of the global loss (detached)."""
+    computed before sharding go to the loss); returns this rank's share of the global loss (detached).
+
+    With `router` (a transformers MoE model): every microbatch's forward first (graphs kept), then the top-k counts
+    summed over the microbatches and the dp x cp ranks, then each microbatch's backward of cross-entropy + coef x its
+    aux share (see RouterAuxLoss: the global counts must be known before any backward). NOTE: this holds the
+    activations of all of the rank's microbatches at once, as a run with one microbatch per rank does. A model whose
+    config leaves the term out (coef 0) runs each backward right after its forward, counting only (imbalance, aux).
+    `router.last_aux_share` is then this rank's share of the step's aux (the returned loss includes coef x it)."""
     n_micro = input_ids.shape[0] // cfg.microbatch_size
     total = torch.zeros((), device=input_ids.device)
     sync = getattr(model, "set_requires_gradient_sync", None)
+    pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # router: (ring context, CE loss, router prob sums)
+    counts: torch.Tensor | None = None
+    deferred = router is not None and router.coef != 0.0  # the aux term is in the objective: backward after counts
     for i in range(n_micro):
         rows = slice(i * cfg.microbatch_size, (i + 1) * cfg.microbatch_size)
         batch: dict[str, torch.Tensor] = {"input_ids": input_ids[rows], "labels": labels[rows]}
@@ -435,17 +478,34 @@ def _forward_backward(
             mb_labels, mtp_targets = split_cp_targets(batch)
         else:
             mb_labels = batch.pop("labels")
-        if callable(sync) and backward:
+        if callable(sync) and backward and not deferred:
             sync(i == n_micro - 1)  # FSDP2: reduce gradients once, after the last microbatch
         with ctx():
-            output = model(**batch)
+            output = model(**batch, **({"output_router_logits": True} if router is not None else {}))
             # The pipeline's loss module, as at pp > 1: a model that owns its training loss (Nemotron-H: next-token
             # + scaled MTP, its `combined_loss` hook) computes it there with our loss_fn.
             loss = loss_module(output, mb_labels, **({"mtp_per_depth_targets": mtp_targets} if mtp_targets else {}))
-            if backward:
+            if router is not None:
+                mb_counts, prob_sum = router.layer_stats(output.router_logits)
+                counts = mb_counts if counts is None else counts + mb_counts
+                pending.append((ctx, loss, prob_sum if deferred else prob_sum.detach()))
+            if backward and not deferred:
                 loss.backward()
         total += loss.detach().float()
-    return total
+    if router is None or counts is None:
+        return total
+    global_counts = router.reduce(counts)  # collective over dp x cp, after every microbatch's forward
+    aux_share = torch.zeros((), device=input_ids.device)
+    for i, (ctx, loss, prob_sum) in enumerate(pending):
+        share = router.share(global_counts, prob_sum)
+        aux_share += share.detach().float()
+        if backward and deferred:
+            if callable(sync):
+                sync(i == n_micro - 1)
+            with ctx():  # the ring context again: CP attention's backward runs in it, as its forward did
+                (loss + router.coef * share).backward()
+    router.last_aux_share = aux_share
+    return total + router.coef * aux_share
 
 
 def main(argv: list[str] | None = None) -> int:

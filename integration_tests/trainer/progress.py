@@ -14,7 +14,8 @@ from pathlib import Path
 
 class Progress:
     """Progress bar with step, loss, tokens/s and ETA on rank 0 (MoE models: the expert load imbalance, the worst
-    layer's busiest expert over the mean); a no-op elsewhere."""
+    layer's busiest expert over the mean; transformers MoE models: the router load-balancing loss apart); a no-op
+    elsewhere."""
 
     def __init__(self, *, total_steps: int, start_step: int, tokens_per_step: int, enabled: bool) -> None:
         self.enabled = enabled
@@ -45,10 +46,12 @@ class Progress:
         lr: float,
         val_loss: float | None = None,
         expert_imbalance: float | None = None,
+        aux_loss: float | None = None,
         skipped: int | None = None,
     ) -> None:
         """One optimizer step done; `val_loss` when this step validated (the bar keeps showing the latest);
-        `expert_imbalance` for MoE models (max / mean tokens per expert, shown next to the loss); `skipped`: the
+        `expert_imbalance` for MoE models (max / mean tokens per expert, shown next to the loss); `aux_loss`: a
+        transformers MoE model's router load-balancing loss (unscaled; `loss` includes its coef x it); `skipped`: the
         steps dropped so far for a non-finite loss or gradient norm (with `--skip-nonfinite-steps`; None: not shown)."""
         self.steps_done += 1
         if val_loss is not None:
@@ -58,6 +61,8 @@ class Progress:
         elapsed = time.perf_counter() - self.start_time
         tokens_per_s = self.steps_done * self.tokens_per_step / max(elapsed, 1e-9)
         fields = {"loss": f"{loss:.4f}"}
+        if aux_loss is not None:
+            fields["aux_loss"] = f"{aux_loss:.4f}"
         if expert_imbalance is not None:
             fields["experts max/mean"] = f"{expert_imbalance:.2f}"
         if self._val_loss is not None:

@@ -1,14 +1,16 @@
 """The pieces of a training step the loop composes: the loss over label tokens, gradient clipping by the global
 norm, and the HF-format export.
 
-What it is for: `TokenSumLoss` (fp32 cross-entropy sum over the global batch's label tokens), `clip_grad_norm`
-(one norm over every pipeline stage, FSDP2 shard and expert mesh; a tied embedding's output copy counted once),
-`make_hf_exporter` (gathers the full weights, rank 0 writes them with the model's `save_pretrained`).
+What it is for: `TokenSumLoss` (fp32 cross-entropy sum over the global batch's label tokens), `RouterAuxLoss` (the
+router load-balancing loss of a transformers MoE model over the global batch, and its expert imbalance),
+`clip_grad_norm` (one norm over every pipeline stage, FSDP2 shard and expert mesh; a tied embedding's output copy
+counted once), `make_hf_exporter` (gathers the full weights, rank 0 writes them with the model's `save_pretrained`).
 What it must not do: decide the layout (parallel.py) or run the loop (loop.py).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,149 @@ class TokenSumLoss:
             logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
         )
         return total / self.denominator
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The router load-balancing loss of transformers MoE models (Mixtral, Qwen2-MoE, OLMoE, ...)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _declares_router_loss(model: nn.Module) -> bool:
+    """The model reports router logits: its config has `router_aux_loss_coef`, its forward `output_router_logits`."""
+    import inspect
+
+    coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
+    return coef is not None and "output_router_logits" in inspect.signature(model.forward).parameters
+
+
+def _same_code(a: Any, b: Any) -> bool:
+    """Two functions with the same bytecode, names and constants (their docstrings aside)."""
+    ca, cb = a.__code__, b.__code__
+    return (ca.co_code, ca.co_names, ca.co_varnames, ca.co_consts[1:]) == (
+        cb.co_code, cb.co_names, cb.co_varnames, cb.co_consts[1:]
+    )  # fmt: skip
+
+
+def _reproducible(model: nn.Module) -> bool:
+    """The model's modeling module computes its aux with transformers' Switch-Transformer `load_balancing_loss_func`
+    (the very code of Mixtral's, which `RouterAuxLoss` reproduces), called with the model's own `num_experts` and
+    `num_experts_per_tok`. Structural, not a list of architectures: Qwen2-MoE, OLMoE, Qwen3-MoE, PhiMoE, GPT-OSS,
+    Jamba, ... qualify; a model with another rule (e.g. Doge) does not."""
+    import sys
+
+    from transformers.models.mixtral import modeling_mixtral
+
+    theirs = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    has_sizes = bool(getattr(model, "num_experts", None)) and bool(getattr(model, "num_experts_per_tok", None))
+    return callable(theirs) and has_sizes and _same_code(theirs, modeling_mixtral.load_balancing_loss_func)
+
+
+def router_aux_spec(model: nn.Module) -> tuple[int, int, float, bool] | None:
+    """`(num_experts, top_k, coef, in_objective)` of a transformers MoE model whose router loss `RouterAuxLoss`
+    reproduces (see `_reproducible`); None for any other model (`router_aux_problems` names the ones that train
+    with a router loss this trainer cannot reproduce).
+
+    `in_objective`: the model's own training loss adds `coef x aux` (transformers does so exactly when
+    `config.output_router_logits` is true); otherwise the router logits serve the expert-imbalance statistics only.
+    """
+    if not _declares_router_loss(model) or not _reproducible(model):
+        return None
+    config: Any = model.config
+    return (
+        int(model.num_experts),  # type: ignore[arg-type]
+        int(model.num_experts_per_tok),  # type: ignore[arg-type]
+        float(config.router_aux_loss_coef),
+        bool(getattr(config, "output_router_logits", False)),
+    )
+
+
+def router_aux_problems(model: nn.Module) -> list[str]:
+    """A model whose training objective includes a router loss that `RouterAuxLoss` does not reproduce: refused
+    (in validation, before any process group) rather than trained on cross-entropy alone."""
+    config = getattr(model, "config", None)
+    if not _declares_router_loss(model) or not getattr(config, "output_router_logits", False):
+        return []
+    if _reproducible(model):
+        return []
+    return [
+        f"{type(model).__name__} trains with a router auxiliary loss (config output_router_logits=true, "
+        f"router_aux_loss_coef={config.router_aux_loss_coef}) that is not transformers' Switch-Transformer "  # type: ignore[union-attr]
+        "load_balancing_loss_func with the model's num_experts / num_experts_per_tok, which this trainer reproduces "
+        'over the global batch; set "output_router_logits": false in the config.json of --model-path to train on '
+        "cross-entropy alone"
+    ]
+
+
+class RouterAuxLoss:
+    """The router load-balancing loss exactly as transformers' `load_balancing_loss_func` computes it (Switch
+    Transformer eqs. 4-6, no attention mask), but over the GLOBAL batch of every dp x cp rank and microbatch.
+
+    transformers' value, over MoE layers l and rows t (tokens) of one forward, E experts, top-k routing:
+        C_e = sum_{l,t} [e in topk(softmax(logits_lt))]   P_e = sum_{l,t} softmax(logits_lt)_e   R = sum_l rows_l
+        aux = E x sum_e (C_e / R) x (P_e / R)
+    It is NOT a sum over tokens (a product of two sums), so the mean of per-rank or per-microbatch values is not the
+    global value. The exact rule used here: the integer counts C and the rows R are summed over every microbatch and
+    rank first (`reduce`, one all-reduce of [L, E + 1] over the data group); each microbatch then contributes
+    `share = E x sum_e C_e x P_e(local) / R^2`. The shares sum (over microbatches and ranks) to aux, and since C is
+    piecewise constant their gradients sum to aux's gradient, so FSDP2's gradient sum reproduces the single-process
+    `model(input_ids, labels, output_router_logits=True).loss` exactly (cross-entropy + coef x aux).
+
+    `coef` is the weight in the objective: the model's `router_aux_loss_coef`, 0 when its config does not add the
+    term (`output_router_logits` false); the statistics and the imbalance are computed either way.
+    """
+
+    def __init__(self, *, num_experts: int, top_k: int, coef: float, group: Any = None) -> None:
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.coef = coef
+        self.group = group
+        self.last_aux_share: torch.Tensor | None = None  # this rank's share of the last step's aux (sums to aux)
+        self.last_imbalance: float | None = None  # the last step's worst layer max / mean tokens per expert
+
+    @classmethod
+    def for_model(cls, model: nn.Module, *, group: Any = None) -> RouterAuxLoss | None:
+        spec = router_aux_spec(model)
+        if spec is None:
+            return None
+        experts, top_k, coef, in_objective = spec
+        return cls(num_experts=experts, top_k=top_k, coef=coef if in_objective else 0.0, group=group)
+
+    def layer_stats(self, router_logits: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One microbatch's statistics: (counts float64 [L, E + 1]: top-k assignments per expert and, last, the rows;
+        no grad) and the router probabilities summed over layers and rows (fp32 [E], differentiable).
+        router_logits: one [rows, E] tensor per MoE layer (the model's `output_router_logits=True` output)."""
+        rows = []
+        probs = torch.zeros(self.num_experts, dtype=torch.float32, device=router_logits[0].device)
+        for logits in router_logits:
+            weights = F.softmax(logits, dim=-1)  # transformers' order: softmax in the logits' dtype, then fp32 sums
+            selected = torch.topk(weights.detach(), self.top_k, dim=-1).indices
+            counts = torch.bincount(selected.reshape(-1), minlength=self.num_experts).to(torch.float64)
+            rows.append(torch.cat([counts, counts.new_tensor([weights.shape[0]])]))
+            probs = probs + weights.float().sum(dim=0)
+        return torch.stack(rows), probs
+
+    def reduce(self, counts: torch.Tensor) -> torch.Tensor:
+        """Sum [L, E + 1] counts over the data group (collective on every rank of it; integers in float64: exact)."""
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            counts = counts.clone()
+            dist.all_reduce(counts, group=self.group)
+        self.last_imbalance = self.imbalance(counts)
+        return counts
+
+    def share(self, global_counts: torch.Tensor, prob_sum: torch.Tensor) -> torch.Tensor:
+        """This microbatch's share of aux (differentiable through `prob_sum`; see the class docstring)."""
+        assigned = global_counts[:, : self.num_experts].sum(dim=0).to(prob_sum.dtype)
+        total_rows = float(global_counts[:, self.num_experts].sum())
+        return self.num_experts * (assigned * prob_sum).sum() / (total_rows * total_rows)
+
+    def imbalance(self, global_counts: torch.Tensor) -> float:
+        """The worst layer's (tokens of its busiest expert) / (mean tokens per expert); NaN if no token was routed."""
+        assigned = global_counts[:, : self.num_experts]
+        mean = assigned.sum(dim=1) / self.num_experts
+        seen = mean > 0
+        if not bool(seen.any()):
+            return math.nan
+        return float((assigned.max(dim=1).values[seen] / mean[seen]).max())
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -126,4 +271,11 @@ def make_hf_exporter(spec: ModelSpec, parts: list[nn.Module], *, dtype: str, sha
     return export
 
 
-__all__ = ["TokenSumLoss", "clip_grad_norm", "make_hf_exporter"]
+__all__ = [
+    "RouterAuxLoss",
+    "TokenSumLoss",
+    "clip_grad_norm",
+    "make_hf_exporter",
+    "router_aux_problems",
+    "router_aux_spec",
+]

@@ -1,6 +1,7 @@
 """TensorBoard logging of the reference trainer (rank 0 only): `--tensorboard DIR`, on by default when installed.
 
-What it is for: scalars per step (`train/loss`, `train/lr`, `train/grad_norm`, `train/tokens_per_s`) and per
+What it is for: scalars per step (`train/loss`, `train/lr`, `train/grad_norm`, `train/tokens_per_s`; MoE
+models `train/expert_imbalance`, transformers MoE models `train/aux_loss`) and per
 validation (`val/loss`) into `<out>/tb` (or `--tensorboard DIR`), through `torch.utils.tensorboard.SummaryWriter`.
 `--tensorboard off` (or `--no-tensorboard`) turns it off. When the `tensorboard` package is missing, the default is
 off and the log says so; an explicit `--tensorboard DIR` is then refused before the run starts (`tensorboard_problems`).

@@ -294,10 +294,33 @@ def _feature_model_problems(cfg: RunConfig, *, model: nn.Module | None, plan: An
     from trainer.evaluation import pipeline_eval_problems
     from trainer.layer_wrappers import activation_checkpointing_problems
 
-    problems = pipeline_eval_problems(cfg, plan)
+    problems = pipeline_eval_problems(cfg, plan) + router_aux_model_problems(cfg, model)
     if cfg.activation_checkpointing and model is not None and min(cfg.pp, cfg.dp, cfg.cp, cfg.ep) >= 1:
         problems += activation_checkpointing_problems(model, mesh=mesh_context(cfg))
     return problems
+
+
+def router_aux_model_problems(cfg: RunConfig, model: nn.Module | None) -> list[str]:
+    """A transformers MoE model whose training objective includes a router loss the trainer cannot reproduce
+    (`router_aux_problems`), or includes its load-balancing loss at `--pp > 1`: refused rather than dropping the
+    term. The load-balancing loss needs the top-k counts of every layer over the whole global batch before any
+    backward, which a pipeline schedule (a stage's backward runs before the other microbatches' forwards, and each
+    stage holds only its own layers) does not provide."""
+    from trainer.step_parts import router_aux_problems, router_aux_spec
+
+    if model is None:
+        return []
+    problems = router_aux_problems(model)
+    spec = router_aux_spec(model) if cfg.pp > 1 else None
+    if spec is None or not spec[3]:
+        return problems
+    return [
+        *problems,
+        f"--pp {cfg.pp}: {type(model).__name__} trains with its router load-balancing loss "
+        f"(config output_router_logits=true, router_aux_loss_coef={spec[2]}), which the pipeline cannot compute "
+        "over the global batch; run with --pp 1 (dp, cp and FSDP2 compute it exactly), or set "
+        '"output_router_logits": false in the config.json of --model-path to train on cross-entropy alone',
+    ]
 
 
 def _resume_mismatches(cfg: RunConfig, state: dict[str, Any]) -> list[str]:
