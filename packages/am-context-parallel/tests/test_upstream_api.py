@@ -35,6 +35,7 @@ from am_context_parallel.upstream import (
     make_cp_batch_and_ctx,
     unshard_context_parallel_tensor,
 )
+from am_testing import root_api_problems
 
 
 def _fake_cp_mesh(size: int, rank: int) -> object:
@@ -324,7 +325,7 @@ def test_the_root_has_one_name_per_thing_and_upstream_is_a_layer() -> None:
     import am_context_parallel
     from am_context_parallel import upstream
 
-    assert [name for name in am_context_parallel.__all__ if name.startswith("_") and name != "__version__"] == []
+    assert root_api_problems(am_context_parallel) == []
     assert sorted(set(upstream.__all__) & set(am_context_parallel.__all__)) == ["make_cp_batch_and_ctx"]
     assert upstream.make_cp_batch_and_ctx is not am_context_parallel.make_cp_batch_and_ctx  # the model-less wrapper
     core_modules = (

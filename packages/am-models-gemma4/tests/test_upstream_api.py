@@ -27,6 +27,7 @@ from am_models_gemma4.upstream import (
     prepare_model_inputs_for_cp,
 )
 from am_precision import BackendConfig
+from am_testing import root_api_problems
 
 
 def test_entry_points_name_the_defining_module():
@@ -83,11 +84,7 @@ def test_constructor_moe_config_checked_against_the_config():
 
 def test_root_has_one_name_per_object():
     """The package root binds each object to one name; upstream's other spellings live in `upstream` only."""
-    names_of: dict[int, list[str]] = {}
-    for name in am_models_gemma4.__all__:
-        names_of.setdefault(id(getattr(am_models_gemma4, name)), []).append(name)
-    assert [names for names in names_of.values() if len(names) > 1] == []
-    assert not [name for name in am_models_gemma4.__all__ if name.startswith("_") and name != "__version__"]
+    assert root_api_problems(am_models_gemma4) == []
     upstream_only = {"Gemma4Gate", "Gemma4MoEDecoderLayer", "Gemma4MoEStateDictAdapter", "Gemma4MoETextModelBackend"}
     assert upstream_only.isdisjoint(am_models_gemma4.__all__)
     assert not upstream_only & set(dir(am_models_gemma4))

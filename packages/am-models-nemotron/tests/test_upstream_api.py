@@ -48,17 +48,13 @@ from am_models_nemotron.upstream import (
     parse_mtp_layer_pattern,
 )
 from am_precision import cast_model_to_dtype
+from am_testing import root_api_problems
 
 
 def test_the_root_has_one_name_per_thing_and_no_private_names():
     """No two names of the root's `__all__` are bound to the same object, none is `_private`, and none of
     upstream's extra spellings is at the root."""
-    by_object: dict[int, list[str]] = {}
-    for name in am_models_nemotron.__all__:
-        if name != "__version__":
-            by_object.setdefault(id(getattr(am_models_nemotron, name)), []).append(name)
-    assert [names for names in by_object.values() if len(names) > 1] == []
-    assert [name for name in am_models_nemotron.__all__ if name.startswith("_") and name != "__version__"] == []
+    assert root_api_problems(am_models_nemotron) == []
     assert not set(upstream.__all__) & set(am_models_nemotron.__all__) - {"MTPModule", "NemotronHForCausalLM"}
     assert upstream.MTPModule is not CoreMTPModule
     assert upstream.NemotronHForCausalLM is not NemotronHForCausalLM

@@ -43,6 +43,7 @@ from am_pipelining import (
     upstream,
     validate_hf_model_for_pipeline_support,
 )
+from am_testing import root_api_problems
 
 IGN = -100
 
@@ -66,11 +67,7 @@ def test_functional_names_at_the_root():
 
 def test_root_exports_one_public_name_per_object():
     """No aliases at the root (two names bound to one object) and no private names in `__all__`."""
-    names_of: dict[int, list[str]] = {}
-    for name in am_pipelining.__all__:
-        names_of.setdefault(id(getattr(am_pipelining, name)), []).append(name)
-    assert [names for names in names_of.values() if len(names) > 1] == []
-    assert [name for name in am_pipelining.__all__ if name.startswith("_") and name != "__version__"] == []
+    assert root_api_problems(am_pipelining) == []
 
 
 def test_core_never_imports_upstream():

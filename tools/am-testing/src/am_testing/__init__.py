@@ -1,5 +1,6 @@
 """Private test helpers of the am-* monorepo (not published; listed in each package's `test` dependency group)."""
 
+from .api import root_api_problems
 from .gloo import PG_TIMEOUT_S, CaseError, case_result, run_cases, run_group
 
-__all__ = ["PG_TIMEOUT_S", "CaseError", "case_result", "run_cases", "run_group"]
+__all__ = ["root_api_problems", "PG_TIMEOUT_S", "CaseError", "case_result", "run_cases", "run_group"]
