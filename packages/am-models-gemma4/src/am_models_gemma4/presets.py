@@ -42,7 +42,7 @@ _VISION_PREFIXES = ("model.vision_tower.", "model.embed_vision.")
 
 
 def _read_preset(name: str) -> dict[str, Any]:
-    text = resources.files("am_models_gemma4").joinpath("preset_configs", f"{name}.json").read_text(encoding="utf-8")
+    text = resources.files(__package__).joinpath("preset_configs", f"{name}.json").read_text(encoding="utf-8")
     data: dict[str, Any] = json.loads(text)
     return data
 

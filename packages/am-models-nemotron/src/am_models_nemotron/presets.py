@@ -35,7 +35,7 @@ PRESET_NAMES: tuple[str, ...] = ("nemotron-3-nano-30b-a3b",)
 
 
 def _read_preset(name: str) -> dict[str, Any]:
-    text = resources.files("am_models_nemotron").joinpath("preset_configs", f"{name}.json").read_text(encoding="utf-8")
+    text = resources.files(__package__).joinpath("preset_configs", f"{name}.json").read_text(encoding="utf-8")
     data: dict[str, Any] = json.loads(text)
     return data
 
