@@ -1,6 +1,7 @@
 """Grouped-query attention without positional encoding (NoPE), as Nemotron-H uses, and its mask builder.
 
-What it is for: `NemotronAttention` (q/k/v/o projections, SDPA, K/V appended to a `NemotronHybridCache` while
+What it is for: `NemotronAttention` (q/k/v/o projections, the core attention `BackendConfig.attn` names — an
+am-precision `AttentionKernel`: sdpa, eager, flex, cudnn or te — K/V appended to a `NemotronHybridCache` while
 generating) and `build_attention_mask`, which turns padding, packed-document ids and a cache offset into one boolean
 mask (or None when plain causal attention suffices, so SDPA can use `is_causal`).
 What it must not do: apply rotary embeddings (the architecture has none), or produce a mask row with no allowed key
@@ -16,14 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from am_precision import BackendConfig, initialize_linear_module
+from am_precision import AttentionKernel, BackendConfig, attention_backend_problem, initialize_linear_module
 
 from ._init import reset_linear_
 from .config import NemotronConfig
 
 __all__ = ["NemotronAttention", "build_attention_mask"]
-
-SUPPORTED_ATTN_BACKENDS: tuple[str, ...] = ("sdpa",)
 
 
 def build_attention_mask(
@@ -78,11 +77,9 @@ class NemotronAttention(nn.Module):
     ) -> None:
         super().__init__()
         config = NemotronConfig.from_any(config)  # a raw transformers / NVIDIA config works too
-        if backend.attn not in SUPPORTED_ATTN_BACKENDS:
-            raise ValueError(
-                f"BackendConfig.attn={backend.attn!r} is not implemented by am-models-nemotron; supported: "
-                f"{SUPPORTED_ATTN_BACKENDS}. Pass backend=BackendConfig(attn='sdpa', ...)."
-            )
+        problem = attention_backend_problem(backend.attn)
+        if problem is not None:
+            raise ValueError(f"NemotronAttention layer {layer_idx}: {problem}")
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -98,6 +95,14 @@ class NemotronAttention(nn.Module):
         self.k_proj = linear(hidden, self.num_kv_heads * self.head_dim)
         self.v_proj = linear(hidden, self.num_kv_heads * self.head_dim)
         self.o_proj = linear(self.num_heads * self.head_dim, hidden)
+        # No parameters and no state-dict keys: the checkpoint layout does not depend on the attention backend.
+        self.core_attention = AttentionKernel(
+            backend.attn,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            compile=backend.compile_attn,
+        )
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -135,7 +140,7 @@ class NemotronAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         is_causal = attention_mask is None and seqlen > 1 and seqlen == k.shape[2]
-        out = F.scaled_dot_product_attention(
+        out = self.core_attention(
             q,
             k,
             v,

@@ -11,6 +11,7 @@ imported only by the functions that need them.
 from __future__ import annotations
 
 from ._version import __version__
+from .attention import RUNNABLE_ATTN_BACKENDS, AttentionKernel, attention_backend_problem, eager_attention
 from .backend import (
     ATTN_BACKENDS,
     DISPATCHER_BACKENDS,
@@ -78,6 +79,11 @@ __all__ = [
     "get_is_optim_step",
     "set_is_optim_step",
     "is_tensor_unallocated",
+    # attention kernels
+    "AttentionKernel",
+    "RUNNABLE_ATTN_BACKENDS",
+    "attention_backend_problem",
+    "eager_attention",
     # modules
     "Float32RMSNorm",
     "initialize_linear_module",
