@@ -106,7 +106,10 @@ def test_te_attention_without_cuda_names_cuda(monkeypatch) -> None:
 
 def test_values_are_never_rewritten_and_every_problem_is_listed_once(caplog) -> None:
     backend = BackendConfig(attn="tilelang", linear="torch", experts="gmm", dispatcher="hybridep")
-    with caplog.at_level(logging.WARNING, logger="am_models_nemotron"), pytest.raises(ValueError) as err:
+    with (
+        caplog.at_level(logging.WARNING, logger="am_models_nemotron"),
+        pytest.raises(ValueError, match="cannot run as asked") as err,
+    ):
         NemotronHForCausalLM(tiny_hf_config("*E"), backend)
     message = str(err.value)
     assert "attn='tilelang'" in message

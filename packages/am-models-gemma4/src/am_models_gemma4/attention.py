@@ -18,9 +18,10 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
+
+from am_precision import AttentionKernel, BackendConfig
 
 from .config import SLIDING, kv_sharing_modes, layer_head_dim, layer_num_kv_heads
 from .cp import active_ring_context, attention_cp_problem, ring_attention
@@ -98,7 +99,7 @@ class Gemma4Attention(nn.Module):
     layers have no K/V weights and read the K/V of the last "store" layer of their type.
     """
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: Any, layer_idx: int, *, backend: BackendConfig | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.layer_type = config.layer_types[layer_idx]
@@ -129,6 +130,14 @@ class Gemma4Attention(nn.Module):
             if not self.use_alternative_attention:
                 self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        # The core attention `backend.attn` names (None: SDPA). No parameters, no state-dict keys.
+        self.core_attention = AttentionKernel(
+            "sdpa" if backend is None else backend.attn,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            compile=False if backend is None else backend.compile_attn,
+        )
 
     def _keys_and_values(
         self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shared: Any, cache: Any
@@ -203,7 +212,16 @@ class Gemma4Attention(nn.Module):
                 mask, _ = build_attention_mask(
                     seq_len=seq, device=hidden_states.device, doc_ids=None, vision_group_ids=None, sliding_window=window
                 )
-            out = local_attention(queries, keys, values, mask=mask, scale=self.scaling, dropout=dropout, window=window)
+            out = local_attention(
+                queries,
+                keys,
+                values,
+                mask=mask,
+                scale=self.scaling,
+                dropout=dropout,
+                window=window,
+                kernel=self.core_attention,
+            )
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _attend(
@@ -216,7 +234,7 @@ class Gemma4Attention(nn.Module):
             # the last columns of the mask over all tokens; None = every key visible (not causal: S = 1).
             if mask is not None:
                 mask = mask[..., mask.shape[-1] - keys.shape[2] :]
-            out = F.scaled_dot_product_attention(
+            out = self.core_attention(
                 queries,
                 keys,
                 values,
@@ -238,5 +256,6 @@ class Gemma4Attention(nn.Module):
                 dropout=dropout,
                 window=window,
                 block_mask=block_mask,
+                kernel=self.core_attention,
             )
         return out if rows is None else out * rows.to(out.dtype)

@@ -20,7 +20,10 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextMLP
 
+from am_precision import BackendConfig
+
 from .attention import Gemma4Attention
+from .backend import resolve_backend
 from .cache import Gemma4HybridCache
 from .cp import active_ring_context
 from .layers import Gemma4RMSNorm
@@ -60,12 +63,13 @@ class Gemma4DecoderLayer(nn.Module):
     projection of `per_layer_input` `[B, S, H_ple]` is added before the scalar.
     """
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: Any, layer_idx: int, *, backend: BackendConfig | None = None) -> None:
         super().__init__()
         hidden, eps = int(config.hidden_size), float(config.rms_norm_eps)
         self.layer_idx = layer_idx
         self.attention_type = config.layer_types[layer_idx]
-        self.self_attn = Gemma4Attention(config, layer_idx)
+        backend = resolve_backend(backend, owner=type(self).__name__)
+        self.self_attn = Gemma4Attention(config, layer_idx, backend=backend)
         self.mlp = Gemma4TextMLP(config, layer_idx)
         self.input_layernorm = Gemma4RMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = Gemma4RMSNorm(hidden, eps=eps)
@@ -83,7 +87,7 @@ class Gemma4DecoderLayer(nn.Module):
 
         self.enable_moe_block = bool(getattr(config, "enable_moe_block", False))
         if self.enable_moe_block:
-            self.moe = Gemma4MoE(config)
+            self.moe = Gemma4MoE(config, backend=backend)
             self.post_feedforward_layernorm_1 = Gemma4RMSNorm(hidden, eps=eps)
             self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps=eps)
             self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps=eps)

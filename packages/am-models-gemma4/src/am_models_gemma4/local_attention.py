@@ -11,6 +11,7 @@ build the per-forward masks (`masks.py` does, once per layer type).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,6 +94,7 @@ def _windowed_attention(
     block_mask: torch.Tensor,
     scale: float,
     dropout: float,
+    kernel: Callable[..., torch.Tensor],
 ) -> torch.Tensor:
     """Sliding-window SDPA as ONE call over all query blocks: blocks become the batch, K/V windows are views.
 
@@ -114,7 +116,7 @@ def _windowed_attention(
     mask = block_mask
     if mask.shape[0] != batch * blocks:  # one mask for every sequence of the batch
         mask = mask.repeat(batch, 1, 1, 1)
-    out = F.scaled_dot_product_attention(
+    out = kernel(
         queries,
         keys_w,
         values_w,
@@ -139,22 +141,22 @@ def local_attention(
     dropout: float,
     window: int | None = None,
     block_mask: torch.Tensor | None = None,
+    kernel: Callable[..., torch.Tensor] = F.scaled_dot_product_attention,
 ) -> torch.Tensor:
     """SDPA of `[B, H, S, d]` tensors (K/V with fewer heads for GQA); `mask` None means causal.
 
     With `window` (a causal sliding window whose mask has no look-ahead), queries are processed in blocks of
     `window_block(window)` tokens against only the keys their window reaches (`[start - window + 1, end)`), all
     blocks in one SDPA call (`_windowed_attention`): about block + window keys per query instead of S, the same
-    result. `block_mask` is that path's mask when the caller cached it (built from `mask` otherwise).
+    result. `block_mask` is that path's mask when the caller cached it (built from `mask` otherwise). `kernel` runs
+    the attention itself, with SDPA's signature (the layer's `am_precision.AttentionKernel`; default SDPA).
     """
     gqa = k.shape[1] != q.shape[1]  # SDPA broadcasts K/V heads itself: no repeated copies
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
     seq = q.shape[2]
     if window is None or mask is None or mask.dtype != torch.bool or seq <= 2 * window:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, dropout_p=dropout, enable_gqa=gqa
-        )
+        return kernel(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, dropout_p=dropout, enable_gqa=gqa)
     if block_mask is None:
         block_mask = window_block_mask(mask, window=window, block=window_block(window))
-    return _windowed_attention(q, k, v, block_mask=block_mask, scale=scale, dropout=dropout)
+    return _windowed_attention(q, k, v, block_mask=block_mask, scale=scale, dropout=dropout, kernel=kernel)

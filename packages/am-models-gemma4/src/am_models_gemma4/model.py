@@ -20,7 +20,10 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding, Gemma4TextScaledWordEmbedding
 
+from am_precision import BackendConfig
+
 from .attention import SharedKVStates
+from .backend import resolve_backend
 from .cache import Gemma4HybridCache
 from .config import validate_text_config
 from .cp import active_ring_context
@@ -89,9 +92,11 @@ class Gemma4TextModel(nn.Module):
     new tokens `[B, past + S]` (or the new ones `[B, S]`), and positions default to `past .. past + S - 1`.
     """
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, *, backend: BackendConfig | None = None) -> None:
         super().__init__()
         validate_text_config(config)
+        backend = resolve_backend(backend, owner=type(self).__name__)
+        self.backend = backend
         if getattr(config, "_attn_implementation", None) is None:
             # Pipeline stages build transformers' masks from this config; "sdpa" gives 4-D boolean masks, which our
             # layers read (None would make transformers skip padding masks).
@@ -103,7 +108,10 @@ class Gemma4TextModel(nn.Module):
             config.vocab_size, hidden, self.padding_idx, embed_scale=hidden**0.5
         )
         self.layers = nn.ModuleDict(
-            {str(index): Gemma4DecoderLayer(config, index) for index in range(config.num_hidden_layers)}
+            {
+                str(index): Gemma4DecoderLayer(config, index, backend=backend)
+                for index in range(config.num_hidden_layers)
+            }
         )
         self.norm = Gemma4RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = Gemma4TextRotaryEmbedding(config)
@@ -300,7 +308,7 @@ class Gemma4ForCausalLM(Gemma4PreTrainedModel):
 
     _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, *, backend: BackendConfig | None = None) -> None:
         super().__init__()
         if getattr(config, "text_config", None) is not None:
             raise ValueError(
@@ -308,7 +316,7 @@ class Gemma4ForCausalLM(Gemma4PreTrainedModel):
                 "text_config, a vision-language checkpoint: use Gemma4ForConditionalGeneration"
             )
         self.config = config
-        self.model = Gemma4TextModel(config)
+        self.model = Gemma4TextModel(config, backend=backend)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self._init_generation_config(config)

@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from am_moe import GroupedExperts
+from am_precision import BackendConfig
 
+from .backend import experts_grouped_mm
 from .config import moe_intermediate_size
 from .layers import Gemma4RMSNorm, rms_norm
 
@@ -66,11 +68,16 @@ class Gemma4Experts(GroupedExperts):
     layout. forward(hidden_states `[T, H]`, top_k_index `[T, K]`, top_k_weights `[T, K]`, *, token_mask `[T]`).
     """
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, *, grouped_mm: str = "auto") -> None:
         intermediate = moe_intermediate_size(config)
         assert intermediate is not None
         super().__init__(
-            int(config.num_experts), int(config.hidden_size), intermediate, gated=True, activation="gelu_tanh"
+            int(config.num_experts),
+            int(config.hidden_size),
+            intermediate,
+            gated=True,
+            activation="gelu_tanh",
+            grouped_mm=grouped_mm,
         )
         self.init_weights(std=float(getattr(config, "initializer_range", 0.02)))
 
@@ -78,10 +85,11 @@ class Gemma4Experts(GroupedExperts):
 class Gemma4MoE(nn.Module):
     """Router + experts of one decoder layer (no shared experts; the dense MLP runs beside it in the layer)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, *, backend: BackendConfig | None = None) -> None:
         super().__init__()
         self.router = Gemma4Router(config)
-        self.experts = Gemma4Experts(config)
+        # BackendConfig.experts: "torch" = am-moe's per-expert loop, "torch_mm" = its grouped GEMM (None: "auto").
+        self.experts = Gemma4Experts(config, grouped_mm=experts_grouped_mm(backend))
 
     def forward(
         self,

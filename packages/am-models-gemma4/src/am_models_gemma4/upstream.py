@@ -66,8 +66,7 @@ class Gemma4MoEDecoderLayer(Gemma4DecoderLayer):
 
     def __init__(self, config: Any, layer_idx: int, moe_config: Any = None, backend: Any = None) -> None:
         check_moe_config(config, moe_config)
-        _log_backend(type(self).__name__, backend)
-        super().__init__(config, layer_idx)
+        super().__init__(config, layer_idx, backend=backend)
 
 
 class Gemma4Gate(Gemma4Router):
@@ -186,8 +185,7 @@ class Gemma4MoETextModelBackend(Gemma4TextModel):
         self, config: Any, backend: Any = None, *, moe_config: Any = None, moe_overrides: dict[str, Any] | None = None
     ) -> None:
         check_moe_config(config, moe_config, overrides=moe_overrides)
-        _log_backend(type(self).__name__, backend)
-        super().__init__(config)
+        super().__init__(config, backend=backend)
 
     def forward(  # type: ignore[override]  # upstream's keywords; ours reach the base forward through **kwargs
         self,

@@ -32,6 +32,8 @@ from transformers.models.gemma4.modeling_gemma4 import (
     get_block_sequence_ids_for_mask,
 )
 
+from am_precision import BackendConfig
+
 from .config import check_moe_config, normalize_text_config
 from .cp import active_ring_context, tokens_before_this_rank
 from .model import Gemma4TextModel, reject_unknown_kwargs
@@ -55,7 +57,7 @@ _logger = logging.getLogger(__name__)
 class Gemma4Model(nn.Module):
     """Container with transformers' attribute names: `language_model`, `vision_tower`, `embed_vision`."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, *, backend: BackendConfig | None = None) -> None:
         super().__init__()
         if getattr(config, "audio_config", None) is not None:
             raise NotImplementedError(
@@ -64,7 +66,7 @@ class Gemma4Model(nn.Module):
             )
         self.config = config
         text_config = normalize_text_config(config.text_config)
-        self.language_model = Gemma4TextModel(text_config)
+        self.language_model = Gemma4TextModel(text_config, backend=backend)
         self.vision_tower: nn.Module | None = None
         self.embed_vision: nn.Module | None = None
         if config.vision_config is not None:
@@ -126,8 +128,9 @@ class Gemma4ForConditionalGeneration(Gemma4PreTrainedModel):
             moe_config: upstream's `MoEConfig` (anything with its field names), or None. The MoE block is built
                 from the text config (`enable_moe_block`, `num_experts`, `top_k_experts`, `moe_intermediate_size`);
                 a given `moe_config` is checked against it (`config.check_moe_config`), never a second source.
-            backend: upstream's `BackendConfig`; Gemma 4 always runs its own PyTorch kernels (attention, RMSNorm,
-                linear), so a backend is accepted and one line is logged saying so.
+            backend: an `am_precision.BackendConfig` (upstream's), or None for the model's defaults. Its `attn`,
+                `compile_attn` and `experts` choose the text model's kernels; values Gemma 4 cannot run are refused
+                (`backend.resolve_backend`). The vision tower keeps transformers' attention.
             text_config: overrides applied to a copy of `config.text_config` (upstream's dict override).
 
         Raises:
@@ -135,10 +138,6 @@ class Gemma4ForConditionalGeneration(Gemma4PreTrainedModel):
                 `moe_config` disagrees with the (overridden) text config (every field named).
         """
         super().__init__()
-        if backend is not None:
-            _logger.info(
-                "Gemma4ForConditionalGeneration runs its own PyTorch kernels; backend=%r does not change them", backend
-            )
         if text_config:
             config = copy.deepcopy(config)
             unknown = sorted(k for k in text_config if not hasattr(config.text_config, k))
@@ -154,7 +153,7 @@ class Gemma4ForConditionalGeneration(Gemma4PreTrainedModel):
         if moe_config is not None:
             check_moe_config(config, moe_config)
         self.config = config
-        self.model = Gemma4Model(config)
+        self.model = Gemma4Model(config, backend=backend)
         text = config.text_config
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_weights()

@@ -54,7 +54,9 @@ def attention_backend_problem(attn: str, *, cuda: bool | None = None) -> str | N
                 "installed: `pip install am-precision[te]` on a CUDA machine, or use attn='sdpa'"
             )
         if not cuda:
-            return "attn='te' needs a CUDA GPU (Transformer Engine runs only on CUDA; torch.cuda.is_available() is False)"
+            return (
+                "attn='te' needs a CUDA GPU (Transformer Engine runs only on CUDA; torch.cuda.is_available() is False)"
+            )
     if attn == "cudnn" and not cuda:
         return "attn='cudnn' needs a CUDA GPU with cuDNN (torch.cuda.is_available() is False); use attn='sdpa'"
     if attn not in RUNNABLE_ATTN_BACKENDS and attn != "tilelang":
@@ -250,11 +252,25 @@ class AttentionKernel(nn.Module):
     ) -> torch.Tensor:
         if self.attn == "sdpa":
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                is_causal=is_causal,
+                scale=scale,
+                dropout_p=dropout_p,
+                enable_gqa=enable_gqa,
             )
         if self.attn == "eager":
             return eager_attention(
-                q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                is_causal=is_causal,
+                scale=scale,
+                dropout_p=dropout_p,
+                enable_gqa=enable_gqa,
             )
         if self.attn == "flex":
             return _flex_attention(
@@ -288,7 +304,14 @@ class AttentionKernel(nn.Module):
         # Only the cuDNN kernel is allowed: torch raises rather than fall back when it cannot take these inputs.
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                is_causal=is_causal,
+                scale=scale,
+                dropout_p=dropout_p,
+                enable_gqa=enable_gqa,
             )
 
     def _te(

@@ -1,0 +1,72 @@
+"""Which `BackendConfig` choices Gemma 4 runs, and the one check every class calls before it builds anything.
+
+What it is for: Gemma 4 takes upstream's `backend=` like Nemotron-H. It honours `attn` (am-precision's
+`AttentionKernel`: sdpa, eager, flex, cudnn, te), `compile_attn` and `experts` ("torch": one matmul per expert,
+"torch_mm": am-moe's grouped GEMM). Every other value either is the one Gemma 4 runs or is refused, all problems in
+one `ValueError` naming what is missing. `backend=None` keeps the model's own defaults (SDPA; the experts' grouped
+GEMM chosen by am-moe).
+What it must not do: rewrite a field to another value, import transformer_engine, or mutate the config it is given.
+"""
+
+from __future__ import annotations
+
+from am_precision import RUNNABLE_ATTN_BACKENDS, BackendConfig, attention_backend_problem
+
+__all__ = ["SUPPORTED_BACKENDS", "backend_problems", "experts_grouped_mm", "resolve_backend"]
+
+# Values Gemma 4 has code for (a value may still need CUDA / a library: `backend_problems` says which).
+SUPPORTED_BACKENDS: dict[str, tuple[object, ...]] = {
+    "attn": RUNNABLE_ATTN_BACKENDS,
+    "linear": ("torch",),
+    "rms_norm": ("torch_fp32",),
+    "experts": ("torch", "torch_mm"),
+    "dispatcher": ("torch",),
+}
+
+_WHY = {
+    "linear": "Gemma 4's projections are torch nn.Linear (transformers' parameter layout); use linear='torch'",
+    "rms_norm": "Gemma 4's RMSNorm is transformers' Gemma 4 norm, computed in fp32 (rms_norm='torch_fp32'); "
+    "use rms_norm='torch_fp32'",
+    "experts": "Gemma 4's experts run am-moe's per-expert loop ('torch') or grouped GEMM ('torch_mm'); 'te' / 'gmm' "
+    "consume tokens permuted by an all-to-all dispatcher this model does not run, and 'torch_mm_mxfp8' needs a "
+    "Blackwell GPU",
+    "dispatcher": "Gemma 4 dispatches tokens with am-moe's torch all-to-all; use dispatcher='torch'",
+}
+
+# BackendConfig.experts -> am-moe's grouped-GEMM backend (am_moe.GroupedExperts(grouped_mm=...)).
+_EXPERTS_GROUPED_MM = {"torch": "loop", "torch_mm": "grouped_mm"}
+
+
+def backend_problems(backend: BackendConfig) -> list[str]:
+    """Every reason `backend` cannot run in Gemma 4 on this machine (empty: it runs as asked)."""
+    problems = []
+    attn_problem = attention_backend_problem(backend.attn)
+    if attn_problem is not None:
+        problems.append(attn_problem)
+    for name in ("linear", "rms_norm", "experts", "dispatcher"):
+        value = getattr(backend, name)
+        if value not in SUPPORTED_BACKENDS[name]:
+            problems.append(f"{name}={value!r}: {_WHY[name]}")
+    return problems
+
+
+def resolve_backend(backend: BackendConfig | None, *, owner: str = "am-models-gemma4") -> BackendConfig | None:
+    """`backend` checked to run exactly as asked; None stays None (the model's defaults). Never mutated.
+
+    Raises:
+        TypeError: `backend` is not an `am_precision.BackendConfig` (or None).
+        ValueError: one or more fields cannot run here — every problem listed, naming what is missing and the fix.
+    """
+    if backend is None:
+        return None
+    if not isinstance(backend, BackendConfig):
+        raise TypeError(f"{owner}: backend={backend!r} must be an am_precision.BackendConfig or None")
+    problems = backend_problems(backend)
+    if problems:
+        raise ValueError(f"{owner}: BackendConfig cannot run as asked:\n  - " + "\n  - ".join(problems))
+    return backend
+
+
+def experts_grouped_mm(backend: BackendConfig | None) -> str:
+    """am-moe's `grouped_mm=` for `backend.experts` ("auto" without a backend)."""
+    return "auto" if backend is None else _EXPERTS_GROUPED_MM[backend.experts]
