@@ -100,3 +100,14 @@ def test_values_gemma4_cannot_run_are_refused_all_at_once() -> None:
         assert wrong in message
     with pytest.raises(TypeError, match=r"must be an am_precision\.BackendConfig"):
         Gemma4ForCausalLM(C.text_config(), backend="sdpa")
+
+
+def test_context_parallelism_refuses_a_kernel_the_ring_would_replace() -> None:
+    """Under CP every chunk runs am-context-parallel's ring kernel: a non-SDPA choice is refused before any
+    collective (the `cp_problems` hook), not silently replaced."""
+    model = _model(_backend(attn="eager"))
+    problems = model.cp_problems(seq_len=16, local_seq_len=8, cp_size=2)
+    assert len(problems) == 1
+    assert "attn='eager'" in problems[0]
+    assert "use attn='sdpa' with cp > 1" in problems[0]
+    assert _model(_backend(attn="sdpa")).cp_problems(seq_len=16, local_seq_len=8, cp_size=2) == []

@@ -149,3 +149,11 @@ def test_backbone_takes_a_raw_config_and_an_optional_positional_backend() -> Non
     model = NemotronV3Model(config, BackendConfig(attn="eager", linear="torch", experts="torch", dispatcher="torch"))
     assert model.backend.attn == "eager"
     assert model.layers["1"].mixer.core_attention.attn == "eager"
+
+
+def test_context_parallelism_refuses_a_kernel_the_ring_would_replace() -> None:
+    """Under CP every chunk runs am-context-parallel's ring kernel: a non-SDPA choice is refused before any
+    collective (the `cp_problems` hook), not silently replaced."""
+    problems = _model("eager").cp_problems(seq_len=16, local_seq_len=8, cp_size=2)
+    assert any("attn='eager'" in p and "use attn='sdpa' with cp > 1" in p for p in problems)
+    assert not any("attn=" in p for p in _model("sdpa").cp_problems(seq_len=16, local_seq_len=8, cp_size=2))

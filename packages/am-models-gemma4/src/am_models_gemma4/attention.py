@@ -168,7 +168,9 @@ class Gemma4Attention(nn.Module):
     def cp_problem(self) -> str | None:
         """What this layer cannot honour under context parallelism in its current mode (None: nothing); the rule
         of the ring path's check and of the models' `cp_problems` hook, which trainers call before any collective."""
-        return attention_cp_problem(dropout=self.attention_dropout if self.training else 0.0)
+        return attention_cp_problem(
+            dropout=self.attention_dropout if self.training else 0.0, attn=self.core_attention.attn
+        )
 
     def forward(
         self,
@@ -200,6 +202,9 @@ class Gemma4Attention(nn.Module):
 
         ring = attention_inputs.ring if attention_inputs is not None else active_ring_context()
         if ring is not None:
+            kernel_problem = attention_cp_problem(dropout=0.0, attn=self.core_attention.attn)
+            if kernel_problem is not None:  # the ring would silently replace the chosen kernel
+                raise NotImplementedError(f"layer {self.layer_idx}: {kernel_problem}")
             out = ring_attention(
                 ring, queries, keys, values, sliding_window=self.sliding_window, scale=self.scaling, dropout=dropout
             )

@@ -28,10 +28,16 @@ def active_ring_context() -> RingAttentionContext | None:
     return ctx
 
 
-def attention_cp_problem(*, dropout: float) -> str | None:
-    """What an attention layer cannot honour under CP (None: nothing): attention dropout (the ring has none)."""
+def attention_cp_problem(*, dropout: float, attn: str = "sdpa") -> str | None:
+    """What an attention layer cannot honour under CP (None: nothing): attention dropout (the ring has none), or an
+    attention backend other than SDPA (the ring computes every chunk with am-context-parallel's own kernel)."""
     if dropout:
         return f"attention_dropout={dropout} is not supported under context parallelism; set it to 0"
+    if attn != "sdpa":
+        return (
+            f"BackendConfig.attn={attn!r}: under context parallelism attention runs am-context-parallel's ring with "
+            "its own per-chunk kernel; use attn='sdpa' with cp > 1"
+        )
     return None
 
 

@@ -210,6 +210,14 @@ def block_cp_problems(blocks: Any, *, seqlen: int, training: bool) -> list[str]:
             break
     if training and any(b.block_type == "attention" and b.mixer.dropout for b in blocks):
         problems.append("attention dropout is not supported by ring attention; set attention_dropout=0")
+    kernels = sorted({b.mixer.core_attention.attn for b in blocks if b.block_type == "attention"} - {"sdpa"})
+    if kernels:
+        # The ring computes every chunk with am-context-parallel's kernel; running it silently in place of the
+        # chosen backend would be a substitution.
+        problems.append(
+            f"BackendConfig.attn={kernels[0]!r}: under context parallelism attention runs am-context-parallel's ring "
+            "with its own per-chunk kernel; use attn='sdpa' with cp > 1"
+        )
     return problems
 
 
