@@ -94,7 +94,6 @@ _UNIMPLEMENTED_VALUES = {
     "enable_hf_state_dict_adapter": False,
     "enable_fsdp_optimizations": True,
     "te_fp8": TEFp8Config(),
-    "compile_attn": True,
     "cuda_graph": CudaGraphConfig(modules=["attn"]),
     "mok": MoKBackendConfig(minibatch_size=8192),
     "enable_deepep": True,

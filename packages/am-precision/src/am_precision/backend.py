@@ -192,10 +192,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "no am-* model enters Transformer Engine's FP8 autocast itself; run forward and backward inside "
         "TEFp8Config(...).maybe_te_autocast() and leave te_fp8=None",
     ),
-    "compile_attn": (
-        lambda v: v is True,
-        "no am-* model compiles its attention kernel on its own; apply torch.compile to the model and leave it False",
-    ),
     "cuda_graph": (
         lambda v: isinstance(v, CudaGraphConfig) and v.enabled,
         "no am-* model captures CUDA graphs; leave cuda_graph=CudaGraphConfig() (modules=[])",
@@ -238,7 +234,7 @@ class BackendConfig:
         enable_fsdp_optimizations: model-specific FSDP tweaks.
         te_fp8: FP8 recipe (`TEFp8Config` or a dict of its fields); requires linear="te" or experts="te".
         gate_precision: dtype of MoE router math (a dtype or a name such as "float32" / "torch.float32").
-        compile_attn: wrap the attention kernel in torch.compile.
+        compile_attn: wrap the attention kernel (`AttentionKernel`) in torch.compile; honoured by both am-* models.
         cuda_graph: CUDA-graph capture (`CudaGraphConfig` or a dict of its fields).
         mok: knobs of the MoK dispatcher (`MoKBackendConfig` or a dict of its fields).
         enable_deepep: removed upstream field, accepted only as None so upstream configs that spell it load.
@@ -246,7 +242,7 @@ class BackendConfig:
     Fields no am-* package implements (README, "Who honours each field") keep their upstream defaults and accept
     only them: `rope="quack"`, `rope_fusion=True`, the `dispatcher_*` knobs, `fake_balanced_gate`,
     `fake_gate_noise`, `enable_hf_state_dict_adapter=False`, `enable_fsdp_optimizations`, `te_fp8`,
-    `compile_attn`, a non-empty `cuda_graph`, a non-default `mok` and `enable_deepep` are refused with the reason
+    a non-empty `cuda_graph`, a non-default `mok` and `enable_deepep` are refused with the reason
     and the fix. Models refuse what they do not support of the fields they read (`attn`, `experts`, `dispatcher`, ...).
 
     Raises:
