@@ -86,7 +86,7 @@ def test_compile_wraps_the_kernel_in_torch_compile(monkeypatch) -> None:
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     q, k, v, mask = _inputs()
-    kernel = AttentionKernel("eager", num_heads=4, num_kv_heads=2, head_dim=8, compile=True)
+    kernel = AttentionKernel("eager", num_heads=4, num_kv_heads=2, head_dim=8, compile_attn=True)
     kernel(q, k, v, attn_mask=mask, enable_gqa=True)
     kernel(q, k, v, attn_mask=mask, enable_gqa=True)
     assert len(compiled) == 1  # compiled once, reused

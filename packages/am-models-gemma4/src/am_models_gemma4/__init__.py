@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ._version import __version__
 from .attention import Gemma4Attention, SharedKVStates
+from .backend import backend_problems, resolve_backend
 from .cache import Gemma4HybridCache
 from .checkpoint import read_safetensors_folder
 from .config import (
@@ -34,6 +35,8 @@ from .state_dict_adapter import Gemma4StateDictAdapter
 from .vlm import Gemma4ForConditionalGeneration, Gemma4Model
 
 __all__ = [
+    "backend_problems",
+    "resolve_backend",
     # models
     "Gemma4ForCausalLM",
     "Gemma4ForConditionalGeneration",

@@ -136,7 +136,7 @@ class Gemma4Attention(nn.Module):
             num_heads=self.num_heads,
             num_kv_heads=self.num_key_value_heads,
             head_dim=self.head_dim,
-            compile=False if backend is None else backend.compile_attn,
+            compile_attn=False if backend is None else backend.compile_attn,
         )
 
     def _keys_and_values(

@@ -15,7 +15,7 @@ from __future__ import annotations
 from ._version import __version__
 from .attention import NemotronAttention, build_attention_mask
 from .backbone import NemotronV3Model
-from .backend import SUPPORTED_BACKENDS, default_backend, resolve_backend
+from .backend import SUPPORTED_BACKENDS, backend_problems, default_backend, resolve_backend
 from .blocks import NemotronBlock
 from .cache import NemotronHybridCache
 from .checkpoint import load_pretrained, read_safetensors_folder, save_pretrained
@@ -66,6 +66,7 @@ __all__ = [
     "combined_causal_lm_loss",
     # backends
     "SUPPORTED_BACKENDS",
+    "backend_problems",
     "default_backend",
     "resolve_backend",
     # forward inputs (packing, padding, masks)

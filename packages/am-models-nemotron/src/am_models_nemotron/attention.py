@@ -101,7 +101,7 @@ class NemotronAttention(nn.Module):
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            compile=backend.compile_attn,
+            compile_attn=backend.compile_attn,
         )
 
     @torch.no_grad()

@@ -193,15 +193,18 @@ class AttentionKernel(nn.Module):
         num_heads: query heads H (TE needs them at construction).
         num_kv_heads: key/value heads H_kv (GQA when fewer than H).
         head_dim: d.
-        compile: wrap the kernel in `torch.compile` (`BackendConfig.compile_attn`); FlexAttention is compiled on
-            CUDA whatever this says (its uncompiled form is a slow reference).
+        compile_attn: wrap the kernel in `torch.compile` (`BackendConfig.compile_attn`; not "te", whose kernel is
+            already fused); FlexAttention is compiled on CUDA whatever this says (uncompiled it is a slow
+            reference).
 
     Raises:
         ValueError: `attn` cannot run here (missing CUDA / Transformer Engine, or "tilelang"); the message says what
             is missing.
     """
 
-    def __init__(self, attn: str, *, num_heads: int, num_kv_heads: int, head_dim: int, compile: bool = False) -> None:
+    def __init__(
+        self, attn: str, *, num_heads: int, num_kv_heads: int, head_dim: int, compile_attn: bool = False
+    ) -> None:
         super().__init__()
         problem = attention_backend_problem(attn)
         if problem is not None:
@@ -210,12 +213,12 @@ class AttentionKernel(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.compile = compile
+        self.compile_attn = compile_attn
         self._te_modules: dict[tuple[Any, ...], Any] = {}  # TE modules, kept out of the module tree (no _extra_state)
         self._compiled: Callable[..., torch.Tensor] | None = None
 
     def extra_repr(self) -> str:
-        return f"attn={self.attn!r}, compile={self.compile}"
+        return f"attn={self.attn!r}, compile_attn={self.compile_attn}"
 
     def forward(
         self,
@@ -230,7 +233,7 @@ class AttentionKernel(nn.Module):
         enable_gqa: bool = False,
     ) -> torch.Tensor:
         run = self._run
-        if self.compile and self.attn != "te":
+        if self.compile_attn and self.attn != "te":
             if self._compiled is None:
                 self._compiled = torch.compile(self._run, dynamic=None)
             run = self._compiled
@@ -282,7 +285,7 @@ class AttentionKernel(nn.Module):
                 scale=scale,
                 dropout_p=dropout_p,
                 enable_gqa=enable_gqa,
-                compiled=q.device.type == "cuda" and not self.compile,
+                compiled=q.device.type == "cuda" and not self.compile_attn,
             )
         if self.attn == "cudnn":
             return self._cudnn(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa)
