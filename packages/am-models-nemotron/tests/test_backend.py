@@ -128,19 +128,48 @@ def test_supported_values_are_returned_unchanged() -> None:
         assert resolve_backend(chosen) is chosen
 
 
-@pytest.mark.parametrize(
-    "fields",
-    [
-        {"enable_fsdp_optimizations": True},
-        {"enable_hf_state_dict_adapter": False},
-        {"linear": "torch", "experts": "te", "dispatcher": "deepep", "te_fp8": {"recipe": "current"}},
-    ],
-)
+@pytest.mark.parametrize("fields", [{"enable_fsdp_optimizations": True}, {"enable_hf_state_dict_adapter": False}])
 def test_fields_no_package_implements_are_refused_before_the_model_sees_them(fields) -> None:
     """One decision, one place: am-precision's BackendConfig refuses them, so the model has no rule of its own."""
-    (name,) = [k for k in fields if k in {"enable_fsdp_optimizations", "enable_hf_state_dict_adapter", "te_fp8"}]
+    (name,) = fields
     with pytest.raises(ValueError, match=f"{name}=.* is not implemented by any am-\\* package"):
         BackendConfig(**fields)
+
+
+def test_te_values_are_refused_naming_transformer_engine_all_at_once() -> None:
+    """TE linears, TE norms and FP8 need Transformer Engine and CUDA: one ValueError names every field."""
+    if flags.HAVE_TE:
+        pytest.skip("Transformer Engine is installed here")
+    backend = default_backend().replace(linear="te", rms_norm="te", te_fp8={"recipe": "current"})
+    with pytest.raises(ValueError, match="cannot run as asked") as err:
+        NemotronHForCausalLM(tiny_hf_config("*"), backend)
+    message = str(err.value)
+    for what in ("linear='te' needs Transformer Engine", "rms_norm='te' needs", "te_fp8 (TE FP8 autocast) needs"):
+        assert what in message
+
+
+def test_te_fp8_block_forward_runs_inside_the_fp8_autocast(monkeypatch) -> None:
+    """The block enters `te_fp8.maybe_te_autocast()` around its mixer (where TE modules would compute in FP8)."""
+    import contextlib
+
+    from am_models_nemotron import NemotronBlock
+    from am_precision import TEFp8Config
+
+    entered: list[str] = []
+
+    @contextlib.contextmanager
+    def autocast(self):
+        entered.append(self.recipe)
+        yield
+
+    monkeypatch.setattr(TEFp8Config, "maybe_te_autocast", autocast)
+    block = NemotronBlock(tiny_hf_config("-"), 0, backend=default_backend())
+    x = torch.randn(1, 4, 32)
+    plain = block(x)
+    assert entered == []
+    block.te_fp8 = TEFp8Config(recipe="block")
+    torch.testing.assert_close(block(x), plain)  # torch modules: same numbers, inside the autocast
+    assert entered == ["block"]
 
 
 def test_backbone_takes_a_raw_config_and_an_optional_positional_backend() -> None:

@@ -93,7 +93,6 @@ _UNIMPLEMENTED_VALUES = {
     "fake_gate_noise": 0.1,
     "enable_hf_state_dict_adapter": False,
     "enable_fsdp_optimizations": True,
-    "te_fp8": TEFp8Config(),
     "cuda_graph": CudaGraphConfig(modules=["attn"]),
     "mok": MoKBackendConfig(minibatch_size=8192),
     "enable_deepep": True,
@@ -186,30 +185,16 @@ def test_gate_precision_rejects_integer_dtype():
 
 
 @pytest.mark.usefixtures("no_te_no_cuda")
-def test_te_fp8_dict_is_normalised_then_refused_as_unimplemented():
-    with pytest.raises(ValueError, match=r"\(1 problem\)") as err:
-        BackendConfig(linear="te", te_fp8={"recipe": "block"})
-    assert "te_fp8=TEFp8Config(recipe='block') is not implemented" in str(err.value)
-    assert "maybe_te_autocast()" in str(err.value)
-
-
-@pytest.mark.usefixtures("no_te_no_cuda")
-def test_te_fp8_once_implemented_becomes_a_tefp8config_and_needs_a_te_backend(monkeypatch):
-    """The upstream rules, for when a package implements FP8 and its `_NOT_IMPLEMENTED` entry goes."""
-    monkeypatch.delitem(backend._NOT_IMPLEMENTED, "te_fp8")
+def test_te_fp8_becomes_a_tefp8config_and_needs_a_te_backend():
+    """Upstream's rules (issue 26: te_fp8 is honoured, am-models-nemotron enters its autocast): a dict becomes a
+    TEFp8Config, and FP8 without a TE linear or TE experts is one problem naming both fields."""
     assert BackendConfig(linear="te", te_fp8={"recipe": "block"}).te_fp8 == TEFp8Config(recipe="block")
     assert BackendConfig(experts="te", dispatcher="deepep", te_fp8={}).te_fp8 == TEFp8Config()
-    with pytest.raises(ValueError, match="te_fp8 requires at least one TE backend") as err:
-        BackendConfig(te_fp8=TEFp8Config())
-    assert "linear='torch'" in str(err.value)
-    assert "experts='torch'" in str(err.value)
-
-
-@pytest.mark.usefixtures("no_te_no_cuda")
-def test_unimplemented_te_fp8_is_reported_once():
     with pytest.raises(ValueError, match=r"\(1 problem\)") as err:
         BackendConfig(te_fp8=TEFp8Config())
-    assert "te_fp8=TEFp8Config(recipe='current') is not implemented" in str(err.value)
+    assert "te_fp8 requires at least one TE backend" in str(err.value)
+    assert "linear='torch'" in str(err.value)
+    assert "experts='torch'" in str(err.value)
 
 
 def test_te_fp8_bad_dict_lists_the_fields():

@@ -11,7 +11,7 @@ or mutate the config it is given.
 
 from __future__ import annotations
 
-from am_precision import RUNNABLE_ATTN_BACKENDS, BackendConfig, attention_backend_problem
+from am_precision import RUNNABLE_ATTN_BACKENDS, BackendConfig, backend_runtime_problems
 
 __all__ = ["SUPPORTED_BACKENDS", "backend_problems", "default_backend", "resolve_backend"]
 
@@ -40,10 +40,8 @@ def default_backend() -> BackendConfig:
 
 def backend_problems(backend: BackendConfig) -> list[str]:
     """Every reason `backend` cannot run in this model on this machine (empty: it runs as asked)."""
-    problems = []
-    attn_problem = attention_backend_problem(backend.attn)
-    if attn_problem is not None:
-        problems.append(attn_problem)
+    # What this machine lacks for the fields built as asked (TE / QuACK linears and norms, TE attention, FP8).
+    problems = backend_runtime_problems(backend, fields=("attn", "linear", "rms_norm", "te_fp8"))
     if backend.experts not in SUPPORTED_BACKENDS["experts"]:
         problems.append(
             _EXPERTS_WHY.get(backend.experts, f"experts={backend.experts!r}: supported {SUPPORTED_BACKENDS['experts']}")

@@ -9,6 +9,7 @@ the MoE reads the gate precision and keeps its own default.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -32,8 +33,9 @@ class NemotronBlock(nn.Module):
         config: the normalized config (or any config `NemotronConfig.from_any` reads); the MoE is built from its MoE
             fields.
         layer_idx: global index (cache slot; MTP sublayers use num_hidden_layers + their index).
-        backend: kernel choices (`linear`, `rms_norm`, `attn`, `experts`); None -> `default_backend()`, and fields
-            this package does not implement resolve to the nearest implemented choice (`resolve_backend`).
+        backend: kernel choices (`linear`, `rms_norm`, `attn`, `experts`, `te_fp8`); None -> `default_backend()`;
+            a value that cannot run is refused (`resolve_backend`). With `te_fp8` the block's forward runs inside
+            `te_fp8.maybe_te_autocast()`, so its Transformer Engine modules compute in FP8.
         block_type: the kind; default `config.layers_block_type[layer_idx]`.
 
     Raises:
@@ -53,6 +55,7 @@ class NemotronBlock(nn.Module):
         super().__init__()
         config = NemotronConfig.from_any(config)  # a raw transformers / NVIDIA config works too
         backend = resolve_backend(backend, owner=type(self).__name__)
+        self.te_fp8 = backend.te_fp8
         kind = block_type if block_type is not None else config.layers_block_type[layer_idx]
         if kind not in BLOCK_KINDS:
             raise ValueError(f"Invalid block_type {kind!r} for layer {layer_idx}; expected one of {BLOCK_KINDS}.")
@@ -112,6 +115,29 @@ class NemotronBlock(nn.Module):
         padding_mask: [B, S] True = pad (MoE routing); seq_idx: [B, S] packed document ids; cp: context
         parallelism (`cp.NemotronCPContext`): Mamba passes states over `cp.mamba`, attention runs `cp.ring`'s ring,
         MLP / MoE are token-local."""
+        fp8 = self.te_fp8.maybe_te_autocast() if self.te_fp8 is not None else contextlib.nullcontext()
+        with fp8:
+            return self._forward(
+                hidden_states,
+                attention_mask=attention_mask,
+                mamba_mask=mamba_mask,
+                padding_mask=padding_mask,
+                seq_idx=seq_idx,
+                cache=cache,
+                cp=cp,
+            )
+
+    def _forward(
+        self,
+        hidden_states: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None,
+        mamba_mask: torch.Tensor | None,
+        padding_mask: torch.Tensor | None,
+        seq_idx: torch.Tensor | None,
+        cache: Any | None,
+        cp: Any | None,
+    ) -> torch.Tensor:
         residual = hidden_states
         normed = self.norm(hidden_states)
         if self.block_type == "mamba":

@@ -47,6 +47,7 @@ from .lm_head import compute_lm_head_logits
 from .modules import Float32RMSNorm, initialize_linear_module, initialize_rms_norm_module
 from .report import Fp32Report, TensorPrecision, assert_fp32_contract, fp32_report
 from .rope import get_rope_config
+from .runtime import backend_runtime_problems
 from .te_patch import (
     apply_te_patches,
     patch_first_microbatch_injection,
@@ -79,6 +80,8 @@ __all__ = [
     "get_is_optim_step",
     "set_is_optim_step",
     "is_tensor_unallocated",
+    # what this machine can run
+    "backend_runtime_problems",
     # attention kernels
     "AttentionKernel",
     "RUNNABLE_ATTN_BACKENDS",

@@ -187,11 +187,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "(model.state_dict() holds the native names); leave it True",
     ),
     "enable_fsdp_optimizations": (lambda v: v is True, "no am-* model has model-specific FSDP tweaks; leave it False"),
-    "te_fp8": (
-        lambda v: v is not None,
-        "no am-* model enters Transformer Engine's FP8 autocast itself; run forward and backward inside "
-        "TEFp8Config(...).maybe_te_autocast() and leave te_fp8=None",
-    ),
     "cuda_graph": (
         lambda v: isinstance(v, CudaGraphConfig) and v.enabled,
         "no am-* model captures CUDA graphs; leave cuda_graph=CudaGraphConfig() (modules=[])",
@@ -233,6 +228,7 @@ class BackendConfig:
         enable_hf_state_dict_adapter: convert checkpoints from/to the HF layout on load/save.
         enable_fsdp_optimizations: model-specific FSDP tweaks.
         te_fp8: FP8 recipe (`TEFp8Config` or a dict of its fields); requires linear="te" or experts="te".
+            am-models-nemotron enters `te_fp8.maybe_te_autocast()` around each block (its TE modules).
         gate_precision: dtype of MoE router math (a dtype or a name such as "float32" / "torch.float32").
         compile_attn: wrap the attention kernel (`AttentionKernel`) in torch.compile; honoured by both am-* models.
         cuda_graph: CUDA-graph capture (`CudaGraphConfig` or a dict of its fields).
@@ -241,9 +237,10 @@ class BackendConfig:
 
     Fields no am-* package implements (README, "Who honours each field") keep their upstream defaults and accept
     only them: `rope="quack"`, `rope_fusion=True`, the `dispatcher_*` knobs, `fake_balanced_gate`,
-    `fake_gate_noise`, `enable_hf_state_dict_adapter=False`, `enable_fsdp_optimizations`, `te_fp8`,
-    a non-empty `cuda_graph`, a non-default `mok` and `enable_deepep` are refused with the reason
-    and the fix. Models refuse what they do not support of the fields they read (`attn`, `experts`, `dispatcher`, ...).
+    `fake_gate_noise`, `enable_hf_state_dict_adapter=False`, `enable_fsdp_optimizations`, a non-empty
+    `cuda_graph`, a non-default `mok` and `enable_deepep` are refused with the reason and the fix. Models refuse
+    what they do not support of the fields they read (`attn`, `experts`, `dispatcher`, ...) and what this machine
+    cannot run (`backend_runtime_problems`).
 
     Raises:
         ValueError: one or more fields are invalid or ask for something no am-* package implements; the message
