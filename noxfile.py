@@ -244,6 +244,15 @@ def train(session: nox.Session) -> None:
     )  # fmt: skip
 
 
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """GPU smoke kit (bench/gpu_smoke.py): bf16 training steps of both models per BackendConfig choice this CUDA
+    machine supports, against the torch backend, plus NCCL on one rank; writes bench/results-gpu.json. Without CUDA
+    it prints one line and succeeds. Runs in the invoking environment (no venv, no download), so it works on an
+    offline GPU image with torch + transformers and the am-* wheels installed with `pip install --no-deps`."""
+    session.run("python", "bench/gpu_smoke.py", *session.posargs, external=True)
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Run every bench/bench_*.py and write bench/results.json and bench/results.md (ratios against references

@@ -1,0 +1,249 @@
+"""GPU smoke kit (issue 26): every BackendConfig value this CUDA machine supports, in both models, against torch.
+
+On a machine without CUDA it prints ONE line saying so and exits 0. On one CUDA GPU it runs, for Nemotron-H and
+Gemma 4 (bf16 parameters, AdamW), a few training steps per backend choice this machine can run
+(`am_precision.backend_runtime_problems` decides; nothing is faked): attention sdpa / eager / flex / cudnn / te,
+experts torch (per-expert loop) vs torch_mm (grouped GEMM), TE linears + norms and TE FP8 autocast when Transformer
+Engine is installed. Each run starts from the same weights and batch as the reference (`torch` / sdpa) run; its
+first loss must equal the reference's within bf16 tolerance. It also initialises NCCL on one rank (one all-reduce).
+Writes bench/results-gpu.json: per run step time (median), tokens/s, MFU against the GPU's dense bf16 peak (when
+the GPU is a known one), peak memory, first loss and its difference from the reference, or the refusal reason.
+
+Run: `uv run nox -s gpu`, or `python bench/gpu_smoke.py` in any environment with torch, transformers and the am-*
+wheels (see the root README, "GPU smoke kit without internet").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).parent / "results-gpu.json"
+STEPS = 6  # the first warms up (compilation, cuBLAS / cuDNN plans); the median of the others is reported
+BATCH, SEQ = 4, 1024
+BF16_LOSS_TOL = 0.05  # first-step loss of two kernels of the same bf16 model: rounding order only
+
+# Dense bf16 tensor-core peaks (FLOP/s) of known GPUs, from the vendors' data sheets (without sparsity).
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12, "GB200": 2500e12, "L40S": 362e12}
+
+
+def _peak_flops(name: str) -> float | None:
+    for key, flops in PEAK_BF16.items():
+        if key in name:
+            return flops
+    return None
+
+
+def _nemotron(backend: Any) -> tuple[torch.nn.Module, int]:
+    from transformers import NemotronHConfig
+
+    from am_models_nemotron import NemotronHForCausalLM
+
+    config = NemotronHConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        hybrid_override_pattern="M*EM-E*M",
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=2816,
+        mamba_num_heads=32,
+        mamba_head_dim=64,
+        ssm_state_size=128,
+        n_groups=4,
+        chunk_size=128,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=512,
+        moe_shared_expert_intermediate_size=1024,
+        time_step_limit=(0.001, math.inf),
+    )
+    torch.manual_seed(0)
+    return NemotronHForCausalLM(config, backend), config.vocab_size
+
+
+def _gemma4(backend: Any) -> tuple[torch.nn.Module, int]:
+    from transformers import Gemma4TextConfig
+
+    from am_models_gemma4 import Gemma4ForCausalLM
+
+    config = Gemma4TextConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+        global_head_dim=256,
+        num_global_key_value_heads=2,
+        attention_k_eq_v=True,
+        sliding_window=512,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        hidden_size_per_layer_input=0,
+        final_logit_softcapping=30.0,
+        enable_moe_block=True,
+        num_experts=16,
+        top_k_experts=4,
+        moe_intermediate_size=512,
+    )
+    torch.manual_seed(0)
+    return Gemma4ForCausalLM(config, backend=backend), config.vocab_size
+
+
+MODELS: dict[str, Callable[[Any], tuple[torch.nn.Module, int]]] = {"nemotron": _nemotron, "gemma4": _gemma4}
+
+
+def _variants() -> dict[str, dict[str, Any]]:
+    """Backend fields per run; "reference" is the plain torch backend the others are compared with."""
+    runs: dict[str, dict[str, Any]] = {"reference": {}}
+    for attn in ("eager", "flex", "cudnn", "te"):
+        runs[f"attn={attn}"] = {"attn": attn}
+    runs["experts=torch_mm"] = {"experts": "torch_mm"}
+    runs["experts=torch_mm_mxfp8"] = {"experts": "torch_mm_mxfp8"}
+    runs["linear=te,rms_norm=te"] = {"linear": "te", "rms_norm": "te"}
+    runs["te_fp8=current"] = {"linear": "te", "rms_norm": "te", "te_fp8": {"recipe": "current"}}
+    return runs
+
+
+def _backend(fields: dict[str, Any]) -> Any:
+    from am_precision import BackendConfig
+
+    base = {"attn": "sdpa", "linear": "torch", "rms_norm": "torch_fp32", "experts": "torch", "dispatcher": "torch"}
+    return BackendConfig(**{**base, **fields})
+
+
+def _train(model: torch.nn.Module, vocab: int, params_count: int, peak: float | None) -> dict[str, Any]:
+    device = torch.device("cuda")
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(3, vocab, (BATCH, SEQ), generator=gen).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for _ in range(STEPS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    step = statistics.median(times[1:])
+    tokens = BATCH * SEQ
+    flops = 6 * params_count * tokens  # forward + backward of the dense-equivalent parameters (MoE: an upper bound)
+    return {
+        "step_time_s": step,
+        "tokens_per_s": tokens / step,
+        "mfu": None if peak is None else flops / step / peak,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
+
+
+def _run_model(name: str, peak: float | None) -> dict[str, Any]:
+    from am_precision import backend_runtime_problems
+
+    out: dict[str, Any] = {}
+    reference_loss = None
+    for run, fields in _variants().items():
+        try:
+            backend = _backend(fields)
+        except ValueError as err:  # a combination BackendConfig itself refuses
+            out[run] = {"refused": str(err)}
+            continue
+        missing = backend_runtime_problems(backend)
+        if missing:
+            out[run] = {"skipped": missing}
+            continue
+        try:
+            model, vocab = MODELS[name](backend)
+            model = model.to(device="cuda", dtype=torch.bfloat16)
+            params_count = sum(p.numel() for p in model.parameters())
+            result = _train(model.train(), vocab, params_count, peak)
+        except (ValueError, RuntimeError, NotImplementedError) as err:
+            out[run] = {"failed": f"{type(err).__name__}: {err}"}
+            continue
+        finally:
+            torch.cuda.empty_cache()
+        if run == "reference":
+            reference_loss = result["first_loss"]
+        elif reference_loss is not None:
+            result["first_loss_diff"] = abs(result["first_loss"] - reference_loss)
+            result["matches_reference"] = result["first_loss_diff"] <= BF16_LOSS_TOL
+        out[run] = result
+        print(f"gpu: {name} {run}: {json.dumps(result)}", flush=True)
+    return out
+
+
+def _nccl_one_rank() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        return {"skipped": "this torch build has no NCCL"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.perf_counter()
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        value = torch.ones(4, device="cuda")
+        dist.all_reduce(value)
+        torch.cuda.synchronize()
+        ok = bool((value == 1).all())
+    finally:
+        dist.destroy_process_group()
+    return {"ok": ok, "init_and_all_reduce_s": time.perf_counter() - start}
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu: skipped: no CUDA device here (torch.cuda.is_available() is False); nothing was run")
+        return 0
+    name = torch.cuda.get_device_name()
+    peak = _peak_flops(name)
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "device": name,
+        "capability": list(torch.cuda.get_device_capability()),
+        "peak_bf16_flops": peak,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "batch": BATCH,
+        "seq": SEQ,
+        "steps": STEPS,
+        "nccl": _nccl_one_rank(),
+    }
+    for model_name in MODELS:
+        with contextlib.suppress(KeyboardInterrupt):
+            results[model_name] = _run_model(model_name, peak)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    mismatched = [
+        f"{m}/{run}"
+        for m in MODELS
+        for run, r in results.get(m, {}).items()
+        if isinstance(r, dict) and r.get("matches_reference") is False
+    ]
+    print(f"gpu: wrote {RESULTS}; runs that differ from the torch backend: {mismatched or 'none'}")
+    return 1 if mismatched else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    sys.exit(main())
