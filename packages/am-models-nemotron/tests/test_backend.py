@@ -128,7 +128,7 @@ def test_supported_values_are_returned_unchanged() -> None:
         assert resolve_backend(chosen) is chosen
 
 
-@pytest.mark.parametrize("fields", [{"enable_fsdp_optimizations": True}, {"enable_hf_state_dict_adapter": False}])
+@pytest.mark.parametrize("fields", [{"enable_fsdp_optimizations": True}])
 def test_fields_no_package_implements_are_refused_before_the_model_sees_them(fields) -> None:
     """One decision, one place: am-precision's BackendConfig refuses them, so the model has no rule of its own."""
     (name,) = fields
@@ -186,3 +186,24 @@ def test_context_parallelism_refuses_a_kernel_the_ring_would_replace() -> None:
     problems = _model("eager").cp_problems(seq_len=16, local_seq_len=8, cp_size=2)
     assert any("attn='eager'" in p and "use attn='sdpa' with cp > 1" in p for p in problems)
     assert not any("attn=" in p for p in _model("sdpa").cp_problems(seq_len=16, local_seq_len=8, cp_size=2))
+
+
+def test_without_the_hf_adapter_checkpoints_hold_the_native_keys(tmp_path) -> None:
+    """enable_hf_state_dict_adapter=False: save_pretrained writes model.state_dict()'s own keys (stacked experts,
+    the fp32 holder) and from_pretrained reads them back exactly; the HF layout stays the default."""
+    from am_models_nemotron import read_safetensors_folder
+
+    native = default_backend().replace(enable_hf_state_dict_adapter=False)
+    torch.manual_seed(0)
+    model = randomize_(NemotronHForCausalLM(tiny_hf_config("M*E"), native))
+    model.save_pretrained(tmp_path / "native")
+    written = read_safetensors_folder(tmp_path / "native")
+    assert set(written) == set(model.state_dict())
+    assert written["model.layers.2.mixer.experts.up_proj"].dim() == 3  # stacked [E, out, in], not per expert
+    assert written["model.layers.0.mixer._fp32_params.A_log"].dtype == torch.float32
+    loaded = NemotronHForCausalLM.from_pretrained(tmp_path / "native", backend=native)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    model_hf = NemotronHForCausalLM(tiny_hf_config("M*E"), default_backend())
+    model_hf.save_pretrained(tmp_path / "hf")
+    assert "backbone.embeddings.weight" in read_safetensors_folder(tmp_path / "hf")

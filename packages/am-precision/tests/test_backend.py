@@ -91,7 +91,6 @@ _UNIMPLEMENTED_VALUES = {
     "dispatcher_async_dispatch": True,
     "fake_balanced_gate": True,
     "fake_gate_noise": 0.1,
-    "enable_hf_state_dict_adapter": False,
     "enable_fsdp_optimizations": True,
     "cuda_graph": CudaGraphConfig(modules=["attn"]),
     "mok": MoKBackendConfig(minibatch_size=8192),

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import am_moe
-from am_precision import cast_model_to_dtype
+from am_precision import cast_model_to_dtype, match_keep_rule
 from am_precision.hf_io import (
     LazyCheckpoint,
     resolve_checkpoint_folder,
@@ -35,7 +35,40 @@ from am_precision.hf_io import (
 from .config import as_hf_config
 from .state_dict_adapter import NemotronStateDictAdapter
 
-__all__ = ["load_pretrained", "read_safetensors_folder", "save_pretrained"]
+__all__ = [
+    "NativeStateDictLayout",
+    "checkpoint_adapter",
+    "load_pretrained",
+    "read_safetensors_folder",
+    "save_pretrained",
+]
+
+
+class NativeStateDictLayout(NemotronStateDictAdapter):
+    """The checkpoint layout of `BackendConfig(enable_hf_state_dict_adapter=False)`: the model's own state-dict keys
+    (`model.layers.0.mixer._fp32_params.A_log`, stacked experts `[E, out, in]`), written and read as they are.
+    fp32-pinned tensors are still stored as F32."""
+
+    def from_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self._cast(dict(state_dict))
+
+    def internal_key(self, key: str) -> str:
+        return key
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self._cast(dict(state_dict))
+
+    def forced_fp32(self, name: str) -> bool:
+        return match_keep_rule(name, self._fp32_rules) is not None
+
+
+def checkpoint_adapter(config: Any, backend: Any) -> NemotronStateDictAdapter:
+    """The layout `from_pretrained` / `save_pretrained` use: NVIDIA's HF naming (`NemotronStateDictAdapter`), or the
+    native keys when `backend.enable_hf_state_dict_adapter` is False (upstream: the model then has no adapter)."""
+    if backend is not None and not backend.enable_hf_state_dict_adapter:
+        return NativeStateDictLayout(config)
+    return NemotronStateDictAdapter(config)
+
 
 # Keywords transformers' AutoModel passes on to a registered class; none changes what is loaded here.
 _AUTO_KWARGS = ("_from_auto", "trust_remote_code", "adapter_kwargs", "subfolder", "proxies")
@@ -120,9 +153,9 @@ def load_pretrained(
     config = as_hf_config(config) if config is not None else _load_config(folder)
     target_dtype = resolve_dtype(torch_dtype=torch_dtype, dtype=dtype, config=config)
     target = resolve_device(device_map=device_map, device=device)
-    adapter = NemotronStateDictAdapter(config)
     with LazyCheckpoint(folder) as checkpoint:
         model = cls(config, backend, device="meta", **model_kwargs)
+        adapter = checkpoint_adapter(config, model.backend)
         sources = _check_names_and_shapes(cls.__name__, model, checkpoint, adapter, folder)
         for name, keys in sources.items():
             (tensor,) = adapter.from_hf({key: checkpoint.read(key) for key in keys}).values()
@@ -257,7 +290,7 @@ def save_pretrained(
     # The constructor may override the MTP depth count; the saved config must describe the saved weights.
     config.num_nextn_predict_layers = model.mtp_config.num_layers if model.mtp is not None else 0
     config.save_pretrained(str(folder))
-    adapter = NemotronStateDictAdapter(config)
+    adapter = checkpoint_adapter(config, model.backend)
     tensors = adapter.to_hf(tensors)
     tensors = {k: (v.float() if adapter.forced_fp32(k) else v) for k, v in tensors.items()}
     write_safetensors(tensors, folder, max_shard_size=max_shard_size, safe_serialization=True)

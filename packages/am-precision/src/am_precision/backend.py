@@ -181,11 +181,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: v != 0,
         "it perturbs the fake balanced gate, which no am-* MoE router has; leave it 0.0",
     ),
-    "enable_hf_state_dict_adapter": (
-        lambda v: v is False,
-        "am-* models always read and write the HF checkpoint layout in from_pretrained / save_pretrained "
-        "(model.state_dict() holds the native names); leave it True",
-    ),
     "enable_fsdp_optimizations": (lambda v: v is True, "no am-* model has model-specific FSDP tweaks; leave it False"),
     "cuda_graph": (
         lambda v: isinstance(v, CudaGraphConfig) and v.enabled,
@@ -237,7 +232,7 @@ class BackendConfig:
 
     Fields no am-* package implements (README, "Who honours each field") keep their upstream defaults and accept
     only them: `rope="quack"`, `rope_fusion=True`, the `dispatcher_*` knobs, `fake_balanced_gate`,
-    `fake_gate_noise`, `enable_hf_state_dict_adapter=False`, `enable_fsdp_optimizations`, a non-empty
+    `fake_gate_noise`, `enable_fsdp_optimizations`, a non-empty
     `cuda_graph`, a non-default `mok` and `enable_deepep` are refused with the reason and the fix. Models refuse
     what they do not support of the fields they read (`attn`, `experts`, `dispatcher`, ...) and what this machine
     cannot run (`backend_runtime_problems`).
