@@ -114,3 +114,43 @@ def test_rows_outside_every_group_give_zero_and_no_gradient() -> None:
 def test_loop_needs_host_sizes() -> None:
     with pytest.raises(ValueError, match="host"):
         grouped_linear(torch.zeros(2, 8), torch.zeros(1, 4, 8), _layout([2], total_rows=2), backend="loop")
+
+
+def test_gmm_is_refused_naming_what_is_missing(monkeypatch) -> None:
+    """`grouped_gemm` needs the package, CUDA and bf16: every missing piece in one message, never a fallback."""
+    from am_moe import grouped_mm as module
+
+    monkeypatch.setattr(module, "_gmm_installed", lambda: False)
+    with pytest.raises(ValueError, match="'gmm' cannot run here") as err:
+        select_grouped_mm_backend(device="cpu", dtype=torch.float32, sizes=(16,), requested="gmm")
+    message = str(err.value)
+    assert "`grouped_gemm` package is not installed" in message
+    assert "only on CUDA" in message
+    assert "bf16 only" in message
+
+
+def test_gmm_calls_grouped_gemm_public_op_with_host_batch_sizes(monkeypatch) -> None:
+    """grouped_linear(backend="gmm") calls `grouped_gemm.ops.gmm(a, b, batch_sizes, trans_b=True)` (its public API:
+    b stacked [G, out, in], int64 batch sizes on the host) and pads rows past the last group with 0. The package
+    needs CUDA, so a stand-in with its signature computes the per-group matmuls here."""
+    from am_moe import grouped_mm as module
+
+    calls = []
+
+    class FakeOps:
+        @staticmethod
+        def gmm(a, b, batch_sizes, trans_b=False):
+            calls.append((tuple(a.shape), batch_sizes.dtype, batch_sizes.device.type, trans_b))
+            parts = a.split(batch_sizes.tolist())
+            return torch.cat([p @ (w.T if trans_b else w) for p, w in zip(parts, b.unbind(0), strict=True)])
+
+    monkeypatch.setattr(module, "_gmm_ops", lambda: FakeOps)
+    x = torch.randn(7, 8)
+    weight = torch.randn(3, 5, 8)
+    sizes = [2, 0, 4]
+    layout = GroupLayout(ends=torch.tensor([2, 2, 6], dtype=torch.int32), sizes=sizes)
+    got = grouped_linear(x, weight, layout, backend="gmm")
+    want = grouped_linear(x, weight, layout, backend="loop")
+    torch.testing.assert_close(got, want)
+    assert calls == [((6, 8), torch.int64, "cpu", True)]
+    assert torch.equal(got[6], torch.zeros(5))

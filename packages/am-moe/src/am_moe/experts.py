@@ -64,7 +64,8 @@ class GroupedExperts(nn.Module):
         gated: gate+up projection (`gate_up_proj`) vs a single up projection (`up_proj`).
         activation: a name in `EXPERT_ACTIVATIONS` or a callable applied elementwise.
         grouped_mm: "auto" (torch._grouped_mm where it runs, else one matmul per expert), "grouped_mm" (refused
-            where it cannot run) or "loop". The choice is made once per device and dtype and reported by
+            where it cannot run), "loop", or "gmm" (the `grouped_gemm` package; bf16 on CUDA, refused elsewhere
+            naming what is missing). The choice is made once per device and dtype and reported by
             `grouped_mm_choice`.
         combine_dtype: dtype of the weighted sum over the top-k experts (fp32 default: the routing weights are not
             rounded to bf16); None sums in the experts' output dtype.
@@ -104,8 +105,8 @@ class GroupedExperts(nn.Module):
             )
         elif not isinstance(activation, str) and not callable(activation):
             problems.append(f"activation must be a name or a callable, got {activation!r}")
-        if grouped_mm not in ("auto", "grouped_mm", "loop"):
-            problems.append(f"grouped_mm must be 'auto', 'grouped_mm' or 'loop', got {grouped_mm!r}")
+        if grouped_mm not in ("auto", "grouped_mm", "loop", "gmm"):
+            problems.append(f"grouped_mm must be 'auto', 'grouped_mm', 'loop' or 'gmm', got {grouped_mm!r}")
         if combine_dtype is not None and not combine_dtype.is_floating_point:
             problems.append(f"combine_dtype must be a floating dtype or None, got {combine_dtype}")
         if problems:
@@ -197,7 +198,7 @@ class GroupedExperts(nn.Module):
                 f"hidden_states are {hidden_states.dtype} but the expert weights are {first.dtype}; cast one of them"
             )
         choice = self.choose_grouped_mm(hidden_states.device, hidden_states.dtype)
-        host_sizes = choice.backend == "loop" or hidden_states.device.type == "cpu"
+        host_sizes = choice.backend in ("loop", "gmm") or hidden_states.device.type == "cpu"
         rows, layout, state = self.dispatcher.dispatch(
             hidden_states,
             top_k_index,

@@ -1,4 +1,5 @@
-"""Grouped GEMM over expert-sorted rows: `torch._grouped_mm` where it runs, per-group matmuls elsewhere.
+"""Grouped GEMM over expert-sorted rows: `torch._grouped_mm` where it runs, per-group matmuls elsewhere, or the
+`grouped_gemm` package's CUTLASS kernel when asked for ("gmm", upstream's `BackendConfig.experts="gmm"`).
 
 What it is for: `select_grouped_mm_backend` decides ONCE per (device, dtype, matrix sizes) which kernel multiplies
 the row groups — by rules on the device, dtype and strides, never by trying a call and catching its failure — and
@@ -21,20 +22,23 @@ per-group loop inside the op; on the CPU the op is a per-group loop too.
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 __all__ = ["GROUPED_MM_BACKENDS", "GroupLayout", "GroupedMMChoice", "grouped_linear", "select_grouped_mm_backend"]
 
-GROUPED_MM_BACKENDS: tuple[str, ...] = ("auto", "grouped_mm", "loop")
+GROUPED_MM_BACKENDS: tuple[str, ...] = ("auto", "grouped_mm", "loop", "gmm")
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
 class GroupedMMChoice:
-    """Which kernel multiplies the expert groups, and why (`backend` is "grouped_mm" or "loop")."""
+    """Which kernel multiplies the expert groups, and why (`backend` is "grouped_mm", "loop" or "gmm")."""
 
     backend: str
     reason: str
@@ -62,7 +66,7 @@ def select_grouped_mm_backend(
 
     sizes: every contraction and output width the experts multiply (hidden size, intermediate size, 2 x intermediate
         for gated experts). requested: "auto" (the fastest that runs), "grouped_mm" (refused with the reason when it
-        cannot run) or "loop".
+        cannot run), "loop", or "gmm" (the `grouped_gemm` package: bf16 on CUDA; refused naming what is missing).
     """
     device = torch.device(device)
     return _select(device.type, _capability(device), dtype, tuple(int(s) for s in sizes), requested)
@@ -82,6 +86,8 @@ def _select(
         raise ValueError(f"grouped GEMM backend {requested!r} is unknown; choose one of {GROUPED_MM_BACKENDS}")
     if requested == "loop":
         return GroupedMMChoice("loop", "requested: one matmul per expert over split views")
+    if requested == "gmm":
+        return _select_gmm(device_type, dtype)
     refusals = []
     if not hasattr(torch, "_grouped_mm"):
         refusals.append(f"torch {torch.__version__} has no torch._grouped_mm")
@@ -108,6 +114,31 @@ def _select(
     return GroupedMMChoice("grouped_mm", f"torch._grouped_mm on cpu, {dtype} (a per-group loop inside the op)")
 
 
+def _gmm_installed() -> bool:
+    try:
+        return importlib.util.find_spec("grouped_gemm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _select_gmm(device_type: str, dtype: torch.dtype) -> GroupedMMChoice:
+    refusals = []
+    if not _gmm_installed():
+        refusals.append("the `grouped_gemm` package is not installed (`pip install grouped_gemm` on a CUDA machine)")
+    if device_type != "cuda":
+        refusals.append(f"grouped_gemm runs only on CUDA, not {device_type!r}")
+    if dtype != torch.bfloat16:
+        refusals.append(f"grouped_gemm multiplies bf16 only, not {dtype}")
+    if refusals:
+        raise ValueError("grouped GEMM backend 'gmm' cannot run here: " + "; ".join(refusals))
+    return GroupedMMChoice("gmm", "requested: grouped_gemm.ops.gmm (CUTLASS grouped GEMM, bf16 on cuda)")
+
+
+def _gmm_ops() -> Any:
+    # Imported on first use only: importing grouped_gemm loads its CUDA extension.
+    return importlib.import_module("grouped_gemm.ops")
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward hands on a contiguous gradient (`_grouped_mm`'s backward rejects stride-0 ones)."""
 
@@ -124,7 +155,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, layout: GroupLayout, *
     """`out[rows of group g] = x[rows of group g] @ weight[g].T` for every group. x: `[N, in]`, weight: `[G, out, in]`
     -> `[N, out]` in x's dtype. Rows outside every group (`layout.valid_rows` False) give 0 and pass no gradient.
 
-    backend: a `GroupedMMChoice.backend` ("grouped_mm" or "loop"); the loop needs `layout.sizes`.
+    backend: a `GroupedMMChoice.backend` ("grouped_mm", "loop" or "gmm"); the loop and gmm need `layout.sizes`.
     """
     valid = None if layout.valid_rows is None else layout.valid_rows.unsqueeze(-1)
     if valid is not None:
@@ -145,8 +176,17 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, layout: GroupLayout, *
         if total < x.shape[0]:
             outs.append(x.new_zeros(x.shape[0] - total, weight.shape[1]))
         out = torch.cat(outs)
+    elif backend == "gmm":
+        if layout.sizes is None:
+            raise ValueError("the gmm backend needs the group sizes on the host (GroupLayout.sizes)")
+        total = sum(layout.sizes)
+        # grouped_gemm's public op: gmm(a [N, in], b [G, out, in], batch_sizes int64 on the host, trans_b=True).
+        batch_sizes = torch.tensor(layout.sizes, dtype=torch.int64)
+        out = _gmm_ops().gmm(x[:total], weight, batch_sizes, trans_b=True)
+        if total < x.shape[0]:
+            out = torch.cat([out, out.new_zeros(x.shape[0] - total, weight.shape[1])])
     else:
-        raise ValueError(f"grouped_linear backend must be 'grouped_mm' or 'loop', not {backend!r}")
+        raise ValueError(f"grouped_linear backend must be 'grouped_mm', 'loop' or 'gmm', not {backend!r}")
     if valid is not None:
         out = torch.where(valid, out, out.new_zeros(()))
     return out
