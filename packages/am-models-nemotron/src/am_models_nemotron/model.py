@@ -51,9 +51,8 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
 
     Args:
         config: transformers `NemotronHConfig`, a NVIDIA remote-code config, any attribute object or a dict.
-        backend: kernel choices; None: `default_backend()` (plain PyTorch). Any `BackendConfig` — including
-            `BackendConfig()` with its machine-dependent defaults — is mapped to the choices implemented here by
-            `resolve_backend` (one logged line when something changes). Never mutated.
+        backend: kernel choices; None: `default_backend()` (plain PyTorch). A `BackendConfig` runs as asked or is
+            refused by `resolve_backend` (one ValueError naming every value that cannot run here). Never mutated.
         dtype: parameter dtype at construction (fp32-pinned tensors are fp32 regardless).
         device: construction device ("meta" defers allocation; then load a checkpoint with `assign=True`, or
             `to_empty(...)` and `initialize_weights(buffer_device=...)`).
@@ -63,7 +62,7 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
 
     Raises:
         NotImplementedError: `tie_word_embeddings=True`.
-        ValueError: invalid config or backend choices that cannot be resolved (all listed).
+        ValueError: invalid config or backend choices that cannot run here (all listed).
     """
 
     # The same list as the backbone's (one source: the keep list is defined once, on NemotronV3Model).

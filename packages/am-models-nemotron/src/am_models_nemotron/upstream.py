@@ -64,7 +64,7 @@ def _moe_config_problems(config: NemotronConfig, moe_config: Any) -> list[str]:
 
 class NemotronV3Attention(NemotronAttention):
     """`NemotronV3Attention(config, backend=None)`: `NemotronAttention` with the backend second (None ->
-    `default_backend()`, unsupported fields resolved as the model does); the cache slot `layer_idx` is keyword-only
+    `default_backend()`, values that cannot run refused as the model does); the cache slot `layer_idx` is keyword-only
     (upstream's block sets it), default 0."""
 
     def __init__(
