@@ -351,7 +351,8 @@ class AttentionKernel(nn.Module):
             if is_causal:
                 causal = _causal_mask(q.shape[-2], k.shape[-2], q.device)
                 hidden = hidden | ~causal
-            te_mask = hidden
+            # TE's "arbitrary" mask is [B, 1, Sq, Sk] (True = masked out); a batch-broadcast mask is expanded.
+            te_mask = hidden.expand(q.shape[0], 1, q.shape[-2], k.shape[-2])
         out = module(
             q.transpose(1, 2).contiguous(),
             k.transpose(1, 2).contiguous(),
