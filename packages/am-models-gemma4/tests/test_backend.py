@@ -92,11 +92,18 @@ def test_the_vision_language_model_takes_the_backend_positionally() -> None:
 
 
 def test_values_gemma4_cannot_run_are_refused_all_at_once() -> None:
-    backend = BackendConfig(attn="tilelang", linear="torch", rms_norm="torch", experts="torch", dispatcher="hybridep")
+    backend = BackendConfig(
+        attn="tilelang",
+        linear="torch",
+        rms_norm="torch",
+        experts="torch",
+        dispatcher="hybridep",
+        enable_hf_state_dict_adapter=False,
+    )
     with pytest.raises(ValueError, match="cannot run as asked") as err:
         Gemma4ForCausalLM(C.text_config(), backend=backend)
     message = str(err.value)
-    for wrong in ("attn='tilelang'", "rms_norm='torch'", "dispatcher='hybridep'"):
+    for wrong in ("attn='tilelang'", "rms_norm='torch'", "dispatcher='hybridep'", "enable_hf_state_dict_adapter=False"):
         assert wrong in message
     with pytest.raises(TypeError, match=r"must be an am_precision\.BackendConfig"):
         Gemma4ForCausalLM(C.text_config(), backend="sdpa")
