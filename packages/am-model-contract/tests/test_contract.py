@@ -22,9 +22,12 @@ def test_root_api_follows_the_rule() -> None:
 def test_defaults_declare_nothing() -> None:
     contract = ModelContract()
     assert contract.cp.layout == "load_balanced"
-    assert not contract.cp.owns_attention and contract.cp.options is None and contract.cp.problems is None
+    assert not contract.cp.owns_attention
+    assert contract.cp.options is None
+    assert contract.cp.problems is None
     assert contract.pp == PipelineContract(plan=None, keeps_own_forward=False, output_names=None)
-    assert contract.ep.apply is None and contract.ep.is_moe is False
+    assert contract.ep.apply is None
+    assert contract.ep.is_moe is False
     assert contract.tp.plan is None
 
 
@@ -42,7 +45,12 @@ def test_every_invalid_cp_field_is_listed() -> None:
             problems="none",  # type: ignore[arg-type]
         )
     message = str(info.value)
-    for expected in ("layout must be one of", "owns_attention must be a bool", "attention_backends must be a", "problems"):
+    for expected in (
+        "layout must be one of",
+        "owns_attention must be a bool",
+        "attention_backends must be a",
+        "problems",
+    ):
         assert expected in message
 
 

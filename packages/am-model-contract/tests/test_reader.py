@@ -45,14 +45,19 @@ def test_a_declared_contract_is_read_with_its_hooks_bound_to_the_instance() -> N
     model = Declared()
     contract = contract_of(model)
     assert declares_contract(model)
-    assert contract.cp.layout == "contiguous" and contract.cp.owns_attention
-    assert contract.cp.problems is not None and contract.cp.problems(seq_len=2, local_seq_len=1, cp_size=2)
-    assert contract.pp.output_names == ("logits", "seq_idx") and contract.pp.keeps_own_forward
-    assert contract.ep.apply is not None and contract.ep.apply(None) is model
+    assert contract.cp.layout == "contiguous"
+    assert contract.cp.owns_attention
+    assert contract.cp.problems is not None
+    assert contract.cp.problems(seq_len=2, local_seq_len=1, cp_size=2)
+    assert contract.pp.output_names == ("logits", "seq_idx")
+    assert contract.pp.keeps_own_forward
+    assert contract.ep.apply is not None
+    assert contract.ep.apply(None) is model
     # a copy (a pipeline stage) answers for itself
     stage = copy.deepcopy(model)
     stage_contract = contract_of(stage)
-    assert stage_contract.ep.apply is not None and stage_contract.ep.apply(None) is stage
+    assert stage_contract.ep.apply is not None
+    assert stage_contract.ep.apply(None) is stage
 
 
 def test_a_broken_declaration_names_the_fix() -> None:
@@ -65,14 +70,18 @@ def test_a_broken_declaration_names_the_fix() -> None:
 
     with pytest.raises(TypeError, match=r"Wrong.am_contract\(\) must return an am_model_contract.ModelContract"):
         contract_of(Wrong())
-    with pytest.raises(TypeError, match="NotCallable.am_contract must be a method"):
+    with pytest.raises(TypeError, match=r"NotCallable\.am_contract must be a method"):
         contract_of(NotCallable())
 
 
 def test_an_unmodified_hf_model_gets_the_contract_its_class_describes() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
         num_key_value_heads=2,
     )
     torch.manual_seed(0)
@@ -80,9 +89,12 @@ def test_an_unmodified_hf_model_gets_the_contract_its_class_describes() -> None:
     contract = contract_of(model)
     assert not declares_contract(model)
     assert contract.cp == ContextParallelContract(sdpa_attention=True)  # ring attention stands in for its SDPA
-    assert contract.pp.plan is not None and "model.layers" in contract.pp.plan
-    assert contract.pp.keeps_own_forward is False and contract.pp.output_names is None
-    assert contract.tp.plan is not None and contract.tp.plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert contract.pp.plan is not None
+    assert "model.layers" in contract.pp.plan
+    assert contract.pp.keeps_own_forward is False
+    assert contract.pp.output_names is None
+    assert contract.tp.plan is not None
+    assert contract.tp.plan["model.layers.*.self_attn.q_proj"] == "colwise"
     assert contract.ep == ExpertParallelContract()
 
 
@@ -91,7 +103,7 @@ def test_nemo_automodel_class_flags_are_translated() -> None:
         _owns_cp_attention = True
         _supports_cp_sdpa = True
         _owns_packed_attention = True
-        _packed_cp_attn_backends = ["te", "sdpa"]
+        _packed_cp_attn_backends = ("te", "sdpa")
         _pp_keep_self_forward = True
 
     model = NemoStyle()
