@@ -6,7 +6,8 @@ What a model offers is read from its contract (`am_model_contract.contract_of`: 
 contract its transformers / NeMo AutoModel class attributes describe), plus public runtime state (`model.backend.attn`,
 the config's block types and expert counts, `forward`'s signature); no model package, trainer or transformers is
 imported, and no private model attribute is read here. Each parallel axis is decided by one ``_decide_<axis>``
-function that returns a verdict *with its reason and fix*, so ``ModelSupports`` and ``validate_for_mesh`` can never disagree.
+function that returns a verdict *with its reason and fix*, so ``ModelSupports`` and ``validate_for_mesh`` can never
+disagree.
 
 Rule between declared and introspected capabilities: when the model class declares capabilities
 (``ModelCapabilities`` / ``get_capabilities``, see ``declarative``), the declaration decides TP and PP
