@@ -386,8 +386,8 @@ def cp_problems(cfg: RunConfig, *, cp_layout: str | None, pad_multiple: int) -> 
     if cfg.pp > 1 and cp_layout not in (None, "contiguous"):
         problems.append(
             f"--pp {cfg.pp} with --cp {cfg.cp}: pipeline stages run context parallelism only for models that declare "
-            f'the contiguous CP layout (`_cp_layout = "contiguous"`), and {model_label(cfg)} uses the {cp_layout} '
-            "layout; drop --pp or --cp"
+            f'the contiguous CP layout (contract `cp.layout="contiguous"`), and {model_label(cfg)} uses the '
+            f"{cp_layout} layout; drop --pp or --cp"
         )
     return problems
 

@@ -52,13 +52,18 @@ def has_experts(model: nn.Module) -> bool:
 
 def apply_expert_parallel(parts: list[nn.Module], *, ep_mesh: DeviceMesh) -> None:
     """Shard the experts of every model part (pipeline stage module, or the whole model) over `ep_mesh` through the
-    model's own `apply_expert_parallel(ep_mesh)` hook (am-capabilities checked that it exists). A stage without MoE
-    layers shards nothing. Collective over `ep_mesh`.
+    hook its contract declares (`contract_of(part).ep.apply`, the model's `apply_expert_parallel`; am-capabilities
+    checked that it exists). A stage without MoE layers shards nothing. Collective over `ep_mesh`.
 
     NOTE: after the pipeline split (a stage module is a pruned copy of the model), before any `fully_shard`.
     """
+    from am_model_contract import contract_of
+
     for part in parts:
-        part.apply_expert_parallel(ep_mesh)  # type: ignore[operator]
+        hook = contract_of(part).ep.apply
+        if hook is None:
+            raise ValueError(f"{type(part).__name__} declares no expert-parallel hook (contract ep.apply); use --ep 1")
+        hook(ep_mesh)
 
 
 def step_expert_imbalance(parts: list[nn.Module], *, data_group: Any, pp_group: Any, device: torch.device) -> float:

@@ -292,7 +292,7 @@ def apply_fsdp(
 
 def cp_layout_name(model: nn.Module) -> str:
     """The CP layout `model` runs under (am-context-parallel's `model_cp_options`): "contiguous" for a model that
-    declares `_cp_layout = "contiguous"` (Gemma 4, Nemotron-H), else "load_balanced" (the head-tail layout)."""
+    declares `cp.layout="contiguous"` in its contract (Gemma 4, Nemotron-H), else "load_balanced" (head-tail)."""
     from am_context_parallel import model_cp_options
 
     return "contiguous" if model_cp_options(model) is not None else "load_balanced"
@@ -321,8 +321,8 @@ def shard_batch_for_cp(model: nn.Module, batch: dict[str, torch.Tensor], *, mesh
     batch: `input_ids` [B, S] and `labels` [B, S], ALREADY shifted (the trainer's convention). A model with the
     `prepare_batch_for_cp(batch, *, labels_shifted)` hook (Nemotron-H: document ids, padding mask, the per-depth MTP
     inputs and targets) prepares the WHOLE sequences first, so everything that is shifted is right at block edges.
-    A model that declares `_cp_layout = "contiguous"` then gets the contiguous shard and the ring context its layers
-    read; other models get the load-balanced layout with ring attention routed through transformers' attention
+    A model whose contract declares `cp.layout="contiguous"` then gets the contiguous shard and the ring context its
+    layers read; other models get the load-balanced layout with ring attention routed through transformers' attention
     registry. The model is read, never asked to shard. The returned context describes exactly these B rows.
     """
     from am_context_parallel import make_cp_batch_and_ctx

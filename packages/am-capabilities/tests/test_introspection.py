@@ -21,6 +21,7 @@ from am_capabilities import (
     implements_expert_parallelism,
     is_hybrid_model,
 )
+from am_model_contract import ContextParallelContract, ExpertParallelContract, ModelContract
 
 # ================================================================================================================
 # Real HuggingFace models
@@ -245,11 +246,15 @@ class NoSeqLensCustom(Custom):
 
 
 class MoECustom(Custom):
-    _am_is_moe = True
+    def am_contract(self) -> ModelContract:
+        return ModelContract(ep=ExpertParallelContract(is_moe=True))
 
 
 class ExpertParallelMoE(MoECustom):
-    """An MoE model that implements expert parallelism (the hook our MoE model classes have)."""
+    """An MoE model that implements expert parallelism (the hook our MoE model classes declare)."""
+
+    def am_contract(self) -> ModelContract:
+        return ModelContract(ep=ExpertParallelContract(is_moe=True, apply=self.apply_expert_parallel))
 
     def apply_expert_parallel(self, ep_mesh: Any) -> list[nn.Module]:
         return []
@@ -294,7 +299,7 @@ def test_injected_te_attention_counts_as_te():
 
 def test_model_declared_cp_backends_replace_the_defaults():
     model = Custom("tilelang")
-    model._cp_attn_backends = ("tilelang", "cudnn")
+    model.am_contract = lambda: ModelContract(cp=ContextParallelContract(attention_backends=("tilelang", "cudnn")))
     assert ModelSupports(model).supports_cp
     model.backend.attn = "cudnn"
     assert ModelSupports(model).supports_cp

@@ -39,8 +39,6 @@ FAKE_MODELS_SOURCE = textwrap.dedent(
             supports_tp = True
             supports_thd = True
 
-        _am_is_moe = True
-
     class LlamaForCausalLM(nn.Module):
         '''Same architecture name as HuggingFace's class, different implementation.'''
 

@@ -5,6 +5,7 @@ is in ``test_mesh.py``'s one launch)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import itertools
 import pickle
@@ -18,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from am_capabilities import MeshContext, ModelSupports, attach_capabilities_and_validate, validate_for_mesh
+from am_model_contract import ExpertParallelContract, ModelContract, conventional_contract
 
 
 class Plain(nn.Module):
@@ -39,7 +41,16 @@ class HybridCustom(Plain):
 
 
 class ExpertParallelHook:
-    """What our MoE model classes implement: the hook that shards the experts over the ep ranks."""
+    """What our MoE model classes implement: the hook that shards the experts over the ep ranks, declared in the
+    contract (the rest of the contract from the class attributes, as for a model that declares none)."""
+
+    moe: ClassVar[bool] = False
+
+    def am_contract(self) -> ModelContract:
+        contract = conventional_contract(self)
+        return dataclasses.replace(
+            contract, ep=ExpertParallelContract(is_moe=self.moe, apply=self.apply_expert_parallel)
+        )
 
     def apply_expert_parallel(self, ep_mesh: Any) -> list[nn.Module]:
         return []
@@ -48,7 +59,7 @@ class ExpertParallelHook:
 class DeclaredMoE(ExpertParallelHook, Plain):
     """Upstream's Gemma4-MoE shape: an MoE model that declares PP unsupported."""
 
-    _am_is_moe = True
+    moe = True
     _owns_cp_attention = True
 
     class ModelCapabilities:
@@ -57,7 +68,7 @@ class DeclaredMoE(ExpertParallelHook, Plain):
 
 
 class Everything(ExpertParallelHook, Plain):
-    _am_is_moe = True
+    moe = True
     _tp_plan: ClassVar[dict[str, str]] = {"proj": "colwise"}
     _owns_cp_attention = True
 
@@ -171,7 +182,8 @@ def test_declared_capabilities_and_validator_agree():
 class MarkedMoE(Plain):
     """An MoE model (marker) that does not implement expert parallelism."""
 
-    _am_is_moe = True
+    def am_contract(self) -> ModelContract:
+        return ModelContract(ep=ExpertParallelContract(is_moe=True))
 
 
 class DeclaredWithoutHook(Plain):

@@ -27,6 +27,7 @@ from am_context_parallel import (
     model_cp_problems,
 )
 from am_context_parallel.upstream import _synthesize_single_document_seq_ids, make_contiguous_shard_cp_batch_and_ctx
+from am_model_contract import ContextParallelContract, ModelContract
 
 PAD_ID = 9
 # rank r of 2 keeps chunks r and 3 - r of 8 padded tokens (chunk = 2 tokens)
@@ -180,10 +181,14 @@ def _contiguous_case(mesh: Any) -> dict[str, Any]:
     }
 
 
+_CONTIGUOUS = ModelContract(cp=ContextParallelContract(layout="contiguous"))
+
+
 class _DeclaredModel(torch.nn.Module):
     """A model that declares the contiguous path with options (what Gemma 4 and Nemotron-H do)."""
 
-    _cp_layout = "contiguous"
+    def am_contract(self) -> ModelContract:
+        return ModelContract(cp=ContextParallelContract(layout="contiguous", options=self.get_cp_options))
 
     def get_cp_options(self) -> ContiguousCPOptions:
         return ContiguousCPOptions(
@@ -401,7 +406,8 @@ def test_float_token_ids_and_labels_of_another_batch_size_are_refused(declared: 
     """Checked before any path is chosen, so also at C = 1, where the batch would otherwise pass unchanged."""
 
     class Declared(torch.nn.Module):
-        _cp_layout = "contiguous"
+        def am_contract(self) -> ModelContract:
+            return _CONTIGUOUS
 
     model = Declared() if declared else None
     batch = _full_batch()
@@ -480,7 +486,7 @@ def test_a_function_in_the_batch_is_refused_with_the_new_way() -> None:
     ):
         with pytest.raises(ValueError, match="_cp_make_batch_fn") as error:
             call({**_full_batch(), "_cp_make_batch_fn": sharder})
-        assert '_cp_layout = "contiguous"' in str(error.value)
+        assert 'ContextParallelContract(layout="contiguous"' in str(error.value)
         assert "model=model" in str(error.value)
 
 
@@ -490,7 +496,10 @@ def test_model_cp_problems_asks_the_hook_with_the_shard_length_the_sharder_will_
     calls: list[dict[str, int]] = []
 
     class Hooked(torch.nn.Module):
-        _cp_layout = "contiguous"
+        def am_contract(self) -> ModelContract:
+            return ModelContract(
+                cp=ContextParallelContract(layout="contiguous", options=self.get_cp_options, problems=self.cp_problems)
+            )
 
         def get_cp_options(self) -> ContiguousCPOptions:
             return ContiguousCPOptions(pad_multiple=3)
@@ -500,10 +509,16 @@ def test_model_cp_problems_asks_the_hook_with_the_shard_length_the_sharder_will_
             return [f"{kwargs['local_seq_len']} tokens per rank is too short"] if kwargs["local_seq_len"] < 6 else []
 
     class LoadBalancedHooked(torch.nn.Module):
+        def am_contract(self) -> ModelContract:
+            return ModelContract(cp=ContextParallelContract(problems=self.cp_problems))
+
         def cp_problems(self, **kwargs: int) -> list[str]:
             return [f"local {kwargs['local_seq_len']}"]
 
     class BadHook(torch.nn.Module):
+        def am_contract(self) -> ModelContract:
+            return ModelContract(cp=ContextParallelContract(problems=self.cp_problems))
+
         def cp_problems(self, **kwargs: int) -> str:
             return "one string, not a list"
 
@@ -528,28 +543,34 @@ def test_model_declarations_are_checked() -> None:
         pass
 
     class OptionsWithoutLayout(torch.nn.Module):
+        def am_contract(self) -> ModelContract:
+            return ModelContract(cp=ContextParallelContract(options=self.get_cp_options))
+
         def get_cp_options(self) -> ContiguousCPOptions:
             return ContiguousCPOptions()
 
     class UnknownLayout(torch.nn.Module):
-        _cp_layout = "zigzag"
+        def am_contract(self) -> ModelContract:
+            return ModelContract(cp=ContextParallelContract(layout="zigzag"))
 
     class WrongOptions(torch.nn.Module):
-        _cp_layout = "contiguous"
+        def am_contract(self) -> ModelContract:
+            return ModelContract(cp=ContextParallelContract(layout="contiguous", options=self.get_cp_options))
 
         def get_cp_options(self) -> dict[str, Any]:
             return {}
 
     class Plain(torch.nn.Module):
-        _cp_layout = "contiguous"
+        def am_contract(self) -> ModelContract:
+            return _CONTIGUOUS
 
     assert model_cp_options(NoDeclaration()) is None
     assert model_cp_options(Plain()) == ContiguousCPOptions()
-    with pytest.raises(ValueError, match="not `_cp_layout"):
+    with pytest.raises(ValueError, match='options are read only for layout="contiguous"'):
         model_cp_options(OptionsWithoutLayout())
-    with pytest.raises(ValueError, match="'zigzag' is not one of"):
+    with pytest.raises(ValueError, match=r"layout must be one of \['load_balanced', 'contiguous'\]; got 'zigzag'"):
         model_cp_options(UnknownLayout())
-    with pytest.raises(TypeError, match="must return a ContiguousCPOptions"):
+    with pytest.raises(TypeError, match=r"contract cp.options\(\) must return a ContiguousCPOptions"):
         model_cp_options(WrongOptions())
     with pytest.raises(ValueError, match="drop use_te"):
         make_cp_batch_and_ctx(None, _full_batch(), use_te=True, model=Plain())

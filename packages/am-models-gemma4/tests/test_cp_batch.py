@@ -9,6 +9,7 @@ import torch
 from _g4_configs import text_config
 
 from am_context_parallel import ContiguousCPOptions, make_cp_batch_and_ctx, model_cp_options
+from am_model_contract import contract_of
 from am_models_gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration, default_ring_kernel
 
 
@@ -30,11 +31,11 @@ def _cp1_mesh() -> object:
 
 
 def test_models_declare_the_contiguous_layout_and_their_kernel() -> None:
-    """The declaration is data on the class (no sharder of our own): contiguous layout, our block-sparse kernel,
+    """The declaration is the model's contract (no sharder of our own): contiguous layout, our block-sparse kernel,
     token ids required, transformers' attention not routed (the vision tower keeps its own)."""
     for cls in (Gemma4ForCausalLM, Gemma4ForConditionalGeneration):
-        assert cls._cp_layout == "contiguous"
         assert not hasattr(cls, "prepare_model_inputs_for_cp")
+    assert contract_of(Gemma4ForCausalLM(text_config())).cp.layout == "contiguous"
     options = model_cp_options(Gemma4ForCausalLM(text_config()))
     assert isinstance(options, ContiguousCPOptions)
     assert options.kernel is default_ring_kernel

@@ -166,7 +166,28 @@ def test_capabilities_dense_pp_cp_moe_pp_cp_ep() -> None:
     assert not gemma4_capabilities(text_config(hidden_size_per_layer_input=8))["supports_pp"]
     assert not gemma4_capabilities(text_config(moe=True, hidden_size_per_layer_input=8))["supports_pp"]
     assert Gemma4ForCausalLM.get_capabilities(text_config(moe=True)) == moe
-    assert Gemma4ForCausalLM._owns_cp_attention is True
+
+
+def test_contract_declares_contiguous_cp_and_the_expert_parallel_hook() -> None:
+    """What every infrastructure package reads (am-model-contract): contiguous CP with the model's own attention and
+    hooks bound to the instance; the expert-parallel hook only for a MoE config."""
+    from am_model_contract import contract_of
+
+    dense_model, moe_model = Gemma4ForCausalLM(text_config()), Gemma4ForCausalLM(text_config(moe=True))
+    dense, moe = contract_of(dense_model), contract_of(moe_model)
+    assert dense.cp.layout == moe.cp.layout == "contiguous"
+    assert dense.cp.owns_attention
+    assert moe.cp.owns_attention
+    assert dense.cp.options is not None
+    assert dense.cp.options() == dense_model.get_cp_options()
+    assert dense.cp.problems is not None
+    assert dense.cp.problems(seq_len=8, local_seq_len=4, cp_size=2) == []
+    assert (dense.ep.is_moe, dense.ep.apply) == (False, None)
+    assert moe.ep.is_moe
+    assert moe.ep.apply is not None
+    assert moe.ep.apply.__self__ is moe_model
+    assert not hasattr(Gemma4ForCausalLM, "_cp_layout")
+    assert not hasattr(Gemma4ForCausalLM, "_owns_cp_attention")
 
 
 def test_am_capabilities_reads_the_declaration() -> None:

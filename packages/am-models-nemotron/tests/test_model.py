@@ -225,9 +225,29 @@ def test_capabilities_are_declared_by_duck_typing() -> None:
     assert dense["supports_ep"] is False
     assert dense["supports_pp"] is True
     assert NemotronHForCausalLM._pp_plan
-    assert NemotronHForCausalLM._pp_keep_self_forward is True
-    assert NemotronHForCausalLM._cp_layout == "contiguous"  # am-context-parallel's declared contiguous path
     assert NemotronHForCausalLM.supports_gradient_checkpointing is True
+
+
+def test_contract_declares_pipeline_cp_and_expert_parallel() -> None:
+    """What every infrastructure package reads (am-model-contract), with hooks bound to the instance."""
+    from am_model_contract import contract_of
+
+    moe_model, dense_model = NemotronHForCausalLM(tiny_hf_config("ME")), NemotronHForCausalLM(tiny_hf_config("M*-"))
+    moe, dense = contract_of(moe_model), contract_of(dense_model)
+    assert moe.pp.keeps_own_forward
+    assert moe.pp.plan == NemotronHForCausalLM._pp_plan
+    assert moe.pp.output_names == ("logits", "mtp_per_depth_h", "seq_idx")
+    assert moe.cp.layout == "contiguous"  # am-context-parallel's declared contiguous path
+    assert moe.cp.options is not None
+    assert moe.cp.options() == moe_model.get_cp_options()
+    assert moe.cp.problems is not None
+    assert moe.cp.problems(seq_len=16, local_seq_len=8, cp_size=2) == []
+    assert moe.ep.is_moe
+    assert moe.ep.apply is not None
+    assert moe.ep.apply.__self__ is moe_model
+    assert (dense.ep.is_moe, dense.ep.apply) == (False, None)
+    for old in ("_cp_layout", "_pp_keep_self_forward", "pipeline_output_names"):
+        assert not hasattr(NemotronHForCausalLM, old)
 
 
 def test_sharded_checkpoint_round_trip(tmp_path: Path) -> None:

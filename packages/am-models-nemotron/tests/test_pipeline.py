@@ -8,6 +8,7 @@ import copy
 import torch
 from am_nemotron_helpers import VOCAB, assert_close_rel, randomize_, tiny_hf_config, tokens
 
+from am_model_contract import contract_of
 from am_models_nemotron import NemotronHForCausalLM
 
 FP32_TOL = 1e-6
@@ -52,7 +53,7 @@ def test_two_stages_equal_the_full_model_forward_and_backward() -> None:
     assert tail.dtype == torch.int32
     assert torch.equal(tail, seq_idx.to(torch.int32))
     # The declaration the pipeline loss reads: logits first, the MTP hidden states, seq_idx last.
-    assert type(model).pipeline_output_names == ("logits", "mtp_per_depth_h", "seq_idx")
+    assert contract_of(model).pp.output_names == ("logits", "mtp_per_depth_h", "seq_idx")
     (logits.square().mean() + h1.square().mean() + h2.square().mean()).backward()
     (full.logits.square().mean() + sum(h.square().mean() for h in full.mtp_per_depth_h)).backward()
     assert_close_rel(

@@ -18,6 +18,7 @@ from am_nemotron_helpers import VOCAB, hf_model, randomize_, tiny_hf_config, tok
 from torch import nn
 
 import am_models_nemotron
+from am_model_contract import contract_of
 from am_models_nemotron import (
     Mamba2FP32Params,
     Mamba2Mixer,
@@ -84,7 +85,8 @@ def test_causal_lm_positional_backend_and_class_attributes():
     config = tiny_hf_config("M*-E")
     torch.manual_seed(0)
     model = NemotronHForCausalLM(config, default_backend())  # (config, backend)
-    assert NemotronHForCausalLM._pp_keep_self_forward is True
+    assert upstream.NemotronHForCausalLM._pp_keep_self_forward is True  # NeMo's spelling lives in the upstream layer
+    assert contract_of(model).pp.keeps_own_forward  # what am-pipelining reads
     assert {"e_score_correction_bias", "_fp32_params"} <= set(NemotronHForCausalLM._keep_in_fp32_modules_strict)
     ids = tokens(2, 8)
     out = model(ids, labels=ids)

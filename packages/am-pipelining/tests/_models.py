@@ -6,10 +6,13 @@ the same code for every batch size, which keeps microbatch-vs-full-batch differe
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
+
+from am_model_contract import ModelContract, PipelineContract, contract_of
 
 VOCAB = 64
 SEQ = 8
@@ -320,9 +323,12 @@ class HookedMTPModel(nn.Module):
 
 class DeclaredMTPModel(HookedMTPModel):
     """`HookedMTPModel` whose last stage also returns packed-sequence ids (int64: nothing keys on the dtype) and
-    declares its tuple with `pipeline_output_names`, as Nemotron does. Two packed sequences per row (halves)."""
+    declares its tuple in its contract (`pp.output_names`), as Nemotron does. Two packed sequences per row (halves)."""
 
-    pipeline_output_names = ("logits", "mtp_per_depth_h", "seq_idx")
+    def am_contract(self) -> ModelContract:
+        return ModelContract(
+            pp=PipelineContract(keeps_own_forward=True, output_names=("logits", "mtp_per_depth_h", "seq_idx"))
+        )
 
     def get_pipeline_stage_metas(
         self, *, is_first: bool, microbatch_size: int, seq_len: int, dtype: torch.dtype
@@ -341,3 +347,11 @@ class DeclaredMTPModel(HookedMTPModel):
         batch, seq = out[0].shape[:2]
         seq_idx = (torch.arange(seq) >= seq // 2).long().expand(batch, seq)
         return (*out, seq_idx)
+
+
+def declare_output_names(model: Any, names: tuple[str, ...]) -> Any:
+    """Give one model instance a contract whose last-stage output names are `names` (the rest of its contract kept)."""
+    contract = contract_of(model)
+    declared = dataclasses.replace(contract, pp=dataclasses.replace(contract.pp, output_names=names))
+    model.am_contract = lambda: declared
+    return model

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _models import declare_output_names
 from torch import nn
 
+from am_model_contract import ModelContract, PipelineContract
 from am_pipelining import (
     MTPLossConfig,
     PipelineCausalLMLoss,
@@ -177,7 +179,8 @@ def test_pipeline_loss_on_tensor_and_tuple_outputs():
 class _DeclaredMTPModel(_MTPModel):
     """Declares its last-stage tuple, like Nemotron: logits, D MTP hidden states, packed-sequence ids."""
 
-    pipeline_output_names = ("logits", "mtp_per_depth_h", "seq_idx")
+    def am_contract(self) -> ModelContract:
+        return ModelContract(pp=PipelineContract(output_names=("logits", "mtp_per_depth_h", "seq_idx")))
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
@@ -238,12 +241,12 @@ def test_pipeline_loss_calls_the_models_combined_loss_hook():
     """One rule: a model with `combined_loss` computes the pipeline's loss (labels already shifted, the stage's
     seq_idx tail or the cu_seqlens ids, the configured scaling and ignore_index handed on)."""
     model = _OwnLossModel()
-    model.pipeline_output_names = ("logits", "mtp_per_depth_h", "seq_idx")
+    declare_output_names(model, ("logits", "mtp_per_depth_h", "seq_idx"))
     logits, h1 = torch.randn(1, 8, 7), torch.randn(1, 8, 4)
     labels = torch.randint(0, 7, (1, 8))
     seq_idx = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]], dtype=torch.int32)
     plain = _MTPModel()
-    plain.pipeline_output_names = model.pipeline_output_names
+    declare_output_names(plain, ("logits", "mtp_per_depth_h", "seq_idx"))
     generic = PipelineCausalLMLoss(_sum_ce, plain)((logits, h1, seq_idx), labels)
 
     got = PipelineCausalLMLoss(_sum_ce, model)((logits, h1, seq_idx), labels)
@@ -264,7 +267,7 @@ def test_pipeline_loss_calls_the_models_combined_loss_hook():
     assert first["ignore"] == IGN
     assert torch.equal(first["seq_idx"], seq_idx)
 
-    model.pipeline_output_names = ("logits", "mtp_per_depth_h")  # no seq_idx tail: ids come from cu_seqlens
+    declare_output_names(model, ("logits", "mtp_per_depth_h"))  # no seq_idx tail: ids come from cu_seqlens
     packed = PipelineCausalLMLoss(_sum_ce, model, scaling_factor=2.0, ignore_index=-1)
     packed.cu_seqlens = torch.tensor([0, 3, 8])
     got = packed((logits, h1), labels)
@@ -297,7 +300,7 @@ def test_pipeline_loss_uses_given_mtp_targets_instead_of_rolling_the_labels():
             return output[0].sum()
 
     hooked = _Hook()
-    hooked.pipeline_output_names = ("logits", "mtp_per_depth_h", "seq_idx")
+    declare_output_names(hooked, ("logits", "mtp_per_depth_h", "seq_idx"))
     seq_idx = torch.zeros(1, 8, dtype=torch.int32)
     PipelineCausalLMLoss(_sum_ce, hooked)((logits, h1, seq_idx), labels, mtp_per_depth_targets=[targets])
     given, seen_seq_idx = hooked.seen

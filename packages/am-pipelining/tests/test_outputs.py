@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from am_model_contract import ModelContract, PipelineContract
 from am_pipelining import StageOutput, read_stage_output
 from am_pipelining.outputs import output_names_problems, pipeline_output_names
 
@@ -62,10 +63,10 @@ def test_bad_declarations_and_lengths_are_errors():
         read_stage_output((_t(1),), names=("logits", "mtp_per_depth_h", "seq_idx"))
 
 
-def test_declaration_is_read_from_class_or_instance():
+def test_declaration_is_read_from_the_contract():
     class Declared:
-        def __init__(self):
-            self.pipeline_output_names = ["logits", "seq_idx"]  # an instance attribute (a list) works too
+        def am_contract(self) -> ModelContract:
+            return ModelContract(pp=PipelineContract(output_names=["logits", "seq_idx"]))  # a list works too
 
     assert pipeline_output_names(Declared()) == ("logits", "seq_idx")
     assert pipeline_output_names(object()) is None

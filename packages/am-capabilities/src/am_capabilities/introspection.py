@@ -2,16 +2,19 @@
 
 ``ModelSupports`` (``supports.py``) reports these decisions; ``validate_for_mesh`` (``validation.py``) refuses by them.
 
-Everything is read from duck-typed attributes (see the package README for the full list); no model package,
-trainer or transformers is imported. Each parallel axis is decided by one ``_decide_<axis>`` function that
-returns a verdict *with its reason and fix*, so ``ModelSupports`` and ``validate_for_mesh`` can never disagree.
+What a model offers is read from its contract (`am_model_contract.contract_of`: the model's `am_contract()`, or the
+contract its transformers / NeMo AutoModel class attributes describe), plus public runtime state (`model.backend.attn`,
+the config's block types and expert counts, `forward`'s signature); no model package, trainer or transformers is
+imported, and no private model attribute is read here. Each parallel axis is decided by one ``_decide_<axis>``
+function that returns a verdict *with its reason and fix*, so ``ModelSupports`` and ``validate_for_mesh`` can never
+disagree.
 
 Rule between declared and introspected capabilities: when the model class declares capabilities
 (``ModelCapabilities`` / ``get_capabilities``, see ``declarative``), the declaration decides TP and PP
 outright — it is the model author's statement, and the structural heuristics (plans, MoE marker) only stand
 in for it on undeclared models. For CP and EP a declaration of ``False`` vetoes, and ``True`` still needs the
 implementation on this instance: a CP-capable attention backend (a runtime choice the class cannot vouch for),
-and for EP the ``apply_expert_parallel`` hook (``implements_expert_parallelism``: without it nothing shards the
+and for EP the contract's ``ep.apply`` hook (``implements_expert_parallelism``: without it nothing shards the
 experts).
 """
 
@@ -22,6 +25,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch.nn as nn
+
+from am_model_contract import ModelContract, contract_of
 
 from .declarative import ModelCapabilities, declared_capabilities
 
@@ -40,7 +45,8 @@ _PLAIN_BLOCK_NAMES = frozenset({"attention", "full_attention", "sliding_attentio
 _HYBRID_CONFIG_FIELDS = ("layers_block_type", "hybrid_override_pattern", "layer_types")
 
 _TE = "te"
-# The method a model implements expert parallelism with (see `implements_expert_parallelism`).
+# The method our model classes implement expert parallelism with, and declare as their contract's `ep.apply` (see
+# `implements_expert_parallelism`).
 EXPERT_PARALLEL_HOOK = "apply_expert_parallel"
 # Config fields holding a layer's number of routed experts (DeepSeek/Nemotron-H, Gemma 4/Qwen, Mixtral names).
 _EXPERT_COUNT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts")
@@ -124,8 +130,9 @@ def _has_backend(model: nn.Module) -> bool:
     return backend is not None and hasattr(backend, "attn")
 
 
-def _uses_te_attention(model: nn.Module) -> bool:
-    return _attn_backend(model) == _TE or getattr(model, "_te_attention_injected", False) is True
+def _uses_te_attention(model: nn.Module, contract: ModelContract | None = None) -> bool:
+    contract = contract_of(model) if contract is None else contract
+    return _attn_backend(model) == _TE or contract.cp.te_attention
 
 
 def _uses_magi_attention(model: nn.Module) -> bool:
@@ -137,16 +144,12 @@ def _has_plan(plan: Any) -> bool:
     return plan is not None and (len(plan) > 0 if isinstance(plan, Mapping) else bool(plan))
 
 
-def _is_moe(model: nn.Module) -> bool:
-    return getattr(type(model), "_am_is_moe", False) is True
-
-
 def implements_expert_parallelism(model: nn.Module) -> bool:
-    """Whether the model implements expert parallelism: it has a callable ``apply_expert_parallel(ep_mesh)`` (the
-    hook a trainer calls to shard the experts over the ep ranks). The one rule every EP decision uses; being a
-    mixture-of-experts model (``_am_is_moe``) or declaring ``supports_ep=True`` is not enough — without the hook
+    """Whether the model implements expert parallelism: its contract has an ``ep.apply(ep_mesh)`` hook (what a
+    trainer calls to shard the experts over the ep ranks). The one rule every EP decision uses; being a
+    mixture-of-experts model (``ep.is_moe``) or declaring ``supports_ep=True`` is not enough — without the hook
     nothing would shard the experts, and ``ep_size > 1`` would silently run replicated experts."""
-    return callable(getattr(model, EXPERT_PARALLEL_HOOK, None))
+    return contract_of(model).ep.apply is not None
 
 
 def _supports_seq_lens(model: nn.Module) -> bool:
@@ -156,11 +159,6 @@ def _supports_seq_lens(model: nn.Module) -> bool:
     except (TypeError, ValueError):
         return False
     return any(p.name == "seq_lens" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def _tuple_attr(model: nn.Module, name: str) -> tuple[str, ...] | None:
-    value = getattr(model, name, None)
-    return None if value is None else tuple(str(v) for v in value)
 
 
 def _plain_class_value(cls: type, name: str) -> Any:
@@ -191,11 +189,11 @@ def _veto(declared: ModelCapabilities | None, flag: str, axis: str) -> _Verdict 
 def _decide_tp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:
     if declared is not None:
         return _veto(declared, "supports_tp", "tp") or _Verdict(True)
-    if _has_plan(getattr(model, "_tp_plan", None)):
+    if _has_plan(contract_of(model).tp.plan):
         return _Verdict(True)
     return _Verdict(
         False,
-        "it has no TP plan (`_tp_plan` is missing or empty) and declares no capabilities",
+        "it has no TP plan (`_tp_plan` / its contract's tp.plan is missing or empty) and declares no capabilities",
         "set tp_size=1, or give the model a non-empty `_tp_plan`",
     )
 
@@ -203,7 +201,8 @@ def _decide_tp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
 def _decide_pp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:
     if declared is not None:
         return _veto(declared, "supports_pp", "pp") or _Verdict(True)
-    if _has_plan(getattr(model, "_pp_plan", None)) or _is_moe(model):
+    contract = contract_of(model)
+    if _has_plan(contract.pp.plan) or contract.ep.is_moe:
         return _Verdict(True)
     return _Verdict(
         False,
@@ -223,9 +222,10 @@ def _decide_ep(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
     return _Verdict(
         False,
         f"{said}it has no `{EXPERT_PARALLEL_HOOK}(ep_mesh)` method, so nothing would shard its experts over the ep "
-        "ranks and send tokens to them",
-        f"set ep_size=1 (every data-parallel rank then holds all experts), or use a model class that implements "
-        f"`{EXPERT_PARALLEL_HOOK}` (e.g. am_models_nemotron.NemotronHForCausalLM or am_models_gemma4's MoE models)",
+        "ranks and send tokens to them (its contract's ep.apply is None)",
+        f"set ep_size=1 (every data-parallel rank then holds all experts), or use a model class whose contract "
+        f"declares `ep.apply={EXPERT_PARALLEL_HOOK}` (e.g. am_models_nemotron.NemotronHForCausalLM or "
+        "am_models_gemma4's MoE models)",
     )
 
 
@@ -259,19 +259,20 @@ def _decide_cp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
     vetoed = _veto(declared, "supports_cp", "cp")
     if vetoed is not None:
         return vetoed
-    if getattr(model, "_owns_cp_attention", False) is True:
+    cp = (contract := contract_of(model)).cp
+    if cp.owns_attention:
         return _Verdict(True)
     attn = _attn_backend(model)
     hybrid = is_hybrid_model(model)
     if _has_backend(model):
-        own_backends = _tuple_attr(model, "_cp_attn_backends")
+        own_backends = cp.attention_backends
         if own_backends is not None:
             allowed = own_backends
-        elif hybrid or getattr(model, "_supports_cp_sdpa", False) is True:
+        elif hybrid:
             allowed = (_TE, "sdpa")
         else:
             allowed = (_TE, _MAGI)
-        if attn in allowed or (_TE in allowed and _uses_te_attention(model)):
+        if attn in allowed or (_TE in allowed and _uses_te_attention(model, contract)):
             return _Verdict(True)
         kind = "hybrid model" if hybrid and own_backends is None else "model"
         return _Verdict(
@@ -283,27 +284,28 @@ def _decide_cp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
         return _Verdict(
             False,
             "it is a hybrid model with Mamba/SSM layers, and its implementation has no context-parallel path "
-            "for them (no `backend` and no `_owns_cp_attention`)",
+            "for them (no `backend`, and its contract does not say it owns its CP attention)",
             "set cp_size=1, or use an implementation that owns its CP (e.g. am-models-nemotron)",
         )
-    if getattr(model, "_supports_sdpa", None) is True:
+    if cp.sdpa_attention:
         return _Verdict(True)
     return _Verdict(
         False,
-        "it declares neither `_supports_sdpa = True` (ring attention over SDPA) nor `_owns_cp_attention`",
+        "it declares neither `_supports_sdpa = True` (ring attention over SDPA) nor that it owns its CP attention "
+        "(contract cp.owns_attention)",
         "set cp_size=1, or use a model with SDPA attention",
     )
 
 
 def _has_packing_attention(model: nn.Module) -> bool:
     attn = _attn_backend(model)
-    packed_cp = _tuple_attr(model, "_packed_cp_attn_backends") or ()
+    cp = (contract := contract_of(model)).cp
     return (
-        getattr(model, "_supports_sdpa", None) is True
-        or _uses_te_attention(model)
+        cp.sdpa_attention
+        or _uses_te_attention(model, contract)
         or _uses_magi_attention(model)
-        or (attn is not None and attn in packed_cp)
-        or getattr(model, "_owns_packed_attention", False) is True
+        or (attn is not None and attn in (cp.packed_attention_backends or ()))
+        or cp.owns_packed_attention
     )
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from am_model_contract import contract_of
+
 from .declarative import ModelCapabilities
 from .introspection import (
     _attn_backend,
@@ -22,7 +24,6 @@ from .introspection import (
     _has_packing_attention,
     _plain_class_value,
     _supports_seq_lens,
-    _tuple_attr,
     _uses_magi_attention,
     _uses_te_attention,
     is_hybrid_model,
@@ -115,13 +116,14 @@ class ModelSupports:
 
     @property
     def supports_tp(self) -> bool:
-        """Declared, or a non-empty ``_tp_plan``."""
+        """Declared, or a non-empty TP plan (contract ``tp.plan``: transformers' ``_tp_plan``)."""
         model = self.model
         return _decide_tp(model, _declared(model)).ok
 
     @property
     def supports_pp(self) -> bool:
-        """Declared, or a non-empty ``_pp_plan``, or an MoE model (``_am_is_moe``) that pipelines itself."""
+        """Declared, or a non-empty PP plan (contract ``pp.plan``), or an MoE model (``ep.is_moe``) that pipelines
+        itself."""
         model = self.model
         return _decide_pp(model, _declared(model)).ok
 
@@ -133,7 +135,7 @@ class ModelSupports:
 
     @property
     def supports_ep(self) -> bool:
-        """The model implements expert parallelism (``apply_expert_parallel``) and no declaration says otherwise."""
+        """The model implements expert parallelism (contract ``ep.apply``) and no declaration says otherwise."""
         model = self.model
         return _decide_ep(model, _declared(model)).ok
 
@@ -177,11 +179,7 @@ class ModelSupports:
         model = self.model
         if not _supports_seq_lens(model) or not _has_packing_attention(model):
             return False
-        return (
-            _has_backend(model)
-            or getattr(model, "_owns_packed_attention", False) is True
-            or not (is_hybrid_model(model))
-        )
+        return _has_backend(model) or contract_of(model).cp.owns_packed_attention or not is_hybrid_model(model)
 
     @property
     def supports_cp_with_sequence_packing(self) -> bool:
@@ -191,12 +189,12 @@ class ModelSupports:
         if self.cp_size <= 1:
             return True
         model = self.model
-        packed_cp = _tuple_attr(model, "_packed_cp_attn_backends")
-        if packed_cp is not None:
-            return _supports_seq_lens(model) and _attn_backend(model) in packed_cp
-        if getattr(model, "_owns_cp_attention", False) is True:
+        cp = (contract := contract_of(model)).cp
+        if cp.packed_attention_backends is not None:
+            return _supports_seq_lens(model) and _attn_backend(model) in cp.packed_attention_backends
+        if cp.owns_attention:
             return True
-        return _uses_te_attention(model) or _uses_magi_attention(model)
+        return _uses_te_attention(model, contract) or _uses_magi_attention(model)
 
     # ---- training / inference features -----------------------------------------------------------------------
 

@@ -244,8 +244,9 @@ def _refuse_function_in_batch(batch: dict[str, Any]) -> None:
     if _REMOVED_BATCH_HOOK in batch:
         raise ValueError(
             f"batch[{_REMOVED_BATCH_HOOK!r}] is no longer read (am-context-parallel 0.2: no function travels inside a "
-            "batch). A model that shards contiguously declares it on its class instead — `_cp_layout = "
-            '"contiguous"` and optionally `get_cp_options()` returning a ContiguousCPOptions — and the caller '
+            "batch). A model that shards contiguously declares it in its contract instead — `am_contract()` with "
+            '`ContextParallelContract(layout="contiguous", options=...)`, options returning a ContiguousCPOptions — '
+            "and the caller "
             "passes the model: `make_cp_batch_and_ctx(mesh, batch, model=model)`. Remove the key from the batch "
             "(Gemma 4 >= 0.2 no longer adds it)."
         )
@@ -265,9 +266,9 @@ def make_cp_batch_and_ctx(
 ) -> tuple[ContextFactory, dict[str, Any]]:
     """Shard `batch` along the sequence for the `cp` dim of `device_mesh`; return `(context_factory, batch)`.
 
-    Resolution order: a `model` that declares `_cp_layout = "contiguous"` (see `model_protocol.py`) gets the
-    contiguous shard and its `RingAttentionContext` (`contiguous_shard` with the model's
-    `get_cp_options()`; run even at C = 1, where it only adds position ids, document ids and padding_mask) > THD
+    Resolution order: a `model` whose contract declares `cp.layout="contiguous"` (see `model_protocol.py`) gets the
+    contiguous shard and its `RingAttentionContext` (`contiguous_shard` with the contract's
+    `cp.options()`; run even at C = 1, where it only adds position ids, document ids and padding_mask) > THD
     for Transformer Engine (`use_te`) > identity when C ≤ 1 or there is no `cp` dim (same batch object, unchanged)
     > the load-balanced head-tail layout.
 
@@ -339,8 +340,8 @@ def shard_cp_batch(
     if options is not None:
         if use_te:
             raise ValueError(
-                f"use_te=True asks for the THD path, but {type(model).__name__} declares `_cp_layout = "
-                '"contiguous"` (it runs its own ring attention on contiguous shards); drop use_te'
+                f"use_te=True asks for the THD path, but {type(model).__name__}'s contract declares "
+                '`cp.layout="contiguous"` (it runs its own ring attention on contiguous shards); drop use_te'
             )
         return contiguous_shard(
             cp_mesh,
@@ -440,9 +441,9 @@ def contiguous_shard(
 ) -> tuple[ContextFactory, dict[str, Any]]:
     """Contiguous shard: rank r keeps tokens `[r·P/C, (r+1)·P/C)` of every sequence tensor; returns `(ctx, batch)`.
 
-    The generic path of models that declare `_cp_layout = "contiguous"` (`make_cp_batch_and_ctx(..., model=)` calls this
-    with their `get_cp_options()`; upstream's `make_contiguous_shard_cp_batch_and_ctx` wraps it). Pops `attention_mask`
-    (deriving `padding_mask` from it when missing); synthesizes `_packed_seq_ids`
+    The generic path of models whose contract declares `cp.layout="contiguous"` (`make_cp_batch_and_ctx(..., model=)`
+    calls this with their `cp.options()`; upstream's `make_contiguous_shard_cp_batch_and_ctx` wraps it). Pops
+    `attention_mask` (deriving `padding_mask` from it when missing); synthesizes `_packed_seq_ids`
     (`_synthesize_single_document_seq_ids`), and position_ids `arange(S)` when missing and C > 1 or `tp_mesh` has more
     than one rank (upstream's rule; a `[1, S]` tensor is expanded to B); labels come from the batch, else `loss_mask` is
     promoted to labels. Keys sharded: input_ids, inputs_embeds, labels, position_ids (continuing), padding_mask,

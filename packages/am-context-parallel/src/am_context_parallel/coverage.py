@@ -105,7 +105,7 @@ def cp_attention_problems(model: nn.Module) -> list[str]:
 
     One line per problem, each naming the model class and the fix; [] when nothing is known to be wrong (the first
     forward under the context still counts the ring calls per block). A model that declares the contiguous layout
-    (`_cp_layout = "contiguous"`) owns its CP attention and is not asked.
+    (contract `cp.layout="contiguous"`) owns its CP attention and is not asked.
     """
     from .model_protocol import model_cp_options
 

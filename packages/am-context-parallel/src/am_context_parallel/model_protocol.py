@@ -1,28 +1,33 @@
-"""What a model declares to get the contiguous ring path, and the one function that reads the declaration.
+"""What a model declares to get the contiguous ring path, read from its contract (am-model-contract).
 
 What it is for: a model that runs its own CP attention on contiguous shards (Gemma 4; Nemotron-H, whose Mamba2
-recurrence passes state from rank to rank) declares it with DATA on its class — never a function put into a batch:
+recurrence passes state from rank to rank) declares it in its contract — data, never a function put into a batch:
 
     class MyModel(nn.Module):
-        _cp_layout = "contiguous"                      # required: selects the contiguous ring path
-        def get_cp_options(self) -> ContiguousCPOptions:   # optional: what differs from the defaults
-            return ContiguousCPOptions(kernel=my_kernel_for_device, extra_seq_keys={"mtp_labels": (1, -100)})
+        def am_contract(self) -> ModelContract:
+            return ModelContract(cp=ContextParallelContract(
+                layout="contiguous",                    # required: selects the contiguous ring path
+                options=self.get_cp_options,            # optional: () -> ContiguousCPOptions, what differs
+                problems=self.cp_problems,              # optional: what it cannot honour under CP (any layout)
+            ))
 
-A model may also say, before any collective, what it cannot honour under CP (any layout):
+        def get_cp_options(self) -> ContiguousCPOptions:
+            return ContiguousCPOptions(kernel=my_kernel_for_device, extra_seq_keys={"mtp_labels": (1, -100)})
 
         def cp_problems(self, *, seq_len: int, local_seq_len: int, cp_size: int) -> list[str]:
             return ["S_local=2 tokens per rank is shorter than the conv halo (3); ..."]  # [] when it can run
 
-`model_cp_problems(model, seq_len=, cp_size=)` is the one caller: a trainer runs it in its up-front validation, with
-every other check, so the problems are listed at once; the model keeps its forward-time check as the last line of
-defence (it must use the same rule).
+`model_cp_problems(model, seq_len=, cp_size=)` is the one caller of `problems`: a trainer runs it in its up-front
+validation, with every other check, so the problems are listed at once; the model keeps its forward-time check as the
+last line of defence (it must use the same rule).
 
-`make_cp_batch_and_ctx(mesh, batch, *, model=model)` reads it through `model_cp_options(model)` and calls the
+`make_cp_batch_and_ctx(mesh, batch, *, model=model)` reads the options through `model_cp_options(model)` and calls the
 generic contiguous sharder (`batch.contiguous_shard`), which returns the `RingAttentionContext`
 itself (layout, global positions, document ids, lengths). The model's layers then read the entered context
 (`current_ring_context()`: `ctx.attention(q, k, v, causal=, sliding_window=, scale=)`, `ctx.group`,
 `ctx.layout.cp_rank`, `ctx.doc_ids`, `ctx.positions`); per-layer facts such as sliding windows are passed at call time.
-What it must not do: import a model package, or shard anything (batch.py does).
+What it must not do: import a model package, read a model's attributes other than through `contract_of`, or shard
+anything (batch.py does).
 """
 
 from __future__ import annotations
@@ -33,12 +38,11 @@ from typing import Any
 
 import torch
 
+from am_model_contract import CP_LAYOUTS, contract_of
+
 from .kernels import AttentionKernel
 
 __all__ = ["CP_LAYOUTS", "ContiguousCPOptions", "cp_local_seq_len", "model_cp_options", "model_cp_problems"]
-
-# `_cp_layout` values a model may declare; a model that declares nothing gets the load-balanced path.
-CP_LAYOUTS = ("load_balanced", "contiguous")
 
 _PRIMARY_KEYS = ("input_ids", "inputs_embeds")
 
@@ -103,28 +107,21 @@ class ContiguousCPOptions:
 def model_cp_options(model: Any) -> ContiguousCPOptions | None:
     """The contiguous-CP options `model` declares, or None when it takes the default load-balanced path.
 
-    Reads the class attribute `_cp_layout` (one of `CP_LAYOUTS`; absent means "load_balanced") and, for
-    "contiguous", the optional method `get_cp_options()` (absent means `ContiguousCPOptions()`).
+    Reads `contract_of(model).cp`: `layout` (one of `CP_LAYOUTS`; a model that declares nothing is "load_balanced")
+    and, for "contiguous", `options()` (absent means `ContiguousCPOptions()`).
 
     Raises:
-        ValueError: for an unknown `_cp_layout`, or `get_cp_options` declared without `_cp_layout = "contiguous"`.
-        TypeError: when `get_cp_options()` returns something else than a `ContiguousCPOptions`.
+        TypeError: when `options()` returns something else than a `ContiguousCPOptions`.
     """
-    name = type(model).__name__
-    layout = getattr(model, "_cp_layout", None)
-    getter = getattr(model, "get_cp_options", None)
-    if layout is None or layout == "load_balanced":
-        if callable(getter):
-            raise ValueError(
-                f'{name} defines get_cp_options() but not `_cp_layout = "contiguous"`; declare the layout on the '
-                "class (the load-balanced path takes no model options)"
-            )
+    cp = contract_of(model).cp
+    if cp.layout != "contiguous":
         return None
-    if layout != "contiguous":
-        raise ValueError(f"{name}._cp_layout = {layout!r} is not one of {list(CP_LAYOUTS)}")
-    options = getter() if callable(getter) else ContiguousCPOptions()
+    options = cp.options() if cp.options is not None else ContiguousCPOptions()
     if not isinstance(options, ContiguousCPOptions):
-        raise TypeError(f"{name}.get_cp_options() must return a ContiguousCPOptions; got {type(options).__name__}")
+        raise TypeError(
+            f"{type(model).__name__}'s contract cp.options() must return a ContiguousCPOptions; "
+            f"got {type(options).__name__}"
+        )
     return options
 
 
@@ -141,20 +138,21 @@ def cp_local_seq_len(model: Any, *, seq_len: int, cp_size: int) -> int:
 
 def model_cp_problems(model: Any, *, seq_len: int, cp_size: int) -> list[str]:
     """Everything `model` declares it cannot honour under context parallelism for sequences of `seq_len` tokens (before
-    padding) over `cp_size` ranks: its hook `cp_problems(*, seq_len, local_seq_len, cp_size)` (optional; None or
-    absent means nothing), called with `local_seq_len = cp_local_seq_len(...)`. Pure: no collective, no batch, so a
+    padding) over `cp_size` ranks: its contract's `cp.problems(*, seq_len, local_seq_len, cp_size)` (None means
+    nothing), called with `local_seq_len = cp_local_seq_len(...)`. Pure: no collective, no batch, so a
     trainer lists these with its other up-front checks. Empty for `cp_size <= 1`.
 
     Raises:
         TypeError: when the hook returns something else than a list of strings.
     """
-    hook = getattr(model, "cp_problems", None)
-    if cp_size <= 1 or not callable(hook):
+    hook = contract_of(model).cp.problems
+    if cp_size <= 1 or hook is None:
         return []
     local = cp_local_seq_len(model, seq_len=seq_len, cp_size=cp_size)
     problems = hook(seq_len=seq_len, local_seq_len=local, cp_size=cp_size)
     if not isinstance(problems, list) or not all(isinstance(problem, str) for problem in problems):
         raise TypeError(
-            f"{type(model).__name__}.cp_problems(...) must return a list of strings (one per problem); got {problems!r}"
+            f"{type(model).__name__}'s contract cp.problems(...) must return a list of strings (one per problem); "
+            f"got {problems!r}"
         )
     return problems

@@ -186,8 +186,8 @@ def make_contiguous_shard_cp_batch_and_ctx(
     """Upstream's Gemma 4 contiguous shard (`gemma4_moe/cp_batch`): the core's `contiguous_shard` without a model.
 
     The core entry is `make_cp_batch_and_ctx(mesh, batch, model=model)` for a model that declares
-    `_cp_layout = "contiguous"`. Returns a `RingAttentionContext` for C > 1 (upstream: `nullcontext`), which routes
-    no HF attention (`options.route_hf_attention=True` needs the model: use the core entry), and
+    `cp.layout="contiguous"` in its contract. Returns a `RingAttentionContext` for C > 1 (upstream: `nullcontext`),
+    which routes no HF attention (`options.route_hf_attention=True` needs the model: use the core entry), and
     `(contextlib.nullcontext, batch)` for C <= 1. See `batch.contiguous_shard` for the keys and padding.
     """
     return contiguous_shard(

@@ -7,7 +7,7 @@ with the MoE path and the attention paths of this package (`moe.py`, `attention.
 Generation: `Gemma4ForCausalLM.generate(...)` (transformers' `GenerationMixin`, see `generation.py`) runs a prefill
 and then one token per step through a `Gemma4HybridCache` (`cache.py`).
 What it must not do: import am-pipelining or am-capabilities (it declares what they read: `config.layer_types`,
-`rotary_emb(x, position_ids, layer_type)`, `layers["<i>"]`, `get_capabilities`, `_cp_layout` / `get_cp_options`),
+`rotary_emb(x, position_ids, layer_type)`, `layers["<i>"]`, `get_capabilities`, `am_contract`),
 or create a KV cache unless asked (`use_cache=True` or a cache passed): training forwards pass none.
 """
 

@@ -2,8 +2,9 @@
 
 What it is for: the parts `Gemma4ForCausalLM` and `Gemma4ForConditionalGeneration` share, each with one job:
   - what a model declares to the infrastructure, in one place: the fp32 keep lists (am-precision),
-    `get_capabilities(config)` (am-capabilities), the contiguous CP layout with `get_cp_options()` and
-    `cp_problems(...)` (am-context-parallel), `apply_expert_parallel(ep_mesh)` (am-moe, through the trainer);
+    `get_capabilities(config)` (am-capabilities, seed-documented), and `am_contract()` (am-model-contract: the
+    contiguous CP layout and its own CP attention with `get_cp_options()` and `cp_problems(...)`, the MoE marker and
+    `apply_expert_parallel(ep_mesh)`), which every infrastructure package reads;
   - the LM head's output: `logits_and_loss` (soft-capped logits; the loss without CP or this rank's share under CP);
   - loading and saving like transformers (`from_pretrained` / `save_pretrained`, written in `checkpoint`);
   - `generate(...)`: transformers' `GenerationMixin` with our cache (`generation.Gemma4GenerationMixin`).
@@ -26,6 +27,7 @@ from torch import nn
 
 import am_moe
 from am_context_parallel import ContiguousCPOptions, cp_token_mean_loss
+from am_model_contract import ContextParallelContract, ExpertParallelContract, ModelContract
 from am_moe import GroupedExperts
 from am_precision import compute_lm_head_logits
 
@@ -76,14 +78,23 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
     _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["router"]
     _keep_in_fp32_modules: ClassVar[list[str]] = ["rotary_emb"]
     supports_gradient_checkpointing = False
-    _cp_layout = "contiguous"  # am-context-parallel: contiguous shards and the ring context, no sharder of our own
-    _owns_cp_attention = True  # am-capabilities: the model runs its own CP attention
     config: Any
     lm_head: nn.Linear
 
     @classmethod
     def get_capabilities(cls, config: Any) -> dict[str, bool]:
         return gemma4_capabilities(config)
+
+    def am_contract(self) -> ModelContract:
+        """What this model offers the infrastructure (am-model-contract): contiguous CP shards with the model's own
+        ring attention (`get_cp_options`, `cp_problems`); for a MoE config, `apply_expert_parallel`."""
+        moe = is_moe_config(self.config)
+        return ModelContract(
+            cp=ContextParallelContract(
+                layout="contiguous", owns_attention=True, options=self.get_cp_options, problems=self.cp_problems
+            ),
+            ep=ExpertParallelContract(is_moe=moe, apply=self.apply_expert_parallel if moe else None),
+        )
 
     def get_cp_options(self) -> ContiguousCPOptions:
         """What `make_cp_batch_and_ctx(mesh, batch, model=model)` reads: the block-sparse ring kernel

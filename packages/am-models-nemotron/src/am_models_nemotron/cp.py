@@ -1,6 +1,6 @@
 """Model-level context parallelism of Nemotron-H on contiguous shards (am-context-parallel's declared path).
 
-What it is for: the model declares `_cp_layout = "contiguous"` (see `NemotronHForCausalLM`), so
+What it is for: the model declares `cp.layout="contiguous"` in `NemotronHForCausalLM.am_contract()`, so
 `make_cp_batch_and_ctx(mesh, batch, model=model)` gives rank r tokens [r·P/C, (r+1)·P/C) of every sequence and a
 `RingAttentionContext`. Inside it, the forward runs: attention layers as the context's exact ring (global positions,
 document ids, 0 = padding), Mamba layers with `Mamba2CPContext` over the same group and the context's global

@@ -3,14 +3,15 @@ generation, pipeline-stage forward and checkpoints.
 
 What it is for: the model's parts — `model` (the backbone), `lm_head`, `mtp` (the MTP depths) — and a forward that
 reads as the model's math: resolve the inputs (`forward_inputs`, one place), run the backbone, the head, MTP and the
-loss (`loss.combined_causal_lm_loss`, one rule). The hooks the infrastructure finds by duck typing (pipeline, context
-and expert parallelism, the training loss, generation, checkpoints) are one-line methods over plain functions in the
-module of their concept. The forward serves a plain model (training, eval, generation through transformers'
+loss (`loss.combined_causal_lm_loss`, one rule). What the infrastructure reads is declared once, in `am_contract()`
+(am-model-contract: pipeline outputs and forward, contiguous context parallelism, expert parallelism); its hooks and
+the others (the training loss, generation, checkpoints) are one-line methods over plain functions in the module of
+their concept. The forward serves a plain model (training, eval, generation through transformers'
 `GenerationMixin` with `NemotronHybridCache`) and a pruned pipeline stage (`pipeline_stage`). It
 accepts what NeMo AutoModel's forward accepts (packed rows through `seq_idx` / `_packed_seq_ids` / THD
 `cu_seqlens` / restarting `position_ids`, `padding_mask`, `causal_mask_mapping`, per-depth MTP inputs) with real
 semantics on its own SDPA path: a packed row gives each document the logits it gets alone.
-What it must not do: import am-pipelining or am-capabilities (they find the hooks by duck typing), mutate the
+What it must not do: import am-pipelining or am-capabilities (they read `am_contract()`), mutate the
 `BackendConfig` it receives, count the MTP loss into `loss` (see `outputs`), or tie the input and output
 embeddings (the architecture has none; rejected).
 """
@@ -26,6 +27,7 @@ from transformers import GenerationConfig, GenerationMixin
 
 import am_moe
 from am_context_parallel import ContiguousCPOptions
+from am_model_contract import ContextParallelContract, ExpertParallelContract, ModelContract, PipelineContract
 from am_moe import GroupedExperts
 from am_precision import BackendConfig, initialize_linear_module, yield_fp32_model
 
@@ -67,10 +69,6 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
 
     # The same list as the backbone's (one source: the keep list is defined once, on NemotronV3Model).
     _keep_in_fp32_modules_strict: ClassVar[list[str]] = NemotronV3Model._keep_in_fp32_modules_strict
-    _pp_keep_self_forward: ClassVar[bool] = True
-    pipeline_output_names: ClassVar[tuple[str, ...]] = ("logits", "mtp_per_depth_h", "seq_idx")
-    """What each position of the last pipeline stage's tuple is (am-pipelining reads it by these names; the MTP
-    hidden states take every position between logits and seq_idx). Without MTP the last stage returns bare logits."""
     _pp_plan: ClassVar[dict[str, tuple[list[str], list[str]]]] = {
         "model.embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "model.layers": (["hidden_states"], ["hidden_states"]),
@@ -81,15 +79,30 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
     main_input_name: ClassVar[str] = "input_ids"
     supports_gradient_checkpointing: ClassVar[bool] = True
 
-    # am-context-parallel: each rank one contiguous block (the Mamba2 recurrence passes its state rank to rank).
-    _cp_layout: ClassVar[str] = "contiguous"
-
     @classmethod
     def get_capabilities(cls, config: Any) -> dict[str, bool]:
         """Capabilities for am-capabilities: PP and CP (contiguous) yes; EP when the config has MoE blocks
         (implemented by `apply_expert_parallel`); no TP."""
         has_moe = NemotronConfig.from_any(config).has_moe
         return {"supports_pp": True, "supports_ep": has_moe, "supports_tp": False, "supports_cp": True}
+
+    def am_contract(self) -> ModelContract:
+        """What this model offers the infrastructure (am-model-contract).
+
+        - pp: its own forward is pipeline-aware (stages keep it); the last stage returns `(logits, *mtp_per_depth_h,
+          seq_idx)` by these names (without MTP, bare logits).
+        - cp: each rank one contiguous block (the Mamba2 recurrence passes its state rank to rank), with the MTP
+          keys (`get_cp_options`) and the shard-length and dropout limits (`cp_problems`).
+        - ep: `apply_expert_parallel` when the config has MoE blocks.
+        """
+        moe = self.nemotron_config.has_moe
+        return ModelContract(
+            cp=ContextParallelContract(layout="contiguous", options=self.get_cp_options, problems=self.cp_problems),
+            pp=PipelineContract(
+                plan=self._pp_plan, keeps_own_forward=True, output_names=("logits", "mtp_per_depth_h", "seq_idx")
+            ),
+            ep=ExpertParallelContract(is_moe=moe, apply=self.apply_expert_parallel if moe else None),
+        )
 
     def __init__(
         self,

@@ -10,7 +10,7 @@ What it must not do: hold behaviour of its own, or be imported by the core (noth
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -181,7 +181,11 @@ def build_mtp_config_from_hf(
 
 
 class NemotronHForCausalLM(_NemotronHForCausalLM):
-    """The core `NemotronHForCausalLM` plus upstream's `prepare_mtp_inputs_for_cp` hook."""
+    """The core `NemotronHForCausalLM` plus upstream's `prepare_mtp_inputs_for_cp` hook and class flag."""
+
+    # NeMo AutoModel's spelling of `am_contract().pp.keeps_own_forward` (the seed documents it on this class); code
+    # written against upstream reads it, nothing in am-* does.
+    _pp_keep_self_forward: ClassVar[bool] = True
 
     def prepare_mtp_inputs_for_cp(
         self, batch: Mapping[str, Any], *, ignore_index: int = -100, labels_shifted: bool = False

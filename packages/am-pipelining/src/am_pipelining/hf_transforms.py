@@ -219,8 +219,8 @@ def _module_problems(owner: nn.Module, owner_name: str, known: frozenset[str], f
         problems.append(
             f"{path} ({type(child).__name__}) is part of the model's own forward, but the {forward_name} only runs "
             f"{', '.join(sorted(known))}: skipping it would train a different model. Fix: register a pipeline "
-            "forward for this model_type (`register_pipeline_forward`), or give the class a PP-aware forward with "
-            "`_pp_keep_self_forward = True`, or train without PP."
+            "forward for this model_type (`register_pipeline_forward`), or give the class a PP-aware forward and "
+            "declare it (`am_contract()` with `PipelineContract(keeps_own_forward=True)`), or train without PP."
         )
     return problems
 

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from am_model_contract import contract_of
+
 from ._compat import bind_method
 from .hf_buffers import init_hf_model_buffers
 from .hf_masks import _build_or_reuse_pp_causal_mask, _layer_attention_type, _layer_items
@@ -89,8 +91,9 @@ def get_text_module(model: nn.Module | None) -> nn.Module | None:
 
 
 def model_keeps_self_forward(model: nn.Module) -> bool:
-    """True when the model class declares its own forward PP-aware (`_pp_keep_self_forward = True`)."""
-    return bool(getattr(type(model), "_pp_keep_self_forward", False))
+    """True when the model declares its own forward PP-aware (`contract_of(model).pp.keeps_own_forward`; a model
+    without a contract: NeMo AutoModel's class flag `_pp_keep_self_forward = True`, read by am-model-contract)."""
+    return contract_of(model).pp.keeps_own_forward
 
 
 def _config_of(module: Any) -> Any:
@@ -416,10 +419,10 @@ def _forward_plan(model: nn.Module) -> _ForwardPlan:
 def patch_hf_model_for_pp(model: Any, patch_inner_model: bool = True, patch_causal_lm_model: bool = True) -> nn.Module:
     """Bind pipeline-friendly forwards onto `model` (in place) and return it.
 
-    Skip this for models with `_pp_keep_self_forward = True`. The model's `PIPELINE_FORWARDS` entry (if any) picks
-    the forwards: a multimodal entry patches `model.model.language_model` and the top-level model; otherwise the
-    inner `.model` (causal LM) or the model itself (a bare decoder) gets the text forward, and a causal LM's
-    top-level model the generic causal-LM forward.
+    Skip this for models that keep their own forward (`model_keeps_self_forward`). The model's `PIPELINE_FORWARDS`
+    entry (if any) picks the forwards: a multimodal entry patches `model.model.language_model` and the top-level
+    model; otherwise the inner `.model` (causal LM) or the model itself (a bare decoder) gets the text forward, and a
+    causal LM's top-level model the generic causal-LM forward.
     """
     plan = _forward_plan(model)
     factory = plan.text_factory

@@ -31,7 +31,7 @@ __all__ = ["forward_reproduction_problems", "check_forward_reproduction", "valid
 def forward_reproduction_problems(model: nn.Module) -> list[str]:
     """Every reason the pipeline forwards `patch_hf_model_for_pp` would bind cannot reproduce `model`'s own forward
     (unsupported forward-level config features, modules the generic forwards would skip); empty when they can or
-    when the model keeps its own forward (`_pp_keep_self_forward`). See `hf_transforms`."""
+    when the model keeps its own forward (`model_keeps_self_forward`). See `hf_transforms`."""
     if model_keeps_self_forward(model):
         return []
     plan = _forward_plan(model)
@@ -93,7 +93,8 @@ def validate_hf_model_for_pipeline_support(model: nn.Module) -> None:
                 f"{type(model).__name__} (model_type={_model_type(config)!r}) is a multimodal model that is not on the "
                 f"pipeline-aware list ({aware}): images would never reach its vision tower. Fix: register its "
                 "forwards with `register_pipeline_forward(model_type, outer_forward=..., multimodal=True)`, or give "
-                "the class a PP-aware forward and set `_pp_keep_self_forward = True`, or train it without PP."
+                "the class a PP-aware forward and declare it (`am_contract()` with "
+                "`PipelineContract(keeps_own_forward=True)`), or train it without PP."
             )
         text_config = _text_config(config)
         if getattr(text_config, "hidden_size_per_layer_input", 0):

@@ -235,10 +235,10 @@ class PipelineCausalLMLoss(nn.Module):
     """The schedule's `loss_fn` for the last stage: main LM loss plus MTP depths when the stage emits them.
 
     The last stage returns logits [B, S, V], a `StageOutput`, or a plain tuple read by the names the stage module
-    declares in `pipeline_output_names` (e.g. `("logits", "mtp_per_depth_h", "seq_idx")`, see
-    `am_pipelining.outputs`); an undeclared tuple is upstream's `(logits, mtp_1, ..., mtp_D)`, the MTP entries being
-    hidden states (or logits when `model.mtp_outputs_are_logits`). Nothing is inferred from dtypes or shapes. MTP is
-    added only while `model.training`.
+    declares in its contract's `pp.output_names` (`pipeline_output_names`, e.g. `("logits", "mtp_per_depth_h",
+    "seq_idx")`, see `am_pipelining.outputs`); an undeclared tuple is upstream's `(logits, mtp_1, ..., mtp_D)`, the
+    MTP entries being hidden states (or logits when `model.mtp_outputs_are_logits`). Nothing is inferred from dtypes
+    or shapes. MTP is added only while `model.training`.
 
     A model that owns its training-loss rule (e.g. Nemotron-H's next-token + MTP loss) provides the duck-typed hook
     `model.combined_loss(output, labels, *, loss_fn, labels_shifted, seq_idx, scaling_factor, ignore_index)`; the

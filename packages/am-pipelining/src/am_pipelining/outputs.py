@@ -1,16 +1,17 @@
-"""What the last pipeline stage returns, by name: `StageOutput` and the `pipeline_output_names` declaration.
+"""What the last pipeline stage returns, by name: `StageOutput` and the model's declared output names.
 
 torch.distributed.pipelining hands the last stage's return value to the loss unchanged, but treats only a PLAIN
 tuple as several outputs (`type(output) is tuple` in `stage._normalize_model_output_as_tuple`): a NamedTuple or
 dataclass becomes ONE non-tensor output, and the last stage's backward then fails (`'...' object has no attribute
 '_is_view'` when it detaches its outputs). So stages return a tensor or a plain tuple of tensors, and a stage module
-whose last-stage tuple carries more than logits DECLARES what each position is, as an attribute (duck typing; model
-packages never import this one):
+whose last-stage tuple carries more than logits DECLARES what each position is, in its contract (am-model-contract;
+model packages never import this one):
 
-    pipeline_output_names = ("logits", "mtp_per_depth_h", "seq_idx")
+    def am_contract(self) -> ModelContract:
+        return ModelContract(pp=PipelineContract(output_names=("logits", "mtp_per_depth_h", "seq_idx")))
 
 Each name is a `StageOutput` field. The per-depth fields (`mtp_per_depth_h`, `mtp_per_depth_logits`) take every
-tensor between the fixed names before and after them, so one class attribute covers any number of MTP depths;
+tensor between the fixed names before and after them, so one declaration covers any number of MTP depths;
 `logits` is required. `read_stage_output` turns a stage's return value into a `StageOutput` by these names; the
 pipeline loss reads fields by name and never guesses from dtypes or shapes.
 
@@ -25,6 +26,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
+
+from am_model_contract import contract_of
 
 __all__ = [
     "StageOutput",
@@ -57,9 +60,9 @@ PER_DEPTH_FIELDS: tuple[str, ...] = ("mtp_per_depth_h", "mtp_per_depth_logits")
 
 
 def pipeline_output_names(module: Any) -> tuple[str, ...] | None:
-    """The `pipeline_output_names` a stage module (or model) declares, None when it declares none."""
-    names = getattr(module, "pipeline_output_names", None) if module is not None else None
-    return tuple(names) if names is not None else None
+    """The last-stage output names a stage module (or model) declares in its contract (`pp.output_names`), None when
+    it declares none."""
+    return None if module is None else contract_of(module).pp.output_names
 
 
 def output_names_problems(names: Sequence[str], *, owner: str = "pipeline_output_names") -> list[str]:

@@ -7,7 +7,7 @@ ORIGINAL layer index, so parameter names stay those of the unsplit model. Each s
 (`hf_utils`) unless the model keeps its own, and wrapped to emit only tensors.
 
 What it must not do: need a process group, decide how many stages there are (that is `planning`), or import a
-model package (hooks are found by duck typing: `_pp_keep_self_forward`, `get_pipeline_stage_metas`).
+model package (it reads the model's contract, `contract_of(model).pp`, and upstream's `get_pipeline_stage_metas` hook).
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ def _emit_tensors_only(stage_model: nn.Module, *, stage_index: int = -1) -> nn.M
                 f"Pipeline stage {stage_index} returned a {type(output).__name__} (a tuple subclass): torch's pipeline "
                 "treats only a plain tuple as several outputs, so this would travel as ONE non-tensor value and "
                 "the last stage's backward would fail. Fix: return a plain tuple and declare what each position is "
-                "in `pipeline_output_names` (see am_pipelining.outputs)."
+                "in the model's contract, `PipelineContract(output_names=...)` (`pipeline_output_names`, see "
+                "am_pipelining.outputs)."
             )
         if isinstance(output, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in output):
             return tuple(output)

@@ -145,7 +145,8 @@ def build_stages(
     declared = pipeline_output_names(model)
     if declared is not None and output_names_problems(declared):
         raise ValueError(
-            f"{type(model).__name__}.pipeline_output_names is invalid: " + "; ".join(output_names_problems(declared))
+            f"{type(model).__name__}'s contract pp.output_names is invalid: "
+            + "; ".join(output_names_problems(declared))
         )
     stages = []
     for stage_id, stage_model in zip(stage_ids, models, strict=True):
