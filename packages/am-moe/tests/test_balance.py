@@ -94,7 +94,7 @@ def test_router_z_loss() -> None:
 
 
 def test_bad_coefficients_are_refused_in_one_error() -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match="LoadBalancing") as info:
         LoadBalancing(bias_update_rate=-1e-3, aux_loss_coeff=math.inf, seq_aux_loss_coeff=math.nan, z_loss_coeff=True)
     message = str(info.value)
     for name in ("bias_update_rate", "aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff"):
@@ -183,7 +183,8 @@ def test_skewed_router_imbalance_falls_with_bias_update_and_not_without() -> Non
     assert min(off[-10:]) > 1.9, off  # without balancing the skew stays
     # with the bias update it falls towards 1 (64 tokens a step: the sign rule keeps it within a few pairs)
     last = on[-10:]
-    assert sum(last) / len(last) < 1.35 and max(last) < 1.6, on
+    assert sum(last) / len(last) < 1.35, on
+    assert max(last) < 1.6, on
 
 
 def test_skewed_router_imbalance_falls_with_aux_loss() -> None:
@@ -205,7 +206,8 @@ def test_bias_update_is_the_sign_rule_in_fp32_and_changes_selection_only() -> No
     deltas = update_expert_bias(model, load)
     expected = (1e-3 * torch.sign(counts.mean() - counts)).float()
     assert torch.equal(deltas["router_bias"], expected)
-    assert model.router_bias.dtype == torch.float32 and torch.equal(model.router_bias, expected)
+    assert model.router_bias.dtype == torch.float32
+    assert torch.equal(model.router_bias, expected)
     assert "router_bias" in model.state_dict()  # checkpointed, so a resumed run continues from it
     # combine weights are the unbiased scores: with the bias set so selection does not change, the output does not
     with torch.no_grad():

@@ -321,10 +321,7 @@ def aux_loss_values(
     a collective then), divided by `normalizer` (the same number the loss is divided by): `{name: value}` for
     `AUX_LOSS_TERMS`. One concatenation, at most one all-reduce and one device-to-host copy."""
     found = _balancers(model)
-    if found:
-        sums = torch.stack([b.aux_loss_sums for _, b in found]).sum(0)
-    else:
-        sums = torch.zeros(len(AUX_LOSS_TERMS))
+    sums = torch.stack([b.aux_loss_sums for _, b in found]).sum(0) if found else torch.zeros(len(AUX_LOSS_TERMS))
     if group is not None:
         dist.all_reduce(sums, group=group)
     host = (sums.double().cpu() / normalizer).tolist()
