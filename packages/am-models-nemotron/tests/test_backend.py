@@ -83,7 +83,6 @@ def test_every_field_the_model_reads_has_one_rule() -> None:
         {"compile_attn": True},
         {"enable_fsdp_optimizations": True},
         {"enable_hf_state_dict_adapter": False},
-        {"fake_balanced_gate": True},
         {"linear": "torch", "experts": "te", "dispatcher": "deepep", "te_fp8": {"recipe": "current"}},
     ],
 )
@@ -92,8 +91,7 @@ def test_fields_no_package_implements_are_refused_before_the_model_sees_them(fie
     (name,) = [
         k
         for k in fields
-        if k
-        in {"compile_attn", "enable_fsdp_optimizations", "enable_hf_state_dict_adapter", "fake_balanced_gate", "te_fp8"}
+        if k in {"compile_attn", "enable_fsdp_optimizations", "enable_hf_state_dict_adapter", "te_fp8"}
     ]
     with pytest.raises(ValueError, match=f"{name}=.* is not implemented by any am-\\* package"):
         BackendConfig(**fields)

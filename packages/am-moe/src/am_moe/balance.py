@@ -213,11 +213,11 @@ class RouterBalancer(nn.Module):
             the bias update).
         balancing: the initial `LoadBalancing` (all off by default; `configure_load_balancing` sets it later).
 
-    `aux_loss_sums` (`[3]` fp32, not saved) accumulates the coefficient-weighted, token-summed terms of every
-    forward (activation-checkpoint recomputation excluded) until `aux_loss_values(..., reset=True)`.
+    `aux_loss_sums` (`[3]` fp32 on the router's device, or None before the first forward with a term; a plain
+    attribute, not a buffer, so building on the meta device and loading checkpoints never see it) accumulates the
+    coefficient-weighted, token-summed terms of every forward (activation-checkpoint recomputation excluded) until
+    `aux_loss_values(..., reset=True)`.
     """
-
-    aux_loss_sums: torch.Tensor
 
     def __init__(
         self, *, bias_name: str | None, experts_name: str = "experts", balancing: LoadBalancing | None = None
@@ -227,7 +227,7 @@ class RouterBalancer(nn.Module):
         self.experts_name = experts_name
         self.balancing = balancing if balancing is not None else LoadBalancing()
         self.aux_loss_scale = 1.0
-        self.register_buffer("aux_loss_sums", torch.zeros(len(AUX_LOSS_TERMS)), persistent=False)
+        self.aux_loss_sums: torch.Tensor | None = None
 
     @property
     def needs_router_terms(self) -> bool:
@@ -281,7 +281,9 @@ class RouterBalancer(nn.Module):
         # Activation checkpointing re-runs the forward inside backward: count each forward once.
         if torch._C._current_graph_task_id() != -1:
             return
-        self.aux_loss_sums.add_(weighted.to(self.aux_loss_sums.device))
+        if self.aux_loss_sums is None:
+            self.aux_loss_sums = torch.zeros_like(weighted)
+        self.aux_loss_sums.add_(weighted)
 
     def extra_repr(self) -> str:
         return f"bias_name={self.bias_name!r}, experts_name={self.experts_name!r}, {self.balancing}"
@@ -295,11 +297,28 @@ def configure_load_balancing(model: nn.Module, balancing: LoadBalancing) -> int:
     """Set `balancing` on every `RouterBalancer` in `model`; returns how many (0: a dense model).
 
     A trainer calls it once after building the model (with the model's recipe, e.g.
-    `NemotronHForCausalLM.load_balancing`, or its flags) and may refuse a non-zero config on a dense model.
+    `NemotronHForCausalLM.moe_load_balancing`, or its flags), on every pipeline stage's model part.
+
+    Raises:
+        ValueError: balancing asked for (any value > 0) on a model without a `RouterBalancer` (a dense model, or a
+            pipeline stage without MoE layers: pass `LoadBalancing()` there), or a bias update for routers that
+            have no selection bias.
     """
     if not isinstance(balancing, LoadBalancing):
         raise TypeError(f"balancing must be a LoadBalancing, got {type(balancing).__name__}")
     found = _balancers(model)
+    enabled = balancing.bias_update_rate > 0 or balancing.has_loss_terms
+    if enabled and not found:
+        raise ValueError(
+            f"configure_load_balancing: {type(model).__name__} has no MoE router to balance (no RouterBalancer), "
+            f"but {balancing} asks for balancing; pass LoadBalancing() (all 0) for a dense model"
+        )
+    no_bias = [name for name, b in found if b.bias_name is None]
+    if balancing.bias_update_rate > 0 and no_bias:
+        raise ValueError(
+            f"configure_load_balancing: bias_update_rate={balancing.bias_update_rate} needs a router selection bias, "
+            f"which these routers do not have: {no_bias}; set bias_update_rate=0 (use the aux losses instead)"
+        )
     for _, balancer in found:
         balancer.balancing = balancing
     return len(found)
@@ -321,15 +340,24 @@ def aux_loss_values(
     a collective then), divided by `normalizer` (the same number the loss is divided by): `{name: value}` for
     `AUX_LOSS_TERMS`. One concatenation, at most one all-reduce and one device-to-host copy."""
     found = _balancers(model)
-    sums = torch.stack([b.aux_loss_sums for _, b in found]).sum(0) if found else torch.zeros(len(AUX_LOSS_TERMS))
+    recorded = [b.aux_loss_sums for _, b in found if b.aux_loss_sums is not None]
+    # a rank whose layers saw no term yet still joins the all-reduce (with zeros on the others' device type)
+    sums = torch.stack(recorded).sum(0) if recorded else torch.zeros(len(AUX_LOSS_TERMS), device=_device(model))
     if group is not None:
         dist.all_reduce(sums, group=group)
     host = (sums.double().cpu() / normalizer).tolist()
     if reset:
         with torch.no_grad():
-            for _, balancer in found:
-                balancer.aux_loss_sums.zero_()
+            for tensor in recorded:
+                tensor.zero_()
     return dict(zip(AUX_LOSS_TERMS, host, strict=True))
+
+
+def _device(model: nn.Module) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        if not tensor.is_meta:
+            return tensor.device
+    return torch.device("cpu")
 
 
 @torch.no_grad()
