@@ -290,5 +290,5 @@ def test_fake_balanced_gate_is_accepted_and_its_noise_validated():
     assert cfg.fake_balanced_gate is True
     assert cfg.fake_gate_noise == 0.1
     for bad in (float("nan"), float("inf"), -0.5):
-        with pytest.raises(ValueError, match="fake_gate_noise=.* must be finite and >= 0"):
+        with pytest.raises(ValueError, match=r"fake_gate_noise=.* must be finite and >= 0"):
             BackendConfig(fake_gate_noise=bad)

@@ -241,8 +241,8 @@ class BackendConfig:
         enable_deepep: removed upstream field, accepted only as None so upstream configs that spell it load.
 
     Fields no am-* package implements (README, "Who honours each field") keep their upstream defaults and accept
-    only them: `rope="quack"`, `rope_fusion=True`, the `dispatcher_*` knobs, `enable_hf_state_dict_adapter=False`, `enable_fsdp_optimizations`, `te_fp8`,
-    `compile_attn`, a non-empty `cuda_graph`, a non-default `mok` and `enable_deepep` are refused with the reason
+    only them: `rope="quack"`, `rope_fusion=True`, the `dispatcher_*` knobs, `enable_hf_state_dict_adapter=False`,
+    `enable_fsdp_optimizations`, `te_fp8`, `compile_attn`, a non-empty `cuda_graph`, a non-default `mok` and `enable_deepep` are refused with the reason
     and the fix. Models refuse what they do not support of the fields they read (`attn`, `experts`, `dispatcher`, ...).
 
     Raises:
