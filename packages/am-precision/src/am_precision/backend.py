@@ -242,8 +242,9 @@ class BackendConfig:
 
     Fields no am-* package implements (README, "Who honours each field") keep their upstream defaults and accept
     only them: `rope="quack"`, `rope_fusion=True`, the `dispatcher_*` knobs, `enable_hf_state_dict_adapter=False`,
-    `enable_fsdp_optimizations`, `te_fp8`, `compile_attn`, a non-empty `cuda_graph`, a non-default `mok` and `enable_deepep` are refused with the reason
-    and the fix. Models refuse what they do not support of the fields they read (`attn`, `experts`, `dispatcher`, ...).
+    `enable_fsdp_optimizations`, `te_fp8`, `compile_attn`, a non-empty `cuda_graph`, a non-default `mok` and
+    `enable_deepep` are refused with the reason and the fix. Models refuse what they do not support of the fields
+    they read (`attn`, `experts`, `dispatcher`, ...).
 
     Raises:
         ValueError: one or more fields are invalid or ask for something no am-* package implements; the message
