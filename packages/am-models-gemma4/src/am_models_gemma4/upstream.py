@@ -34,7 +34,7 @@ from .config import check_moe_config, text_config_of
 from .cp import active_ring_context
 from .decoder import Gemma4DecoderLayer
 from .model import Gemma4ForCausalLM, Gemma4TextModel
-from .moe import Gemma4Router
+from .moe import Gemma4Router, apply_routing_backend
 from .state_dict_adapter import Gemma4StateDictAdapter
 
 __all__ = [
@@ -53,7 +53,12 @@ _logger = logging.getLogger(__name__)
 def _log_backend(where: str, backend: Any) -> None:
     # the same rule (and line) as Gemma4ForConditionalGeneration: our own kernels run whatever the backend says
     if backend is not None:
-        _logger.info("%s runs its own PyTorch kernels; backend=%r does not change them", where, backend)
+        _logger.info(
+            "%s runs its own PyTorch kernels; backend=%r changes only the MoE routing (gate_precision, "
+            "fake_balanced_gate, fake_gate_noise)",
+            where,
+            backend,
+        )
 
 
 class Gemma4MoEDecoderLayer(Gemma4DecoderLayer):
@@ -68,6 +73,7 @@ class Gemma4MoEDecoderLayer(Gemma4DecoderLayer):
         check_moe_config(config, moe_config)
         _log_backend(type(self).__name__, backend)
         super().__init__(config, layer_idx)
+        apply_routing_backend(self, backend)
 
 
 class Gemma4Gate(Gemma4Router):
@@ -188,6 +194,7 @@ class Gemma4MoETextModelBackend(Gemma4TextModel):
         check_moe_config(config, moe_config, overrides=moe_overrides)
         _log_backend(type(self).__name__, backend)
         super().__init__(config)
+        apply_routing_backend(self, backend)
 
     def forward(  # type: ignore[override]  # upstream's keywords; ours reach the base forward through **kwargs
         self,

@@ -35,6 +35,7 @@ from transformers.models.gemma4.modeling_gemma4 import (
 from .config import check_moe_config, normalize_text_config
 from .cp import active_ring_context, tokens_before_this_rank
 from .model import Gemma4TextModel, reject_unknown_kwargs
+from .moe import apply_routing_backend
 from .pretrained import Gemma4PreTrainedModel
 
 __all__ = ["Gemma4ForConditionalGeneration", "Gemma4Model"]
@@ -127,7 +128,8 @@ class Gemma4ForConditionalGeneration(Gemma4PreTrainedModel):
                 from the text config (`enable_moe_block`, `num_experts`, `top_k_experts`, `moe_intermediate_size`);
                 a given `moe_config` is checked against it (`config.check_moe_config`), never a second source.
             backend: upstream's `BackendConfig`; Gemma 4 always runs its own PyTorch kernels (attention, RMSNorm,
-                linear), so a backend is accepted and one line is logged saying so.
+                linear), so only its MoE routing fields apply (`gate_precision`, `fake_balanced_gate`,
+                `fake_gate_noise`: `apply_routing_backend`); one line is logged saying so.
             text_config: overrides applied to a copy of `config.text_config` (upstream's dict override).
 
         Raises:
@@ -137,7 +139,9 @@ class Gemma4ForConditionalGeneration(Gemma4PreTrainedModel):
         super().__init__()
         if backend is not None:
             _logger.info(
-                "Gemma4ForConditionalGeneration runs its own PyTorch kernels; backend=%r does not change them", backend
+                "Gemma4ForConditionalGeneration runs its own PyTorch kernels; backend=%r changes only the MoE routing "
+                "(gate_precision, fake_balanced_gate, fake_gate_noise)",
+                backend,
             )
         if text_config:
             config = copy.deepcopy(config)
@@ -159,6 +163,7 @@ class Gemma4ForConditionalGeneration(Gemma4PreTrainedModel):
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_weights()
         self._init_generation_config(config)
+        apply_routing_backend(self, backend)
 
     def tie_weights(self) -> None:
         """Point `lm_head.weight` at the text embedding when `tie_word_embeddings` (top-level flag wins)."""
