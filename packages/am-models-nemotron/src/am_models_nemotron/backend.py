@@ -3,8 +3,8 @@
 What it is for: `BackendConfig()` picks its defaults from the machine (attn="te" where Transformer Engine and CUDA
 are present, an all-to-all dispatcher where DeepEP / UCCL-EP are installed). The model must run with those
 defaults, so `resolve_backend` maps every field the model reads to the nearest choice it implements and logs ONE
-line listing what it changed. Kernel choices only change speed, never the math, so they are resolved; choices that
-would change the math (a fake balanced router) are refused.
+line listing what it changed. Kernel choices only change speed, never the math, so they are resolved; the routing
+fields (`gate_precision`, `fake_balanced_gate`, `fake_gate_noise`) are read as they are by `NemotronMoE`.
 What it must not do: import transformer_engine (linear / RMSNorm "te" are built by am-precision, lazily), mutate
 the config it is given (a resolved copy is returned), or resolve anywhere else: every class calls this function.
 """
@@ -33,7 +33,8 @@ class _FieldRule:
 # One row per BackendConfig field the model reads. `linear` and `rms_norm` are built by am-precision for every
 # value it accepts (torch, te, quack), so they need no row; `gate_precision` accepts any dtype. Fields no am-*
 # package implements (compile_attn=True, enable_fsdp_optimizations=True, enable_hf_state_dict_adapter=False,
-# te_fp8, fake_balanced_gate=True) never reach the model: am-precision's BackendConfig refuses them when built.
+# te_fp8) never reach the model: am-precision's BackendConfig refuses them when built. fake_balanced_gate and
+# fake_gate_noise need no row either: NemotronMoE honours every value (am_moe.balanced_routing).
 _RULES: dict[str, _FieldRule] = {
     "attn": _FieldRule(
         supported=("sdpa",),
