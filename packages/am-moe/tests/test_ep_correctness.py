@@ -12,7 +12,8 @@ process running the same micro-batches one after the other (gradient accumulatio
   once (equals the single-process norm);
 - the bias update from the all-reduced load gives the single process's bias after every step;
 - skewed routing (every token to expert 0) at ep 2 and ep 4: exact, no hang;
-- ep x expert_dp > E (2 experts on ep 2 x expert_dp 2): the expert weights shard on dim 1 for FSDP2, exact.
+- ep x expert_dp > E (2 experts on ep 2 x expert_dp 2): the expert weights shard on dim 1 for FSDP2, exact;
+- context parallelism (each cp rank holds columns of the same rows): the sequence-level term over whole sequences.
 """
 
 from __future__ import annotations
@@ -63,6 +64,18 @@ SPECS = [
     Spec("ep4_all_to_one_expert", ep=4, top_k=1, rule="one"),
     Spec("ep2_more_ranks_than_experts_dim1", ep=2, num_experts=2, top_k=1, balancing=ALL_TERMS),
 ]
+
+
+# Context parallelism: each cp rank holds some columns of the same rows; the sequence-level term must see whole rows.
+CP_SPEC = Spec("cp2_sequence_aux", ep=1, balancing=LoadBalancing(seq_aux_loss_coeff=0.5, z_loss_coeff=0.01))
+CP_COLUMNS = (slice(0, 3), slice(3, S))
+
+
+def _cp_batches() -> tuple[dict[str, list[torch.Tensor]], int]:
+    """Two data-parallel batches of whole sequences (one per dp rank) and their real-token count."""
+    batches = [_batch(CP_SPEC, 0, d, 0) for d in range(2)]
+    total = sum(int(b["mask"].sum()) for b in batches)
+    return {k: [b[k] for b in batches] for k in batches[0]}, total
 
 
 class EPModel(nn.Module):
@@ -215,7 +228,25 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
 
         return run
 
-    return run_cases({spec.name: case(spec) for spec in SPECS}, timeout=120)
+    cases = {spec.name: case(spec) for spec in SPECS}
+    cp_group, dp_rank, cp_rank = grid["cp"].get_group(), grid["dp"].get_local_rank(), grid["cp"].get_local_rank()
+
+    def cp_case() -> dict[str, Any]:
+        model = EPModel(CP_SPEC)
+        configure_load_balancing(model, CP_SPEC.balancing, sequence_group=cp_group)
+        batch, total = _cp_batches()
+        mine = {k: v[dp_rank][:, CP_COLUMNS[cp_rank]] for k, v in batch.items()}
+        set_aux_loss_scale(model, 1.0 / total)
+        _micro_backward(model, mine, total)
+        grads = {}
+        for name, p in model.named_parameters():
+            torch.distributed.all_reduce(p.grad)  # the data-parallel gradient sum, done by hand here
+            grads[name] = p.grad.clone()
+        aux = aux_loss_values(model, group=dp_cp.get_group(), normalizer=total, reset=True)
+        return {"grads": grads, "aux": aux}
+
+    cases["cp2_sequence_aux"] = cp_case
+    return run_cases(cases, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +300,21 @@ def test_more_ranks_than_experts_shards_experts_on_dim_1(group_results: Any) -> 
     assert got["placements"] == ["S(1)", "S(0)"]  # FSDP2 over expert_dp on dim 1, ep on dim 0
     for spec_name in ("ep2_zero_token_experts_balanced", "ep4_zero_token_experts_balanced"):
         assert case_result(group_results, spec_name, 0)["fsdp_dim"] == 0
+
+
+def test_sequence_aux_loss_under_context_parallelism_equals_whole_sequences(group_results: Any) -> None:
+    """Each cp rank holds part of every sequence; with `sequence_group=cp` the sequence-level term (and so the
+    router gradient and the reported value) equals one process holding whole sequences."""
+    model = EPModel(CP_SPEC)
+    configure_load_balancing(model, CP_SPEC.balancing)
+    batch, total = _cp_batches()
+    set_aux_loss_scale(model, 1.0 / total)
+    for d in range(2):
+        _micro_backward(model, {k: v[d] for k, v in batch.items()}, total)
+    expected = aux_loss_values(model, normalizer=total, reset=True)
+    assert expected["seq_aux_loss"] > 0
+    for rank in range(WORLD):
+        got = case_result(group_results, "cp2_sequence_aux", rank)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(got["grads"][name], p.grad, rtol=TOL, atol=TOL, msg=f"rank {rank} {name}")
+        assert got["aux"] == pytest.approx(expected, rel=1e-5, abs=1e-7)

@@ -137,6 +137,7 @@ def sequence_aux_loss(
     num_sequences: int,
     token_mask: torch.Tensor | None = None,
     reduction: str = "mean",
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """DeepSeek-V3's sequence-level balance loss: per sequence s, `sum_i f_si * P_si` with `f_si = E / (K * T_s) *
     pairs_si` and `P_si` the mean over the sequence of the normalized scores; 1.0 when balanced.
@@ -145,6 +146,11 @@ def sequence_aux_loss(
     sequence_ids `[T]` int in `[0, num_sequences)` (the row each token came from), token_mask `[T]` bool.
     `reduction="mean"`: the mean over sequences weighted by their real-token counts (the plain mean when every
     sequence has the same length, as in Megatron); `"sum"`: that weighted sum, `sum_s T_s * L_s`.
+
+    group: the context-parallel group when each rank holds a shard of the same sequences (row s on every rank is
+    part of one sequence). The per-sequence counts and probability sums are all-reduced over it (the probability
+    sums differentiably), so every rank sees whole sequences; "mean" is then the same on every rank and "sum" is
+    this rank's 1/cp share, so summing the ranks' terms (and gradients) counts each sequence once. Collective.
     """
     num_experts, top_k = probs.shape[-1], top_k_index.shape[-1]
     real, hits = _mask_and_count(top_k_index, token_mask, num_experts)
@@ -154,11 +160,20 @@ def sequence_aux_loss(
         0, ids, probs.float() * real[:, None]
     )
     lengths = probs.new_zeros(num_sequences, dtype=torch.float32).index_add(0, ids, real)
+    share = 1.0
+    if group is not None:
+        from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
+
+        counts = torch.cat([pairs, lengths[:, None]], dim=1)
+        dist.all_reduce(counts, group=group)
+        pairs, lengths = counts[:, :-1], counts[:, -1]
+        prob_sum = differentiable_all_reduce(prob_sum, group=group)
+        share = 1.0 / dist.get_world_size(group)
     # T_s * L_s = E / K * sum_i pairs_si * prob_sum_si / T_s^2 * T_s
     weighted = num_experts / top_k * (pairs * prob_sum).sum(-1) / lengths.clamp(min=1)
     total = weighted.sum()
     if reduction == "sum":
-        return total
+        return total * share
     _check_reduction(reduction)
     return total / lengths.sum().clamp(min=1)
 
@@ -227,6 +242,8 @@ class RouterBalancer(nn.Module):
         self.experts_name = experts_name
         self.balancing = balancing if balancing is not None else LoadBalancing()
         self.aux_loss_scale = 1.0
+        # the context-parallel group when sequences are sharded over ranks (see `configure_load_balancing`)
+        self.sequence_group: dist.ProcessGroup | None = None
         self.aux_loss_sums: torch.Tensor | None = None
 
     @property
@@ -269,6 +286,7 @@ class RouterBalancer(nn.Module):
                 num_sequences=num_sequences,
                 token_mask=token_mask,
                 reduction="sum",
+                group=self.sequence_group,
             )
         if z_coeff > 0:
             terms[2] = router_z_loss(logits, token_mask=token_mask, reduction="sum")
@@ -293,8 +311,13 @@ def _balancers(model: nn.Module) -> list[tuple[str, RouterBalancer]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, RouterBalancer)]
 
 
-def configure_load_balancing(model: nn.Module, balancing: LoadBalancing) -> int:
+def configure_load_balancing(
+    model: nn.Module, balancing: LoadBalancing, *, sequence_group: dist.ProcessGroup | None = None
+) -> int:
     """Set `balancing` on every `RouterBalancer` in `model`; returns how many (0: a dense model).
+
+    sequence_group: under context parallelism, the cp group (each rank holds a shard of the same rows), so the
+    sequence-level term sees whole sequences (`sequence_aux_loss(group=)`); None otherwise.
 
     A trainer calls it once after building the model (with the model's recipe, e.g.
     `NemotronHForCausalLM.moe_load_balancing`, or its flags), on every pipeline stage's model part.
@@ -321,6 +344,7 @@ def configure_load_balancing(model: nn.Module, balancing: LoadBalancing) -> int:
         )
     for _, balancer in found:
         balancer.balancing = balancing
+        balancer.sequence_group = sequence_group
     return len(found)
 
 
