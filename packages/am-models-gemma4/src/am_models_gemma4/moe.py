@@ -56,13 +56,16 @@ class Gemma4Router(nn.Module):
         self.fake_balanced_gate = False
         self.fake_gate_noise = 0.0
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, indices, _, _ = self.route(hidden_states)
-        return weights, indices
+    def forward(self, hidden_states: torch.Tensor, *, return_scores: bool = False) -> tuple[torch.Tensor, ...]:
+        """`[T, H]` → (weights `[T, K]`, indices `[T, K]`); with `return_scores` also the logits `[T, E]` and the
+        probabilities `[T, E]`, which feed the balancing terms (`am_moe.RouterBalancer`). The MoE block calls the
+        module, so forward hooks (transformers' router-logit recorders) see every routing."""
+        weights, indices, logits, probabilities = self.route(hidden_states)
+        return (weights, indices, logits, probabilities) if return_scores else (weights, indices)
 
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`[T, H]` → (weights `[T, K]`, indices `[T, K]`, logits `[T, E]`, probabilities `[T, E]`); logits and
-        probabilities feed the balancing terms (`am_moe.RouterBalancer`; None-free: zeros under the fake gate)."""
+        """`forward(hidden_states, return_scores=True)` without module hooks (zeros for logits and probabilities
+        under the fake gate)."""
         dtype = self.gate_precision
         if self.fake_balanced_gate:
             weights, indices = balanced_routing(
@@ -123,7 +126,7 @@ class Gemma4MoE(nn.Module):
         padding_mask: `[B, S]`, True = padding; those tokens are not dispatched and get 0.
         """
         shape = hidden_states.shape
-        weights, indices, logits, probabilities = self.router.route(router_input.reshape(-1, shape[-1]))
+        weights, indices, logits, probabilities = self.router(router_input.reshape(-1, shape[-1]), return_scores=True)
         token_mask = None if padding_mask is None else ~padding_mask.reshape(-1).bool()
         out = self.experts(hidden_states.reshape(-1, shape[-1]), indices, weights, token_mask=token_mask)
         if self.balancer.needs_router_terms and not self.router.fake_balanced_gate:

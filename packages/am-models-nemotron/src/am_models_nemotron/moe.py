@@ -114,13 +114,15 @@ class NemotronRouter(nn.Module):
         nn.init.normal_(self.weight, mean=0.0, std=self.initializer_range)
         self.e_score_correction_bias.zero_()
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, indices, _, _ = self.route(x)
-        return weights, indices
+    def forward(self, x: torch.Tensor, *, return_scores: bool = False) -> tuple[torch.Tensor, ...]:
+        """x `[T, H]` -> (weights `[T, K]`, indices `[T, K]`); with `return_scores` also the logits `[T, E]` and the
+        sigmoid scores `[T, E]` (all in `gate_precision`), which feed the balancing terms (`am_moe.RouterBalancer`).
+        The MoE block calls the module (so forward hooks see every routing)."""
+        weights, indices, logits, scores = self.route(x)
+        return (weights, indices, logits, scores) if return_scores else (weights, indices)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x `[T, H]` -> (weights `[T, K]`, indices `[T, K]`, logits `[T, E]`, sigmoid scores `[T, E]`), all in
-        `gate_precision`; the logits and scores feed the balancing terms (`am_moe.RouterBalancer`)."""
+        """`forward(x, return_scores=True)` without module hooks: (weights, indices, logits, scores)."""
         logits = F.linear(x.to(self.gate_precision), self.weight.to(self.gate_precision))
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.to(scores.dtype)
@@ -233,7 +235,7 @@ class NemotronMoE(nn.Module):
                 noise=self.fake_gate_noise,
             )
         else:
-            weights, indices, logits, scores = self.gate.route(tokens)
+            weights, indices, logits, scores = self.gate(tokens, return_scores=True)
         expert_in = self.fc1_latent_proj(tokens) if self.fc1_latent_proj is not None else tokens
         # Called even with no token left: under expert parallelism every rank of the ep group joins the all-to-all.
         expert_out = self.experts(expert_in, indices, weights)
