@@ -162,12 +162,10 @@ def sequence_aux_loss(
     lengths = probs.new_zeros(num_sequences, dtype=torch.float32).index_add(0, ids, real)
     share = 1.0
     if group is not None:
-        from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
-
         counts = torch.cat([pairs, lengths[:, None]], dim=1)
         dist.all_reduce(counts, group=group)
         pairs, lengths = counts[:, :-1], counts[:, -1]
-        prob_sum = differentiable_all_reduce(prob_sum, group=group)
+        prob_sum = _AllReduceSum.apply(prob_sum, group)
         share = 1.0 / dist.get_world_size(group)
     # T_s * L_s = E / K * sum_i pairs_si * prob_sum_si / T_s^2 * T_s
     weighted = num_experts / top_k * (pairs * prob_sum).sum(-1) / lengths.clamp(min=1)
@@ -199,6 +197,24 @@ def _check_reduction(reduction: str) -> None:
 def _times(mean: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
     _check_reduction(reduction)
     return mean * count
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over `group` whose backward sums the gradients over `group` too (each rank's input feeds every rank's
+    output). torch's own differentiable all_reduce (`torch.distributed.nn`) is deprecated."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        out = tensor.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad_output.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class _InjectAuxGrad(torch.autograd.Function):
