@@ -89,8 +89,6 @@ _UNIMPLEMENTED_VALUES = {
     "dispatcher_num_sms": 32,
     "dispatcher_share_token_dispatcher": False,
     "dispatcher_async_dispatch": True,
-    "fake_balanced_gate": True,
-    "fake_gate_noise": 0.1,
     "enable_fsdp_optimizations": True,
     "cuda_graph": CudaGraphConfig(modules=["attn"]),
     "mok": MoKBackendConfig(minibatch_size=8192),
@@ -266,3 +264,14 @@ def test_tefp8config_passes_a_prebuilt_recipe_object_through(monkeypatch):
 def test_tefp8config_builds_te_recipes(recipe, cls_name):
     built = TEFp8Config(recipe=recipe).build_recipe()
     assert type(built).__name__ == cls_name
+
+
+def test_fake_balanced_gate_is_accepted_and_its_noise_validated():
+    """Issue 25: the MoE models honour the fake balanced gate (am_moe.balanced_routing), so it is no longer refused;
+    its noise must be a finite number >= 0."""
+    cfg = BackendConfig(fake_balanced_gate=True, fake_gate_noise=0.1)
+    assert cfg.fake_balanced_gate is True
+    assert cfg.fake_gate_noise == 0.1
+    for bad in (float("nan"), float("inf"), -0.5):
+        with pytest.raises(ValueError, match=r"fake_gate_noise=.* must be finite and >= 0"):
+            BackendConfig(fake_gate_noise=bad)

@@ -29,7 +29,7 @@ from .kernels import BlockSparseAttentionKernel, default_ring_kernel
 from .layers import Gemma4RMSNorm
 from .masks import AttentionInputs, build_attention_mask
 from .model import Gemma4ForCausalLM, Gemma4TextModel
-from .moe import Gemma4Experts, Gemma4MoE, Gemma4Router
+from .moe import Gemma4Experts, Gemma4MoE, Gemma4Router, apply_routing_backend
 from .pretrained import Gemma4PreTrainedModel, causal_lm_loss, gemma4_capabilities, softcap_logits
 from .state_dict_adapter import Gemma4StateDictAdapter
 from .vlm import Gemma4ForConditionalGeneration, Gemma4Model
@@ -46,6 +46,7 @@ __all__ = [
     "Gemma4Attention",
     "Gemma4MoE",
     "Gemma4Router",
+    "apply_routing_backend",
     "Gemma4Experts",
     "Gemma4PreTrainedModel",
     "Gemma4RMSNorm",

@@ -6,8 +6,9 @@ transformers' layout `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]`, one grou
 `Gemma4MoE`, which routes on the un-normalized residual, computes the experts on the pre-normalized input and keeps
 padding tokens out of the experts (their output is 0, they count in no expert's load).
 Expert parallelism of these experts is am-moe's (`Gemma4PreTrainedModel.apply_expert_parallel`).
-What it must not do: change routing with the storage dtype (the router casts its input and weights to fp32 and its
-parameters are pinned fp32 by the model's `_keep_in_fp32_modules_strict`), or compute experts itself (dispatch,
+What it must not do: change routing with the storage dtype (the router casts its input and weights to fp32, or to
+`BackendConfig.gate_precision` when one is applied, and its parameters are pinned fp32 by the model's
+`_keep_in_fp32_modules_strict`), or compute experts itself (dispatch,
 grouped GEMMs, expert parallelism and load statistics are am-moe's).
 
 Names versus transformers: HF keeps `router.*` and `experts.*` directly in the decoder layer; ours live under
@@ -22,14 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from am_moe import GroupedExperts
+from am_moe import GroupedExperts, RouterBalancer, balanced_routing
 from am_precision import BackendConfig
 
 from .backend import experts_grouped_mm
 from .config import moe_intermediate_size
 from .layers import Gemma4RMSNorm, rms_norm
 
-__all__ = ["Gemma4Experts", "Gemma4MoE", "Gemma4Router"]
+__all__ = ["Gemma4Experts", "Gemma4MoE", "Gemma4Router", "apply_routing_backend"]
 
 
 class Gemma4Router(nn.Module):
@@ -37,6 +38,10 @@ class Gemma4Router(nn.Module):
 
     Returns `(weights [T, K] fp32, indices [T, K] int64)`: the top-k softmax probabilities renormalized to sum to
     1, times `per_expert_scale[index]`.
+
+    Routing options (set from a `BackendConfig` by `apply_routing_backend`): `gate_precision` (the router math's
+    dtype, fp32 by default), `fake_balanced_gate` / `fake_gate_noise` (`am_moe.balanced_routing` replaces the
+    probabilities: weights 1/K times `per_expert_scale`, no gradient to `proj`).
     """
 
     def __init__(self, config: Any) -> None:
@@ -49,15 +54,38 @@ class Gemma4Router(nn.Module):
         self.proj = nn.Linear(hidden, self.num_experts, bias=False)
         self.scale = nn.Parameter(torch.ones(hidden))
         self.per_expert_scale = nn.Parameter(torch.ones(self.num_experts))
+        self.gate_precision = torch.float32
+        self.fake_balanced_gate = False
+        self.fake_gate_noise = 0.0
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden_states: torch.Tensor, *, return_scores: bool = False) -> tuple[torch.Tensor, ...]:
+        """`[T, H]` → (weights `[T, K]`, indices `[T, K]`); with `return_scores` also the logits `[T, E]` and the
+        probabilities `[T, E]`, which feed the balancing terms (`am_moe.RouterBalancer`). The MoE block calls the
+        module, so forward hooks (transformers' router-logit recorders) see every routing."""
+        weights, indices, logits, probabilities = self.route(hidden_states)
+        return (weights, indices, logits, probabilities) if return_scores else (weights, indices)
+
+    def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward(hidden_states, return_scores=True)` without module hooks (zeros for logits and probabilities
+        under the fake gate)."""
+        dtype = self.gate_precision
+        if self.fake_balanced_gate:
+            weights, indices = balanced_routing(
+                hidden_states.shape[0],
+                self.num_experts,
+                self.top_k,
+                device=hidden_states.device,
+                noise=self.fake_gate_noise,
+            )
+            zeros = hidden_states.new_zeros(hidden_states.shape[0], self.num_experts, dtype=dtype)
+            return weights.to(dtype) * self.per_expert_scale.to(dtype)[indices], indices, zeros, zeros
         # scale · H^-0.5 folded into the norm's weight: one [H] multiply instead of two [T, H] passes (and backward)
-        normed = rms_norm(hidden_states.float(), self.scale.float() * self.scalar_root_size, self.norm.eps)
-        scores = F.linear(normed, self.proj.weight.float())
-        probabilities = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        normed = rms_norm(hidden_states.to(dtype), self.scale.to(dtype) * self.scalar_root_size, self.norm.eps)
+        logits = F.linear(normed, self.proj.weight.to(dtype))
+        probabilities = torch.softmax(logits, dim=-1, dtype=dtype)
         weights, indices = torch.topk(probabilities, k=self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * self.per_expert_scale.float()[indices], indices
+        return weights * self.per_expert_scale.to(dtype)[indices], indices, logits, probabilities
 
 
 class Gemma4Experts(GroupedExperts):
@@ -90,6 +118,11 @@ class Gemma4MoE(nn.Module):
         self.router = Gemma4Router(config)
         # BackendConfig.experts: "torch" = am-moe's per-expert loop, "torch_mm" = its grouped GEMM (None: "auto").
         self.experts = Gemma4Experts(config, grouped_mm=experts_grouped_mm(backend))
+        # Balancing terms (all off until am_moe.configure_load_balancing). No selection bias: the softmax router
+        # has none, so only the aux losses and the z-loss apply.
+        self.balancer = RouterBalancer(bias_name=None, experts_name="experts")
+        # BackendConfig's routing fields (gate_precision, fake_balanced_gate, fake_gate_noise) on this router.
+        apply_routing_backend(self, backend)
 
     def forward(
         self,
@@ -103,7 +136,47 @@ class Gemma4MoE(nn.Module):
         padding_mask: `[B, S]`, True = padding; those tokens are not dispatched and get 0.
         """
         shape = hidden_states.shape
-        weights, indices = self.router(router_input.reshape(-1, shape[-1]))
+        weights, indices, logits, probabilities = self.router(router_input.reshape(-1, shape[-1]), return_scores=True)
         token_mask = None if padding_mask is None else ~padding_mask.reshape(-1).bool()
         out = self.experts(hidden_states.reshape(-1, shape[-1]), indices, weights, token_mask=token_mask)
+        if self.balancer.needs_router_terms and not self.router.fake_balanced_gate:
+            rows = torch.arange(shape[0], device=out.device).repeat_interleave(out.shape[0] // max(shape[0], 1))
+            out = self.balancer(
+                out,
+                probs=probabilities,
+                logits=logits,
+                top_k_index=indices,
+                sequence_ids=rows,
+                num_sequences=shape[0],
+                token_mask=token_mask,
+            )
         return out.reshape(shape)
+
+
+def apply_routing_backend(model: nn.Module, backend: Any) -> int:
+    """Set the routing fields of an upstream `BackendConfig` (`gate_precision`, None = fp32; `fake_balanced_gate`;
+    `fake_gate_noise`) on every `Gemma4Router` in `model`; returns how many routers. Other fields do not change
+    Gemma 4's kernels. `backend` None leaves the routers as they are.
+
+    Raises:
+        ValueError: a fake_gate_noise that is negative or not finite, or a gate_precision that is not a floating
+            dtype.
+    """
+    if backend is None:
+        return 0
+    precision = getattr(backend, "gate_precision", None)
+    precision = torch.float32 if precision is None else precision
+    noise = getattr(backend, "fake_gate_noise", 0.0)
+    problems = []
+    if not isinstance(precision, torch.dtype) or not precision.is_floating_point:
+        problems.append(f"gate_precision={precision!r} must be a floating-point torch dtype")
+    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not noise >= 0 or noise == float("inf"):
+        problems.append(f"fake_gate_noise={noise!r} must be a finite number >= 0")
+    if problems:
+        raise ValueError("Gemma 4 routing backend: " + "; ".join(problems))
+    routers = [m for m in model.modules() if isinstance(m, Gemma4Router)]
+    for router in routers:
+        router.gate_precision = precision
+        router.fake_balanced_gate = bool(getattr(backend, "fake_balanced_gate", False))
+        router.fake_gate_noise = float(noise)
+    return len(routers)

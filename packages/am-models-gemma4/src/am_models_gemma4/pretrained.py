@@ -28,7 +28,7 @@ from torch import nn
 import am_moe
 from am_context_parallel import ContiguousCPOptions, cp_token_mean_loss
 from am_model_contract import ContextParallelContract, ExpertParallelContract, ModelContract
-from am_moe import GroupedExperts
+from am_moe import GroupedExperts, LoadBalancing
 from am_precision import compute_lm_head_logits
 
 from . import checkpoint
@@ -77,6 +77,11 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
     # per-expert scale, and the RoPE inv_freq buffers. Substrings of names: they match under `model.language_model.`.
     _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["router"]
     _keep_in_fp32_modules: ClassVar[list[str]] = ["rotary_emb"]
+    # Gemma 4's balancing recipe: none is published. transformers' Gemma 4 has no router auxiliary loss (it only
+    # returns router logits) and NeMo AutoModel trains its MoE with gate_bias_update_factor=0 and aux_loss_coeff=0;
+    # the softmax router has no selection bias. So the recipe is all off; the aux losses and z-loss of
+    # `am_moe.configure_load_balancing` work on its router when asked for, a bias update is refused.
+    moe_load_balancing: ClassVar[LoadBalancing] = LoadBalancing()
     supports_gradient_checkpointing = False
     config: Any
     lm_head: nn.Linear

@@ -53,7 +53,12 @@ _logger = logging.getLogger(__name__)
 def _log_backend(where: str, backend: Any) -> None:
     # the same rule (and line) as Gemma4ForConditionalGeneration: our own kernels run whatever the backend says
     if backend is not None:
-        _logger.info("%s runs its own PyTorch kernels; backend=%r does not change them", where, backend)
+        _logger.info(
+            "%s runs its own PyTorch kernels; backend=%r changes only the MoE routing (gate_precision, "
+            "fake_balanced_gate, fake_gate_noise)",
+            where,
+            backend,
+        )
 
 
 class Gemma4MoEDecoderLayer(Gemma4DecoderLayer):

@@ -129,7 +129,8 @@ class Gemma4ForConditionalGeneration(Gemma4PreTrainedModel):
                 from the text config (`enable_moe_block`, `num_experts`, `top_k_experts`, `moe_intermediate_size`);
                 a given `moe_config` is checked against it (`config.check_moe_config`), never a second source.
             backend: an `am_precision.BackendConfig` (upstream's), or None for the model's defaults. Its `attn`,
-                `compile_attn` and `experts` choose the text model's kernels; values Gemma 4 cannot run are refused
+                `compile_attn` and `experts` choose the text model's kernels, its routing fields (`gate_precision`,
+                `fake_balanced_gate`, `fake_gate_noise`) every MoE router's; values Gemma 4 cannot run are refused
                 (`backend.resolve_backend`). The vision tower keeps transformers' attention.
             text_config: overrides applied to a copy of `config.text_config` (upstream's dict override).
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from am_moe import LoadBalancing
 from am_precision import BackendConfig, initialize_rms_norm_module
 
 from .backend import resolve_backend
@@ -52,6 +53,11 @@ class NemotronV3Model(nn.Module):
     # mixer's `_fp32_params` holder (A_log, dt_bias, D). Casting (am-precision), checkpoints and the state dict
     # adapter all derive from it.
     _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["e_score_correction_bias", "_fp32_params"]
+    # The real model's balancing recipe (Megatron-Bridge's NemotronH provider: expert bias, update rate 1e-3, and
+    # the sequence-level aux loss, coefficient 1e-4; router in fp32). Declared, not applied: the layers start with
+    # balancing off (forward and gradients are transformers'); a trainer applies it with
+    # `am_moe.configure_load_balancing(model, type(model).moe_load_balancing)`.
+    moe_load_balancing: ClassVar[LoadBalancing] = LoadBalancing(bias_update_rate=1e-3, seq_aux_loss_coeff=1e-4)
 
     def __init__(
         self,

@@ -6,7 +6,8 @@ What it is for: a `BackendConfig` value either runs as asked or is refused, with
 passed the check.
 What it must not do: rewrite a field the user set to another value (earlier releases mapped e.g. attn='te' to 'sdpa'
 with a warning; that silently ran another kernel), import transformer_engine (am-precision builds TE modules lazily),
-or mutate the config it is given.
+or mutate the config it is given. The routing fields (`gate_precision`, `fake_balanced_gate`,
+`fake_gate_noise`) are read as they are by `NemotronMoE` (am_moe.balanced_routing).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from transformers import GenerationConfig, GenerationMixin
 import am_moe
 from am_context_parallel import ContiguousCPOptions
 from am_model_contract import ContextParallelContract, ExpertParallelContract, ModelContract, PipelineContract
-from am_moe import GroupedExperts
+from am_moe import GroupedExperts, LoadBalancing
 from am_precision import BackendConfig, initialize_linear_module, yield_fp32_model
 
 from . import pipeline_stage
@@ -69,6 +69,8 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
 
     # The same list as the backbone's (one source: the keep list is defined once, on NemotronV3Model).
     _keep_in_fp32_modules_strict: ClassVar[list[str]] = NemotronV3Model._keep_in_fp32_modules_strict
+    # The real model's balancing recipe, declared once on the backbone (see NemotronV3Model.moe_load_balancing).
+    moe_load_balancing: ClassVar[LoadBalancing] = NemotronV3Model.moe_load_balancing
     _pp_plan: ClassVar[dict[str, tuple[list[str], list[str]]]] = {
         "model.embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "model.layers": (["hidden_states"], ["hidden_states"]),

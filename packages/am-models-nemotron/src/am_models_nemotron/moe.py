@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from am_moe import GroupedExperts
+from am_moe import GroupedExperts, RouterBalancer, balanced_routing
 from am_precision import BackendConfig, initialize_linear_module
 
 from ._init import reset_linear_
@@ -114,7 +114,15 @@ class NemotronRouter(nn.Module):
         nn.init.normal_(self.weight, mean=0.0, std=self.initializer_range)
         self.e_score_correction_bias.zero_()
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, *, return_scores: bool = False) -> tuple[torch.Tensor, ...]:
+        """x `[T, H]` -> (weights `[T, K]`, indices `[T, K]`); with `return_scores` also the logits `[T, E]` and the
+        sigmoid scores `[T, E]` (all in `gate_precision`), which feed the balancing terms (`am_moe.RouterBalancer`).
+        The MoE block calls the module (so forward hooks see every routing)."""
+        weights, indices, logits, scores = self.route(x)
+        return (weights, indices, logits, scores) if return_scores else (weights, indices)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward(x, return_scores=True)` without module hooks: (weights, indices, logits, scores)."""
         logits = F.linear(x.to(self.gate_precision), self.weight.to(self.gate_precision))
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.to(scores.dtype)
@@ -129,7 +137,7 @@ class NemotronRouter(nn.Module):
         weights = scores.gather(1, indices)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, indices
+        return weights * self.routed_scaling_factor, indices, logits, scores
 
 
 class NemotronMoE(nn.Module):
@@ -162,6 +170,12 @@ class NemotronMoE(nn.Module):
             )
         gate_precision = backend.gate_precision if backend.gate_precision is not None else torch.float32
         self.gate = NemotronRouter(config, gate_precision=gate_precision, device=device, dtype=dtype)
+        # BackendConfig.fake_balanced_gate: am_moe.balanced_routing replaces the router (benchmarks; no router grad)
+        self.fake_balanced_gate = backend.fake_balanced_gate
+        self.fake_gate_noise = float(backend.fake_gate_noise)
+        # Balancing terms (all off until am_moe.configure_load_balancing; the recipe is
+        # NemotronHForCausalLM.moe_load_balancing): the bias update moves gate.e_score_correction_bias.
+        self.balancer = RouterBalancer(bias_name="gate.e_score_correction_bias", experts_name="experts")
         latent = config.moe_latent_size
         expert_dim = latent if latent is not None else config.hidden_size
         self.initializer_range = config.initializer_range
@@ -211,10 +225,31 @@ class NemotronMoE(nn.Module):
         if padding_mask is not None:
             real = (~padding_mask.reshape(-1).to(torch.bool)).nonzero().squeeze(-1)
             tokens = flat.index_select(0, real)
-        weights, indices = self.gate(tokens)
+        balance = self.balancer.needs_router_terms and not self.fake_balanced_gate
+        if self.fake_balanced_gate:
+            weights, indices = balanced_routing(
+                tokens.shape[0],
+                self.gate.num_experts,
+                self.gate.top_k,
+                device=tokens.device,
+                noise=self.fake_gate_noise,
+            )
+        else:
+            weights, indices, logits, scores = self.gate(tokens, return_scores=True)
         expert_in = self.fc1_latent_proj(tokens) if self.fc1_latent_proj is not None else tokens
         # Called even with no token left: under expert parallelism every rank of the ep group joins the all-to-all.
         expert_out = self.experts(expert_in, indices, weights)
+        if balance:
+            # DeepSeek's sequence term runs per batch row; padding was removed above, so ids follow `real`
+            rows = torch.arange(shape[0], device=flat.device).repeat_interleave(flat.shape[0] // max(shape[0], 1))
+            expert_out = self.balancer(
+                expert_out,
+                probs=scores / (scores.sum(dim=-1, keepdim=True) + 1e-20),
+                logits=logits,
+                top_k_index=indices,
+                sequence_ids=rows if real is None else rows.index_select(0, real),
+                num_sequences=shape[0],
+            )
         if self.fc2_latent_proj is not None:
             expert_out = self.fc2_latent_proj(expert_out)
         routed_out = expert_out if real is None else flat.new_zeros(flat.shape).index_copy(0, real, expert_out)

@@ -2,7 +2,8 @@
 
 Grouped expert MLPs with one grouped GEMM per projection (`GroupedExperts`, `grouped_mm`), token dispatch and
 combine — local, or expert parallel over all-to-all (`dispatch`) — expert weights sharded over an `ep` mesh
-dimension and composed with FSDP2 (`parallel`), and per-step expert load statistics (`load`). Routers stay in the
+dimension and composed with FSDP2 (`parallel`), per-step expert load statistics (`load`) and load balancing (the
+auxiliary-loss-free bias update and the auxiliary losses, `balance`). Routers stay in the
 model packages: the experts take `(hidden [T, H], top_k_index [T, K], top_k_weights [T, K])`.
 Depends on torch only; never imports a model package.
 """
@@ -10,6 +11,18 @@ Depends on torch only; never imports a model package.
 from __future__ import annotations
 
 from ._version import __version__
+from .balance import (
+    AUX_LOSS_TERMS,
+    LoadBalancing,
+    RouterBalancer,
+    aux_loss_values,
+    configure_load_balancing,
+    router_z_loss,
+    sequence_aux_loss,
+    set_aux_loss_scale,
+    switch_aux_loss,
+    update_expert_bias,
+)
 from .dispatch import (
     AllToAllDispatcher,
     AllToAllStats,
@@ -30,13 +43,14 @@ from .parallel import (
     ExpertParallelPlan,
     apply_expert_parallel,
     build_expert_meshes,
+    expert_fsdp_dim,
     expert_modules,
     fully_shard_experts,
     gather_expert_state_dict,
     plan_expert_parallel,
     quiet_expert_gathers,
 )
-from .routing import RoutingError, routing_problems
+from .routing import RoutingError, balanced_routing, routing_problems
 
 __all__ = [
     "__version__",
@@ -57,11 +71,13 @@ __all__ = [
     "count_all_to_all_bytes",
     # router outputs
     "RoutingError",
+    "balanced_routing",
     "routing_problems",
     # expert parallelism
     "ExpertParallelPlan",
     "apply_expert_parallel",
     "build_expert_meshes",
+    "expert_fsdp_dim",
     "expert_modules",
     "fully_shard_experts",
     "gather_expert_state_dict",
@@ -71,4 +87,15 @@ __all__ = [
     "ExpertLoad",
     "expert_load",
     "reset_expert_load",
+    # load balancing
+    "AUX_LOSS_TERMS",
+    "LoadBalancing",
+    "RouterBalancer",
+    "aux_loss_values",
+    "configure_load_balancing",
+    "router_z_loss",
+    "sequence_aux_loss",
+    "set_aux_loss_scale",
+    "switch_aux_loss",
+    "update_expert_bias",
 ]

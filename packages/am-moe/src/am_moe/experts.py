@@ -7,8 +7,8 @@ What it is for: the routed experts of a mixture-of-experts layer. The model's ro
 for every expert over its contiguous rows, and returns `sum_k weight[t, k] * expert_{index[t, k]}(x[t])` in `[T, H]`.
 Tokens with `token_mask` False (padding) reach no expert and get 0. After `apply_expert_parallel` the same module
 sends rows to the experts' owners with all-to-all (dispatch.py); nothing else changes for the caller.
-What it must not do: route (routers, their scores, biases and balancing terms stay in the model packages), drop a
-token, or sync the host per layer for its load statistics.
+What it must not do: route (routers, their scores and biases stay in the model packages; balancing is `balance`),
+drop a token, or sync the host per layer for its load statistics.
 
 Parameter layout (transformers' in-memory layout, `[E, out, in]`, i.e. a stack of `nn.Linear` weights):
     gated: gate_up_proj [E, 2I, H] (gate rows first, then up), down_proj [E, H, I]

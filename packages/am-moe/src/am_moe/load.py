@@ -4,7 +4,7 @@ What it is for: every `GroupedExperts` adds its per-expert pair counts to a devi
 sync); `expert_load(model)` reads every layer's buffer with ONE concatenation, at most one all-reduce (when a group is
 given: the data-parallel group, for global counts) and one device-to-host copy, and reports tokens per expert and the
 imbalance max / mean per layer. `reset_expert_load` zeroes the buffers (or pass `reset=True`).
-What it must not do: update routing (balancing terms such as Nemotron's score-correction bias stay in the models), or
+What it must not do: update routing (the bias update that reads these counts is `balance.update_expert_bias`), or
 count a forward twice (activation-checkpoint recomputation is not counted; see `GroupedExperts._record_load`).
 """
 

@@ -36,6 +36,7 @@ __all__ = [
     "ExpertParallelPlan",
     "apply_expert_parallel",
     "build_expert_meshes",
+    "expert_fsdp_dim",
     "expert_modules",
     "fully_shard_experts",
     "gather_expert_state_dict",
@@ -150,16 +151,34 @@ def fully_shard_experts(
     Works on modules that `apply_expert_parallel` sharded (FSDP2 combines ep and expert_dp into one 2-D sharding
     of the same root mesh) and on unsharded ones. `gradient_divide_factor` is set on each when given (see the module
     docstring); other keyword arguments go to `fully_shard` (mp_policy, reshard_after_forward, ...).
+
+    When `expert_dp x ep` exceeds the number of experts (fewer local experts than expert_dp ranks, e.g. 8 experts
+    on ep 4 x expert_dp 4), FSDP2 shards the expert weights on their SECOND dimension (`Shard(1)`: the output rows
+    of each expert, torchtitan PR #1561) instead of the expert dimension, where some ranks would hold no row at all;
+    the math is unchanged. A `shard_placement_fn` given by the caller wins. `expert_fsdp_dim(experts, mesh)` says
+    which dimension is used.
     """
     from torch.distributed.fsdp import fully_shard
 
     sharded: list[nn.Module] = []
     for _, experts in expert_modules(module):
-        fsdp_module = fully_shard(experts, mesh=mesh, **fully_shard_kwargs)
+        kwargs = dict(fully_shard_kwargs)
+        if "shard_placement_fn" not in kwargs and expert_fsdp_dim(experts, mesh) == 1:
+            from torch.distributed.tensor import Shard
+
+            kwargs["shard_placement_fn"] = lambda _param: Shard(1)
+        fsdp_module = fully_shard(experts, mesh=mesh, **kwargs)
         if gradient_divide_factor is not None:
             fsdp_module.set_gradient_divide_factor(gradient_divide_factor)
         sharded.append(experts)  # the same object, now also an FSDPModule
     return sharded
+
+
+def expert_fsdp_dim(experts: GroupedExperts, mesh: Any) -> int:
+    """The weight dimension `fully_shard_experts` shards `experts` on over `mesh` (the expert_dp mesh): 0 (the
+    expert dimension) while every expert_dp rank can hold whole local experts' rows, i.e. `expert_dp x ep <= E`;
+    1 otherwise (torchtitan's rule)."""
+    return 1 if mesh.size() * experts.ep_size > experts.num_experts else 0
 
 
 @contextmanager

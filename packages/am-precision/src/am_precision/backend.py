@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,11 +177,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "dispatcher_num_sms": (lambda v: v != 20, f"{_A2A_KNOB}; leave it at 20"),
     "dispatcher_share_token_dispatcher": (lambda v: v is False, f"{_A2A_KNOB}; leave it True"),
     "dispatcher_async_dispatch": (lambda v: v is True, f"{_A2A_KNOB}; leave it False"),
-    "fake_balanced_gate": (lambda v: v is True, "no am-* MoE router has a fake balanced gate; leave it False"),
-    "fake_gate_noise": (
-        lambda v: v != 0,
-        "it perturbs the fake balanced gate, which no am-* MoE router has; leave it 0.0",
-    ),
     "enable_fsdp_optimizations": (lambda v: v is True, "no am-* model has model-specific FSDP tweaks; leave it False"),
     "cuda_graph": (
         lambda v: isinstance(v, CudaGraphConfig) and v.enabled,
@@ -218,8 +214,9 @@ class BackendConfig:
         dispatcher_num_sms: streaming multiprocessors reserved for the dispatcher's communication kernels.
         dispatcher_share_token_dispatcher: share one dispatcher between MoE layers.
         dispatcher_async_dispatch: overlap dispatch with computation.
-        fake_balanced_gate: replace the router with a perfectly balanced fake (benchmarking only).
-        fake_gate_noise: noise added to the fake gate's scores (>= 0).
+        fake_balanced_gate: replace the router with a perfectly balanced fake (benchmarking only; am_moe's
+            `balanced_routing`: every expert gets the same number of (token, k) pairs, or one more).
+        fake_gate_noise: noise added to the fake gate's scores (finite, >= 0).
         enable_hf_state_dict_adapter: convert checkpoints from/to the HF layout on load/save.
         enable_fsdp_optimizations: model-specific FSDP tweaks.
         te_fp8: FP8 recipe (`TEFp8Config` or a dict of its fields); requires linear="te" or experts="te".
@@ -231,11 +228,10 @@ class BackendConfig:
         enable_deepep: removed upstream field, accepted only as None so upstream configs that spell it load.
 
     Fields no am-* package implements (README, "Who honours each field") keep their upstream defaults and accept
-    only them: `rope="quack"`, `rope_fusion=True`, the `dispatcher_*` knobs, `fake_balanced_gate`,
-    `fake_gate_noise`, `enable_fsdp_optimizations`, a non-empty
-    `cuda_graph`, a non-default `mok` and `enable_deepep` are refused with the reason and the fix. Models refuse
-    what they do not support of the fields they read (`attn`, `experts`, `dispatcher`, ...) and what this machine
-    cannot run (`backend_runtime_problems`).
+    only them: `rope="quack"`, `rope_fusion=True`, the `dispatcher_*` knobs, `enable_fsdp_optimizations`, a
+    non-empty `cuda_graph`, a non-default `mok` and `enable_deepep` are refused with the reason and the fix. Models
+    refuse what they do not support of the fields they read (`attn`, `experts`, `dispatcher`, ...) and what this
+    machine cannot run (`backend_runtime_problems`).
 
     Raises:
         ValueError: one or more fields are invalid or ask for something no am-* package implements; the message
@@ -283,8 +279,8 @@ class BackendConfig:
             problems.append(f"dispatcher_num_sms={self.dispatcher_num_sms!r} must be a positive int")
         if isinstance(self.fake_gate_noise, bool) or not isinstance(self.fake_gate_noise, (int, float)):
             problems.append(f"fake_gate_noise={self.fake_gate_noise!r} must be a number >= 0")
-        elif self.fake_gate_noise < 0:
-            problems.append(f"fake_gate_noise={self.fake_gate_noise!r} must be >= 0")
+        elif not math.isfinite(self.fake_gate_noise) or self.fake_gate_noise < 0:
+            problems.append(f"fake_gate_noise={self.fake_gate_noise!r} must be finite and >= 0")
 
         self._normalize_nested("te_fp8", TEFp8Config, problems, none_ok=True)
         self._normalize_nested("cuda_graph", CudaGraphConfig, problems, none_ok=False)
