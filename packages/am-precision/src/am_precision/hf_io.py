@@ -292,7 +292,10 @@ def load_sharded_tensors_(
     if problems:
         raise ValueError("load_sharded_tensors_:\n  - " + "\n  - ".join(problems))
     start = checkpoint.bytes_read
-    for name in names:
+    # File by file, each file's handle closed before the next one: the pages of a memory-mapped file that were read
+    # count in the rank's resident memory until it is unmapped, so at most one file's pages stay mapped.
+    names.sort(key=lambda name: str(checkpoint.file_of[sources[name][0]]))
+    for position, name in enumerate(names):
         target, keys = targets[name], list(sources[name])
         offset, shape = local_region(target)
         if len(keys) == 1:
@@ -304,6 +307,9 @@ def load_sharded_tensors_(
         local = target.to_local() if callable(getattr(target, "to_local", None)) else target
         local.copy_(block)
         del block  # one block in flight at a time
+        following = names[position + 1] if position + 1 < len(names) else None
+        if following is None or checkpoint.file_of[sources[following][0]] != checkpoint.file_of[keys[0]]:
+            checkpoint.close()  # reopened on the next read
     return ShardedLoad(tuple(names), checkpoint.bytes_read - start)
 
 
