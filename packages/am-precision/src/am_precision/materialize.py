@@ -112,7 +112,8 @@ def materialize_sharded_(
         Units absent from `model` (another pipeline stage's layers) are skipped.
     seed: the run's seed; unit u is initialized under `unit_seed(seed, u.name)`.
 
-    Returns `model`. The global RNG state is restored afterwards. Local values keep the model's dtypes (sampled in
+    Returns `model`. The global RNG state is restored afterwards. A tied tensor is initialized once, by the first unit
+    that owns it; `to_empty` unties parameters, so re-tie them afterwards (the model packages' wrappers do). Local values keep the model's dtypes (sampled in
     fp32, then cast once, as `yield_fp32_model` does).
 
     Raises:
@@ -120,21 +121,21 @@ def materialize_sharded_(
             model has (all listed).
     """
     present = {name for name, _ in model.named_modules()}
-    covered: set[str] = set()
+    covered: set[int] = set()  # by identity: a tied tensor (one object, two names) is initialized once
     problems: list[str] = []
     todo = []
     for unit in units:
         if unit.name not in present:
             continue
         owned = {f"{unit.name}.{n}" if unit.name else n: t for n, t in _tensors(model.get_submodule(unit.name)).items()}
-        fresh = {n for n in owned if n not in covered}
-        covered |= fresh
+        fresh = {n for n, t in owned.items() if id(t) not in covered}
+        covered |= {id(owned[n]) for n in fresh}
         if fresh:
             todo.append((unit, fresh))
     real = sorted(n for n, t in _tensors(model).items() if not t.is_meta)
     if real:
         problems.append(f"tensors already materialized (build the whole model on the meta device): {real[:8]}")
-    left = sorted(n for n, t in _tensors(model).items() if t.is_meta and n not in covered)
+    left = sorted(n for n, t in _tensors(model).items() if t.is_meta and id(t) not in covered)
     if left:
         problems.append(f"meta tensors no init unit covers: {left}")
     if problems:
