@@ -86,7 +86,7 @@ def _load_case(layout: str, mesh: Any, folder: str) -> dict[str, Any]:
 def _bad_keys_case(folder: str) -> str:
     model = NemotronHForCausalLM.from_config(_config(), device="meta")
     model.to_empty(device="cpu")
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match="does not match") as info:
         load_sharded_checkpoint(model, folder)
     return str(info.value)
 
@@ -167,7 +167,8 @@ def test_each_rank_reads_only_its_own_blocks(ranks: list[dict[str, Any]]) -> Non
     fsdp = [case_result(ranks, "load_fsdp2", rank) for rank in range(WORLD)]
     sharded = set(fsdp[0]["sharded"])
     replicated = sum(
-        t.numel() * t.element_size() for k, t in NemotronHForCausalLM.from_pretrained(folder).state_dict().items()
+        t.numel() * t.element_size()
+        for k, t in NemotronHForCausalLM.from_pretrained(folder).state_dict().items()
         if k not in sharded
     )
     assert replicated < total / 10  # the buffers only

@@ -57,6 +57,7 @@ def init_module_weights(module: nn.Module, *, std: float) -> None:
     elif isinstance(module, Gemma4DecoderLayer):
         module.layer_scalar.fill_(1.0)
 
+
 _IGNORED_KWARGS = frozenset({"return_dict", "output_attentions", "cache_position", "num_items_in_batch"})
 
 

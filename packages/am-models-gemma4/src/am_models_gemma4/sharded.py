@@ -63,9 +63,10 @@ def init_units(model: nn.Module) -> list[InitUnit]:
         restore_constructed_buffers_(module, config=text)
 
     units = []
-    for name, child in model.model.named_children():
+    text_model: Any = model.model
+    for name, child in text_model.named_children():
         if name == "layers":
-            units += [InitUnit(f"model.layers.{key}", tree) for key in child]  # type: ignore[union-attr]
+            units += [InitUnit(f"model.layers.{key}", tree) for key in child]
         else:
             units.append(InitUnit(f"model.{name}", tree))
     if not _tied(model):
@@ -87,12 +88,12 @@ def restore_constructed_buffers_(module: nn.Module, *, config: Any = None) -> No
     config, or `config`), the scaled embeddings' `embed_scale`, and zero expert load counters."""
     for sub in module.modules():
         if type(sub).__name__.endswith("RotaryEmbedding"):
-            fresh = type(sub)(getattr(sub, "config", config))  # type: ignore[call-arg]
-            for name, buffer in fresh.named_buffers():
-                sub.get_buffer(name).copy_(buffer)
-        scale = getattr(sub, "scalar_embed_scale", None)
-        if scale is not None and isinstance(getattr(sub, "embed_scale", None), torch.Tensor):
-            sub.embed_scale.fill_(scale)
+            fresh = type(sub)(getattr(sub, "config", config))
+            for name, computed in fresh.named_buffers():
+                sub.get_buffer(name).copy_(computed)
+        scale, embed_scale = getattr(sub, "scalar_embed_scale", None), getattr(sub, "embed_scale", None)
+        if scale is not None and isinstance(embed_scale, torch.Tensor):
+            embed_scale.fill_(scale)
     for _, experts in am_moe.expert_modules(module):
         experts.tokens_per_expert.zero_()
 
@@ -109,5 +110,6 @@ def materialize_sharded(model: nn.Module, *, seed: int, device: torch.device | s
     """
     twin = meta_twin(model)
     materialize_sharded_(model, template=twin, units=init_units(twin), seed=seed, device=device)
-    model.tie_weights()  # type: ignore[operator]  # to_empty re-creates parameters one by one, which unties them
+    tie: Any = model.tie_weights
+    tie()  # to_empty re-creates parameters one by one, which unties them
     return model

@@ -83,4 +83,5 @@ def materialize_sharded(
         ValueError: a tensor already materialized (build on the meta device), or one no unit covers (listed).
     """
     twin = meta_twin(model)
-    return materialize_sharded_(model, template=twin, units=init_units(twin), seed=seed, device=device)
+    materialize_sharded_(model, template=twin, units=init_units(twin), seed=seed, device=device)
+    return model

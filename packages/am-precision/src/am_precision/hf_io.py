@@ -304,7 +304,8 @@ def load_sharded_tensors_(
             rows = keys[offset[0] : offset[0] + shape[0]]
             pieces = [checkpoint.read_block(key, offset[1:], shape[1:]) for key in rows]
             block = torch.stack(pieces) if pieces else torch.empty(shape, dtype=target.dtype)
-        local = target.to_local() if callable(getattr(target, "to_local", None)) else target
+        to_local = getattr(target, "to_local", None)
+        local = to_local() if callable(to_local) else target
         local.copy_(block)
         del block  # one block in flight at a time
         following = names[position + 1] if position + 1 < len(names) else None

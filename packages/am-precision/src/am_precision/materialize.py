@@ -21,6 +21,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -113,8 +114,8 @@ def materialize_sharded_(
     seed: the run's seed; unit u is initialized under `unit_seed(seed, u.name)`.
 
     Returns `model`. The global RNG state is restored afterwards. A tied tensor is initialized once, by the first unit
-    that owns it; `to_empty` unties parameters, so re-tie them afterwards (the model packages' wrappers do). Local values keep the model's dtypes (sampled in
-    fp32, then cast once, as `yield_fp32_model` does).
+    that owns it; `to_empty` unties parameters, so re-tie them afterwards (the model packages' wrappers do). Local
+    values keep the model's dtypes (sampled in fp32, then cast once, as `yield_fp32_model` does).
 
     Raises:
         ValueError: tensors not on the meta device, meta tensors no unit covers, or a unit twin lacking a tensor the
