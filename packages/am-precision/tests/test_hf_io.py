@@ -184,7 +184,7 @@ def test_load_sharded_tensors_refuses_meta_targets_and_wrong_shapes_before_readi
     holder = _Holder()
     holder.ids = torch.empty(10, dtype=torch.int64, device="meta")
     sources = {"a": ["a.weight"], "experts": ["experts.0.weight", "experts.1.weight"], "ids": ["c.ids"]}
-    with LazyCheckpoint(tmp_path) as checkpoint, pytest.raises(ValueError) as info:
+    with LazyCheckpoint(tmp_path) as checkpoint, pytest.raises(ValueError, match="load_sharded_tensors_") as info:
         load_sharded_tensors_(holder, checkpoint, sources)
     assert checkpoint.bytes_read == 0
     message = str(info.value)
