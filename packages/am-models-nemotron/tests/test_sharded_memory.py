@@ -144,7 +144,8 @@ def _worker(folders: tuple[str, str], rank: int, world_size: int) -> dict[str, A
 def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     root = tmp_path_factory.mktemp("am_nemotron_sharded_memory")
     big = NemotronHForCausalLM.from_config(_big_config(), device="meta")
-    materialize_sharded(big, seed=SEED).save_pretrained(root / "big", max_shard_size="64MB")
+    # 16 MB files, as HF checkpoints are sharded (5 GB files of a 60 GB model): a rank maps one file at a time
+    materialize_sharded(big, seed=SEED).save_pretrained(root / "big", max_shard_size="16MB")
     del big
     single = materialize_sharded(NemotronHForCausalLM.from_config(_small_config(), device="meta"), seed=SEED)
     single.save_pretrained(root / "small", max_shard_size="16KB")
@@ -167,8 +168,8 @@ def test_peak_host_memory_of_each_rank_stays_well_below_the_model(
             pytest.skip("this kernel does not let a process reset its VmHWM (/proc/self/clear_refs)")
         assert result["local"] < 0.3 * model_bytes  # a quarter of the parameters (+ replicated buffers)
         assert result["bytes_read"] < 0.3 * model_bytes
-        # the whole model would be model_bytes; its share (a quarter) plus one block in flight and the pages of one
-        # mapped file stay near a third of it
+        # the whole model would be model_bytes; its share (a quarter), one block in flight and the read pages of one
+        # mapped file measure about 0.35 of it (66 MiB of 192 when this test was written)
         assert result["growth"] < 0.5 * model_bytes, (
             f"rank {rank}: peak RSS grew by {result['growth'] / MiB:.0f} MiB while loading a "
             f"{model_bytes / MiB:.0f} MiB model at dp {WORLD}"
