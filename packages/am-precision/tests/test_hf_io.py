@@ -14,6 +14,7 @@ from am_precision.hf_io import (
     INDEX_FILE,
     SINGLE_FILE,
     LazyCheckpoint,
+    load_sharded_tensors_,
     resolve_checkpoint_folder,
     resolve_device,
     resolve_dtype,
@@ -138,3 +139,54 @@ def test_folders_and_hub_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert calls[0]["repo_id"] == "org/name"
     assert calls[0]["revision"] == "v1"
     assert "*.safetensors" in calls[0]["allow_patterns"]
+
+
+def test_read_block_reads_only_the_block_and_counts_its_bytes(tmp_path: Path) -> None:
+    tensors = _tensors()
+    write_safetensors(tensors, tmp_path, max_shard_size=4096, safe_serialization=True)
+    with LazyCheckpoint(tmp_path) as checkpoint:
+        block = checkpoint.read_block("a.weight", (16, 8), (8, 4))
+        assert torch.equal(block, tensors["a.weight"][16:24, 8:12])
+        assert checkpoint.bytes_read == 8 * 4 * 4
+        checkpoint.read("c.ids")
+        assert checkpoint.bytes_read == 8 * 4 * 4 + 10 * 8
+        with pytest.raises(ValueError, match="wrong rank"):
+            checkpoint.read_block("a.weight", (0,), (4,))
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(64, 32))
+        self.experts = torch.nn.Parameter(torch.zeros(4, 8, 8))
+        self.register_buffer("ids", torch.zeros(10, dtype=torch.int64))
+
+
+def test_load_sharded_tensors_fills_plain_tensors_and_stacks_keys_in_the_given_order(tmp_path: Path) -> None:
+    """Without DTensors every tensor is read whole; several keys are stacked along a new dim 0 in the order given
+    (the adapter's expert order, not the files' name order); bytes read are reported."""
+    tensors = _tensors()
+    write_safetensors(tensors, tmp_path, max_shard_size=4096, safe_serialization=True)
+    holder = _Holder()
+    order = ["experts.2.weight", "experts.0.weight", "experts.3.weight", "experts.1.weight"]
+    sources = {"a": ["a.weight"], "experts": order, "ids": ["c.ids"]}
+    with LazyCheckpoint(tmp_path) as checkpoint:
+        report = load_sharded_tensors_(holder, checkpoint, sources)
+    assert set(report.names) == {"a", "experts", "ids"}
+    assert torch.equal(holder.a, tensors["a.weight"])
+    assert torch.equal(holder.experts, torch.stack([tensors[k] for k in order]))
+    assert torch.equal(holder.ids, tensors["c.ids"])
+    assert report.bytes_read == sum(t.numel() * t.element_size() for k, t in tensors.items() if k != "b.weight")
+
+
+def test_load_sharded_tensors_refuses_meta_targets_and_wrong_shapes_before_reading(tmp_path: Path) -> None:
+    write_safetensors(_tensors(), tmp_path, max_shard_size=None, safe_serialization=True)
+    holder = _Holder()
+    holder.ids = torch.empty(10, dtype=torch.int64, device="meta")
+    sources = {"a": ["a.weight"], "experts": ["experts.0.weight", "experts.1.weight"], "ids": ["c.ids"]}
+    with LazyCheckpoint(tmp_path) as checkpoint, pytest.raises(ValueError, match="load_sharded_tensors_") as info:
+        load_sharded_tensors_(holder, checkpoint, sources)
+    assert checkpoint.bytes_read == 0
+    message = str(info.value)
+    assert "ids is on the meta device: materialize the model first (to_empty)" in message
+    assert "experts: checkpoint experts.0.weight .. experts.1.weight (2 tensors) has shape (2, 8, 8)" in message

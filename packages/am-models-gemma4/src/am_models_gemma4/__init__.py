@@ -14,7 +14,7 @@ from ._version import __version__
 from .attention import Gemma4Attention, SharedKVStates
 from .backend import backend_problems, resolve_backend
 from .cache import Gemma4HybridCache
-from .checkpoint import read_safetensors_folder
+from .checkpoint import load_sharded_checkpoint, read_safetensors_folder
 from .config import (
     is_moe_config,
     layer_head_dim,
@@ -31,6 +31,7 @@ from .masks import AttentionInputs, build_attention_mask
 from .model import Gemma4ForCausalLM, Gemma4TextModel
 from .moe import Gemma4Experts, Gemma4MoE, Gemma4Router, apply_routing_backend
 from .pretrained import Gemma4PreTrainedModel, causal_lm_loss, gemma4_capabilities, softcap_logits
+from .sharded import init_units, materialize_sharded, meta_twin, restore_constructed_buffers_
 from .state_dict_adapter import Gemma4StateDictAdapter
 from .vlm import Gemma4ForConditionalGeneration, Gemma4Model
 
@@ -63,6 +64,12 @@ __all__ = [
     # checkpoints
     "Gemma4StateDictAdapter",
     "read_safetensors_folder",
+    # real size: meta build, seeded per-rank materialization, sharded checkpoint loading
+    "init_units",
+    "materialize_sharded",
+    "meta_twin",
+    "restore_constructed_buffers_",
+    "load_sharded_checkpoint",
     # config and helpers
     "causal_lm_loss",
     "gemma4_capabilities",

@@ -25,6 +25,8 @@ from torch import nn
 from am_precision import cast_model_to_dtype
 from am_precision.hf_io import (
     LazyCheckpoint,
+    ShardedLoad,
+    load_sharded_tensors_,
     resolve_checkpoint_folder,
     resolve_device,
     resolve_dtype,
@@ -34,7 +36,7 @@ from am_precision.hf_io import (
 from .config import kv_sharing_modes, text_config_of
 from .state_dict_adapter import Gemma4StateDictAdapter
 
-__all__ = ["load_pretrained", "read_safetensors_folder", "save_pretrained"]
+__all__ = ["load_pretrained", "load_sharded_checkpoint", "read_safetensors_folder", "save_pretrained"]
 
 _SHARED_KV_KEY = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
 # Keywords transformers' AutoModel passes on to a registered class; none changes what is loaded here.
@@ -146,6 +148,8 @@ def load_pretrained(
         config: use this config instead of the folder's config.json (what `AutoModelForCausalLM` passes).
         torch_dtype / dtype: transformers' two names for the same option; "auto": the config's dtype.
         device_map / device: one device for the whole model (None: CPU); splitting across devices is refused.
+            "meta": the model is built on the meta device and every name and shape checked against the files'
+            headers, but no tensor data is read: shard it, then `load_sharded_checkpoint` gives each rank its blocks.
 
     Raises:
         ValueError: missing/unexpected keys or shape mismatches (all listed), an unreadable file (named), or an
@@ -170,6 +174,13 @@ def load_pretrained(
     target_dtype = resolve_dtype(torch_dtype=torch_dtype, dtype=dtype, config=config)
     target = resolve_device(device_map=device_map, device=device)
     with LazyCheckpoint(root) as checkpoint:
+        if target.type == "meta":  # the layout only: every name and shape checked, no data read
+            with torch.device("meta"):
+                model = cls(config)
+            _check_names_and_shapes(model, checkpoint, root)
+            if target_dtype is not None and target_dtype != torch.float32:
+                cast_model_to_dtype(model, target_dtype)
+            return model
         model = cls(config)
         sources = _check_names_and_shapes(model, checkpoint, root)
         state = model.state_dict()
@@ -183,6 +194,53 @@ def load_pretrained(
     if target_dtype is not None and target_dtype != torch.float32:
         cast_model_to_dtype(model, target_dtype)
     return model
+
+
+def load_sharded_checkpoint(
+    model: nn.Module,
+    pretrained_model_name_or_path: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+    force_download: bool = False,
+) -> ShardedLoad:
+    """Load an HF-format checkpoint into an already-sharded Gemma 4 model, each rank reading only its own blocks.
+
+    model: a `Gemma4ForCausalLM` or `Gemma4ForConditionalGeneration` built on the meta device (`from_config(config,
+        device="meta")` or `from_pretrained(folder, device_map="meta")`), then split into a pipeline stage,
+        expert-parallel (`apply_expert_parallel`: `[E, out, in]` stacks split over ep) and/or FSDP2-wrapped, then
+        `to_empty(device=...)`. Plain tensors are read whole; DTensors read their own block
+        (`safe_open(...).get_slice`). Names come from `Gemma4StateDictAdapter`.
+    The strict check runs once, on the files' headers, against the whole model (`sharded.meta_twin`): missing or
+    unexpected tensors and shape mismatches are named as the files name them. Buffers no checkpoint holds (RoPE
+    frequencies, the embedding scale, expert load counters) are recomputed; a tied LM head is tied again. No
+    collective: every rank calls it on its own.
+
+    Returns `ShardedLoad`: the model's names loaded on this rank and the tensor bytes read.
+
+    Raises:
+        ValueError: missing / unexpected keys or shape mismatches (all listed), a tensor still on the meta device,
+            an unreadable file (named).
+        FileNotFoundError: no safetensors files.
+    """
+    from .sharded import meta_twin, restore_constructed_buffers_
+
+    root = resolve_checkpoint_folder(
+        pretrained_model_name_or_path,
+        revision=revision,
+        cache_dir=cache_dir,
+        token=token,
+        local_files_only=local_files_only,
+        force_download=force_download,
+    )
+    with LazyCheckpoint(root) as checkpoint:
+        sources = _check_names_and_shapes(meta_twin(model), checkpoint, root)
+        report = load_sharded_tensors_(model, checkpoint, {name: [key] for name, key in sources.items()})
+    restore_constructed_buffers_(model)
+    model.tie_weights()  # type: ignore[operator]  # ties only when the config says so; to_empty untied it
+    return report
 
 
 def _state_dict_to_save(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:

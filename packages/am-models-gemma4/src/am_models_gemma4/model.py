@@ -33,7 +33,33 @@ from .masks import AttentionInputs
 from .moe import Gemma4Experts, Gemma4Router
 from .pretrained import Gemma4PreTrainedModel
 
-__all__ = ["Gemma4ForCausalLM", "Gemma4TextModel"]
+__all__ = ["Gemma4ForCausalLM", "Gemma4TextModel", "init_module_weights"]
+
+
+@torch.no_grad()
+def init_module_weights(module: nn.Module, *, std: float) -> None:
+    """The init of one module's own tensors (not its children's), by type: transformers' Gemma 4 rules — normal(0,
+    std) linear and embedding weights (zero bias, zero padding row), ones for norm weights and router scales, 1.0
+    for a layer's scalar. `Gemma4TextModel.init_weights` applies it to every module; `sharded.init_units` per unit."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, std=std)
+        if module.padding_idx is not None:
+            module.weight[module.padding_idx].zero_()
+    elif isinstance(module, Gemma4RMSNorm) and module.with_scale:
+        nn.init.ones_(module.weight)
+    elif isinstance(module, Gemma4Router):
+        nn.init.ones_(module.scale)
+        nn.init.ones_(module.per_expert_scale)
+    elif isinstance(module, Gemma4Experts):
+        nn.init.normal_(module.gate_up_proj, std=std)
+        nn.init.normal_(module.down_proj, std=std)
+    elif isinstance(module, Gemma4DecoderLayer):
+        module.layer_scalar.fill_(1.0)
+
 
 _IGNORED_KWARGS = frozenset({"return_dict", "output_attentions", "cache_position", "num_items_in_batch"})
 
@@ -135,24 +161,7 @@ class Gemma4TextModel(nn.Module):
         """transformers' initialization: normal(0, initializer_range) weights, ones for norms and scales."""
         std = float(getattr(self.config, "initializer_range", 0.02))
         for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=std)
-                if module.padding_idx is not None:
-                    module.weight[module.padding_idx].zero_()
-            elif isinstance(module, Gemma4RMSNorm) and module.with_scale:
-                nn.init.ones_(module.weight)
-            elif isinstance(module, Gemma4Router):
-                nn.init.ones_(module.scale)
-                nn.init.ones_(module.per_expert_scale)
-            elif isinstance(module, Gemma4Experts):
-                nn.init.normal_(module.gate_up_proj, std=std)
-                nn.init.normal_(module.down_proj, std=std)
-            elif isinstance(module, Gemma4DecoderLayer):
-                module.layer_scalar.fill_(1.0)
+            init_module_weights(module, std=std)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens

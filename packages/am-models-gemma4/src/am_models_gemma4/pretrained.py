@@ -162,6 +162,15 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
         return logits, causal_lm_loss(logits, labels)
 
     @classmethod
+    def from_config(cls, config: Any, *, device: torch.device | str | None = None, **kwargs: Any) -> Self:
+        """A randomly initialized model from a config (`cls(config, **kwargs)`); `device="meta"` builds the full
+        model without storage (then shard it and use `sharded.materialize_sharded` or `load_sharded_checkpoint`)."""
+        if device is None:
+            return cls(config, **kwargs)
+        with torch.device(device):
+            return cls(config, **kwargs)
+
+    @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike[str], **kwargs: Any) -> Self:
         """transformers' `from_pretrained` (folder or hub id; `torch_dtype` / `dtype`, `device_map`, `revision`,
         `config`, ...): `checkpoint.load_pretrained`, where every keyword is documented."""

@@ -18,7 +18,7 @@ from .backbone import NemotronV3Model
 from .backend import SUPPORTED_BACKENDS, backend_problems, default_backend, resolve_backend
 from .blocks import NemotronBlock
 from .cache import NemotronHybridCache
-from .checkpoint import load_pretrained, read_safetensors_folder, save_pretrained
+from .checkpoint import load_pretrained, load_sharded_checkpoint, read_safetensors_folder, save_pretrained
 from .config import BLOCK_KINDS, NemotronConfig, as_hf_config, normalize_block_types
 from .inputs import BatchLayout, resolve_batch_layout
 from .loss import CombinedLoss, combined_causal_lm_loss
@@ -48,6 +48,7 @@ from .mtp import (
     shift_within_documents,
 )
 from .outputs import NemotronHCausalLMOutputWithPast
+from .sharded import init_units, materialize_sharded, meta_twin
 from .ssd import segment_sum, ssd_chunked_scan, ssd_sequential_scan
 from .state_dict_adapter import NemotronStateDictAdapter
 
@@ -111,5 +112,10 @@ __all__ = [
     "load_pretrained",
     "save_pretrained",
     "read_safetensors_folder",
+    # real size: meta build, seeded per-rank materialization, sharded checkpoint loading
+    "init_units",
+    "materialize_sharded",
+    "meta_twin",
+    "load_sharded_checkpoint",
     "__version__",
 ]

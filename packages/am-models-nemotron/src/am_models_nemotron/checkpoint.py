@@ -26,6 +26,8 @@ import am_moe
 from am_precision import cast_model_to_dtype, match_keep_rule
 from am_precision.hf_io import (
     LazyCheckpoint,
+    ShardedLoad,
+    load_sharded_tensors_,
     resolve_checkpoint_folder,
     resolve_device,
     resolve_dtype,
@@ -39,6 +41,7 @@ __all__ = [
     "NativeStateDictLayout",
     "checkpoint_adapter",
     "load_pretrained",
+    "load_sharded_checkpoint",
     "read_safetensors_folder",
     "save_pretrained",
 ]
@@ -135,6 +138,9 @@ def load_pretrained(
             it as they are read (fp32-pinned tensors stay fp32); "auto": the config's dtype; None keeps the
             checkpoint's dtypes.
         device_map / device: one device for every tensor (None: CPU); splitting across devices is refused.
+            "meta": the model is built on the meta device and every name and shape checked against the files'
+            headers, but no tensor data is read: shard it, then `load_sharded_checkpoint` (or
+            `sharded.materialize_sharded`) gives each rank its own blocks.
         model_kwargs: the constructor's keyword options (e.g. `num_nextn_predict_layers`).
 
     Raises:
@@ -157,6 +163,10 @@ def load_pretrained(
         model = cls(config, backend, device="meta", **model_kwargs)
         adapter = checkpoint_adapter(config, model.backend)
         sources = _check_names_and_shapes(cls.__name__, model, checkpoint, adapter, folder)
+        if target.type == "meta":  # the layout only: every name and shape checked, no data read
+            if target_dtype is not None:
+                cast_model_to_dtype(model, target_dtype)
+            return model
         for name, keys in sources.items():
             (tensor,) = adapter.from_hf({key: checkpoint.read(key) for key in keys}).values()
             if tensor.is_floating_point() and adapter.forced_fp32(name):
@@ -169,6 +179,58 @@ def load_pretrained(
     if target_dtype is not None:
         cast_model_to_dtype(model, target_dtype)
     return model
+
+
+def load_sharded_checkpoint(
+    model: Any,
+    path_or_hub_id: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+    force_download: bool = False,
+) -> ShardedLoad:
+    """Load an HF-format checkpoint into an already-sharded model, each rank reading only the blocks it holds.
+
+    model: a `NemotronHForCausalLM` built on the meta device (`from_config(config, device="meta")` or
+        `from_pretrained(folder, device_map="meta")`), then split into a pipeline stage, expert-parallel
+        (`apply_expert_parallel`) and/or FSDP2-wrapped in any combination, then `to_empty(device=...)`. Plain
+        tensors are read whole; DTensors read their own block (`safe_open(...).get_slice`), per-expert keys only for
+        the experts the rank holds (`NemotronStateDictAdapter` maps the names and the stacking order).
+    The strict check runs once, on the files' headers, against the whole model (`sharded.meta_twin`): missing or
+    unexpected tensors and shape mismatches are named as the files name them, whichever stage this rank holds.
+    Values are cast to each tensor's dtype (fp32-pinned tensors are fp32 in the model). Expert load counters are
+    zeroed. No collective: every rank calls it on its own.
+
+    Returns `ShardedLoad`: the model's names that were loaded (this stage's state-dict keys) and the tensor bytes
+    this rank read.
+
+    Raises:
+        ValueError: missing / unexpected keys or shape mismatches (all listed), a tensor still on the meta device,
+            an unreadable file (named).
+        FileNotFoundError: no safetensors files.
+    """
+    from .sharded import meta_twin
+
+    folder = resolve_checkpoint_folder(
+        path_or_hub_id,
+        revision=revision,
+        cache_dir=cache_dir,
+        token=token,
+        local_files_only=local_files_only,
+        force_download=force_download,
+    )
+    adapter = NemotronStateDictAdapter(model.config)
+    with LazyCheckpoint(folder) as checkpoint:
+        sources = _check_names_and_shapes(type(model).__name__, meta_twin(model), checkpoint, adapter, folder)
+        # per-expert keys in expert order (the files list them by name: experts.10 before experts.2)
+        ordered = {name: sorted(keys, key=lambda k: adapter.expert_index(k) or 0) for name, keys in sources.items()}
+        loaded = load_sharded_tensors_(model, checkpoint, ordered)
+    with torch.no_grad():
+        for _, experts in am_moe.expert_modules(model):
+            experts.tokens_per_expert.zero_()
+    return loaded
 
 
 def _check_names_and_shapes(

@@ -106,6 +106,12 @@ class NemotronStateDictAdapter:
         match = _PER_EXPERT.match(name)
         return f"{match['owner']}.{match['proj']}" if match else name
 
+    def expert_index(self, key: str) -> int | None:
+        """The expert a per-expert checkpoint key holds (`...mixer.experts.{e}.up_proj.weight` -> e), else None;
+        `from_hf` stacks the keys of one internal name in this order."""
+        match = _PER_EXPERT.match(self._internal_name(key))
+        return int(match["expert"]) if match else None
+
     def _internal_name(self, key: str) -> str:
         name = key.removeprefix(_PEFT_PREFIX)
         if name.startswith("backbone."):

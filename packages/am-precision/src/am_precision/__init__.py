@@ -44,6 +44,7 @@ from .flags import (
 )
 from .keep_rules import KeepRule, canonical_name, fp32_keep_rules, match_keep_rule
 from .lm_head import compute_lm_head_logits
+from .materialize import InitUnit, local_region, materialize_sharded_, unit_seed
 from .modules import Float32RMSNorm, initialize_linear_module, initialize_rms_norm_module
 from .report import Fp32Report, TensorPrecision, assert_fp32_contract, fp32_report
 from .rope import get_rope_config
@@ -105,6 +106,11 @@ __all__ = [
     "assert_fp32_contract",
     "Fp32Report",
     "TensorPrecision",
+    # materializing a meta-built, sharded model (seeded, layout-independent)
+    "InitUnit",
+    "materialize_sharded_",
+    "unit_seed",
+    "local_region",
     # lm head and rope
     "compute_lm_head_logits",
     "get_rope_config",

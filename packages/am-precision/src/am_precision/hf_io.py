@@ -16,17 +16,23 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from .materialize import local_region
 
 __all__ = [
     "INDEX_FILE",
     "SINGLE_FILE",
     "LazyCheckpoint",
+    "ShardedLoad",
+    "load_sharded_tensors_",
     "resolve_checkpoint_folder",
     "resolve_device",
     "resolve_dtype",
@@ -142,6 +148,7 @@ class LazyCheckpoint:
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         self.folder = Path(folder)
         self._handles: dict[Path, Any] = {}
+        self.bytes_read = 0  # tensor data read so far (`read`, `read_block`); headers are not counted
         index_path = self.folder / INDEX_FILE
         if index_path.is_file():
             try:
@@ -195,12 +202,35 @@ class LazyCheckpoint:
         """Materialise one tensor (CPU)."""
         file = self.file_of[key]
         try:
-            return self._open(file).get_tensor(key)
+            tensor = self._open(file).get_tensor(key)
         except (SafetensorError, OSError) as err:
             raise ValueError(
                 f"Cannot read tensor {key} from safetensors file {file}: {type(err).__name__}: {err}. The file is "
                 "truncated or corrupt; re-download or re-save the checkpoint."
             ) from err
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def read_block(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+        """Materialise the block `[offset[d] : offset[d] + shape[d]]` of one tensor (CPU), reading only its bytes
+        (`safe_open(...).get_slice`); a 0-d tensor is read whole."""
+        file = self.file_of[key]
+        stored = self._meta[key][0]
+        if len(offset) != len(stored) or len(shape) != len(stored):
+            raise ValueError(f"block {tuple(offset)} + {tuple(shape)} has the wrong rank for {key} of shape {stored}")
+        try:
+            if not stored:
+                tensor = self._open(file).get_tensor(key)
+            else:
+                index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+                tensor = self._open(file).get_slice(key)[index]
+        except (SafetensorError, OSError) as err:
+            raise ValueError(
+                f"Cannot read tensor {key} from safetensors file {file}: {type(err).__name__}: {err}. The file is "
+                "truncated or corrupt; re-download or re-save the checkpoint."
+            ) from err
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -212,6 +242,80 @@ class LazyCheckpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class ShardedLoad:
+    """What `load_sharded_tensors_` did on this rank: the model's names it filled and the tensor bytes it read from
+    the files (this rank's blocks only; compare with the checkpoint's total to see that nothing else was read)."""
+
+    names: tuple[str, ...]
+    bytes_read: int
+
+
+@torch.no_grad()
+def load_sharded_tensors_(
+    model: nn.Module, checkpoint: LazyCheckpoint, sources: Mapping[str, Sequence[str]]
+) -> ShardedLoad:
+    """Copy into every parameter and buffer of `model` named in `sources` the block this rank holds, reading only
+    that block from the files.
+
+    model: materialized (e.g. `to_empty`) and possibly sharded: plain tensors are read whole, DTensors (FSDP2,
+        expert parallel, tensor parallel; full logical shape) read their `local_region` block only.
+    sources: the model's name -> the checkpoint keys it is read from, as the model's state-dict adapter decides:
+        one key (the tensor itself, renamed), or several keys stacked along a new dim 0 in the given order (e.g. the
+        per-expert `experts.{e}.up_proj.weight` of a `[E, I, H]` stack; a rank holding experts [a, b) reads keys
+        a..b-1 only). Check names and shapes on the files' headers first (the model packages' loaders do).
+
+    Values are cast to the target's dtype on copy. Returns the names copied (the model's names present in
+    `sources`) and the bytes read; names of `model` absent from `sources` are left untouched.
+
+    Raises:
+        ValueError: a target still on the meta device, or a stored shape that does not match the target's full
+            shape (all listed, before any data is read).
+    """
+    targets = {
+        **dict(model.named_parameters(remove_duplicate=False)),
+        **dict(model.named_buffers(remove_duplicate=False)),
+    }
+    names = [name for name in targets if name in sources]
+    problems = []
+    for name in names:
+        target, keys = targets[name], list(sources[name])
+        if target.is_meta:
+            problems.append(f"{name} is on the meta device: materialize the model first (to_empty)")
+            continue
+        stored = [checkpoint._meta[key][0] for key in keys]
+        full = stored[0] if len(keys) == 1 else (len(keys), *stored[0])
+        if any(shape != stored[0] for shape in stored) or tuple(full) != tuple(target.shape):
+            problems.append(f"{name}: checkpoint {_short(keys)} has shape {full}, the model {tuple(target.shape)}")
+    if problems:
+        raise ValueError("load_sharded_tensors_:\n  - " + "\n  - ".join(problems))
+    start = checkpoint.bytes_read
+    # File by file, each file's handle closed before the next one: the pages of a memory-mapped file that were read
+    # count in the rank's resident memory until it is unmapped, so at most one file's pages stay mapped.
+    names.sort(key=lambda name: str(checkpoint.file_of[sources[name][0]]))
+    for position, name in enumerate(names):
+        target, keys = targets[name], list(sources[name])
+        offset, shape = local_region(target)
+        if len(keys) == 1:
+            block = checkpoint.read_block(keys[0], offset, shape)
+        else:
+            rows = keys[offset[0] : offset[0] + shape[0]]
+            pieces = [checkpoint.read_block(key, offset[1:], shape[1:]) for key in rows]
+            block = torch.stack(pieces) if pieces else torch.empty(shape, dtype=target.dtype)
+        to_local = getattr(target, "to_local", None)
+        local = to_local() if callable(to_local) else target
+        local.copy_(block)
+        del block  # one block in flight at a time
+        following = names[position + 1] if position + 1 < len(names) else None
+        if following is None or checkpoint.file_of[sources[following][0]] != checkpoint.file_of[keys[0]]:
+            checkpoint.close()  # reopened on the next read
+    return ShardedLoad(tuple(names), checkpoint.bytes_read - start)
+
+
+def _short(keys: Sequence[str]) -> str:
+    return keys[0] if len(keys) == 1 else f"{keys[0]} .. {keys[-1]} ({len(keys)} tensors)"
 
 
 def write_safetensors(
