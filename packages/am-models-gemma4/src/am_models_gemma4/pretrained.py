@@ -64,7 +64,7 @@ def gemma4_capabilities(config: Any) -> dict[str, bool]:
     text = text_config_of(config)
     moe = is_moe_config(text)
     stage_local = not getattr(text, "hidden_size_per_layer_input", 0) and not getattr(text, "num_kv_shared_layers", 0)
-    return {"supports_cp": True, "supports_pp": bool(stage_local), "supports_ep": moe, "supports_tp": False}
+    return {"supports_cp": True, "supports_pp": bool(stage_local), "supports_ep": moe, "supports_tp": True}
 
 
 class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):

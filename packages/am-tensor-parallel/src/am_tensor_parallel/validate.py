@@ -159,9 +159,7 @@ def _analyse(
         if not (q_sharded or kv_sharded):
             continue
         attention = modules.get(parent)
-        cfg = getattr(attention, "config", None) or config
-        heads = getattr(cfg, "num_attention_heads", None)
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        heads, kv_heads = _head_counts(attention, config)
         if q_sharded and isinstance(heads, int) and heads % tp:
             problems.append(
                 f"{parent}: {heads} attention heads cannot be split over tp={tp} (q_proj is sharded by heads); "
@@ -252,6 +250,21 @@ def _analyse(
     )
 
 
+def _head_counts(attention: nn.Module | None, config: Any) -> tuple[Any, Any]:
+    """(query heads, key/value heads) of one attention: the module's own counts when it keeps them (layers of one
+    model may differ: Gemma 4's full layers have `num_global_key_value_heads`), else the config's."""
+    own = [getattr(attention, a, None) for a in ("num_heads", "num_attention_heads", "n_heads")]
+    own_kv = [getattr(attention, a, None) for a in ("num_key_value_heads", "num_kv_heads", "n_kv_heads")]
+    cfg = getattr(attention, "config", None) or config
+    heads = next((v for v in own if _is_count(v)), None) or getattr(cfg, "num_attention_heads", None)
+    kv_heads = next((v for v in own_kv if _is_count(v)), None) or getattr(cfg, "num_key_value_heads", None) or heads
+    return heads, kv_heads
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _text_config(model: nn.Module) -> Any:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
@@ -260,8 +273,12 @@ def _text_config(model: nn.Module) -> Any:
 
 
 def _named(model: nn.Module, getter: str, modules: dict[str, nn.Module]) -> str:
+    """The name of the module `model.<getter>()` returns; without the getter, the output head is transformers'
+    conventional `lm_head` (a model need not define `get_output_embeddings` to have its tied head found)."""
     fn = getattr(model, getter, None)
     target = fn() if callable(fn) else None
+    if target is None and getter == "get_output_embeddings" and isinstance(modules.get("lm_head"), nn.Linear):
+        return "lm_head"
     if target is None:
         return ""
     return next((name for name, module in modules.items() if module is target and name), "")
