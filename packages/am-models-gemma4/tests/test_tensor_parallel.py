@@ -47,7 +47,9 @@ class Case:
 # tp=2 needs every attention's KV heads divisible: the tiny config's full (K=V) layers get 2 global KV heads.
 CASES = [
     Case("dense", overrides={"num_global_key_value_heads": 2}),
-    Case("dense_padding_kv_shared", padding=True, overrides={"num_global_key_value_heads": 2, "num_kv_shared_layers": 2}),
+    Case(
+        "dense_padding_kv_shared", padding=True, overrides={"num_global_key_value_heads": 2, "num_kv_shared_layers": 2}
+    ),
     Case("moe", moe=True, overrides={"num_global_key_value_heads": 2}),
     Case("moe_padding", moe=True, padding=True, overrides={"num_global_key_value_heads": 2, "num_experts": 8}),
     Case("dense_fp64", fp64=True, overrides={"num_global_key_value_heads": 2}),

@@ -24,6 +24,7 @@ from .blocks import NemotronBlock
 from .config import NemotronConfig
 from .cp import block_cp_problems, resolve_layout
 from .inputs import BatchLayout, pop_layout_kwargs
+from .tp_plan import BACKBONE_TP_PLAN, backbone_tp_problems
 
 __all__ = ["NemotronV3Model", "move_buffers_"]
 
@@ -52,6 +53,9 @@ class NemotronV3Model(nn.Module):
     # mixer's `_fp32_params` holder (A_log, dt_bias, D). Casting (am-precision), checkpoints and the state dict
     # adapter all derive from it.
     _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["e_score_correction_bias", "_fp32_params"]
+
+    _tp_plan: ClassVar[Any] = BACKBONE_TP_PLAN  # am-tensor-parallel (tp_plan.py; each mixer class declares its own)
+    tensor_parallel_problems = backbone_tp_problems
 
     def __init__(
         self,

@@ -42,6 +42,7 @@ from .loss import combined_causal_lm_loss, cross_entropy
 from .mtp import MTPConfig, MTPModule
 from .mtp_inputs import mtp_fusion_inputs
 from .outputs import NemotronHCausalLMOutputWithPast, select_hidden_states
+from .tp_plan import CAUSAL_LM_TP_PLAN
 
 __all__ = ["NemotronHForCausalLM"]
 
@@ -84,13 +85,14 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
 
     # am-context-parallel: each rank one contiguous block (the Mamba2 recurrence passes its state rank to rank).
     _cp_layout: ClassVar[str] = "contiguous"
+    _tp_plan: ClassVar[Any] = CAUSAL_LM_TP_PLAN  # am-tensor-parallel (tp_plan.py)
 
     @classmethod
     def get_capabilities(cls, config: Any) -> dict[str, bool]:
         """Capabilities for am-capabilities: PP and CP (contiguous) yes; EP when the config has MoE blocks
-        (implemented by `apply_expert_parallel`); no TP."""
+        (implemented by `apply_expert_parallel`); TP from the declared plan (`tp_plan.py`)."""
         has_moe = NemotronConfig.from_any(config).has_moe
-        return {"supports_pp": True, "supports_ep": has_moe, "supports_tp": False, "supports_cp": True}
+        return {"supports_pp": True, "supports_ep": has_moe, "supports_tp": True, "supports_cp": True}
 
     def __init__(
         self,

@@ -18,6 +18,8 @@ from .styles import (
     COLWISE_STYLES,
     EMBEDDING_STYLES,
     LINEAR_STYLES,
+    MODULE_STYLE_METHOD,
+    PROBLEMS_METHOD,
     STYLES,
     UNSUPPORTED_STYLES,
     canonical_style,
@@ -143,6 +145,19 @@ def _analyse(
                     f"to a multiple of {tp} or give it 'replicate'"
                 )
 
+    # modules that shard themselves, and every module's own validation hook (the model's included)
+    for name, style in styles.items():
+        if style == "module" and not callable(getattr(modules[name], MODULE_STYLE_METHOD, None)):
+            problems.append(
+                f"{name}: style 'module' needs {type(modules[name]).__name__}.{MODULE_STYLE_METHOD}(*, "
+                "sequence_parallel) (the module's own ParallelStyle); it has none"
+            )
+    for name, module in modules.items():
+        hook = getattr(module, PROBLEMS_METHOD, None)
+        if callable(hook):
+            where = f"{name}: " if name else ""
+            problems += [where + p for p in hook(tp, sequence_parallel=sequence_parallel)]
+
     # heads: q/k/v sharded by features must be sharded by whole heads
     config = _text_config(model)
     head_counts: dict[str, dict[str, int]] = {}
@@ -228,8 +243,9 @@ def _analyse(
                     f"{name}: {style!r} sums a replicated output, which sequence parallelism cannot shard; use "
                     "'colwise'/'rowwise' or sequence_parallel=False"
                 )
+        owned = region_inputs + [n for n, s in styles.items() if s == "module"]  # a module's inside is its own
         for name, module in modules.items():
-            inside = any(name.startswith(r + ".") for r in region_inputs)
+            inside = any(name.startswith(r + ".") for r in owned)
             if name and name not in styles and not inside and _is_norm(module):
                 norms.append(name)
         norms += [n for n, s in styles.items() if s == "sequence_parallel"]
