@@ -6,7 +6,8 @@ model declares (`tp_plan.py`), runs the whole batch on both ranks (tp ranks see 
 logits, the loss and every gradient gathered to its full shape (`full_tensor()`).
 Oracle: the single-process model on the same batch (fp32): logits, loss, every gradient within 1e-5 of the largest
 entry. The MoE case checks that the experts stay whole on each tp rank (the plan leaves them to expert parallelism).
-Without a group: the declared plan, the refusals (KV heads that tp does not divide, sequence parallelism).
+Sequence parallelism (dense configs) is compared the same way. Without a group: the declared plan, the refusals (KV
+heads that tp does not divide; sequence parallelism with MoE).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Case:
     moe: bool = False
     padding: bool = False
     fp64: bool = False
+    sequence_parallel: bool = False
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -52,6 +54,13 @@ CASES = [
     ),
     Case("moe", moe=True, overrides={"num_global_key_value_heads": 2}),
     Case("moe_padding", moe=True, padding=True, overrides={"num_global_key_value_heads": 2, "num_experts": 8}),
+    Case("dense_sp", sequence_parallel=True, overrides={"num_global_key_value_heads": 2}),
+    Case(
+        "dense_sp_padding_kv_shared",
+        sequence_parallel=True,
+        padding=True,
+        overrides={"num_global_key_value_heads": 2, "num_kv_shared_layers": 2},
+    ),
     Case("dense_fp64", fp64=True, overrides={"num_global_key_value_heads": 2}),
     Case("moe_fp64", moe=True, fp64=True, overrides={"num_global_key_value_heads": 2}),
 ]
@@ -101,12 +110,13 @@ def _tp_case(case: Case, mesh: Any) -> dict[str, Any]:
     model = _build(case)
     from am_tensor_parallel import apply_tensor_parallel
 
-    plan = apply_tensor_parallel(model, mesh)
+    plan = apply_tensor_parallel(model, mesh, sequence_parallel=case.sequence_parallel)
     result = _step(model, case)
     attn = model.model.layers["0"].self_attn
     result["local_q_rows"] = attn.q_proj.weight.to_local().shape[0]
     result["local_heads"] = (attn.num_heads, attn.num_key_value_heads)
     result["styles"] = dict(plan.styles)
+    result["norms_on_shards"] = len(plan.norms)
     if case.moe:
         experts = model.model.layers["0"].moe.experts
         result["experts_shape"] = tuple(experts.gate_up_proj.shape)
@@ -147,6 +157,7 @@ def test_tp2_matches_the_single_process_model(ranks: list[dict[str, Any]], case:
         assert got["grads"].keys() == ref["grads"].keys()
         for name, grad in ref["grads"].items():
             _close(got["grads"][name], grad, f"rank {rank} grad {name}", grad_tol)
+        assert (got["norms_on_shards"] > 0) == case.sequence_parallel
         if case.moe:  # experts whole on every tp rank: expert parallelism, not tp, splits them
             assert got["experts_shape"] == (config.num_experts, 2 * config.moe_intermediate_size, config.hidden_size)
             assert not any("experts" in name for name in got["styles"])
@@ -173,3 +184,13 @@ def test_kv_heads_that_tp_does_not_divide_are_refused_per_layer() -> None:
     assert all("1 key/value heads cannot be split over tp=2" in p for p in problems)
     assert {p.split(":")[0] for p in problems} == {"model.layers.1.self_attn", "model.layers.3.self_attn"}
     assert tp_problems(model, 3)  # 4 query heads, vocabulary 100, intermediate 64: none divides by 3
+
+
+def test_sequence_parallelism_is_refused_for_moe_with_the_reason() -> None:
+    model = Gemma4ForCausalLM(text_config(moe=True, num_global_key_value_heads=2))
+    assert tp_problems(model, 2) == []
+    problems = tp_problems(model, 2, sequence_parallel=True)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("model: sequence parallelism is not declared for Gemma 4 MoE")
+    dense = Gemma4ForCausalLM(text_config(num_global_key_value_heads=2))
+    assert tp_problems(dense, 2, sequence_parallel=True) == []

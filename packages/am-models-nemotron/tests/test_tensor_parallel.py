@@ -169,4 +169,5 @@ def test_groups_and_heads_that_tp_does_not_divide_are_refused() -> None:
 def test_sequence_parallelism_is_refused_with_the_reason() -> None:
     model = NemotronHForCausalLM(tiny_hf_config("M*"))
     problems = tp_problems(model, 2, sequence_parallel=True)
-    assert len(problems) == 1 and "declares no sequence-parallel layout" in problems[0]
+    assert len(problems) == 1, problems
+    assert "declares no sequence-parallel layout" in problems[0]

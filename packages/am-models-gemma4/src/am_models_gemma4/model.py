@@ -29,7 +29,7 @@ from .layers import Gemma4RMSNorm
 from .masks import AttentionInputs
 from .moe import Gemma4Experts, Gemma4Router
 from .pretrained import Gemma4PreTrainedModel
-from .tp_plan import CAUSAL_LM_TP_PLAN, TEXT_MODEL_TP_PLAN
+from .tp_plan import CAUSAL_LM_TP_PLAN, TEXT_MODEL_TP_PLAN, tensor_parallel_problems
 
 __all__ = ["Gemma4ForCausalLM", "Gemma4TextModel"]
 
@@ -91,6 +91,7 @@ class Gemma4TextModel(nn.Module):
     """
 
     _tp_plan: ClassVar[Any] = TEXT_MODEL_TP_PLAN  # am-tensor-parallel reads it like transformers' `_tp_plan`
+    tensor_parallel_problems = tensor_parallel_problems  # and calls this before any collective (tp_plan.py)
 
     def __init__(self, config: Any) -> None:
         super().__init__()

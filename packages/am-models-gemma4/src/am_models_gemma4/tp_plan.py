@@ -18,9 +18,10 @@ rank routes the same tokens through the same experts), and the experts are split
 (`apply_expert_parallel` over an `ep` mesh dimension), which keeps whole experts per ep rank — transformers'
 `moe_tp_experts` (each expert's matrices cut over tp) is not used. Per-layer-input (PLE) projections stay replicated.
 
-Sequence parallelism: not declared. Gemma 4's decoder multiplies the stream by a `layer_scalar` buffer and feeds
-the raw residual to the MoE router; neither runs on DTensor sequence shards, so a trainer runs Gemma 4 with
-`sequence_parallel=False` (am-tensor-parallel refuses it through `tp_sequence_parallel_problem`).
+Sequence parallelism (`sequence_parallel=True`): dense text models run it (the stream between the regions and the
+norms on sequence shards; tested equal to the single process). Refused with the reason, before any collective, by
+`tensor_parallel_problems` (the text model's validation hook, which am-tensor-parallel calls): MoE configs (the router
+and the experts take whole sequences of replicated tokens) and per-layer inputs (PLE: their gate is not a TP region).
 
 What it must not do: import am-tensor-parallel (the plan is plain data; the infrastructure reads it).
 """
@@ -30,7 +31,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["CAUSAL_LM_TP_PLAN", "TEXT_MODEL_TP_PLAN", "sequence_parallel_problem"]
+__all__ = ["CAUSAL_LM_TP_PLAN", "TEXT_MODEL_TP_PLAN", "tensor_parallel_problems"]
 
 TEXT_MODEL_TP_PLAN = MappingProxyType(
     {
@@ -49,10 +50,22 @@ TEXT_MODEL_TP_PLAN = MappingProxyType(
 CAUSAL_LM_TP_PLAN = MappingProxyType({"lm_head": "colwise_gather_output"})
 
 
-def sequence_parallel_problem(model: Any) -> str:
-    """Why Gemma 4 does not run with sequence parallelism (the `tp_sequence_parallel_problem` hook's answer)."""
-    del model
-    return (
-        "Gemma 4 declares no sequence-parallel layout (its decoder scales the stream by a `layer_scalar` buffer and "
-        "routes the MoE block on the raw residual, which do not run on sequence shards): use sequence_parallel=False"
-    )
+def tensor_parallel_problems(model: Any, tp: int, *, sequence_parallel: bool = False) -> list[str]:
+    """What a Gemma 4 text model cannot run under tensor parallelism beyond what its plan's sizes say (the hook
+    am-tensor-parallel's `tp_problems` calls on every module): sequence parallelism for MoE and PLE configs."""
+    del tp
+    if not sequence_parallel:
+        return []
+    config = model.config
+    problems = []
+    if getattr(config, "enable_moe_block", False):
+        problems.append(
+            "sequence parallelism is not declared for Gemma 4 MoE (the router and the experts take whole sequences "
+            "of replicated tokens): use sequence_parallel=False (the experts are split by expert parallelism)"
+        )
+    if getattr(config, "hidden_size_per_layer_input", 0):
+        problems.append(
+            "sequence parallelism is not declared for Gemma 4 with per-layer inputs (PLE: the per-layer gate runs "
+            "outside the TP regions on whole sequences): use sequence_parallel=False"
+        )
+    return problems
