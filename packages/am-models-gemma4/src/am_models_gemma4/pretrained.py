@@ -55,7 +55,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: 
 
 
 def gemma4_capabilities(config: Any) -> dict[str, bool]:
-    """Declared capabilities for am-capabilities: dense → PP and CP; MoE → PP, CP and EP (`apply_expert_parallel`).
+    """Declared capabilities for am-capabilities: dense → PP, CP and TP; MoE → PP, CP, TP and EP
+    (`apply_expert_parallel`). TP comes from the plan in `tp_plan.py`; am-capabilities checks its sizes at a tp.
 
     PP is not declared for variants with per-layer inputs or KV sharing (a stage would need token ids or another
     stage's K/V). Under PP the MoE layers keep padding out of routing through the `padding_mask` the pipeline's
