@@ -46,6 +46,7 @@ CASES = [
     Case("moe_padding", "ME*E", padding=True),
     Case("mamba_one_group_per_rank_bias", "M-M", overrides={"n_groups": 2, "mamba_num_heads": 8, "use_bias": True}),
     Case("fp64_mamba_attention_moe", "M*ME", fp64=True),
+    Case("mtp", "M*E", overrides={"mtp_depths": 1}),
 ]
 
 
@@ -70,8 +71,9 @@ def _batch(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def _step(model: NemotronHForCausalLM, case: Case) -> dict[str, Any]:
     ids, mask, labels = _batch(case)
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    return {"logits": out.logits.detach(), "loss": out.loss.detach()}
+    loss = out.loss if out.mtp_loss is None else out.loss + out.mtp_loss  # MTP layers (attention, MoE) too
+    loss.backward()
+    return {"logits": out.logits.detach(), "loss": loss.detach()}
 
 
 def _tp_case(case: Case, mesh: Any) -> dict[str, Any]:
@@ -129,6 +131,8 @@ def test_tp2_matches_the_single_process_model(ranks: list[dict[str, Any]], case:
         assert got["local_sizes"] == (mixer.num_heads // TP, mixer.n_groups // TP, (local_rows, full_in_proj.shape[1]))
         assert torch.equal(got["weights"]["model.layers.0.mixer.in_proj.weight"], full_in_proj)  # exact round trip
         assert got["styles"]["model.layers.0.mixer"] == "module"
+        if case.name == "mtp":  # the MTP sublayers' attention and shared expert are sharded too
+            assert got["styles"]["mtp.layers.0.mixer.q_proj"] == "colwise"
         _close(got["logits"], ref["logits"], f"rank {rank} logits", tol)
         _close(got["loss"], ref["loss"], f"rank {rank} loss", tol)
         assert got["grads"].keys() == ref_grads.keys()
