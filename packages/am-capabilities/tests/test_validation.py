@@ -162,7 +162,32 @@ def test_real_hf_models_on_a_full_mesh(tiny_llama, tiny_nemotron_h):
     validate_for_mesh(tiny_llama(), mesh)
     with pytest.raises(ValueError, match=r"^Unsupported configuration for ") as info:
         validate_for_mesh(tiny_nemotron_h(hybrid_override_pattern="M*"), mesh)
-    assert [p.split(":")[0] for p in _problems(info)] == ["pp_size=2", "cp_size=2"]
+    problems = _problems(info)
+    # transformers' NemotronH plan shards experts with 'moe_tp_experts' (experts are expert-parallel here) and names
+    # expert modules this hybrid does not have: am-tensor-parallel could not apply it, so tp_size=2 is refused too
+    assert [p.split(":")[0] for p in problems] == ["tp_size=2", "pp_size=2", "cp_size=2"]
+    assert "'moe_tp_experts' is not supported" in problems[0]
+
+
+def test_tp_needs_sizes_the_plan_can_split(hf):
+    """A plan exists, but 1 KV head cannot be split over tp=2: refused with the reason, by both answers."""
+    config = hf.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    model = hf.LlamaForCausalLM(config)
+    assert ModelSupports(model).supports_tp  # tp_size 1: a plan exists
+    assert not ModelSupports(model, MeshContext(tp_size=2)).supports_tp
+    with pytest.raises(ValueError, match=r"\(1 problem\)") as info:
+        validate_for_mesh(model, MeshContext(tp_size=2))
+    (problem,) = _problems(info)
+    assert problem.startswith("tp_size=2: LlamaForCausalLM cannot use tensor parallelism: its tensor-parallel plan")
+    assert "1 key/value heads cannot be split over tp=2" in problem
+    assert problem.endswith("Fix: choose a tp_size that divides these sizes, or set tp_size=1.")
 
 
 def test_declared_capabilities_and_validator_agree():

@@ -221,7 +221,8 @@ def test_output_type_hidden_states_and_bad_kwargs() -> None:
 def test_capabilities_are_declared_by_duck_typing() -> None:
     moe = NemotronHForCausalLM.get_capabilities(tiny_hf_config("ME"))
     dense = NemotronHForCausalLM.get_capabilities(tiny_hf_config("M*-"))
-    assert moe == {"supports_pp": True, "supports_ep": True, "supports_tp": False, "supports_cp": True}
+    # TP from the declared plan (tp_plan.py; issue 24); am-capabilities checks its sizes at the mesh's tp
+    assert moe == {"supports_pp": True, "supports_ep": True, "supports_tp": True, "supports_cp": True}
     assert dense["supports_ep"] is False
     assert dense["supports_pp"] is True
     assert NemotronHForCausalLM._pp_plan

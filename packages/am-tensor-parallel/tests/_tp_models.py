@@ -3,10 +3,11 @@ toy model whose attention reads its head count from an attribute and whose MLP u
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 VOCAB, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 64, 32, 48, 4, 2, 8
 # Architectures whose transformers config declares a base_model_tp_plan: (config / model class prefix, extra config)
@@ -145,3 +146,68 @@ TOY_PLAN = {
     "local.down": "local_rowwise",
     "head": "colwise_rep",
 }
+
+
+# A module that shards itself (plan style "module"): a packed projection [a | b] of unequal parts, split per segment
+# (no DTensor placement describes it), and a down projection whose input columns are the same segments.
+SEGMENTS = {"a": 6, "b": 4}
+
+
+class SegmentedMix(nn.Module):
+    """`down(cat(silu(a), b))` with `[a | b] = packed(x)`: x `[B, S, H]` -> `[B, S, H]`."""
+
+    _tp_plan: ClassVar[dict[str, str]] = {"": "module"}  # "" = this module itself
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.segments = dict(SEGMENTS)
+        self.packed = nn.Linear(HIDDEN, sum(SEGMENTS.values()))
+        self.down = nn.Linear(sum(SEGMENTS.values()), HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.packed(x).split(list(self.segments.values()), dim=-1)
+        return self.down(torch.cat([torch.nn.functional.silu(a), b], dim=-1))
+
+    def tensor_parallel_problems(self, tp: int, *, sequence_parallel: bool = False) -> list[str]:
+        from am_tensor_parallel import segment_sizes_problems
+
+        problems = segment_sizes_problems(self.segments, tp, where="packed")
+        return problems + (["no sequence parallelism here"] if sequence_parallel else [])
+
+    def tensor_parallel_style(self, *, sequence_parallel: bool = False) -> Any:
+        return _SegmentedStyle()
+
+
+class _SegmentedStyle(ParallelStyle):
+    """The toy's own layout, built from am-tensor-parallel's segment pieces."""
+
+    def _apply(self, module: nn.Module, mesh: Any) -> nn.Module:
+        from am_tensor_parallel import region_input, region_output, shard_segments
+
+        mix: Any = module
+        tp, rank = mesh.size(), mesh.get_local_rank()
+        with torch.no_grad():
+            for owner, name, dim in ((mix.packed, "weight", 0), (mix.packed, "bias", 0), (mix.down, "weight", 1)):
+                local = shard_segments(getattr(owner, name), mix.segments, tp=tp, rank=rank, dim=dim)
+                owner.register_parameter(name, nn.Parameter(local))
+        mix.segments = {k: v // tp for k, v in mix.segments.items()}
+        mix.register_forward_pre_hook(lambda _m, args: (region_input(args[0], mesh), *args[1:]))
+
+        def down_forward(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            return region_output(torch.nn.functional.linear(x, proj.weight), mesh) + proj.bias
+
+        mix.down.forward = down_forward.__get__(mix.down)
+        return mix
+
+
+class SegmentedToy(nn.Module):
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.mix = SegmentedMix()
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        return self.head(h + self.mix(h))

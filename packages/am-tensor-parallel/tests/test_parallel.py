@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from _tp_dist import case_result, run_cases, run_group
-from _tp_models import ARCHS, HEAD_DIM, HEADS, KV_HEADS, TOY_PLAN, VOCAB, Toy, hf_model
+from _tp_models import ARCHS, HEAD_DIM, HEADS, KV_HEADS, SEGMENTS, TOY_PLAN, VOCAB, SegmentedToy, Toy, hf_model
 from torch.distributed.tensor import DTensor
 
 from am_tensor_parallel import (
@@ -92,6 +92,28 @@ def _toy_step(mesh: Any = None) -> dict[str, Any]:
     return result
 
 
+def _segmented_step(mesh: Any = None) -> dict[str, Any]:
+    """The toy whose mixer shards itself ("module" style); its shards' gradients gathered with gather_segments."""
+    from am_tensor_parallel import gather_segments
+
+    model = SegmentedToy()
+    ids, _ = _batch()
+    result: dict[str, Any] = {}
+    if mesh is not None:
+        plan = apply_tensor_parallel(model, mesh)
+        result["styles"] = dict(plan.styles)
+        result["local_packed_rows"] = model.mix.packed.weight.shape[0]
+    logits = model(ids)
+    logits.backward(torch.randn(logits.shape, generator=torch.Generator().manual_seed(3)))
+    grads = _grads(model)
+    if mesh is not None:
+        group = mesh.get_group()
+        for name, dim in (("mix.packed.weight", 0), ("mix.packed.bias", 0), ("mix.down.weight", 1)):
+            grads[name] = gather_segments(grads[name], SEGMENTS, group=group, dim=dim)
+    result.update(logits=logits.detach(), grads=grads)
+    return result
+
+
 def _worker(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -103,6 +125,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         cases[f"sp/{arch}"] = lambda arch=arch: _hf_step(arch, mesh, sequence_parallel=True)
     cases["loss_parallel/Llama"] = lambda: _loss_parallel_step("Llama", mesh)
     cases["toy"] = lambda: _toy_step(mesh)
+    cases["segmented"] = lambda: _segmented_step(mesh)
 
     def bytes_case() -> dict[str, Any]:
         found = {}
@@ -198,6 +221,20 @@ def test_toy_styles_equal_single_process(results: Any) -> None:
         assert got["num_heads"] == HEADS // TP
         assert got["head_counts"] == {"attn": {"num_heads": HEADS // TP}}
         torch.testing.assert_close(got["logits"], expected["logits"], rtol=TOL, atol=TOL)
+        for name, grad in expected["grads"].items():
+            torch.testing.assert_close(got["grads"][name], grad, rtol=TOL, atol=TOL, msg=name)
+
+
+def test_module_style_with_segments_equals_single_process(results: Any) -> None:
+    """A module that shards itself (plan `{"": "module"}`): a packed projection of unequal segments split per segment
+    (shard_segments), region_input / region_output around it; the gathered gradients equal the single process's."""
+    expected = _segmented_step()
+    for rank in range(TP):
+        got = case_result(results, "segmented", rank)
+        assert got["styles"] == {"mix": "module"}
+        assert got["local_packed_rows"] == sum(SEGMENTS.values()) // TP
+        torch.testing.assert_close(got["logits"], expected["logits"], rtol=TOL, atol=TOL)
+        assert got["grads"].keys() == expected["grads"].keys()
         for name, grad in expected["grads"].items():
             torch.testing.assert_close(got["grads"][name], grad, rtol=TOL, atol=TOL, msg=name)
 

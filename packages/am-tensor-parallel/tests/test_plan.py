@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tp_models import TOY_PLAN, Toy, hf_model
+from _tp_models import TOY_PLAN, SegmentedToy, Toy, hf_model
 from torch import nn
 
 from am_tensor_parallel import (
@@ -15,7 +15,9 @@ from am_tensor_parallel import (
     layer_pattern,
     match_plan,
     plan_tensor_parallel,
+    shard_segments,
     tp_problems,
+    translate_style,
 )
 
 
@@ -155,3 +157,31 @@ def test_meta_device_models_validate() -> None:
     with torch.device("meta"):
         model = hf_model("Llama")
     assert tp_problems(model, 2) == []
+
+
+def test_module_style_and_validation_hook() -> None:
+    """`{"": "module"}` names the module itself; its `tensor_parallel_problems` is called with tp and the sequence
+    parallel flag and its problems are listed under its name; a "module" without `tensor_parallel_style` is refused."""
+    model = SegmentedToy()
+    assert declared_plan(model) == {"mix": "module"}
+    assert tp_problems(model, 2) == []
+    problems = tp_problems(model, 4)
+    assert problems == ["mix: packed: segment 'a' (6) cannot be split over tp=4; choose a tp that divides it"]
+    assert "mix: no sequence parallelism here" in tp_problems(model, 2, sequence_parallel=True)
+    plain = nn.Sequential(nn.Linear(4, 4))
+    assert tp_problems(plain, 2, plan={"0": "module"}) == [
+        "0: style 'module' needs Linear.tensor_parallel_style(*, sequence_parallel) (the module's own ParallelStyle); "
+        "it has none"
+    ]
+    with pytest.raises(ValueError, match="style 'module' is the module's own"):
+        translate_style("module")
+
+
+def test_shard_segments_takes_a_slice_of_every_segment() -> None:
+    packed = torch.arange(10.0)  # a: 0..5, b: 6..9
+    assert shard_segments(packed, {"a": 6, "b": 4}, tp=2, rank=0).tolist() == [0, 1, 2, 6, 7]
+    assert shard_segments(packed, {"a": 6, "b": 4}, tp=2, rank=1).tolist() == [3, 4, 5, 8, 9]
+    with pytest.raises(ValueError, match="segment 'a' \\(6\\) cannot be split over tp=4"):
+        shard_segments(packed, {"a": 6, "b": 4}, tp=4, rank=0)
+    with pytest.raises(ValueError, match="add up to 9"):
+        shard_segments(packed, {"a": 6, "b": 3}, tp=1, rank=0)

@@ -12,6 +12,7 @@ from .introspection import (
     expert_split_problem,
     implements_expert_parallelism,
     is_hybrid_model,
+    tp_split_problem,
 )
 from .mesh import MODEL_AXES, MeshContext, read_mesh_sizes
 from .registry import (
@@ -34,6 +35,7 @@ __all__ = [
     "is_hybrid_model",
     "implements_expert_parallelism",
     "expert_split_problem",
+    "tp_split_problem",
     "EXPERT_PARALLEL_HOOK",
     # validation
     "validate_for_mesh",

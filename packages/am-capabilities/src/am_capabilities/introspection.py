@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch.nn as nn
 
 from am_model_contract import ModelContract, contract_of
+from am_tensor_parallel import declared_plan, tp_problems
 
 from .declarative import ModelCapabilities, declared_capabilities
 
@@ -35,6 +36,7 @@ __all__ = [
     "expert_split_problem",
     "implements_expert_parallelism",
     "is_hybrid_model",
+    "tp_split_problem",
 ]
 
 # Block-type names of state-space / linear-attention layers, in both NemotronH vocabularies
@@ -196,6 +198,28 @@ def _decide_tp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
         "it has no TP plan (`_tp_plan` / its contract's tp.plan is missing or empty) and declares no capabilities",
         "set tp_size=1, or give the model a non-empty `_tp_plan`",
     )
+
+
+def tp_split_problem(model: nn.Module, tp_size: int) -> str | None:
+    """Why the model's tensor-parallel plan cannot shard it over ``tp_size`` ranks (``None`` when it can, or for
+    ``tp_size`` 1).
+
+    The rule is am-tensor-parallel's ``tp_problems`` (the one that ``plan_tensor_parallel`` enforces before any
+    collective): the plan the model declares (``_tp_plan`` class attributes and ``config.base_model_tp_plan``,
+    merged as transformers does; else an instance ``_tp_plan``) must exist, name supported styles and existing
+    modules, and every sharded size must divide (features, vocabulary, attention and KV heads, the model's own
+    checks such as Mamba2 groups). Reads the model only (works on the meta device).
+    """
+    if tp_size <= 1:
+        return None
+    plan = declared_plan(model)
+    if plan is None:
+        own = getattr(model, "_tp_plan", None)
+        plan = dict(own) if isinstance(own, Mapping) and own else None
+    problems = tp_problems(model, tp_size, plan)
+    if not problems:
+        return None
+    return f"its tensor-parallel plan cannot shard it over tp_size={tp_size} ({'; '.join(problems)})"
 
 
 def _decide_pp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:

@@ -27,6 +27,7 @@ from .introspection import (
     _uses_magi_attention,
     _uses_te_attention,
     is_hybrid_model,
+    tp_split_problem,
 )
 from .mesh import MeshContext
 from .registry import is_registered_model_class
@@ -116,9 +117,10 @@ class ModelSupports:
 
     @property
     def supports_tp(self) -> bool:
-        """Declared, or a non-empty TP plan (contract ``tp.plan``: transformers' ``_tp_plan``)."""
+        """Declared, or a non-empty TP plan (contract ``tp.plan``: transformers' ``_tp_plan``); with a mesh whose
+        ``tp_size > 1``, also a plan whose sizes divide by it (``tp_split_problem``)."""
         model = self.model
-        return _decide_tp(model, _declared(model)).ok
+        return _decide_tp(model, _declared(model)).ok and tp_split_problem(model, self.tp_size) is None
 
     @property
     def supports_pp(self) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 import torch.nn as nn
 
 from .declarative import ModelCapabilities
-from .introspection import _decide, _declared, expert_split_problem
+from .introspection import _decide, _declared, expert_split_problem, tp_split_problem
 from .mesh import MODEL_AXES, MeshContext, read_mesh_sizes
 from .supports import FORWARDED_FLAGS, ModelSupports
 
@@ -33,7 +33,8 @@ def validate_for_mesh(model: nn.Module, mesh: Any) -> None:
     """Raise if ``model`` cannot run on ``mesh``; do nothing when ``mesh`` is ``None`` or everything holds.
 
     Axes of size 1 never fail. ``ep_size > 1`` also needs every expert count of the model's configs to be
-    divisible by it (see ``expert_split_problem``). An invalid size (``< 1``, non-integer, bool) is itself
+    divisible by it (see ``expert_split_problem``), and ``tp_size > 1`` a tensor-parallel plan that shards the model
+    over it (see ``tp_split_problem``). An invalid size (``< 1``, non-integer, bool) is itself
     reported, next to the capability problems of the other axes.
 
     Args:
@@ -61,6 +62,11 @@ def validate_for_mesh(model: nn.Module, mesh: Any) -> None:
             problems.append(
                 f"{axis}_size={size}: {name} cannot use {titles[axis]} parallelism: {verdict.reason}. "
                 f"Fix: {verdict.fix}."
+            )
+        elif axis == "tp" and (unsplit := tp_split_problem(model, size)) is not None:
+            problems.append(
+                f"tp_size={size}: {name} cannot use tensor parallelism: {unsplit}. Fix: choose a tp_size that "
+                "divides these sizes, or set tp_size=1."
             )
         elif axis == "ep" and (uneven := expert_split_problem(model, size)) is not None:
             problems.append(

@@ -32,6 +32,7 @@ from .layers import Gemma4RMSNorm
 from .masks import AttentionInputs
 from .moe import Gemma4Experts, Gemma4Router
 from .pretrained import Gemma4PreTrainedModel
+from .tp_plan import CAUSAL_LM_TP_PLAN, TEXT_MODEL_TP_PLAN, tensor_parallel_problems
 
 __all__ = ["Gemma4ForCausalLM", "Gemma4TextModel", "init_module_weights"]
 
@@ -117,6 +118,9 @@ class Gemma4TextModel(nn.Module):
     appended to the cache and the new tokens attend to the cached ones; `attention_mask` then covers the cached and
     new tokens `[B, past + S]` (or the new ones `[B, S]`), and positions default to `past .. past + S - 1`.
     """
+
+    _tp_plan: ClassVar[Any] = TEXT_MODEL_TP_PLAN  # am-tensor-parallel reads it like transformers' `_tp_plan`
+    tensor_parallel_problems = tensor_parallel_problems  # and calls this before any collective (tp_plan.py)
 
     def __init__(self, config: Any, *, backend: BackendConfig | None = None) -> None:
         super().__init__()
@@ -316,6 +320,7 @@ class Gemma4ForCausalLM(Gemma4PreTrainedModel):
     """
 
     _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan: ClassVar[Any] = CAUSAL_LM_TP_PLAN
 
     def __init__(self, config: Any, *, backend: BackendConfig | None = None) -> None:
         super().__init__()

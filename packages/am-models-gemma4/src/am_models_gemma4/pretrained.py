@@ -27,7 +27,12 @@ from torch import nn
 
 import am_moe
 from am_context_parallel import ContiguousCPOptions, cp_token_mean_loss
-from am_model_contract import ContextParallelContract, ExpertParallelContract, ModelContract
+from am_model_contract import (
+    ContextParallelContract,
+    ExpertParallelContract,
+    ModelContract,
+    TensorParallelContract,
+)
 from am_moe import GroupedExperts, LoadBalancing
 from am_precision import compute_lm_head_logits
 
@@ -57,7 +62,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: 
 
 
 def gemma4_capabilities(config: Any) -> dict[str, bool]:
-    """Declared capabilities for am-capabilities: dense → PP and CP; MoE → PP, CP and EP (`apply_expert_parallel`).
+    """Declared capabilities for am-capabilities: dense → PP, CP and TP; MoE → PP, CP, TP and EP
+    (`apply_expert_parallel`). TP comes from the plan in `tp_plan.py`; am-capabilities checks its sizes at a tp.
 
     PP is not declared for variants with per-layer inputs or KV sharing (a stage would need token ids or another
     stage's K/V). Under PP the MoE layers keep padding out of routing through the `padding_mask` the pipeline's
@@ -66,7 +72,7 @@ def gemma4_capabilities(config: Any) -> dict[str, bool]:
     text = text_config_of(config)
     moe = is_moe_config(text)
     stage_local = not getattr(text, "hidden_size_per_layer_input", 0) and not getattr(text, "num_kv_shared_layers", 0)
-    return {"supports_cp": True, "supports_pp": bool(stage_local), "supports_ep": moe, "supports_tp": False}
+    return {"supports_cp": True, "supports_pp": bool(stage_local), "supports_ep": moe, "supports_tp": True}
 
 
 class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
@@ -92,13 +98,15 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
 
     def am_contract(self) -> ModelContract:
         """What this model offers the infrastructure (am-model-contract): contiguous CP shards with the model's own
-        ring attention (`get_cp_options`, `cp_problems`); for a MoE config, `apply_expert_parallel`."""
+        ring attention (`get_cp_options`, `cp_problems`); for a MoE config, `apply_expert_parallel`; the class's TP plan
+        (`tp_plan.py`; None for the vision-language model)."""
         moe = is_moe_config(self.config)
         return ModelContract(
             cp=ContextParallelContract(
                 layout="contiguous", owns_attention=True, options=self.get_cp_options, problems=self.cp_problems
             ),
             ep=ExpertParallelContract(is_moe=moe, apply=self.apply_expert_parallel if moe else None),
+            tp=TensorParallelContract(plan=getattr(self, "_tp_plan", None)),
         )
 
     def get_cp_options(self) -> ContiguousCPOptions:

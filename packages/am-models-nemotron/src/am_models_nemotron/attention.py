@@ -11,7 +11,7 @@ their outputs belong to padding and are never used.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from am_precision import AttentionKernel, BackendConfig, attention_backend_probl
 
 from ._init import reset_linear_
 from .config import NemotronConfig
+from .tp_plan import ATTENTION_TP_PLAN
 
 __all__ = ["NemotronAttention", "build_attention_mask"]
 
@@ -65,6 +66,8 @@ def build_attention_mask(
 
 class NemotronAttention(nn.Module):
     """GQA self-attention, no positional encoding. hidden_states: [B, S, H] -> [B, S, H]."""
+
+    _tp_plan: ClassVar[Any] = ATTENTION_TP_PLAN  # am-tensor-parallel: heads split over tp (tp_plan.py)
 
     def __init__(
         self,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,7 @@ from .backend import resolve_backend
 from .config import NemotronConfig
 from .mamba2_cp import Mamba2CPContext, conv_halo_width, prepend_conv_halo, ssd_chunked_scan_cp
 from .ssd import ssd_chunked_scan
+from .tp_plan import MAMBA2_TP_PLAN, Mamba2HeadParallel, mamba2_tp_problems
 
 __all__ = [
     "CPU_SCAN_CHUNK_SIZE",
@@ -182,6 +183,13 @@ class Mamba2Mixer(nn.Module):
     Parameters: `in_proj` H -> [z (I) | xBC (I + 2GN) | dt (heads)], depthwise `conv1d` over xBC, the fp32 holder
     `_fp32_params` (A_log, dt_bias, D), gated `norm`, `out_proj` I -> H.
     """
+
+    # am-tensor-parallel: the mixer shards itself by heads and groups (Megatron's layout, tp_plan.py)
+    _tp_plan: ClassVar[Any] = MAMBA2_TP_PLAN
+    tensor_parallel_problems = mamba2_tp_problems
+
+    def tensor_parallel_style(self, *, sequence_parallel: bool = False) -> Mamba2HeadParallel:
+        return Mamba2HeadParallel(sequence_parallel=sequence_parallel)
 
     def __init__(
         self,

@@ -27,7 +27,13 @@ from transformers import GenerationConfig, GenerationMixin
 
 import am_moe
 from am_context_parallel import ContiguousCPOptions
-from am_model_contract import ContextParallelContract, ExpertParallelContract, ModelContract, PipelineContract
+from am_model_contract import (
+    ContextParallelContract,
+    ExpertParallelContract,
+    ModelContract,
+    PipelineContract,
+    TensorParallelContract,
+)
 from am_moe import GroupedExperts, LoadBalancing
 from am_precision import BackendConfig, initialize_linear_module, yield_fp32_model
 
@@ -44,6 +50,7 @@ from .loss import combined_causal_lm_loss, cross_entropy
 from .mtp import MTPConfig, MTPModule
 from .mtp_inputs import mtp_fusion_inputs
 from .outputs import NemotronHCausalLMOutputWithPast, select_hidden_states
+from .tp_plan import CAUSAL_LM_TP_PLAN
 
 __all__ = ["NemotronHForCausalLM"]
 
@@ -81,12 +88,14 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
     main_input_name: ClassVar[str] = "input_ids"
     supports_gradient_checkpointing: ClassVar[bool] = True
 
+    _tp_plan: ClassVar[Any] = CAUSAL_LM_TP_PLAN  # am-tensor-parallel (tp_plan.py)
+
     @classmethod
     def get_capabilities(cls, config: Any) -> dict[str, bool]:
         """Capabilities for am-capabilities: PP and CP (contiguous) yes; EP when the config has MoE blocks
-        (implemented by `apply_expert_parallel`); no TP."""
+        (implemented by `apply_expert_parallel`); TP from the declared plan (`tp_plan.py`)."""
         has_moe = NemotronConfig.from_any(config).has_moe
-        return {"supports_pp": True, "supports_ep": has_moe, "supports_tp": False, "supports_cp": True}
+        return {"supports_pp": True, "supports_ep": has_moe, "supports_tp": True, "supports_cp": True}
 
     def am_contract(self) -> ModelContract:
         """What this model offers the infrastructure (am-model-contract).
@@ -96,6 +105,7 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
         - cp: each rank one contiguous block (the Mamba2 recurrence passes its state rank to rank), with the MTP
           keys (`get_cp_options`) and the shard-length and dropout limits (`cp_problems`).
         - ep: `apply_expert_parallel` when the config has MoE blocks.
+        - tp: the declared plan (`tp_plan.py`; the Mamba2 mixers shard themselves).
         """
         moe = self.nemotron_config.has_moe
         return ModelContract(
@@ -104,6 +114,7 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
                 plan=self._pp_plan, keeps_own_forward=True, output_names=("logits", "mtp_per_depth_h", "seq_idx")
             ),
             ep=ExpertParallelContract(is_moe=moe, apply=self.apply_expert_parallel if moe else None),
+            tp=TensorParallelContract(plan=self._tp_plan),
         )
 
     def __init__(

@@ -18,6 +18,8 @@ biased score is negative.
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +29,7 @@ from am_precision import BackendConfig, initialize_linear_module
 
 from ._init import reset_linear_
 from .config import NemotronConfig
+from .tp_plan import MLP_TP_PLAN
 
 __all__ = ["GroupedExperts", "NemotronMLP", "NemotronMoE", "NemotronRouter", "relu2"]
 
@@ -48,6 +51,8 @@ def _check_activation(name: str) -> None:
 
 class NemotronMLP(nn.Module):
     """down(relu(up(x))²), no gate projection. x: [..., H] -> [..., H]."""
+
+    _tp_plan: ClassVar[Any] = MLP_TP_PLAN  # am-tensor-parallel: intermediate features split over tp (tp_plan.py)
 
     def __init__(
         self,

@@ -14,7 +14,8 @@ from .apply import apply_tensor_parallel, tp_submesh
 from .comm import CollectiveBytes, count_collective_bytes
 from .loss import vocab_parallel_cross_entropy
 from .plan import TensorParallelPlan, declared_plan, layer_pattern, match_plan
-from .styles import STYLES, UNSUPPORTED_STYLES, translate_style
+from .segments import gather_segments, region_input, region_output, segment_sizes_problems, shard_segments
+from .styles import MODULE_STYLE_METHOD, PROBLEMS_METHOD, STYLES, UNSUPPORTED_STYLES, translate_style
 from .validate import HEAD_COUNT_ATTRIBUTES, plan_tensor_parallel, tp_problems
 
 __all__ = [
@@ -29,9 +30,17 @@ __all__ = [
     "plan_tensor_parallel",
     "tp_problems",
     # styles
+    "MODULE_STYLE_METHOD",
+    "PROBLEMS_METHOD",
     "STYLES",
     "UNSUPPORTED_STYLES",
     "translate_style",
+    # modules that shard themselves
+    "gather_segments",
+    "region_input",
+    "region_output",
+    "segment_sizes_problems",
+    "shard_segments",
     # apply
     "apply_tensor_parallel",
     "tp_submesh",

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from .plan import TensorParallelPlan
-from .styles import ShardSequence, check_sequence_divisible, enter_region, translate_style
+from .styles import MODULE_STYLE_METHOD, ShardSequence, check_sequence_divisible, enter_region, translate_style
 from .validate import plan_tensor_parallel
 
 __all__ = ["apply_tensor_parallel", "tp_submesh"]
@@ -80,6 +80,9 @@ def apply_tensor_parallel(
 
     styles: dict[str, ParallelStyle] = {}
     for name, style in frozen.styles.items():
+        if style == "module":  # the module's own layout (validated by its `tensor_parallel_problems`)
+            styles[name] = getattr(modules[name], MODULE_STYLE_METHOD)(sequence_parallel=sp)
+            continue
         role = "head" if name == frozen.output_head else ""
         styles[name] = translate_style(style, sequence_parallel=sp, role=role)
     for name in frozen.norms:

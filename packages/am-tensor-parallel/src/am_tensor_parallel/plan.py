@@ -36,7 +36,8 @@ def layer_pattern(name: str) -> str:
 def declared_plan(model: nn.Module) -> dict[str, str] | None:
     """The tensor-parallel plan a model declares, with full module-name patterns; None when it declares none.
 
-    Mirrors transformers' merge: a module's class attribute `_tp_plan` (patterns relative to it), plus, for a base
+    Mirrors transformers' merge: a module's class attribute `_tp_plan` (patterns relative to it; the key `""` is the
+    module itself), plus, for a base
     model (an HF `PreTrainedModel` whose `base_model` is itself), `config.base_model_tp_plan`, with
     `embed_tokens: embedding_rowwise` first when the plan is not empty and `embed_tokens` is an `nn.Embedding` (as
     transformers adds it). Children contribute under their names (`model.layers.*...` in a `...ForCausalLM`).
@@ -53,7 +54,8 @@ def _declared(module: nn.Module, prefix: str) -> dict[str, str]:
         own.update(getattr(config, "base_model_tp_plan", None) or {})
         if own and isinstance(getattr(module, "embed_tokens", None), nn.Embedding) and "embed_tokens" not in own:
             own = {"embed_tokens": "embedding_rowwise", **own}
-    plan.update({prefix + key: style for key, style in own.items()})
+    # "" names the module itself (a module whose class declares how it shards as a whole, style "module")
+    plan.update({(prefix + key) if key else prefix.rstrip("."): style for key, style in own.items()})
     for name, child in module.named_children():
         plan.update(_declared(child, f"{prefix}{name}."))
     return plan

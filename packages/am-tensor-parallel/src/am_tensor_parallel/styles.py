@@ -45,7 +45,13 @@ STYLES: dict[str, str] = {
     "sequence_parallel": "norm / dropout: runs on this rank's sequence shard, parameters replicated",
     "replicated_with_grad_allreduce": "norm on a sharded axis (per-head q/k norms): replicated, gradient summed",
     "replicate": "any module: every rank keeps the full module (no sharding, no collective)",
+    "module": "a module that shards itself: its `tensor_parallel_style(*, sequence_parallel)` gives the ParallelStyle",
 }
+
+# The method a module styled "module" implements (see `apply_tensor_parallel`), and the validation hook any module
+# may implement: `tensor_parallel_problems(tp, *, sequence_parallel) -> list[str]`.
+MODULE_STYLE_METHOD = "tensor_parallel_style"
+PROBLEMS_METHOD = "tensor_parallel_problems"
 
 UNSUPPORTED_STYLES: dict[str, str] = {
     "moe_tp_experts": "experts are sharded by expert parallelism (am_moe.apply_expert_parallel over an ep mesh)",
@@ -93,6 +99,11 @@ def translate_style(name: str, *, sequence_parallel: bool = False, role: str = "
         raise ValueError(f"tensor-parallel style {name!r} is not supported: {UNSUPPORTED_STYLES[name]}")
     if name not in STYLES:
         raise ValueError(f"unknown tensor-parallel style {name!r}; known styles: {sorted(STYLES)}")
+    if name == "module":
+        raise ValueError(
+            f"style 'module' is the module's own: call its `{MODULE_STYLE_METHOD}(sequence_parallel=...)`, not "
+            "translate_style"
+        )
     style = canonical_style(name)
     stream: Any = Shard(1) if sequence_parallel else Replicate()
     # Under sequence parallelism the stream stays a DTensor between regions (so HF code reading `.shape` sees the

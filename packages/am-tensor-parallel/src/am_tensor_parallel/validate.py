@@ -18,6 +18,8 @@ from .styles import (
     COLWISE_STYLES,
     EMBEDDING_STYLES,
     LINEAR_STYLES,
+    MODULE_STYLE_METHOD,
+    PROBLEMS_METHOD,
     STYLES,
     UNSUPPORTED_STYLES,
     canonical_style,
@@ -143,6 +145,19 @@ def _analyse(
                     f"to a multiple of {tp} or give it 'replicate'"
                 )
 
+    # modules that shard themselves, and every module's own validation hook (the model's included)
+    for name, style in styles.items():
+        if style == "module" and not callable(getattr(modules[name], MODULE_STYLE_METHOD, None)):
+            problems.append(
+                f"{name}: style 'module' needs {type(modules[name]).__name__}.{MODULE_STYLE_METHOD}(*, "
+                "sequence_parallel) (the module's own ParallelStyle); it has none"
+            )
+    for name, module in modules.items():
+        hook = getattr(module, PROBLEMS_METHOD, None)
+        if callable(hook):
+            where = f"{name}: " if name else ""
+            problems += [where + p for p in hook(tp, sequence_parallel=sequence_parallel)]
+
     # heads: q/k/v sharded by features must be sharded by whole heads
     config = _text_config(model)
     head_counts: dict[str, dict[str, int]] = {}
@@ -159,9 +174,7 @@ def _analyse(
         if not (q_sharded or kv_sharded):
             continue
         attention = modules.get(parent)
-        cfg = getattr(attention, "config", None) or config
-        heads = getattr(cfg, "num_attention_heads", None)
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        heads, kv_heads = _head_counts(attention, config)
         if q_sharded and isinstance(heads, int) and heads % tp:
             problems.append(
                 f"{parent}: {heads} attention heads cannot be split over tp={tp} (q_proj is sharded by heads); "
@@ -230,8 +243,9 @@ def _analyse(
                     f"{name}: {style!r} sums a replicated output, which sequence parallelism cannot shard; use "
                     "'colwise'/'rowwise' or sequence_parallel=False"
                 )
+        owned = region_inputs + [n for n, s in styles.items() if s == "module"]  # a module's inside is its own
         for name, module in modules.items():
-            inside = any(name.startswith(r + ".") for r in region_inputs)
+            inside = any(name.startswith(r + ".") for r in owned)
             if name and name not in styles and not inside and _is_norm(module):
                 norms.append(name)
         norms += [n for n, s in styles.items() if s == "sequence_parallel"]
@@ -252,6 +266,21 @@ def _analyse(
     )
 
 
+def _head_counts(attention: nn.Module | None, config: Any) -> tuple[Any, Any]:
+    """(query heads, key/value heads) of one attention: the module's own counts when it keeps them (layers of one
+    model may differ: Gemma 4's full layers have `num_global_key_value_heads`), else the config's."""
+    own = [getattr(attention, a, None) for a in ("num_heads", "num_attention_heads", "n_heads")]
+    own_kv = [getattr(attention, a, None) for a in ("num_key_value_heads", "num_kv_heads", "n_kv_heads")]
+    cfg = getattr(attention, "config", None) or config
+    heads = next((v for v in own if _is_count(v)), None) or getattr(cfg, "num_attention_heads", None)
+    kv_heads = next((v for v in own_kv if _is_count(v)), None) or getattr(cfg, "num_key_value_heads", None) or heads
+    return heads, kv_heads
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _text_config(model: nn.Module) -> Any:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
@@ -260,8 +289,12 @@ def _text_config(model: nn.Module) -> Any:
 
 
 def _named(model: nn.Module, getter: str, modules: dict[str, nn.Module]) -> str:
+    """The name of the module `model.<getter>()` returns; without the getter, the output head is transformers'
+    conventional `lm_head` (a model need not define `get_output_embeddings` to have its tied head found)."""
     fn = getattr(model, getter, None)
     target = fn() if callable(fn) else None
+    if target is None and getter == "get_output_embeddings" and isinstance(modules.get("lm_head"), nn.Linear):
+        return "lm_head"
     if target is None:
         return ""
     return next((name for name, module in modules.items() if module is target and name), "")
