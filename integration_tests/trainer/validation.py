@@ -30,6 +30,7 @@ from trainer.config import (
     PRESET_LAYERS,
     RunConfig,
     cp_problems,
+    expert_parallel_plan,
     find_problems,
     mesh_context,
     pipeline_plan,
@@ -38,6 +39,7 @@ from trainer.data import Corpus, load_tokens
 from trainer.guards import model_path_nonfinite_problems, nonfinite_parameters
 from trainer.models import ModelSpec, build_model, folder_spec, preset_spec
 from trainer.parallel import cp_layout_name, cp_pad_multiple, decoder_layers, layer_feature_problems
+from trainer.plan import ValidatedRun, make_plan
 
 EXIT_BAD_INPUT = 2
 
@@ -167,15 +169,19 @@ def model_pp_limits(cfg: RunConfig, model: nn.Module) -> list[str]:
     return [f"--pp {cfg.pp}: {type(model).__name__}: {problem}" for problem in forward_reproduction_problems(model)]
 
 
-def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, Corpus, Path | None, Any]:
-    """Everything checkable without a process group. Returns (spec, fp32 model, corpus (training and held-out
-    tokens), resume folder, pipeline plan or None for pp = 1).
+def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
+    """Everything checkable without a process group, and the run plan made from it (trainer/plan.py).
+
+    Returns:
+        ValidatedRun: the frozen `RunPlan` (the only layout the build and step functions read), the model spec, the
+        fp32 model the checks ran on, the corpus (training and held-out tokens), and the resume folder or None.
 
     Raises:
         BadInput: listing every problem found (arguments, --out, the model and its folder, the pipeline plan
             against the model's layers, mesh vs model capabilities, data, checkpoint).
     """
     from am_capabilities import validate_for_mesh
+    from trainer.step_parts import router_aux_spec
 
     problems = find_problems(cfg, world_size=world_size)
     problems += out_problems(cfg)
@@ -194,8 +200,10 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
         layers = decoder_layers(model)
         num_layers = layers.num_layers if layers is not None else None
         problems += layer_feature_problems(model, cfg)
-    plan, plan_problems = pipeline_plan(cfg, num_layers=num_layers)
-    problems += plan_problems
+    pipeline, found = pipeline_plan(cfg, num_layers=num_layers)
+    problems += found
+    expert_parallel, found = expert_parallel_plan(cfg)
+    problems += found
     cp_layout, pad_multiple = None, 2
     if model is not None and cfg.cp > 1:
         try:
@@ -213,7 +221,8 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
         except ValueError as exc:
             problems.extend(line.strip().removeprefix("- ") for line in str(exc).splitlines()[1:] if line.strip())
     problems += vocab_problems(cfg, tokenizer=tokenizer, spec=spec)
-    problems += _feature_model_problems(cfg, model=model, plan=plan)
+    router_aux = router_aux_spec(model) if model is not None else None
+    problems += _feature_model_problems(cfg, model=model, plan=pipeline, router_aux=router_aux)
     vocab = spec.vocab_size if spec is not None else (_tokenizer_vocab(tokenizer) or 256)
     tokens, found = data_problems(cfg, vocab_size=vocab, tokenizer=tokenizer)
     problems += found
@@ -233,7 +242,17 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
     assert spec is not None
     assert model is not None
     assert tokens is not None
-    return spec, model, tokens, resume_dir, plan
+    plan = make_plan(
+        cfg,
+        model,
+        pipeline=pipeline,
+        expert_parallel=expert_parallel,
+        cp_layout=cp_layout,
+        pad_multiple=pad_multiple,
+        num_layers=num_layers,
+        router_aux=router_aux,
+    )
+    return ValidatedRun(plan=plan, spec=spec, model=model, corpus=tokens, resume_dir=resume_dir)
 
 
 _MUST_MATCH_ON_RESUME = (
@@ -288,30 +307,34 @@ def _tokenizer_vocab(tokenizer: Any) -> int | None:
     return tokenizer_vocab_size(tokenizer) if tokenizer is not None else None
 
 
-def _feature_model_problems(cfg: RunConfig, *, model: nn.Module | None, plan: Any) -> list[str]:
-    """Feature options against the model and the pipeline: activation checkpointing (am-capabilities' rule) and a
-    schedule that can evaluate (`--val-every` at pp > 1)."""
+def _feature_model_problems(
+    cfg: RunConfig, *, model: nn.Module | None, plan: Any, router_aux: tuple[int, int, float, bool] | None
+) -> list[str]:
+    """Feature options against the model and the pipeline: activation checkpointing (am-capabilities' rule), a
+    schedule that can evaluate (`--val-every` at pp > 1), and the router's auxiliary loss (`router_aux`: its spec)."""
     from trainer.evaluation import pipeline_eval_problems
     from trainer.layer_wrappers import activation_checkpointing_problems
 
-    problems = pipeline_eval_problems(cfg, plan) + router_aux_model_problems(cfg, model)
+    problems = pipeline_eval_problems(cfg, plan) + router_aux_model_problems(cfg, model, router_aux=router_aux)
     if cfg.activation_checkpointing and model is not None and min(cfg.pp, cfg.dp, cfg.cp, cfg.ep) >= 1:
         problems += activation_checkpointing_problems(model, mesh=mesh_context(cfg))
     return problems
 
 
-def router_aux_model_problems(cfg: RunConfig, model: nn.Module | None) -> list[str]:
+def router_aux_model_problems(
+    cfg: RunConfig, model: nn.Module | None, *, router_aux: tuple[int, int, float, bool] | None
+) -> list[str]:
     """A transformers MoE model whose training objective includes a router loss the trainer cannot reproduce
     (`router_aux_problems`), or includes its load-balancing loss at `--pp > 1`: refused rather than dropping the
     term. The load-balancing loss needs the top-k counts of every layer over the whole global batch before any
     backward, which a pipeline schedule (a stage's backward runs before the other microbatches' forwards, and each
-    stage holds only its own layers) does not provide."""
-    from trainer.step_parts import router_aux_problems, router_aux_spec
+    stage holds only its own layers) does not provide. `router_aux`: step_parts' `router_aux_spec(model)`."""
+    from trainer.step_parts import router_aux_problems
 
     if model is None:
         return []
     problems = router_aux_problems(model)
-    spec = router_aux_spec(model) if cfg.pp > 1 else None
+    spec = router_aux if cfg.pp > 1 else None
     if spec is None or not spec[3]:
         return problems
     return [
