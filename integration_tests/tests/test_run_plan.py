@@ -136,3 +136,26 @@ def test_a_resumed_or_fresh_plan_is_plain_json(tmp_path: Path) -> None:
     assert json.loads(json.dumps(plan.to_json())) == plan.to_json()
     assert (plan.is_pipeline, plan.pipeline, plan.expert_parallel, plan.cp_layout) == (False, None, None, None)
     assert (plan.local_seq_len, plan.microbatches, plan.fsdp) == (16, 4, True)  # bf16 default: FSDP2 casts
+
+
+def test_validate_checks_a_preset_on_the_meta_device_and_the_run_builds_it_once(tmp_path: Path) -> None:
+    """Issue 23 §1 (the trainer's side): validation needs no weights. A preset is checked on the meta device, and a
+    check that reads the model's own declarations still refuses (Nemotron-H's `cp_problems` hook: a CP shard of 2
+    tokens is shorter than its Mamba conv halo); the run's `build` then builds the seeded fp32 model (equal to the
+    one validation used to build)."""
+    from conftest import TINY_ARGS
+    from trainer.config import parse_args
+    from trainer.models import build_model, is_meta_model
+    from trainer.validation import BadInput, validate
+
+    args = [*TINY_ARGS, "--model", "nemotron", "--layers", "4"]  # Mamba2, attention, MLP, MoE
+    validated = validate(parse_args([*args, "--out", str(tmp_path)]), world_size=1)
+    assert is_meta_model(validated.model)
+    assert all(t.is_meta for t in [*validated.model.parameters(), *validated.model.buffers()])
+    assert validated.plan.moe  # read from the meta model's experts
+    real = build_model(validated.spec, seed=0)
+    assert not is_meta_model(real)
+    shapes = {name: tuple(p.shape) for name, p in real.named_parameters()}
+    assert shapes == {name: tuple(p.shape) for name, p in validated.model.named_parameters()}
+    with pytest.raises(BadInput, match=r"--cp 8 with --seq-len 16: NemotronHForCausalLM: "):
+        validate(parse_args([*args, "--cp", "8", "--out", str(tmp_path)]), world_size=8)

@@ -63,6 +63,7 @@ from trainer.evaluation import evaluate, validation_batches
 from trainer.expert_parallel import apply_expert_parallel, build_ep_meshes, reset_expert_counts, step_expert_imbalance
 from trainer.guards import EXIT_RUN_STOPPED, RunStopped, StepGuard
 from trainer.layer_wrappers import apply_activation_checkpointing, apply_compile
+from trainer.models import build_model, is_meta_model
 from trainer.optim import build_optimizers, lr_at, set_lr
 from trainer.parallel import (
     CPPipelineTargets,
@@ -158,7 +159,10 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
     per-layer wrappers -> FSDP2), the pipeline schedule, the optimizers and the exporter."""
     from am_pipelining import PipelineCausalLMLoss, build_schedule
 
-    plan, model, device = validated.plan, validated.model, meshes.device
+    plan, device = validated.plan, meshes.device
+    # Built once: validation checked a preset on the meta device (no weights), so its seeded fp32 init happens here;
+    # a --model-path folder was loaded by validation (its loader checks every tensor name while it loads).
+    model = build_model(validated.spec, seed=cfg.seed) if is_meta_model(validated.model) else validated.model
     # A transformers MoE model (router logits): its load-balancing loss (when its config adds it to the objective)
     # and its expert imbalance, over the global batch (dp x cp); the plan has it at pp = 1 only.
     router = RouterAuxLoss.from_plan(plan.router_aux, group=meshes.dp_cp.get_group()) if plan.router_aux else None

@@ -176,7 +176,9 @@ class RunPlan:
 @dataclass(frozen=True)
 class ValidatedRun:
     """What `validate()` returns: the plan, and what travels with it but is not layout: the model `spec`, the
-    `model` the checks ran on, the `corpus` (training and held-out tokens) and the checkpoint folder to resume."""
+    `model` the checks ran on (a preset's on the meta device, without weights: the run builds the real one; a
+    `--model-path` folder's loaded fp32 weights, which the run uses), the `corpus` (training and held-out tokens) and
+    the checkpoint folder to resume."""
 
     plan: RunPlan
     spec: ModelSpec

@@ -37,7 +37,7 @@ from trainer.config import (
 )
 from trainer.data import Corpus, load_tokens
 from trainer.guards import model_path_nonfinite_problems, nonfinite_parameters
-from trainer.models import ModelSpec, build_model, folder_spec, preset_spec
+from trainer.models import ModelSpec, build_meta_model, build_model, folder_spec, preset_spec
 from trainer.parallel import cp_layout_name, cp_pad_multiple, decoder_layers, layer_feature_problems
 from trainer.plan import ValidatedRun, make_plan
 
@@ -174,7 +174,8 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
 
     Returns:
         ValidatedRun: the frozen `RunPlan` (the only layout the build and step functions read), the model spec, the
-        fp32 model the checks ran on, the corpus (training and held-out tokens), and the resume folder or None.
+        model the checks ran on (a preset: on the meta device, no weights; a `--model-path` folder: loaded, fp32),
+        the corpus (training and held-out tokens), and the resume folder or None.
 
     Raises:
         BadInput: listing every problem found (arguments, --out, the model and its folder, the pipeline plan
@@ -190,7 +191,9 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
     spec = model = None
     try:
         spec = model_spec(cfg, vocab_size=_tokenizer_vocab(tokenizer))
-        model = build_model(spec, seed=cfg.seed)
+        # A preset is checked on the meta device (no weights: a rank never holds a whole model here); a folder is
+        # loaded, because its loader's strict key check (every tensor present, none unexpected) is the load.
+        model = build_model(spec, seed=cfg.seed) if spec.loads_weights else build_meta_model(spec)
     except Exception as exc:  # a broken --model-path folder or preset: report it with the rest
         problems.append(f"cannot build the model: {type(exc).__name__}: {exc}")
     if model is not None and cfg.model_path is not None:
