@@ -1,25 +1,24 @@
 """The reference training loop: validate, build, parallelize, train, checkpoint, report — top to bottom.
 
 What it is for: `run(cfg)` is the whole job, in the order a reader expects (torchtitan's train loop is the model):
-    1. validate everything that can be checked without a process group (trainer/validation.py: arguments, --out,
-       the model and its folder, the pipeline plan against its layers, the mesh against its capabilities, data,
-       checkpoint): ONE message, exit code 2
-       and the frozen run plan made from them (trainer/plan.py: mesh, pipeline plan, EP plan, CP layout, precision,
-       FSDP2, microbatches), the only layout the phases below read                                 `validate`
-    2. process group (gloo on the CPU, NCCL on GPUs) and one DeviceMesh ("pp", "dp", "cp")      `setup_mesh`
-    3. model: fp32, seeded, identical on every rank                                               `build`
+    1. `validate`: everything that can be checked without a process group (trainer/validation.py: arguments,
+       --out, the model (a preset on the meta device) and its folder, the pipeline plan against its layers, the mesh
+       against its capabilities, data, checkpoint): ONE message, exit code 2. Otherwise the frozen run plan
+       (trainer/plan.py: mesh, pipeline plan, EP plan, CP layout, precision, FSDP2, microbatches): the only layout
+       the phases below read
+    2. `setup_mesh`: process group (gloo on the CPU, NCCL on GPUs) and one DeviceMesh ("pp", "dp", "cp")
+    3. `build`: the model, built once: fp32, seeded, identical on every rank
        -> storage dtype (fp32; bf16 only for --dtype bf16-pure, fp32-pinned tensors kept) -> pipeline stages
        (pp > 1) -> experts sharded over ep (ep > 1, carved out of dp x cp; trainer/expert_parallel.py) -> per-layer
        activation checkpointing / torch.compile (trainer/layer_wrappers.py) -> FSDP2 over dp x cp (also over one
        rank for mixed precision: bf16 compute, fp32 master weights; experts over the ranks left after ep)
-    4. optimizer per model part and LR schedule (trainer/optim.py; default AdamW, warm-up + cosine), global
-       gradient-norm clipping across stages and shards (trainer/step_parts.py, with the loss and the HF export)
-    5. the checkpoint to resume, if any (exact: weights, optimizer, data position, histories)     `restore`
-    6. steps: the global batch is the same on every rank; each rank takes its dp slice, then its CP shard
+    4. (`build`, too) optimizer per model part and LR schedule (trainer/optim.py; default AdamW, warm-up + cosine),
+       global gradient-norm clipping across stages and shards (trainer/step_parts.py, with the loss and the HF export)
+    5. `restore`: the checkpoint to resume, if any (exact: weights, optimizer, data position, histories)
+    6. `train`: steps: the global batch is the same on every rank; each rank takes its dp slice, then its CP shard
        (trainer/batch_step.py); every --val-every steps the held-out loss through the same step, backward off
-       (trainer/evaluation.py); checkpoints (atomic), progress bar (MoE models: expert load
-       imbalance), TensorBoard                                                                   `train`
-    7. loss curve, summary.json (with the plan) and a one-line summary on rank 0                 `finish`
+       (trainer/evaluation.py); checkpoints (atomic), progress bar (MoE models: expert load imbalance), TensorBoard
+    7. `finish`: loss curve, summary.json (with the plan) and a one-line summary on rank 0
 What it must not do: hide a failure. Any exception ends this rank with a non-zero exit code; torchrun then stops the
 other ranks, and every collective has a timeout, so no run hangs. A non-finite loss or gradient norm stops the run
 on every rank at once (exit code 3, the step and the value named; trainer/guards.py), unless

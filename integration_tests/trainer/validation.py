@@ -1,16 +1,17 @@
-"""Everything the reference trainer checks before any process group exists: one message, exit code 2.
+"""Everything the reference trainer checks before any process group exists: one message, exit code 2; then the plan.
 
 What it is for: `validate(cfg, world_size=...)` runs on every rank before `init_process_group`, so a run that
 cannot go ends on every rank with the same message listing every problem: the arguments (`config.find_problems`),
-the `--out` folder (writable; holds no checkpoints unless `--resume` or `--overwrite`), the model (built here: an
-HF folder must supply every tensor), the pipeline plan against its layers (am-pipelining; a model whose decoder
-layers cannot be found is refused only for the features that need them: --pp > 1, --activation-checkpointing,
---compile), the mesh against its capabilities (am-capabilities), what the model cannot honour under `--cp` (its
-`cp_problems` hook, through am-context-parallel), a NaN / inf tensor in a `--model-path` folder (tensor and file
-named), the data and the checkpoint to resume (sha256 manifest; the layout, model and data options must match,
-while the optimizer's numbers and `--steps` may change: `resume_changes` words the warnings the loop prints); and
-for the training features: the tokenizer against the model's vocabulary, the held-out data, activation
-checkpointing against the model's capabilities, and a pipeline schedule that can evaluate.
+the `--out` folder (writable; holds no checkpoints unless `--resume` or `--overwrite`), the model (a preset built on
+the meta device, without weights; an HF folder loaded, and it must supply every tensor), the pipeline plan against
+its layers (am-pipelining; a model whose decoder layers cannot be found is refused only for the features that need
+them: --pp > 1, --activation-checkpointing, --compile), the expert-parallel plan (am-moe), the mesh against its
+capabilities (am-capabilities), what the model cannot honour under `--cp` (its `cp_problems` hook, through
+am-context-parallel), a NaN / inf tensor in a `--model-path` folder (tensor and file named), the data and the
+checkpoint to resume (sha256 manifest; the layout, model and data options must match, while the optimizer's numbers
+and `--steps` may change: `resume_changes` words the warnings the loop prints); and for the training features: the
+tokenizer against the model's vocabulary, the held-out data, activation checkpointing against the model's
+capabilities, and a pipeline schedule that can evaluate. Then it makes the run plan (trainer/plan.py), once.
 What it must not do: touch torch.distributed, or decide a rule that another module owns (it asks them).
 """
 
