@@ -56,7 +56,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from trainer import checkpoint as ckpt
 from trainer.batch_step import BatchStep
 from trainer.config import RunConfig
-from trainer.data import BatchStream
+from trainer.data import BatchStream, Corpus
 from trainer.debug_hooks import dump_fp32_tensors, maybe_inject_fault
 from trainer.evaluation import evaluate, validation_batches
 from trainer.expert_parallel import apply_expert_parallel, build_ep_meshes, reset_expert_counts, step_expert_imbalance
@@ -88,11 +88,15 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads if cfg.threads > 0 else max(1, (os.cpu_count() or 1) // local_world))
     validated = validate(cfg, world_size=world_size)  # before any collective: BadInput, exit code 2
     _print_warnings(cfg, validated)
-    meshes = setup_mesh(cfg, validated.plan)
+    plan, family, corpus, resume_dir = validated.plan, validated.spec.family, validated.corpus, validated.resume_dir
+    meshes = setup_mesh(cfg, plan)
     built = build(cfg, validated, meshes)
-    history = restore(cfg, validated, built)
-    last_ckpt = train(cfg, validated, meshes, built, history)
-    return finish(cfg, validated, meshes, history, last_ckpt=last_ckpt)
+    # A --model-path model that validation loaded lives on only as this rank's parts from here (a pipeline stage is a
+    # pruned copy of it), so nothing may keep the whole model referenced.
+    del validated
+    history = restore(cfg, built, corpus=corpus, resume_dir=resume_dir)
+    last_ckpt = train(cfg, plan, meshes, built, history, corpus=corpus)
+    return finish(cfg, plan, meshes, history, family=family, last_ckpt=last_ckpt)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -227,14 +231,14 @@ class History:
     wall_s: float = 0.0
 
 
-def restore(cfg: RunConfig, validated: ValidatedRun, built: Built) -> History:
+def restore(cfg: RunConfig, built: Built, *, corpus: Corpus, resume_dir: Path | None) -> History:
     """Phase 5: a fresh history, or the checkpoint's (weights, optimizer state, data position, histories) under
     `--resume`; exact, so a resumed run equals the uninterrupted one."""
-    stream = BatchStream(validated.corpus.train, seq_len=cfg.seq_len, global_batch=cfg.global_batch)
+    stream = BatchStream(corpus.train, seq_len=cfg.seq_len, global_batch=cfg.global_batch)
     history = History(stream=stream, guard=StepGuard(max_skips=cfg.skip_nonfinite_steps))
-    if validated.resume_dir is None:
+    if resume_dir is None:
         return history
-    state = ckpt.load_checkpoint(validated.resume_dir, model_parts=built.parts, optimizers=built.optimizers)
+    state = ckpt.load_checkpoint(resume_dir, model_parts=built.parts, optimizers=built.optimizers)
     stream.load_state_dict(state["data"])
     history.start_step = int(state["step"])
     history.losses = [tuple(x) for x in state["losses"]]
@@ -245,13 +249,14 @@ def restore(cfg: RunConfig, validated: ValidatedRun, built: Built) -> History:
     return history
 
 
-def train(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes, built: Built, history: History) -> Path | None:
+def train(
+    cfg: RunConfig, plan: RunPlan, meshes: Meshes, built: Built, history: History, *, corpus: Corpus
+) -> Path | None:
     """Phase 6: the steps from `history.start_step + 1` to `--steps`, with validation, progress, TensorBoard and
     checkpoints; returns the last checkpoint written. Fills `history` (and its `wall_s`)."""
-    plan, rank, parts = validated.plan, meshes.rank, built.parts
+    rank, parts = meshes.rank, built.parts
     router = built.run_batch.router
     counts_load = plan.moe or router is not None
-    corpus = validated.corpus
     val_batches = validation_batches(corpus.val, cfg) if corpus.val is not None else []
     pp_group = meshes.mesh["pp"].get_group()
     progress = Progress(
@@ -354,15 +359,14 @@ def _save(cfg: RunConfig, step: int, plan: RunPlan, built: Built, history: Histo
 
 
 def finish(
-    cfg: RunConfig, validated: ValidatedRun, meshes: Meshes, history: History, *, last_ckpt: Path | None
+    cfg: RunConfig, plan: RunPlan, meshes: Meshes, history: History, *, family: str, last_ckpt: Path | None
 ) -> dict[str, Any]:
     """Phase 7: rank 0 writes the loss curve and summary.json (with `"plan": plan.to_json()`) and prints one line;
     every rank then leaves the process group. Returns the summary on rank 0, {} elsewhere."""
     summary: dict[str, Any] = {}
     if meshes.rank == 0:
-        summary = run_summary(cfg, validated, history, last_ckpt=last_ckpt)
+        summary = run_summary(cfg, plan, history, family=family, last_ckpt=last_ckpt)
         cfg.out.mkdir(parents=True, exist_ok=True)
-        plan, family = validated.plan, validated.spec.family
         where = f"pp={plan.pp} dp={plan.dp} cp={plan.cp} ep={plan.ep}"
         curve = save_loss_curve(
             [(s, loss) for s, loss, _ in history.losses],

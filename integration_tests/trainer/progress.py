@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trainer.config import RunConfig
     from trainer.loop import History
-    from trainer.plan import ValidatedRun
+    from trainer.plan import RunPlan
 
 
 class Progress:
@@ -122,18 +122,19 @@ def save_loss_curve(
     return path
 
 
-def run_summary(cfg: RunConfig, validated: ValidatedRun, history: History, *, last_ckpt: Path | None) -> dict[str, Any]:
+def run_summary(
+    cfg: RunConfig, plan: RunPlan, history: History, *, family: str, last_ckpt: Path | None
+) -> dict[str, Any]:
     """summary.json's content (rank 0, after the last step): the model, the plan and its layout, the losses and
     histories, the feature options, throughput and the last checkpoint (the loss curve's path is added by the
     caller)."""
     from trainer.tb_logging import tensorboard_dir
 
-    plan = validated.plan
     router = plan.router_aux
     losses, val_losses, aux = history.losses, history.val_losses, history.aux_losses
     steps_run = cfg.steps - history.start_step
     return {
-        "model": validated.spec.family,
+        "model": family,
         "mesh": {"pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep},
         "layout": plan.layout(),
         "plan": plan.to_json(),  # every layout decision of the run, as validate() made it (trainer/plan.py)
