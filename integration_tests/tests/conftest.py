@@ -78,16 +78,23 @@ class Run:
 
 
 def launch(
-    args: list[str], *, nproc: int, out: Path, env: dict[str, str] | None = None, timeout: float = LAUNCH_TIMEOUT_S
+    args: list[str],
+    *,
+    nproc: int,
+    out: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = LAUNCH_TIMEOUT_S,
+    script: Path = TRAIN,
 ) -> Run:
-    """Run train.py with `nproc` processes (torchrun for > 1, plain python for 1) and wait for it."""
+    """Run train.py (or another entry `script` that calls `trainer.loop.main`) with `nproc` processes (torchrun for
+    > 1, plain python for 1) and wait for it."""
     full_args = [*args, "--out", str(out)]
     if nproc == 1:
-        command = [sys.executable, str(TRAIN), *full_args]
+        command = [sys.executable, str(script), *full_args]
     else:
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            str(TRAIN), *full_args,
+            str(script), *full_args,
         ]  # fmt: skip
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     started = time.perf_counter()

@@ -99,8 +99,10 @@ def test_any_causal_lm_is_accepted_at_pp1_with_the_attention_it_supports(folders
 
     class_name, attention, layers_found = SWEEP[name]
     cfg = parse_args([*FOLDER, "--model-path", str(_folder(name, folders)), "--out", str(folders / f"out-{name}")])
-    _, model, _, _, plan = validate(cfg, world_size=1)
-    assert (type(model).__name__, attn_implementation(model), plan) == (class_name, attention, None)
+    validated = validate(cfg, world_size=1)
+    model, plan = validated.model, validated.plan
+    assert (type(model).__name__, attn_implementation(model), plan.pipeline) == (class_name, attention, None)
+    assert plan.attn_implementation == attention
     assert (decoder_layers(model) is not None) == layers_found
     # FSDP2 groups: the decoder layers where found, else transformers' own layer classes
     assert fsdp_grouping(model) == ("decoder layers" if layers_found else "_no_split_modules")
@@ -139,7 +141,7 @@ def test_per_layer_features_are_refused_up_front_with_a_hint_the_cli_can_follow(
 def test_per_layer_features_still_run_where_the_layers_are_found(folders: Path) -> None:
     """Gemma2 (eager attention, layers at model.layers) keeps --activation-checkpointing."""
     args = [*FOLDER, "--model-path", str(_folder("gemma2", folders)), "--out", str(folders / "ac")]
-    _, model, *_ = validate(parse_args([*args, "--activation-checkpointing"]), world_size=1)
+    model = validate(parse_args([*args, "--activation-checkpointing"]), world_size=1).model
     assert type(model).__name__ == "Gemma2ForCausalLM"
 
 
@@ -148,7 +150,7 @@ def test_a_model_without_any_known_layers_is_one_fsdp_group() -> None:
 
     model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8))
     assert (fsdp_grouping(model), _layer_modules(model)) == ("root", [])
-    (note,) = layer_notes(model)
+    (note,) = layer_notes(model, grouping=fsdp_grouping(model))
     assert "Sequential: am-pipelining cannot find its decoder layers" in note
     assert "FSDP2 one group for the whole model" in note
 

@@ -16,8 +16,8 @@ from trainer.validation import BadInput, validate
 def test_val_fraction_holds_out_the_tail_of_the_data(tmp_path: Path) -> None:
     args = [*TINY_ARGS, "--model", "llama", "--val-every", "2", "--val-fraction", "0.25", "--out", str(tmp_path)]
     cfg = parse_args(args)
-    _, _, corpus, _, _ = validate(cfg, world_size=1)
-    whole = validate(parse_args([*TINY_ARGS, "--model", "llama", "--out", str(tmp_path)]), world_size=1)[2].train
+    corpus = validate(cfg, world_size=1).corpus
+    whole = validate(parse_args([*TINY_ARGS, "--model", "llama", "--out", str(tmp_path)]), world_size=1).corpus.train
     assert corpus.val is not None
     assert torch.equal(torch.cat([corpus.train, corpus.val]), whole)
     assert corpus.val.numel() == round(whole.numel() * 0.25)
@@ -58,8 +58,8 @@ def test_incomplete_or_contradictory_validation_requests_are_refused(tmp_path: P
 def test_validation_runs_in_eval_mode_so_dropout_does_not_change_the_loss(one_rank_group) -> None:
     """Issue 22 item 4: a model with dropout (HF Llama, attention dropout 0.5) gets, from `evaluate` through the
     loop's forward-only path, exactly the loss of its eval-mode single forward, and goes back to training mode."""
+    from trainer.batch_step import forward_backward
     from trainer.evaluation import evaluate
-    from trainer.loop import _forward_backward
     from trainer.models import build_model, preset_spec
     from trainer.step_parts import TokenSumLoss
 
@@ -77,7 +77,7 @@ def test_validation_runs_in_eval_mode_so_dropout_does_not_change_the_loss(one_ra
     loss_module = PipelineCausalLMLoss(loss_fn, model=model)
 
     def run_batch(inputs: torch.Tensor, labels: torch.Tensor, *, train: bool) -> torch.Tensor:
-        return _forward_backward(model, loss_module, inputs, labels, cfg=cfg, mesh=None, backward=train)
+        return forward_backward(model, loss_module, inputs, labels, microbatch_size=cfg.microbatch_size, backward=train)
 
     validation = evaluate(batches, run_batch=run_batch, loss_fn=loss_fn, model_parts=[model])
     assert all(m.training for m in model.modules()), "back in training mode"

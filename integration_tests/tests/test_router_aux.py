@@ -141,7 +141,8 @@ def test_mixtral_trains_on_its_own_objective_at_dp2_with_microbatches_as_in_one_
     _save_mixtral(folder)
     args = [*without_preset_sizes(PARITY), "--model-path", str(folder)]
     cfg = parse_args([*args, "--out", str(tmp_path / "oracle")])
-    _, model, corpus, _, _ = validate(cfg, world_size=1)
+    validated = validate(cfg, world_size=1)
+    model, corpus = validated.model, validated.corpus
     inputs, labels = BatchStream(corpus.train, seq_len=cfg.seq_len, global_batch=cfg.global_batch).next_batch()
     with torch.no_grad():
         own = model.train()(input_ids=inputs, labels=labels, shift_labels=labels, output_router_logits=True)
@@ -204,5 +205,5 @@ def test_a_router_loss_of_another_rule_is_refused_before_any_process_group() -> 
     assert 'set "output_router_logits": false' in problem
     from trainer.config import parse_args
 
-    assert router_aux_model_problems(parse_args(["--pp", "1"]), model) == [problem]
+    assert router_aux_model_problems(parse_args(["--pp", "1"]), model, router_aux=None) == [problem]
     assert router_aux_problems(_tiny("mixtral")) == []

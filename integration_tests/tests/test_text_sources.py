@@ -62,7 +62,8 @@ def test_data_kinds() -> None:
 def test_preset_takes_the_tokenizer_vocabulary_and_a_folder_model_must_cover_it(tmp_path: Path, text_corpus) -> None:
     out = tmp_path / "out"
     args = [*TINY_ARGS, "--model", "llama", "--tokenizer", str(text_corpus["tokenizer"]), "--out", str(out)]
-    spec, model, corpus, _, _ = validate(parse_args([*args, "--data", str(text_corpus["jsonl"])]), world_size=1)
+    validated = validate(parse_args([*args, "--data", str(text_corpus["jsonl"])]), world_size=1)
+    spec, model, corpus = validated.spec, validated.model, validated.corpus
     assert spec.vocab_size == 400
     assert model.get_input_embeddings().weight.shape[0] == 400
     assert int(corpus.train.max()) < 400

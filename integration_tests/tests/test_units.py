@@ -218,14 +218,16 @@ def test_validate_lists_every_cp_problem_at_once_before_any_process_group() -> N
 
 
 def test_ep_problems_name_the_layout_in_cli_terms() -> None:
-    """--ep is carved out of dp x cp: it must divide dp x cp (am-moe's `plan_expert_parallel`, in CLI terms), and it
-    adds no processes (the world size stays pp x dp x cp)."""
-    from trainer.config import ep_problems
+    """--ep is carved out of dp x cp: it must divide dp x cp (am-moe's `plan_expert_parallel`, in CLI terms, asked
+    once by `expert_parallel_plan`, whose plan the run plan keeps), and it adds no processes (the world size stays
+    pp x dp x cp)."""
+    from trainer.config import expert_parallel_plan
 
     good = parse_args(["--dp", "2", "--cp", "2", "--ep", "4"])
     assert find_problems(good, world_size=4) == []
-    assert ep_problems(parse_args(["--dp", "2", "--cp", "3", "--ep", "3"])) == []
-    (problem,) = find_problems(parse_args(["--dp", "2", "--cp", "2", "--ep", "3"]), world_size=4)
+    plan, problems = expert_parallel_plan(parse_args(["--dp", "2", "--cp", "3", "--ep", "3"]))
+    assert (problems, plan.ep, plan.expert_dp) == ([], 3, 2)
+    (problem,) = expert_parallel_plan(parse_args(["--dp", "2", "--cp", "2", "--ep", "3"]))[1]
     assert "--ep 3 with --dp 2 x --cp 2: ep=3 must divide dp x cp = 4" in problem, problem
     assert "choose an --ep that divides 4" in problem
     assert find_problems(parse_args(["--ep", "0"]), world_size=1) == ["--ep=0: must be >= 1"]
@@ -322,6 +324,7 @@ def _llama_with_optimizer() -> tuple[object, torch.nn.Module, torch.optim.Optimi
 
 def _save(tmp_path, step: int, spec, model, optimizer, *, export_hf=None):  # type: ignore[no-untyped-def]
     from trainer.checkpoint import save_checkpoint
+    from trainer.plan import PRECISIONS
     from trainer.step_parts import make_hf_exporter
 
     return save_checkpoint(
@@ -330,7 +333,7 @@ def _save(tmp_path, step: int, spec, model, optimizer, *, export_hf=None):  # ty
         model_parts=[model],
         optimizers=[optimizer],
         trainer_state={"losses": []},
-        export_hf=export_hf or make_hf_exporter(spec, [model], dtype="fp32", shard_rank=0),
+        export_hf=export_hf or make_hf_exporter(spec, [model], precision=PRECISIONS["fp32"], shard_rank=0),
     )
 
 

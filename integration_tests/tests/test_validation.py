@@ -152,9 +152,9 @@ def test_model_path_with_tied_head_loads_without_lm_head_tensor(tmp_path: Path) 
     spec.save(build_model(spec, seed=0), tmp_path / "tied")
     (path,) = (tmp_path / "tied").glob("*.safetensors")
     assert "lm_head.weight" not in load_file(path)
-    _, model, *_ = validate(
+    model = validate(
         parse_args([*FOLDER, "--model-path", str(tmp_path / "tied"), "--out", str(tmp_path)]), world_size=1
-    )
+    ).model
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
@@ -222,9 +222,9 @@ def test_preset_sizes_with_a_model_path_are_refused(tmp_path: Path) -> None:
     assert find_problems(parse_args(base), world_size=1) == []
     cfg = parse_args(["--model", "llama"])
     assert (cfg.hidden_size, cfg.layers) == (None, None), "not given: the preset's defaults (64, 4) apply"
-    _, model, *_ = validate(
+    model = validate(
         parse_args(["--model", "llama", "--seq-len", "16", "--steps", "1", "--out", str(tmp_path)]), world_size=1
-    )
+    ).model
     assert (model.config.hidden_size, model.config.num_hidden_layers) == (64, 4)
 
 

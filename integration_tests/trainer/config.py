@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 MODELS = ("nemotron", "gemma4", "gemma4-moe", "llama")
-DTYPE_CHOICES = ("bf16", "bf16-pure", "fp32")  # their meaning: parallel.PRECISIONS
+DTYPE_CHOICES = ("bf16", "bf16-pure", "fp32")  # their meaning: plan.PRECISIONS
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "runs" / "default"  # integration_tests/runs/ is git-ignored
 # The presets' size when --hidden-size / --layers are not given (the options are None then, so that a --model-path
 # run, whose size its config.json sets, can refuse them when they are given).
@@ -309,7 +309,6 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
             f"the world size is {world_size} but pp x dp x cp = {cfg.pp} x {cfg.dp} x {cfg.cp} = {cfg.world_size}: "
             f"launch {cfg.world_size} processes (torchrun --nproc-per-node {cfg.world_size}) or change the sizes"
         )
-    problems += ep_problems(cfg)
     if cfg.dp >= 1 and cfg.global_batch % cfg.dp:
         problems.append(
             f"--global-batch {cfg.global_batch} is not divisible by --dp {cfg.dp}: every data-parallel replica needs "
@@ -392,28 +391,27 @@ def cp_problems(cfg: RunConfig, *, cp_layout: str | None, pad_multiple: int) -> 
     return problems
 
 
-def ep_problems(cfg: RunConfig) -> list[str]:
-    """Every problem of `--ep` with the mesh (an empty list means go), seen before any collective.
-
-    The layout rule is am-moe's `plan_expert_parallel` (ep divides dp x cp: expert parallelism is carved out of the
-    data-parallel ranks), asked here in CLI terms. Whether the model implements EP and whether its expert counts split
+def expert_parallel_plan(cfg: RunConfig) -> tuple[Any, list[str]]:
+    """(plan, problems) of `--ep` with the mesh, seen before any collective: am-moe's `plan_expert_parallel` (ep
+    divides dp x cp: expert parallelism is carved out of the data-parallel ranks), asked here in CLI terms, once
+    (validation puts the plan into the run plan). Whether the model implements EP and whether its expert counts split
     over ep are am-capabilities' rules (`validate_for_mesh` with `ep_size`; the caller adds their lines).
-    ep < 1 is reported by `find_problems`.
+
+    ep = 1 plans nothing: (None, []); so does ep < 1 or dp / cp < 1 (`find_problems` reports them).
     """
     if cfg.ep <= 1 or min(cfg.dp, cfg.cp) < 1:
-        return []
+        return None, []
     from am_moe import plan_expert_parallel
 
     try:
-        plan_expert_parallel(data_parallel_size=cfg.dp * cfg.cp, ep=cfg.ep)
+        return plan_expert_parallel(data_parallel_size=cfg.dp * cfg.cp, ep=cfg.ep), []
     except ValueError as exc:
-        return [
+        return None, [
             f"--ep {cfg.ep} with --dp {cfg.dp} x --cp {cfg.cp}: {line.strip().removeprefix('- ')}; choose an --ep "
             f"that divides {cfg.dp * cfg.cp}"
             for line in str(exc).splitlines()[1:]
             if line.strip()
         ]
-    return []
 
 
 def mesh_context(cfg: RunConfig) -> Any:

@@ -18,8 +18,9 @@ the root over dp_cp as without EP.
 Data and gradients: EP changes neither. Each dp x cp rank keeps its own data shard; the all-to-all backward brings
 every token's expert gradient home to the expert's owner, so summing over expert_dp (FSDP2, divide factor 1) covers
 every data rank exactly once, as the dense parameters' sum over dp_cp does.
-What it must not do: decide what is valid (config.ep_problems and am-capabilities do, before any collective), or name
-a model class (the experts are found through the model's hook and am-moe's `GroupedExperts`).
+What it must not do: decide what is valid (config.expert_parallel_plan and am-capabilities do, before any
+collective; the run plan carries the EP plan), or name a model class (the experts are found through the model's
+hook and am-moe's `GroupedExperts`).
 """
 
 from __future__ import annotations
@@ -33,14 +34,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 
-def build_ep_meshes(dp_cp_mesh: DeviceMesh, *, ep: int) -> tuple[DeviceMesh | None, DeviceMesh | None]:
-    """(ep mesh, expert_dp mesh) carved out of this stage's flattened "dp_cp" mesh, ep innermost; (None, None) at
-    ep = 1. Collective (creates the process groups): every rank calls it, after validation accepted `ep`."""
-    if ep <= 1:
+def build_ep_meshes(dp_cp_mesh: DeviceMesh, *, plan: Any) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """(ep mesh, expert_dp mesh) carved out of this stage's flattened "dp_cp" mesh, ep innermost, as the run plan's
+    `expert_parallel` (am-moe's `ExpertParallelPlan`) lays them out; (None, None) without one (ep = 1). Collective
+    (creates the process groups): every rank calls it, after validation made the plan."""
+    if plan is None:
         return None, None
     from am_moe import build_expert_meshes
 
-    return build_expert_meshes(dp_cp_mesh, ep=ep)
+    return build_expert_meshes(dp_cp_mesh, ep=plan.ep)
 
 
 def has_experts(model: nn.Module) -> bool:

@@ -28,14 +28,17 @@ from trainer.data import ByteTokenizer
 class ModelSpec:
     """How to build one model and save it in HF format.
 
-    `build()` returns a fresh fp32 model with this spec's random init (seeded by the caller); `save(model, folder)`
-    writes config.json + safetensors; `family` names the preset (or the folder's architecture).
+    `build()` returns a fresh fp32 model with this spec's random init (seeded by the caller), or the folder's
+    weights; `save(model, folder)` writes config.json + safetensors; `family` names the preset (or the folder's
+    architecture). `loads_weights`: `build()` reads a folder's weights (its loader checks the tensors' names
+    strictly while it loads), so a structure-only build on the meta device would skip that check.
     """
 
     family: str
     build: Callable[[], nn.Module]
     save: Callable[[nn.Module, Path], None]
     vocab_size: int
+    loads_weights: bool = False
 
 
 def _nemotron_pattern(num_layers: int) -> str:
@@ -226,7 +229,7 @@ def folder_spec(folder: str | Path) -> ModelSpec:
         def build_registered() -> nn.Module:
             return model_class.from_pretrained(folder, dtype=torch.float32)
 
-        return ModelSpec(model_type or registered.__name__, build_registered, _save_own, vocab_size)
+        return ModelSpec(model_type or registered.__name__, build_registered, _save_own, vocab_size, loads_weights=True)
 
     def build_hf() -> nn.Module:
         from transformers import AutoModelForCausalLM
@@ -241,7 +244,7 @@ def folder_spec(folder: str | Path) -> ModelSpec:
         check_loaded_keys(folder, info)
         return model
 
-    return ModelSpec(model_type or "hf", build_hf, _save_hf, vocab_size)
+    return ModelSpec(model_type or "hf", build_hf, _save_hf, vocab_size, loads_weights=True)
 
 
 # Keys a folder may lack, or hold in excess, without being refused (regular expressions on the file's key names).
@@ -290,3 +293,22 @@ def build_model(spec: ModelSpec, *, seed: int) -> nn.Module:
     model.float()
     model.train()
     return model
+
+
+def build_meta_model(spec: ModelSpec) -> nn.Module:
+    """The model's structure on the meta device, in training mode: every parameter and buffer with its shape and
+    dtype (fp32) and no storage, so validation reads the model's declarations (layers, CP layout, capabilities,
+    router) without a rank ever holding its weights. For a spec that builds without a weight folder (the presets);
+    a `loads_weights` spec is built by its loader, whose strict key check needs the load."""
+    if spec.loads_weights:
+        raise ValueError(f"{spec.family}: a model loaded from a folder is built by its loader, not on the meta device")
+    with torch.device("meta"):
+        model = spec.build()
+    model.float()
+    model.train()
+    return model
+
+
+def is_meta_model(model: nn.Module) -> bool:
+    """Whether `model` holds no weights (built by `build_meta_model`)."""
+    return any(p.is_meta for p in model.parameters())

@@ -3,7 +3,7 @@
 What it is for: the functions the train loop applies to a model, in this fixed order:
     init_distributed -> build_mesh -> apply_precision -> split_pipeline (pp > 1)
     -> expert parallelism (ep > 1; trainer/expert_parallel.py: the ep and expert_dp meshes carved out of this
-       stage's dp x cp ranks, ep innermost, and the experts sharded over ep) -> apply_fsdp (`uses_fsdp`)
+       stage's dp x cp ranks, ep innermost, and the experts sharded over ep) -> apply_fsdp (the plan's `fsdp`)
 and, when cp > 1, `shard_batch_for_cp` on every microbatch (pp = 1) or `shard_pipeline_batch_for_cp` on every step's
 batch (pp > 1). Everything model-specific is read from the model through the
 am-* protocols (keep-in-fp32 rules, pipeline hooks, the CP batch hook); nothing here names a model class.
@@ -23,13 +23,14 @@ weights are DTensors sharded over ep and FSDP2-sharded over expert_dp; every oth
 as without EP, and the data split does not change. The meshes, the order and why the gradients stay exact sums:
 trainer/expert_parallel.py.
 
-Precision (`PRECISIONS`, one rule for every layout): `--dtype bf16` (the default) is mixed precision: fp32 master
-weights, gradients and AdamW state, bf16 compute through FSDP2's `MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32)`. Without sharding (dp x cp = 1) the same FSDP2 wrap runs over a mesh of one rank: no
-communication, the identical cast-on-forward rule, so a single-process run and a sharded run compute alike.
-fp32-pinned modules (strict keep rules) are FSDP2 groups of their own with an fp32 policy: stored and computed in
-fp32. `--dtype bf16-pure` stores everything unpinned in bf16 (am-precision's `cast_model_to_dtype`), optimizer
-state included: half the memory, but an AdamW update below half a bf16 ulp of a weight is rounded away.
+Precision (the run plan's policy: trainer/plan.py's `PRECISIONS`, one rule for every layout): `--dtype bf16` (the
+default) is mixed precision: fp32 master weights, gradients and AdamW state, bf16 compute through FSDP2's
+`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`. Without sharding (dp x cp = 1) the same FSDP2 wrap runs
+over a mesh of one rank: no communication, the identical cast-on-forward rule, so a single-process run and a sharded
+run compute alike (the plan's `fsdp`). fp32-pinned modules (strict keep rules) are FSDP2 groups of their own with an
+fp32 policy: stored and computed in fp32. `--dtype bf16-pure` stores everything unpinned in bf16 (am-precision's
+`cast_model_to_dtype`), optimizer state included: half the memory, but an AdamW update below half a bf16 ulp of a
+weight is rounded away.
 
 Pipeline x context parallelism (mesh pp x dp x cp): the CP layout is the model's (contiguous for models that declare
 it; the load-balanced layout is refused with pp > 1 by config.py). The step's batch is sequence-sharded BEFORE the
@@ -50,7 +51,6 @@ peers of a group reach in the same order (induction over the schedule's actions)
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -63,37 +63,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from am_pipelining import DecoderLayers, find_layers
 from am_pipelining.layers import LAYER_PREFIX_CANDIDATES
 from am_precision import cast_model_to_dtype, fp32_keep_rules
-
-
-@dataclass(frozen=True)
-class Precision:
-    """What `--dtype` means: `storage` of parameters, gradients and optimizer state; `compute` of forward and
-    backward (activations, the dtype sent between pipeline stages); `reduce` of FSDP2's gradient reduction."""
-
-    storage: torch.dtype
-    compute: torch.dtype
-    reduce: torch.dtype
-    warning: str | None = None
-
-
-PRECISIONS = {
-    "bf16": Precision(storage=torch.float32, compute=torch.bfloat16, reduce=torch.float32),
-    "bf16-pure": Precision(
-        storage=torch.bfloat16,
-        compute=torch.bfloat16,
-        reduce=torch.float32,
-        warning="--dtype bf16-pure stores weights and AdamW state in bf16: updates below half a bf16 ulp of a weight "
-        "are rounded away (norm weights may never move); the default --dtype bf16 keeps fp32 master weights",
-    ),
-    "fp32": Precision(storage=torch.float32, compute=torch.float32, reduce=torch.float32),
-}
-
-
-def uses_fsdp(*, dtype: str, dp: int, cp: int) -> bool:
-    """Whether the model parts are wrapped with FSDP2: when sharded over dp x cp, and whenever the compute dtype is
-    not the storage dtype (mixed precision: FSDP2's cast-on-forward, over a mesh of one rank if need be)."""
-    precision = PRECISIONS[dtype]
-    return dp * cp > 1 or precision.compute != precision.storage
+from trainer.plan import Precision, RunPlan
 
 
 def init_distributed(*, timeout_s: float) -> torch.device:
@@ -124,31 +94,32 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def build_mesh(*, pp: int, dp: int, cp: int, device: torch.device) -> tuple[DeviceMesh, DeviceMesh]:
-    """One mesh with named axes ("pp", "dp", "cp"), and its flattened dp x cp axis ("dp_cp") that FSDP2 shards over
-    (torchtitan's layout: FSDP2 over dp x cp sums gradients over both)."""
-    mesh = init_device_mesh(device.type, (pp, dp, cp), mesh_dim_names=("pp", "dp", "cp"))
+def build_mesh(plan: RunPlan, *, device: torch.device) -> tuple[DeviceMesh, DeviceMesh]:
+    """One mesh with the plan's named axes ("pp", "dp", "cp") and sizes, and its flattened dp x cp axis ("dp_cp")
+    that FSDP2 shards over (torchtitan's layout: FSDP2 over dp x cp sums gradients over both)."""
+    mesh = init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=plan.mesh_axes)
     return mesh, mesh["dp", "cp"]._flatten("dp_cp")
 
 
-def apply_precision(model: nn.Module, *, dtype: str) -> None:
-    """The storage dtype of `--dtype`: bf16 (`bf16-pure`) with the model's fp32-pinned tensors kept bit-exactly
-    (am-precision), or nothing (fp32 storage: `fp32`, and the mixed-precision default `bf16`)."""
-    storage = PRECISIONS[dtype].storage
-    if storage != torch.float32:
-        cast_model_to_dtype(model, storage)
+def apply_precision(model: nn.Module, *, precision: Precision) -> None:
+    """The storage dtype of the precision policy: bf16 (`bf16-pure`) with the model's fp32-pinned tensors kept
+    bit-exactly (am-precision), or nothing (fp32 storage: `fp32`, and the mixed-precision default `bf16`)."""
+    if precision.storage != torch.float32:
+        cast_model_to_dtype(model, precision.storage)
 
 
 def split_pipeline(
-    model: nn.Module, *, mesh: DeviceMesh, plan: Any, cfg: Any, device: torch.device, seq_len: int
+    model: nn.Module, *, mesh: DeviceMesh, plan: RunPlan, device: torch.device
 ) -> tuple[list[Any], list[nn.Module]]:
-    """This rank's pipeline stages and their modules (am-pipelining), exactly as `plan` (validated before any
-    collective) lays them out, with static shapes [microbatch, seq_len] for the microbatches (`seq_len`: this rank's
-    tokens per sequence, the CP shard's length when cp > 1). The model's hooks (e.g. Nemotron's `mtp` on the last
-    stage) are honoured by am-pipelining."""
+    """This rank's pipeline stages and their modules (am-pipelining), exactly as `plan.pipeline` (validated before
+    any collective) lays them out, with static shapes [microbatch, plan.local_seq_len] for the microbatches (this
+    rank's tokens per sequence: the CP shard's length when cp > 1) in the compute dtype. The model's hooks (e.g.
+    Nemotron's `mtp` on the last stage) are honoured by am-pipelining."""
     from am_pipelining import build_stages
 
-    return build_stages(model, mesh, plan, device=device, seq_len=seq_len, dtype=PRECISIONS[cfg.dtype].compute)
+    return build_stages(
+        model, mesh, plan.pipeline, device=device, seq_len=plan.local_seq_len, dtype=plan.precision.compute
+    )
 
 
 def _strict_fp32_modules(model: nn.Module) -> list[nn.Module]:
@@ -217,10 +188,9 @@ def fsdp_grouping(model: nn.Module) -> str:
     return "_no_split_modules" if _no_split_layers(model) else "root"
 
 
-def layer_notes(model: nn.Module) -> list[str]:
+def layer_notes(model: nn.Module, *, grouping: str) -> list[str]:
     """What a run of a model whose decoder layers cannot be found does instead (printed on rank 0 before training):
-    [] when `find_layers` finds them."""
-    grouping = fsdp_grouping(model)
+    [] when `find_layers` finds them. `grouping`: the plan's `fsdp_grouping(model)`."""
     if grouping == "decoder layers":
         return []
     how = (
@@ -254,14 +224,14 @@ def _layer_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp(
-    model: nn.Module, *, shard_mesh: DeviceMesh, dtype: str, expert_mesh: DeviceMesh | None = None
+    model: nn.Module, *, shard_mesh: DeviceMesh, precision: Precision, expert_mesh: DeviceMesh | None = None
 ) -> nn.Module:
     """FSDP2 over the flattened "dp_cp" axis: fp32-pinned modules, then the experts (under EP), then each layer,
     then the root.
 
     Strict-fp32 modules get their own group with an fp32 policy (FSDP2 all-gathers a group in one dtype, so they
     must not share a group with bf16 weights), kept unsharded from forward to backward; everything else computes in
-    the compute dtype of `dtype` (`PRECISIONS`) and reduces gradients in fp32. A mesh of one rank is fine: then this
+    `precision.compute` and reduces gradients in `precision.reduce` (fp32). A mesh of one rank is fine: then this
     is only the mixed-precision cast-on-forward.
     Under expert parallelism (`expert_mesh`: the expert_dp mesh of trainer/expert_parallel.py, the experts already
     sharded over ep) the experts are groups of their own over `expert_mesh` (am-moe's `fully_shard_experts`, same
@@ -269,7 +239,6 @@ def apply_fsdp(
     Gradients are SUMMED over dp_cp, and the experts' over expert_dp (divide factor 1): the loss is already
     normalized by the global token count.
     """
-    precision = PRECISIONS[dtype]
     policy = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=precision.reduce)
     fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for module in _strict_fp32_modules(model):
@@ -305,14 +274,6 @@ def cp_pad_multiple(model: nn.Module) -> int:
 
     options = model_cp_options(model)
     return options.pad_multiple if options is not None else 2
-
-
-def cp_local_seq_len(model: nn.Module, *, seq_len: int, cp: int) -> int:
-    """Tokens per rank and sequence after CP sharding (the static sequence length of the pipeline stages): the one
-    rule of am-context-parallel, which the models' `cp_problems` hooks are also given."""
-    from am_context_parallel import cp_local_seq_len as local_seq_len
-
-    return local_seq_len(model, seq_len=seq_len, cp_size=cp)
 
 
 def shard_batch_for_cp(model: nn.Module, batch: dict[str, torch.Tensor], *, mesh: DeviceMesh) -> tuple[Any, dict]:

@@ -1,5 +1,5 @@
-"""Progress for the reference trainer: a rank-0 progress bar, a loss-curve PNG (training and validation loss) and a
-one-line summary.
+"""Progress for the reference trainer: a rank-0 progress bar, a loss-curve PNG (training and validation loss) and the
+run summary (summary.json's content, with the run plan).
 
 What it must not do: print from ranks other than 0, or fail a run because matplotlib is missing (the curve is then
 skipped with a note).
@@ -10,6 +10,12 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.config import RunConfig
+    from trainer.loop import History
+    from trainer.plan import RunPlan
 
 
 class Progress:
@@ -114,3 +120,53 @@ def save_loss_curve(
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def run_summary(
+    cfg: RunConfig, plan: RunPlan, history: History, *, family: str, last_ckpt: Path | None
+) -> dict[str, Any]:
+    """summary.json's content (rank 0, after the last step): the model, the plan and its layout, the losses and
+    histories, the feature options, throughput and the last checkpoint (the loss curve's path is added by the
+    caller)."""
+    from trainer.tb_logging import tensorboard_dir
+
+    router = plan.router_aux
+    losses, val_losses, aux = history.losses, history.val_losses, history.aux_losses
+    steps_run = cfg.steps - history.start_step
+    return {
+        "model": family,
+        "mesh": {"pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep},
+        "layout": plan.layout(),
+        "plan": plan.to_json(),  # every layout decision of the run, as validate() made it (trainer/plan.py)
+        "schedule": plan.pipeline.schedule if plan.is_pipeline else None,
+        "dtype": plan.dtype,
+        # what --dtype meant: parameters / grads / AdamW state, forward-backward, FSDP2 reduction
+        "precision": plan.precision.to_json(),
+        "steps": cfg.steps,
+        "resumed_from": history.start_step or None,
+        "losses": [loss for _, loss, _ in losses],
+        "grad_norms": [norm for _, _, norm in losses],
+        "expert_imbalance": history.imbalances if plan.moe or router else None,
+        # router models (pp = 1): the load-balancing loss per applied step, unscaled (as transformers' aux_loss);
+        # `losses` include router_aux_loss_coef x it when the model's config adds it (`aux_loss_coef`)
+        "aux_losses": aux if router else None,
+        "final_aux_loss": aux[-1] if router and aux else None,
+        "aux_loss_coef": router.coef if router else None,
+        "first_loss": losses[0][1] if losses else None,
+        "final_loss": losses[-1][1] if losses else None,
+        "val_losses": [list(entry) for entry in val_losses],  # [step, validation loss]
+        "final_val_loss": val_losses[-1][1] if val_losses else None,
+        # steps whose update was dropped for a non-finite loss or gradient norm (--skip-nonfinite-steps)
+        "skipped_steps": history.guard.skipped,
+        "skip_nonfinite_steps": cfg.skip_nonfinite_steps,
+        "optimizer": cfg.optimizer,
+        "lr_schedule": cfg.lr_schedule,
+        "activation_checkpointing": cfg.activation_checkpointing,
+        "compile": cfg.compile,
+        "attn_implementation": plan.attn_implementation,  # "sdpa" where the model supports it, else e.g. "eager"
+        "fsdp_groups": plan.fsdp_grouping if plan.fsdp else None,
+        "tensorboard": str(folder) if (folder := tensorboard_dir(cfg)) else None,
+        "tokens_per_s": steps_run * plan.global_batch * plan.seq_len / max(history.wall_s, 1e-9),
+        "wall_s": history.wall_s,
+        "checkpoint": str(last_ckpt) if last_ckpt else None,
+    }

@@ -22,6 +22,7 @@ from torch import nn
 from am_moe import quiet_expert_gathers
 from trainer.models import ModelSpec
 from trainer.parallel import apply_precision
+from trainer.plan import Precision, RouterAuxPlan
 
 
 class TokenSumLoss:
@@ -136,6 +137,11 @@ class RouterAuxLoss:
         self.last_imbalance: float | None = None  # the last step's worst layer max / mean tokens per expert
 
     @classmethod
+    def from_plan(cls, plan: RouterAuxPlan, *, group: Any = None) -> RouterAuxLoss:
+        """The loss the run plan's `router_aux` describes, reduced over `group` (dp x cp)."""
+        return cls(num_experts=plan.num_experts, top_k=plan.top_k, coef=plan.coef, group=group)
+
+    @classmethod
     def for_model(cls, model: nn.Module, *, group: Any = None) -> RouterAuxLoss | None:
         spec = router_aux_spec(model)
         if spec is None:
@@ -245,7 +251,7 @@ def _full_state_dict(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     return full
 
 
-def make_hf_exporter(spec: ModelSpec, parts: list[nn.Module], *, dtype: str, shard_rank: int) -> Any:
+def make_hf_exporter(spec: ModelSpec, parts: list[nn.Module], *, precision: Precision, shard_rank: int) -> Any:
     """`export(folder)`: collective; rank 0 writes the whole model as an HF-format folder.
 
     Every rank gathers its parts' full weights (FSDP2 all-gather); one rank per pipeline stage (dp_cp rank 0) sends
@@ -264,7 +270,7 @@ def make_hf_exporter(spec: ModelSpec, parts: list[nn.Module], *, dtype: str, sha
         for piece in gathered:
             merged.update(piece)
         fresh = spec.build()
-        apply_precision(fresh, dtype=dtype)
+        apply_precision(fresh, precision=precision)
         fresh.load_state_dict(merged, strict=True)
         spec.save(fresh, folder)
 

@@ -1,16 +1,17 @@
-"""Everything the reference trainer checks before any process group exists: one message, exit code 2.
+"""Everything the reference trainer checks before any process group exists: one message, exit code 2; then the plan.
 
 What it is for: `validate(cfg, world_size=...)` runs on every rank before `init_process_group`, so a run that
 cannot go ends on every rank with the same message listing every problem: the arguments (`config.find_problems`),
-the `--out` folder (writable; holds no checkpoints unless `--resume` or `--overwrite`), the model (built here: an
-HF folder must supply every tensor), the pipeline plan against its layers (am-pipelining; a model whose decoder
-layers cannot be found is refused only for the features that need them: --pp > 1, --activation-checkpointing,
---compile), the mesh against its capabilities (am-capabilities), what the model cannot honour under `--cp` (its
-`cp_problems` hook, through am-context-parallel), a NaN / inf tensor in a `--model-path` folder (tensor and file
-named), the data and the checkpoint to resume (sha256 manifest; the layout, model and data options must match,
-while the optimizer's numbers and `--steps` may change: `resume_changes` words the warnings the loop prints); and
-for the training features: the tokenizer against the model's vocabulary, the held-out data, activation
-checkpointing against the model's capabilities, and a pipeline schedule that can evaluate.
+the `--out` folder (writable; holds no checkpoints unless `--resume` or `--overwrite`), the model (a preset built on
+the meta device, without weights; an HF folder loaded, and it must supply every tensor), the pipeline plan against
+its layers (am-pipelining; a model whose decoder layers cannot be found is refused only for the features that need
+them: --pp > 1, --activation-checkpointing, --compile), the expert-parallel plan (am-moe), the mesh against its
+capabilities (am-capabilities), what the model cannot honour under `--cp` (its `cp_problems` hook, through
+am-context-parallel), a NaN / inf tensor in a `--model-path` folder (tensor and file named), the data and the
+checkpoint to resume (sha256 manifest; the layout, model and data options must match, while the optimizer's numbers
+and `--steps` may change: `resume_changes` words the warnings the loop prints); and for the training features: the
+tokenizer against the model's vocabulary, the held-out data, activation checkpointing against the model's
+capabilities, and a pipeline schedule that can evaluate. Then it makes the run plan (trainer/plan.py), once.
 What it must not do: touch torch.distributed, or decide a rule that another module owns (it asks them).
 """
 
@@ -30,14 +31,16 @@ from trainer.config import (
     PRESET_LAYERS,
     RunConfig,
     cp_problems,
+    expert_parallel_plan,
     find_problems,
     mesh_context,
     pipeline_plan,
 )
 from trainer.data import Corpus, load_tokens
 from trainer.guards import model_path_nonfinite_problems, nonfinite_parameters
-from trainer.models import ModelSpec, build_model, folder_spec, preset_spec
+from trainer.models import ModelSpec, build_meta_model, build_model, folder_spec, preset_spec
 from trainer.parallel import cp_layout_name, cp_pad_multiple, decoder_layers, layer_feature_problems
+from trainer.plan import ValidatedRun, make_plan
 
 EXIT_BAD_INPUT = 2
 
@@ -167,15 +170,20 @@ def model_pp_limits(cfg: RunConfig, model: nn.Module) -> list[str]:
     return [f"--pp {cfg.pp}: {type(model).__name__}: {problem}" for problem in forward_reproduction_problems(model)]
 
 
-def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, Corpus, Path | None, Any]:
-    """Everything checkable without a process group. Returns (spec, fp32 model, corpus (training and held-out
-    tokens), resume folder, pipeline plan or None for pp = 1).
+def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
+    """Everything checkable without a process group, and the run plan made from it (trainer/plan.py).
+
+    Returns:
+        ValidatedRun: the frozen `RunPlan` (the only layout the build and step functions read), the model spec, the
+        model the checks ran on (a preset: on the meta device, no weights; a `--model-path` folder: loaded, fp32),
+        the corpus (training and held-out tokens), and the resume folder or None.
 
     Raises:
         BadInput: listing every problem found (arguments, --out, the model and its folder, the pipeline plan
             against the model's layers, mesh vs model capabilities, data, checkpoint).
     """
     from am_capabilities import validate_for_mesh
+    from trainer.step_parts import router_aux_spec
 
     problems = find_problems(cfg, world_size=world_size)
     problems += out_problems(cfg)
@@ -184,7 +192,9 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
     spec = model = None
     try:
         spec = model_spec(cfg, vocab_size=_tokenizer_vocab(tokenizer))
-        model = build_model(spec, seed=cfg.seed)
+        # A preset is checked on the meta device (no weights: a rank never holds a whole model here); a folder is
+        # loaded, because its loader's strict key check (every tensor present, none unexpected) is the load.
+        model = build_model(spec, seed=cfg.seed) if spec.loads_weights else build_meta_model(spec)
     except Exception as exc:  # a broken --model-path folder or preset: report it with the rest
         problems.append(f"cannot build the model: {type(exc).__name__}: {exc}")
     if model is not None and cfg.model_path is not None:
@@ -194,8 +204,10 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
         layers = decoder_layers(model)
         num_layers = layers.num_layers if layers is not None else None
         problems += layer_feature_problems(model, cfg)
-    plan, plan_problems = pipeline_plan(cfg, num_layers=num_layers)
-    problems += plan_problems
+    pipeline, found = pipeline_plan(cfg, num_layers=num_layers)
+    problems += found
+    expert_parallel, found = expert_parallel_plan(cfg)
+    problems += found
     cp_layout, pad_multiple = None, 2
     if model is not None and cfg.cp > 1:
         try:
@@ -213,7 +225,8 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
         except ValueError as exc:
             problems.extend(line.strip().removeprefix("- ") for line in str(exc).splitlines()[1:] if line.strip())
     problems += vocab_problems(cfg, tokenizer=tokenizer, spec=spec)
-    problems += _feature_model_problems(cfg, model=model, plan=plan)
+    router_aux = router_aux_spec(model) if model is not None else None
+    problems += _feature_model_problems(cfg, model=model, plan=pipeline, router_aux=router_aux)
     vocab = spec.vocab_size if spec is not None else (_tokenizer_vocab(tokenizer) or 256)
     tokens, found = data_problems(cfg, vocab_size=vocab, tokenizer=tokenizer)
     problems += found
@@ -233,7 +246,17 @@ def validate(cfg: RunConfig, *, world_size: int) -> tuple[ModelSpec, nn.Module, 
     assert spec is not None
     assert model is not None
     assert tokens is not None
-    return spec, model, tokens, resume_dir, plan
+    plan = make_plan(
+        cfg,
+        model,
+        pipeline=pipeline,
+        expert_parallel=expert_parallel,
+        cp_layout=cp_layout,
+        pad_multiple=pad_multiple,
+        num_layers=num_layers,
+        router_aux=router_aux,
+    )
+    return ValidatedRun(plan=plan, spec=spec, model=model, corpus=tokens, resume_dir=resume_dir)
 
 
 _MUST_MATCH_ON_RESUME = (
@@ -288,30 +311,34 @@ def _tokenizer_vocab(tokenizer: Any) -> int | None:
     return tokenizer_vocab_size(tokenizer) if tokenizer is not None else None
 
 
-def _feature_model_problems(cfg: RunConfig, *, model: nn.Module | None, plan: Any) -> list[str]:
-    """Feature options against the model and the pipeline: activation checkpointing (am-capabilities' rule) and a
-    schedule that can evaluate (`--val-every` at pp > 1)."""
+def _feature_model_problems(
+    cfg: RunConfig, *, model: nn.Module | None, plan: Any, router_aux: tuple[int, int, float, bool] | None
+) -> list[str]:
+    """Feature options against the model and the pipeline: activation checkpointing (am-capabilities' rule), a
+    schedule that can evaluate (`--val-every` at pp > 1), and the router's auxiliary loss (`router_aux`: its spec)."""
     from trainer.evaluation import pipeline_eval_problems
     from trainer.layer_wrappers import activation_checkpointing_problems
 
-    problems = pipeline_eval_problems(cfg, plan) + router_aux_model_problems(cfg, model)
+    problems = pipeline_eval_problems(cfg, plan) + router_aux_model_problems(cfg, model, router_aux=router_aux)
     if cfg.activation_checkpointing and model is not None and min(cfg.pp, cfg.dp, cfg.cp, cfg.ep) >= 1:
         problems += activation_checkpointing_problems(model, mesh=mesh_context(cfg))
     return problems
 
 
-def router_aux_model_problems(cfg: RunConfig, model: nn.Module | None) -> list[str]:
+def router_aux_model_problems(
+    cfg: RunConfig, model: nn.Module | None, *, router_aux: tuple[int, int, float, bool] | None
+) -> list[str]:
     """A transformers MoE model whose training objective includes a router loss the trainer cannot reproduce
     (`router_aux_problems`), or includes its load-balancing loss at `--pp > 1`: refused rather than dropping the
     term. The load-balancing loss needs the top-k counts of every layer over the whole global batch before any
     backward, which a pipeline schedule (a stage's backward runs before the other microbatches' forwards, and each
-    stage holds only its own layers) does not provide."""
-    from trainer.step_parts import router_aux_problems, router_aux_spec
+    stage holds only its own layers) does not provide. `router_aux`: step_parts' `router_aux_spec(model)`."""
+    from trainer.step_parts import router_aux_problems
 
     if model is None:
         return []
     problems = router_aux_problems(model)
-    spec = router_aux_spec(model) if cfg.pp > 1 else None
+    spec = router_aux if cfg.pp > 1 else None
     if spec is None or not spec[3]:
         return problems
     return [

@@ -1,0 +1,58 @@
+"""Test-only hooks of the reference trainer, switched on by environment variables (never by an option).
+
+What it is for: `AM_TRAIN_FAIL_AT_STEP=<step> AM_TRAIN_FAIL_RANK=<rank> AM_TRAIN_FAIL_MODE=raise|sigkill` makes that
+rank raise (or SIGKILL itself) when the step starts (`maybe_inject_fault`: the fault tests); `AM_TRAIN_FP32_REPORT=
+<folder>` makes every rank write its fp32-pinned tensors after the FSDP2 wrap (`dump_fp32_tensors`: the fp32
+contract's test).
+What it must not do: change a run in which these variables are unset.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def maybe_inject_fault(step: int, rank: int) -> None:
+    if os.environ.get("AM_TRAIN_FAIL_AT_STEP") != str(step) or os.environ.get("AM_TRAIN_FAIL_RANK", "0") != str(rank):
+        return
+    print(f"[rank {rank}] injecting a fault at step {step}, time {time.time():.3f}", file=sys.stderr, flush=True)
+    if os.environ.get("AM_TRAIN_FAIL_MODE", "raise") == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected fault on rank {rank} at step {step} (AM_TRAIN_FAIL_AT_STEP)")
+
+
+def dump_fp32_tensors(parts: list[nn.Module], folder: str, rank: int, *, storage_dtype: torch.dtype) -> None:
+    """Write this rank's fp32-pinned tensors (full values, gathered from their FSDP2 shards), their dtypes, and the
+    fp32 contract's violations (am-precision's report, unpinned tensors checked against `storage_dtype`)."""
+    from torch.distributed.tensor import DTensor
+
+    from am_precision import fp32_report
+
+    facts: dict[str, Any] = {"_violations": []}
+    for part in parts:
+        report = fp32_report(part, storage_dtype=storage_dtype)
+        tensors = dict(part.named_parameters()) | dict(part.named_buffers())
+        for entry in report.entries:
+            if entry.rule is None:
+                continue
+            tensor = tensors[entry.name]
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            facts[entry.name] = {
+                "dtype": str(tensor.dtype),
+                "dtensor": isinstance(tensor, DTensor),
+                "value": full.detach().cpu().clone(),
+            }
+        facts["_violations"] += [str(v.name) for v in report.violations]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    torch.save(facts, Path(folder) / f"fp32_rank{rank}.pt")
+
+
+__all__ = ["dump_fp32_tensors", "maybe_inject_fault"]
