@@ -253,40 +253,16 @@ class AttentionKernel(nn.Module):
         dropout_p: float,
         enable_gqa: bool,
     ) -> torch.Tensor:
+        # one set of SDPA keywords for every kernel that takes them (the cuDNN and TE paths take them positionally)
+        options: dict[str, Any] = dict(
+            attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa
+        )
         if self.attn == "sdpa":
-            return F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=attn_mask,
-                is_causal=is_causal,
-                scale=scale,
-                dropout_p=dropout_p,
-                enable_gqa=enable_gqa,
-            )
+            return F.scaled_dot_product_attention(q, k, v, **options)
         if self.attn == "eager":
-            return eager_attention(
-                q,
-                k,
-                v,
-                attn_mask=attn_mask,
-                is_causal=is_causal,
-                scale=scale,
-                dropout_p=dropout_p,
-                enable_gqa=enable_gqa,
-            )
+            return eager_attention(q, k, v, **options)
         if self.attn == "flex":
-            return _flex_attention(
-                q,
-                k,
-                v,
-                attn_mask=attn_mask,
-                is_causal=is_causal,
-                scale=scale,
-                dropout_p=dropout_p,
-                enable_gqa=enable_gqa,
-                compiled=q.device.type == "cuda" and not self.compile_attn,
-            )
+            return _flex_attention(q, k, v, **options, compiled=q.device.type == "cuda" and not self.compile_attn)
         if self.attn == "cudnn":
             return self._cudnn(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa)
         return self._te(q, k, v, attn_mask, is_causal, scale, dropout_p)
