@@ -281,3 +281,25 @@ def test_attention_the_ring_cannot_honour_is_refused_before_the_process_group(tm
     folder = _hf_folder(tmp_path / "llama", config)
     message = _refusal([*FOLDER, "--model-path", str(folder), "--cp", "2", "--out", str(tmp_path / "o")], world_size=2)
     assert "--cp 2: LlamaForCausalLM: attention dropout [0.1] is not supported by ring attention" in message
+
+
+@pytest.mark.parametrize(
+    ("preset", "tensor"),
+    [("llama", "model.layers.0.mlp.up_proj.weight"), ("nemotron", "backbone.layers.0.mixer.out_proj.weight")],
+)
+def test_model_path_tensor_of_the_wrong_shape_is_named_with_both_shapes(
+    tmp_path: Path, preset: str, tensor: str
+) -> None:
+    """Issue 22 item 8: not transformers' "look at the above report", but the tensor, the file's shape and the
+    model's, in the one refusal."""
+    folder = _saved_folder(preset, tmp_path / "model")
+    (path,) = folder.glob("*.safetensors")
+    tensors = load_file(path)
+    model_shape = list(tensors[tensor].shape)
+    tensors[tensor] = torch.zeros(model_shape[0] + 4, *model_shape[1:])
+    save_file(tensors, path, metadata={"format": "pt"})
+    message = _refusal([*FOLDER, "--model-path", str(folder), "--out", str(tmp_path / "out")])
+    assert "above report" not in message, message
+    assert tensor in message, message
+    wrong = (model_shape[0] + 4, *model_shape[1:])
+    assert f"{tensor}: checkpoint {wrong} vs model {tuple(model_shape)}" in message, message

@@ -239,6 +239,9 @@ def folder_spec(folder: str | Path) -> ModelSpec:
             dtype=torch.float32,
             attn_implementation=hf_attention_implementation(folder),
             output_loading_info=True,
+            # report a tensor of the wrong shape in the loading info (refused below, named with both shapes) instead
+            # of raising "look at the above report" from inside transformers
+            ignore_mismatched_sizes=True,
         )
         model, info = loaded  # (model, loading info) with output_loading_info=True
         check_loaded_keys(folder, info)
@@ -269,7 +272,7 @@ def check_loaded_keys(folder: Path, info: dict[str, Any]) -> None:
 
     missing = sorted(k for k in info.get("missing_keys", ()) if not allowed(k, ALLOWED_MISSING))
     unexpected = sorted(k for k in info.get("unexpected_keys", ()) if not allowed(k, ALLOWED_UNEXPECTED))
-    mismatched = sorted(str(entry) for entry in info.get("mismatched_keys", ()))
+    mismatched = sorted(_mismatch_text(entry) for entry in info.get("mismatched_keys", ()))
     parts = [
         f"{label} ({len(keys)}): {keys}"
         for label, keys in (
@@ -284,6 +287,15 @@ def check_loaded_keys(folder: Path, info: dict[str, Any]) -> None:
             f"--model-path {folder} does not hold exactly the tensors of the model its config.json describes (a "
             "missing tensor would train from a random init): " + "; ".join(parts)
         )
+
+
+def _mismatch_text(entry: Any) -> str:
+    """One of transformers' `mismatched_keys` entries, `(key, file shape, model shape)`, as `key: checkpoint (..) vs
+    model (..)`, the form our model packages' strict loaders use (any other form as it prints)."""
+    if isinstance(entry, tuple) and len(entry) == 3:
+        key, file_shape, model_shape = entry
+        return f"{key}: checkpoint {tuple(file_shape)} vs model {tuple(model_shape)}"
+    return str(entry)
 
 
 def build_model(spec: ModelSpec, *, seed: int) -> nn.Module:
