@@ -143,7 +143,7 @@ def _train(model: torch.nn.Module, vocab: int, params_count: int, peak: float | 
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     step = statistics.median(times[1:])
     tokens = BATCH * SEQ
     flops = 6 * params_count * tokens  # forward + backward of the dense-equivalent parameters (MoE: an upper bound)
@@ -162,6 +162,13 @@ def _run_model(name: str, peak: float | None) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     reference_loss = None
+    # The first model trained in a process pays for CUDA context, cuBLAS / cuDNN handles and allocator growth in
+    # more than its first step (on an H200 the first reference ran 2x slower than the same kernels right after it),
+    # so one untimed reference run warms the process before any run is measured.
+    model, vocab = MODELS[name](_backend({}))
+    _train(model.to(device="cuda", dtype=torch.bfloat16).train(), vocab, 1, peak)
+    del model
+    torch.cuda.empty_cache()
     for run, fields in _variants().items():
         try:
             backend = _backend(fields)
