@@ -441,7 +441,7 @@ def test_attached_model_is_freed_by_reference_counting():
         assert alive() is None
     finally:
         gc.enable()
-    with pytest.raises(ReferenceError, match="garbage-collected.*Fix: keep a reference to the model"):
+    with pytest.raises(ReferenceError, match=r"garbage-collected.*Fix: keep a reference to the model"):
         _ = supports.supports_tp
 
 
