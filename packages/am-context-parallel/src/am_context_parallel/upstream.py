@@ -31,11 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .batch import shard_cp_batch
+
 # upstream's name, private there too: importable by name (`from am_context_parallel.upstream import ...`), not in
 # `__all__`
-from .batch import _synthesize_single_document_seq_ids as _synthesize_single_document_seq_ids
-from .batch import contiguous_shard, shard_cp_batch
+from .batch_keys import _synthesize_single_document_seq_ids as _synthesize_single_document_seq_ids
 from .context import RingAttentionContext, current_ring_context
+from .contiguous import contiguous_shard
 from .hf import RING_ATTENTION_NAME, hf_ring_attention_forward
 from .layouts import LoadBalancedLayout
 from .mesh import cp_rank
