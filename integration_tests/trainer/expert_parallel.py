@@ -42,7 +42,7 @@ def build_ep_meshes(dp_cp_mesh: DeviceMesh, *, plan: Any) -> tuple[DeviceMesh | 
         return None, None
     from am_moe import build_expert_meshes
 
-    return build_expert_meshes(dp_cp_mesh, ep=plan.ep)
+    return build_expert_meshes(dp_cp_mesh, plan)
 
 
 def has_experts(model: nn.Module) -> bool:

@@ -191,16 +191,19 @@ def preset_spec(
 
 
 def hf_attention_implementation(folder: str | Path) -> str:
-    """The attention a transformers causal LM in `folder` is loaded with: "sdpa" where its class supports it
-    (`_supports_sdpa`; the ring attention of am-context-parallel routes it under CP), else "eager" (Gemma2, XGLM,
-    Bloom, GPT-J, ... : every transformers model implements eager). A folder whose class transformers does not know
-    gets "sdpa" here; `AutoModelForCausalLM` then refuses it in its own words."""
+    """The attention a transformers causal LM in `folder` is loaded with: "sdpa" where its class supports it (its
+    contract's `cp.sdpa_attention`; the ring attention of am-context-parallel routes it under CP), else "eager"
+    (Gemma2, XGLM, Bloom, GPT-J, ... : every transformers model implements eager). A folder whose class transformers
+    does not know gets "sdpa" here; `AutoModelForCausalLM` then refuses it in its own words."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    from am_model_contract import conventional_contract
+
     config = AutoConfig.from_pretrained(str(folder))
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    if model_class is None or getattr(model_class, "_supports_sdpa", False):
+    # A transformers class (no instance yet, no `am_contract`): its class flags are read by the one translator.
+    if model_class is None or conventional_contract(model_class).cp.sdpa_attention:
         return "sdpa"
     return "eager"
 

@@ -134,7 +134,7 @@ def _fsdp2_attached(mesh: Any, *, attach_first: bool) -> dict[str, Any]:
         "bases_are_fsdp_and_original": type(model).__bases__ == (FSDPModule, _LinearModel),
         "describes": model.supports.describes(model),
         "dp_size": model.supports.mesh.dp_size,
-        "supports_tp": model.supports_tp,
+        "supports_tp": model.supports.supports_tp,
         "grad_matches": torch.allclose(grad, reference.linear.weight.grad, rtol=1e-6, atol=1e-6),
     }
 

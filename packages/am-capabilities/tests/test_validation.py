@@ -342,12 +342,11 @@ def test_attach_keeps_the_class(tiny_llama):
 def test_attach_is_idempotent():
     first, second = Plain(), Plain()
     attach_capabilities_and_validate(first)
-    descriptor = vars(Plain)["supports"]
     attach_capabilities_and_validate(first, MeshContext(dp_size=2))
     attach_capabilities_and_validate(second)
     assert type(first) is Plain
     assert type(second) is Plain
-    assert vars(Plain)["supports"] is descriptor  # installed once per class
+    assert not {"supports", "supports_tp", "supports_cp"} & set(vars(Plain))  # the class is not patched
     assert first.supports.mesh == MeshContext(dp_size=2)
     assert second.supports.mesh is None
 
@@ -361,7 +360,7 @@ def test_attach_validates_and_leaves_a_rejected_model_untouched():
 
 
 def test_unattached_instances_of_an_attached_class_are_unaffected():
-    """The class-level descriptors answer only on attached instances and never hide or block instance attributes."""
+    """Attaching one instance changes nothing for the others of its class, and never hides instance attributes."""
     attach_capabilities_and_validate(Plain())
     other = Plain()
     assert not hasattr(other, "supports")
@@ -383,14 +382,15 @@ def test_reattach_updates_the_mesh():
     assert model.supports.mesh == MeshContext(ep_size=4)
 
 
-def test_forwarding_properties_and_model_owned_names(tiny_llama):
+def test_flags_on_supports_and_model_owned_names(tiny_llama):
     custom = attach_capabilities_and_validate(Everything())
-    assert custom.supports_tp
-    assert custom.supports_ep
-    assert custom.supports_cp
-    assert not custom.is_custom_model
-    assert custom.supports_tp_plan
-    assert not custom.supports_thd
+    assert custom.supports.supports_tp
+    assert custom.supports.supports_ep
+    assert custom.supports.supports_cp
+    assert not custom.supports.is_custom_model
+    assert custom.supports.supports_tp_plan
+    assert not custom.supports.supports_thd
+    assert not hasattr(custom, "supports_tp")  # no forwarding copies: they would need a patched or swapped class
 
     model = tiny_llama()
     hf_value = type(model).supports_gradient_checkpointing
@@ -399,15 +399,17 @@ def test_forwarding_properties_and_model_owned_names(tiny_llama):
     assert "supports_gradient_checkpointing" not in vars(type(model))
     assert model.supports_gradient_checkpointing is hf_value
     assert model.supports.supports_gradient_checkpointing is True
-    assert model.supports_cp is True
-    assert model.supports_sequence_packing is True
+    assert model.supports.supports_cp is True
+    assert model.supports.supports_sequence_packing is True
 
 
 def test_flags_follow_live_changes():
     model = attach_capabilities_and_validate(HybridCustom("flex"))
-    assert model.supports_cp is False
+    supports = model.supports
+    assert supports.supports_cp is False
     model.backend = SimpleNamespace(attn="sdpa")
-    assert model.supports_cp is True
+    assert supports.supports_cp is True
+    assert model.supports.supports_cp is True
     assert model.supports.mtp_enabled is False
     model.mtp_config = SimpleNamespace(enabled=True)
     assert model.supports.mtp_enabled is True
@@ -426,12 +428,12 @@ def test_model_with_its_own_supports_attribute_is_refused():
 
 
 def test_attached_model_is_freed_by_reference_counting():
-    """Nothing on the model refers back to it: dropping the last reference frees it without the cycle collector."""
+    """``model.supports`` refers to the model weakly: dropping the last reference frees it without the cycle
+    collector, and the flags then say so instead of answering for a freed model."""
     model = attach_capabilities_and_validate(Plain(), MeshContext(dp_size=2))
     supports = model.supports
     assert supports.describes(model)
     assert not supports.supports_tp
-    del supports  # a ModelSupports the caller holds keeps the model alive, like any reference
     alive = weakref.ref(model)
     gc.disable()
     try:
@@ -439,6 +441,8 @@ def test_attached_model_is_freed_by_reference_counting():
         assert alive() is None
     finally:
         gc.enable()
+    with pytest.raises(ReferenceError, match=r"garbage-collected.*Fix: keep a reference to the model"):
+        _ = supports.supports_tp
 
 
 def test_deep_copy_gets_its_own_supports(tiny_llama):
@@ -452,7 +456,7 @@ def test_deep_copy_gets_its_own_supports(tiny_llama):
     assert model.supports.describes(model)
     del model
     gc.collect()
-    assert stage.supports_pp
+    assert stage.supports.supports_pp
     assert stage.supports.supports_cp
     tokens = torch.randint(0, 64, (1, 4))
     assert stage(tokens).logits.shape == (1, 4, 64)

@@ -166,11 +166,11 @@ def _case_buffers_sharded_in_place_and_sdpa_is_the_ring(mesh: object, rank: int)
     with get_train_context(False, False, cp_ctx)(), torch.no_grad():
         sharded_x_ok = torch.equal(x, full_x[:, keep])
         local = model(x)
-        routed = F.scaled_dot_product_attention is not _ORIGINAL_SDPA
+        not_rebound = F.scaled_dot_product_attention is _ORIGINAL_SDPA  # a torch function mode routes it
     full = unshard_context_parallel_tensor(mesh, local, seq_dim=1)
     return {
         "sharded_x_ok": sharded_x_ok,
-        "routed": routed,
+        "not_rebound": not_rebound,
         "restored_sdpa": F.scaled_dot_product_attention is _ORIGINAL_SDPA,
         "max_err": (full - expected).abs().max().item(),
         "x_restored": torch.equal(x, full_x),
@@ -232,7 +232,7 @@ def test_create_context_parallel_ctx_shards_buffers_and_routes_sdpa(group_result
     on exit the buffers not in `cp_no_restore_buffers` are full again and SDPA is the local kernel."""
     out = case_result(group_results, "buffers", rank)
     assert out["sharded_x_ok"]
-    assert out["routed"]
+    assert out["not_rebound"]  # nothing global is patched; max_err below shows the ring ran
     assert out["restored_sdpa"]
     assert out["max_err"] < FP32_ATOL
     assert out["x_restored"]
@@ -338,4 +338,4 @@ def test_the_root_has_one_name_per_thing_and_upstream_is_a_layer() -> None:
         "assert 'am_context_parallel.upstream' not in sys.modules, 'the core imported upstream'\n"
         "assert 'transformers' not in sys.modules, 'the core imported transformers'\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)  # a fresh interpreter: imports only

@@ -93,7 +93,9 @@ def _two_d_model(dp_mesh: Any) -> NemotronHForCausalLM:
     from torch.distributed.fsdp import fully_shard
 
     model = NemotronHForCausalLM.from_config(_small_config(), device="meta")
-    ep_mesh, expert_dp_mesh = am_moe.build_expert_meshes(dp_mesh, ep=2)
+    ep_mesh, expert_dp_mesh = am_moe.build_expert_meshes(
+        dp_mesh, am_moe.plan_expert_parallel(data_parallel_size=dp_mesh.size(), ep=2)
+    )
     model.apply_expert_parallel(ep_mesh)
     am_moe.fully_shard_experts(model, mesh=expert_dp_mesh)
     for layer in model.model.layers.values():

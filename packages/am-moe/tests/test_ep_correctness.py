@@ -200,13 +200,15 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from am_moe import apply_expert_parallel, build_expert_meshes, fully_shard_experts
+    from am_moe import apply_expert_parallel, build_expert_meshes, fully_shard_experts, plan_expert_parallel
 
     grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     dp_cp = grid["dp", "cp"]._flatten("dp_cp")
     meshes = {
-        2: build_expert_meshes(dp_cp, ep=2),
-        4: build_expert_meshes(dp_cp, ep=4, ep_dim="ep4", expert_dp_dim="expert_dp4"),
+        2: build_expert_meshes(dp_cp, plan_expert_parallel(data_parallel_size=4, ep=2)),
+        4: build_expert_meshes(
+            dp_cp, plan_expert_parallel(data_parallel_size=4, ep=4), ep_dim="ep4", expert_dp_dim="expert_dp4"
+        ),
     }
 
     def case(spec: Spec) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from am_testing import run_cases, run_group
+from am_testing import case_result, run_cases, run_group
 
 CASE_TIMEOUT_S = 3.0  # the stuck case's own deadline
 GROUP_TIMEOUT_S = 200.0  # far above start-up + CASE_TIMEOUT_S: the group must fail through the case's deadline
@@ -68,3 +68,29 @@ def test_the_group_deadline_names_the_case_each_rank_was_in() -> None:
     for rank, where in ((0, "_stuck_on_rank_0"), (1, "barrier")):
         assert f"--- rank {rank} (stopped) in case 'stuck' ---" in message
         assert where in message  # the stack each rank was stopped in, written by faulthandler on SIGUSR1
+
+
+def _fails_on_rank_1(rank: int) -> int:
+    if rank == 1:
+        raise ValueError("rank 1 broke")
+    return rank
+
+
+def _worker_stopping_after_failure(rank: int, world: int) -> dict[str, Any]:
+    return run_cases(
+        {"first": lambda: rank, "broken": lambda: _fails_on_rank_1(rank), "after": lambda: rank},
+        stop_after_failure=True,
+    )
+
+
+def test_stop_after_failure_skips_the_later_cases_on_every_rank() -> None:
+    """A failure on ONE rank stops every rank (the ranks agree after each case), so a schedule that failed cannot
+    leave point-to-point messages for the next case; the later cases report that they did not run."""
+    results = run_group(2, _worker_stopping_after_failure, timeout=GROUP_TIMEOUT_S)
+    assert [case_result(results, "first", rank) for rank in (0, 1)] == [0, 1]
+    assert case_result(results, "broken", 0) == 0
+    with pytest.raises(AssertionError, match="rank 1 broke"):
+        case_result(results, "broken", 1)
+    for rank in (0, 1):
+        with pytest.raises(AssertionError, match="not run: case 'broken' failed before it"):
+            case_result(results, "after", rank)

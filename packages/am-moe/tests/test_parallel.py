@@ -141,7 +141,7 @@ def _fsdp_batch() -> dict[str, torch.Tensor]:
 def _parallelize(model: TinyMoE, dp_cp: Any) -> None:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    ep_mesh, expert_dp_mesh = build_expert_meshes(dp_cp, ep=2)
+    ep_mesh, expert_dp_mesh = build_expert_meshes(dp_cp, plan_expert_parallel(data_parallel_size=dp_cp.size(), ep=2))
     apply_expert_parallel(model, ep_mesh)
     fully_shard_experts(model, mesh=expert_dp_mesh)
     fully_shard(model, mesh=dp_cp)
@@ -161,7 +161,8 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     rows = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "cp"))
-    ep_mesh, _ = build_expert_meshes(rows["dp", "cp"]._flatten("dp_cp"), ep=2)
+    pair_mesh = rows["dp", "cp"]._flatten("dp_cp")
+    ep_mesh, _ = build_expert_meshes(pair_mesh, plan_expert_parallel(data_parallel_size=2, ep=2))
     pair, ep_rank = rank // 2, ep_mesh.get_local_rank()
     cases: dict[str, Any] = {}
 
@@ -218,6 +219,11 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
             errors["indivisible"] = "no error"
         except ValueError as exc:
             errors["indivisible"] = str(exc)
+        try:  # a plan made for another data-parallel size is refused, not re-planned (before any collective)
+            build_expert_meshes(pair_mesh, plan_expert_parallel(data_parallel_size=4, ep=2))
+            errors["plan_mismatch"] = "no error"
+        except ValueError as exc:
+            errors["plan_mismatch"] = str(exc)
         return errors
 
     cases["ep2/bad_input"] = bad_input_case
@@ -314,6 +320,7 @@ def test_bad_input_raises_on_every_rank(group_results: Any) -> None:
             assert "same shape" in errors["shape_on_rank1"]
         assert errors["afterwards"] == "torch.Size([4, 16])"
         assert "5 experts cannot be split evenly over ep=2" in errors["indivisible"]
+        assert "the data mesh has 2 ranks but the plan was made for data_parallel_size=4" in errors["plan_mismatch"]
 
 
 def _reference_fsdp() -> tuple[TinyMoE, torch.Tensor, torch.Tensor]:

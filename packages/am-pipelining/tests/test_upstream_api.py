@@ -321,8 +321,10 @@ def test_private_stage_metadata_helpers_under_upstream_names():
     assert stage._post_metadata_inference_cleanup is wrapped  # idempotent
 
     assert upstream._get_hidden_and_vocab_size(model.config) == (model.config.hidden_size, model.config.vocab_size)
+    hooks = dict(stage_model._forward_hooks)
+    assert hooks  # build_stage_modules made the stage emit tensors through a forward hook, not a new forward
     assert upstream._wrap_stage_forward_to_emit_tensor(stage_model) is stage_model
-    assert stage_model.forward._pp_unwraps_model_output
+    assert dict(stage_model._forward_hooks) == hooks  # idempotent
     logits = stage_model(torch.ones(1, 4, dtype=torch.long))
     assert isinstance(logits, torch.Tensor)
     assert logits.shape == (1, 4, model.config.vocab_size)

@@ -6,6 +6,7 @@ What it must not do: decide anything itself (every rule lives in ``introspection
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch.nn as nn
@@ -32,17 +33,17 @@ from .introspection import (
 from .mesh import MeshContext
 from .registry import is_registered_model_class
 
-__all__ = ["FORWARDED_FLAGS", "ModelSupports"]
+__all__ = ["ModelSupports", "attached_view"]
 
 
 class ModelSupports:
     """Capability flags of one live model, optionally for a given mesh.
 
-    Holds an ordinary (strong) reference to the model, so ``ModelSupports(make())`` works when the caller keeps no
-    other reference. Upstream refers to the model weakly only because it caches this object on the model (a cycle
-    otherwise); nothing here is ever stored on the model (``model.supports`` is built per access), so a model is
-    still freed by reference counting alone. Every flag is recomputed on access, so it follows live changes such
-    as ``backend.attn`` or ``mtp_config.enabled``.
+    ``ModelSupports(model, mesh)`` holds an ordinary (strong) reference to the model, so ``ModelSupports(make())``
+    works when the caller keeps no other reference. The object that ``attach_capabilities_and_validate`` stores on
+    the model (``model.supports``, built by ``attached_view``) holds it weakly, as upstream's does: a strong one
+    would make a model -> supports -> model cycle that only the cycle collector frees. Every flag is recomputed on
+    access, so it follows live changes such as ``backend.attn`` or ``mtp_config.enabled``.
 
     Args:
         model: the model instance.
@@ -53,7 +54,7 @@ class ModelSupports:
         ValueError: the mesh has invalid sizes.
     """
 
-    __slots__ = ("__weakref__", "_mesh", "_model", "_model_cls")
+    __slots__ = ("__weakref__", "_mesh", "_model_cls", "_strong", "_weak")
 
     _FLAGS: tuple[str, ...] = (
         "supports_tp",
@@ -73,7 +74,8 @@ class ModelSupports:
     )
 
     def __init__(self, model: nn.Module, mesh: Any = None) -> None:
-        self._model: nn.Module = model
+        self._strong: nn.Module | None = model
+        self._weak: weakref.ref[nn.Module] | None = None
         self._model_cls: type = type(model)
         self._mesh: MeshContext | None = None if mesh is None else MeshContext.from_mesh(mesh)
 
@@ -81,12 +83,27 @@ class ModelSupports:
 
     @property
     def model(self) -> nn.Module:
-        """The model these flags describe."""
-        return self._model
+        """The model these flags describe.
+
+        Raises:
+            ReferenceError: this is a model's ``model.supports`` and the model has been freed.
+        """
+        if self._weak is None:
+            assert self._strong is not None
+            return self._strong
+        model = self._weak()
+        if model is None:
+            raise ReferenceError(
+                f"ModelSupports: underlying model has been garbage-collected (this was the `supports` of a "
+                f"{self._model_cls.__name__}, which refers to its model weakly). Fix: keep a reference to the model "
+                "while reading its flags, or use ModelSupports(model, mesh), which keeps the model alive."
+            )
+        return model
 
     def describes(self, model: nn.Module) -> bool:
         """Whether this object describes exactly ``model`` (not a copy of it)."""
-        return self._model is model
+        target = self._strong if self._weak is None else self._weak()
+        return target is model
 
     @property
     def mesh(self) -> MeshContext | None:
@@ -141,9 +158,8 @@ class ModelSupports:
         model = self.model
         return _decide_ep(model, _declared(model)).ok
 
-    # The seed documents these two aliases on ModelSupports itself (and `model.supports_tp_plan` through
-    # attach_capabilities_and_validate), so they stay on the class, not in an upstream module; they are not
-    # package-root names.
+    # The seed documents these two aliases on ModelSupports itself, so they stay on the class, not in an upstream
+    # module; they are not package-root names.
     supports_tp_plan = supports_tp
     supports_pp_plan = supports_pp
 
@@ -231,30 +247,33 @@ class ModelSupports:
         return f"ModelSupports({self._model_cls.__name__}: {flags}{mesh})"
 
     def __copy__(self) -> ModelSupports:
-        return self._clone()
+        return self if self._weak is not None else ModelSupports(self.model, self._mesh)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ModelSupports:
-        # The copy still describes the same model (copying the model is the model's business): an attached model's
-        # copies describe themselves: `model.supports` is built per access from the copied mesh
-        # (see validation.attach_capabilities_and_validate).
-        return self._clone()
+        # Copying the model is the model's business: a plain ModelSupports copy still describes the same model. A
+        # model's own `supports` travels inside a deep copy of the model (e.g. a pipeline stage): `copy` has put
+        # the model's copy in `memo` before copying its attributes, so the copy's `supports` describes the copy.
+        if self._weak is None:
+            return ModelSupports(self.model, self._mesh)
+        model = self.model
+        return attached_view(memo.get(id(model), model), self._mesh)
 
     def __reduce__(self) -> Any:
-        return (ModelSupports, (self._model, self._mesh))
+        # A weak reference cannot be pickled: a model's own `supports` is rebuilt around the unpickled model, so
+        # the bytes hold the mesh only.
+        return (ModelSupports if self._weak is None else attached_view, (self.model, self._mesh))
 
-    def _clone(self) -> ModelSupports:
-        clone = ModelSupports.__new__(ModelSupports)
-        clone._model = self._model
-        clone._model_cls = self._model_cls
-        clone._mesh = self._mesh
-        return clone
+
+def attached_view(model: nn.Module, mesh: MeshContext | None) -> ModelSupports:
+    """The ``ModelSupports`` that ``attach_capabilities_and_validate`` stores on ``model``: it refers to the model
+    weakly, so the model is still freed by reference counting alone."""
+    view = ModelSupports.__new__(ModelSupports)
+    view._strong = None
+    view._weak = weakref.ref(model)
+    view._model_cls = type(model)
+    view._mesh = mesh
+    return view
 
 
 def _short(name: str) -> str:
     return name.removeprefix("supports_")
-
-
-# Names ``attach_capabilities_and_validate`` forwards from the model to its ``supports`` object.
-FORWARDED_FLAGS: tuple[str, ...] = tuple(
-    name for name in dir(ModelSupports) if name.startswith("supports_") or name == "is_custom_model"
-)

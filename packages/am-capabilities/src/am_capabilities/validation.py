@@ -2,9 +2,8 @@
 ``attach_capabilities_and_validate``.
 
 ``validate_for_mesh`` reports *every* problem at once (bad sizes and unsupported axes), one line each naming
-the axis, the size, the reason and the fix. ``attach_capabilities_and_validate`` records the mesh on the model
-instance (one plain ``MeshContext`` attribute) and answers ``model.supports`` / ``model.supports_*`` through
-read-only non-data descriptors on the model's class: the instance keeps its own class, so FSDP2's
+the axis, the size, the reason and the fix. ``attach_capabilities_and_validate`` stores one instance attribute,
+``model.supports``, a ``ModelSupports`` that refers to the model weakly. It patches no class and swaps none: FSDP2's
 ``fully_shard`` (which swaps classes itself), ``pickle``, ``copy.deepcopy`` and ``type(model)`` stay ordinary.
 This module never imports a model package, a trainer or transformers.
 """
@@ -12,7 +11,6 @@ This module never imports a model package, a trainer or transformers.
 from __future__ import annotations
 
 import inspect
-import threading
 from typing import Any
 
 import torch.nn as nn
@@ -20,13 +18,9 @@ import torch.nn as nn
 from .declarative import ModelCapabilities
 from .introspection import _decide, _declared, expert_split_problem, tp_split_problem
 from .mesh import MODEL_AXES, MeshContext, read_mesh_sizes
-from .supports import FORWARDED_FLAGS, ModelSupports
+from .supports import ModelSupports, attached_view
 
 __all__ = ["attach_capabilities_and_validate", "validate_for_mesh"]
-
-# The one instance attribute an attached model carries (a MeshContext, or None for no mesh); prefixed so it cannot
-# collide with a model's own names. Plain data: it pickles, deep-copies and survives FSDP2's class swap as is.
-_MESH_ATTR = "_am_capabilities_mesh"
 
 
 def validate_for_mesh(model: nn.Module, mesh: Any) -> None:
@@ -81,14 +75,13 @@ def validate_for_mesh(model: nn.Module, mesh: Any) -> None:
 def attach_capabilities_and_validate(model: nn.Module, mesh: Any = None) -> nn.Module:
     """Validate ``model`` for ``mesh``, then give it ``model.supports`` (a ``ModelSupports`` for that mesh).
 
-    The model keeps its class. The instance gets one attribute (the mesh as a ``MeshContext``); its class gets,
-    once, read-only *non-data* descriptors for ``supports`` and for each ``ModelSupports`` flag (``supports_*``,
-    ``is_custom_model``) that the class does not already define. They answer only on attached instances (other
-    instances see the usual ``AttributeError``), never shadow a model's own class or instance attributes (e.g.
-    HuggingFace's ``supports_gradient_checkpointing``: ``model.supports.<flag>`` is always ours), and compute on
-    access, so they follow live changes (``backend.attn``, ``mtp_config.enabled``). Copies (``copy.deepcopy``,
-    e.g. pipeline stages; ``pickle``) carry the mesh and describe themselves; so does a model that FSDP2's
-    ``fully_shard`` re-classes before or after this call. Calling again only replaces the mesh.
+    ``model.supports`` is a plain instance attribute: no class is patched or swapped (``type(model)`` is unchanged).
+    Its flags are computed on access, so they follow live changes (``backend.attn``, ``mtp_config.enabled``). It
+    refers to the model weakly (as upstream's does), so the model is freed by reference counting alone; reading it
+    after the model is gone raises ``ReferenceError``. Copies (``copy.deepcopy``, e.g. pipeline stages; ``pickle``)
+    carry the mesh and describe themselves; so does a model that FSDP2's ``fully_shard`` re-classes before or after
+    this call. Calling again only replaces the mesh. Upstream's forwarding properties (``model.supports_cp``) need a
+    class swap; read ``model.supports.supports_cp``.
 
     Validation happens first, so a rejected model is left untouched.
 
@@ -101,57 +94,22 @@ def attach_capabilities_and_validate(model: nn.Module, mesh: Any = None) -> nn.M
 
     Raises:
         ValueError: from ``validate_for_mesh``.
-        TypeError: the model's class defines its own ``supports``, or the instance holds a ``supports`` attribute.
+        TypeError: the model's class defines its own ``supports``, or the instance holds a ``supports`` attribute
+            that is not one this function stored.
     """
     validate_for_mesh(model, mesh)
     cls = type(model)
-    own = inspect.getattr_static(cls, "supports", None)
-    if own is not None and not isinstance(own, _Forward):
+    if inspect.getattr_static(cls, "supports", None) is not None:
         raise TypeError(
             f"{cls.__qualname__} already defines 'supports', so capabilities cannot be attached without shadowing "
             "it; rename the model's attribute or use ModelSupports(model, mesh) directly."
         )
-    if "supports" in vars(model):
+    own = vars(model).get("supports")
+    if own is not None and not (isinstance(own, ModelSupports) and own.describes(model)):
         raise TypeError(
             f"This {cls.__qualname__} instance holds its own 'supports' attribute, which would hide the attached "
             "capabilities; delete or rename it, or use ModelSupports(model, mesh) directly."
         )
-    _install_descriptors(cls)
-    vars(model)[_MESH_ATTR] = None if mesh is None else MeshContext.from_mesh(mesh)
+    # Stored in the instance dict directly: nn.Module.__setattr__ would only do the same for a plain object.
+    vars(model)["supports"] = attached_view(model, None if mesh is None else MeshContext.from_mesh(mesh))
     return model
-
-
-class _Forward:
-    """Non-data descriptor: ``model.supports`` (``flag=None``) or ``model.supports.<flag>`` on attached instances.
-
-    An instance that was never attached raises ``AttributeError`` here, and Python then falls back to
-    ``nn.Module.__getattr__``, whose error is the usual "object has no attribute". Having no ``__set__``, it never
-    hides an instance attribute of the same name nor blocks assigning one.
-    """
-
-    __slots__ = ("flag",)
-
-    def __init__(self, flag: str | None) -> None:
-        self.flag = flag
-
-    def __get__(self, instance: Any, owner: type | None = None) -> Any:
-        if instance is None:
-            return self
-        attributes = vars(instance)
-        if _MESH_ATTR not in attributes:
-            raise AttributeError(self.flag or "supports")
-        # Built per access (the model and the mesh): nothing that refers back to the model is stored on it, so
-        # copies never describe their original and the model is freed by reference counting alone.
-        supports = ModelSupports(instance, attributes[_MESH_ATTR])
-        return supports if self.flag is None else getattr(supports, self.flag)
-
-
-_install_lock = threading.Lock()
-
-
-def _install_descriptors(cls: type) -> None:
-    """Give ``cls`` the ``supports`` and flag descriptors it lacks (own or inherited); idempotent."""
-    with _install_lock:
-        for name in ("supports", *FORWARDED_FLAGS):
-            if inspect.getattr_static(cls, name, None) is None:
-                setattr(cls, name, _Forward(None if name == "supports" else name))

@@ -9,12 +9,12 @@ padding_token_id)`, `_synthesize_single_document_seq_ids`, and the torch-style `
 (in-place head-tail sharding of registered buffers, SDPA swapped for ring attention); here the same contract is met
 with `LoadBalancedLayout` (the same head-tail layout) and `RingAttentionContext`.
 
-The process-wide swap lives HERE only (the core routes one model, through transformers' attention registry, and
+The model-less routing lives HERE only (the core routes one model, through transformers' attention registry, and
 checks that every block called the ring): upstream's model-less entry points cannot know the model, so while their
-context is open they route, for every thread and model, transformers' `sdpa` / `eager` registry entries and the
-module attribute `torch.nn.functional.scaled_dot_product_attention` to the ring — as torch's `context_parallel`
-does. What that cannot see (as upstream): attention computed without either (a model that multiplies Q and K itself,
-or bound `F.scaled_dot_product_attention` at import time) stays local and is NOT detected here; use the core
+context is open they route transformers' `sdpa` / `eager` registry entries (for every model) and, through a torch
+function mode on the calling thread (no module attribute is rebound), every `scaled_dot_product_attention` call to
+the ring, as torch's `context_parallel` does. What that cannot see (as upstream): attention computed without either
+(a model that multiplies Q and K itself) stays local and is NOT detected here; use the core
 `am_context_parallel.make_cp_batch_and_ctx(mesh, batch, model=model)`, which refuses such a model.
 What it must not do: be imported by the core, hold a second implementation of anything, import transformers, or
 accept an option it does not honour (`cp_rotate_method="allgather"`: our ring always rotates K/V point to point).
@@ -30,12 +30,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .batch import shard_cp_batch
 
 # upstream's name, private there too: importable by name (`from am_context_parallel.upstream import ...`), not in
 # `__all__`
-from .batch import _synthesize_single_document_seq_ids as _synthesize_single_document_seq_ids
-from .batch import contiguous_shard, shard_cp_batch
+from .batch_keys import _synthesize_single_document_seq_ids as _synthesize_single_document_seq_ids
 from .context import RingAttentionContext, current_ring_context
+from .contiguous import contiguous_shard
 from .hf import RING_ATTENTION_NAME, hf_ring_attention_forward
 from .layouts import LoadBalancedLayout
 from .mesh import cp_rank
@@ -55,6 +58,7 @@ __all__ = [
 ContextFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 _ROUTED_NAMES = ("sdpa", "eager", RING_ATTENTION_NAME)
 _MISSING = object()
+_SDPA = F.scaled_dot_product_attention  # the torch function the ring stands in for (see _RingSDPAMode)
 
 # torch's names for its K/V rotation; our ring sends K/V chunks point to point, which is torch's "alltoall".
 _ROTATE_METHODS = (None, "alltoall")
@@ -276,14 +280,23 @@ class _BufferShardContext:
                 buffer.data = saved
 
 
-@contextlib.contextmanager
-def _sdpa_routed_to_ring() -> Iterator[None]:
-    previous = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _ring_sdpa
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = previous
+class _RingSDPAMode(TorchFunctionMode):
+    """While active on a thread, every `scaled_dot_product_attention` call there runs as the ring.
+
+    A torch function mode, not a rebinding of `torch.nn.functional.scaled_dot_product_attention`: nothing global is
+    patched (the mode stack is per thread), and a call through a name bound at import time is routed too.
+    """
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func is _SDPA:
+            return _ring_sdpa(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _sdpa_routed_to_ring() -> _RingSDPAMode:
+    return _RingSDPAMode()
 
 
 def create_context_parallel_ctx(
@@ -373,25 +386,27 @@ def attach_context_parallel_hooks(model: nn.Module) -> list[torch.utils.hooks.Re
 
 
 def attach_cp_sdpa_hooks(model: nn.Module, cp_mesh: Any) -> list[torch.utils.hooks.RemovableHandle]:
-    """While a `*self_attn` module runs, `F.scaled_dot_product_attention` is the ring (for compiled models).
+    """While a `*self_attn` module runs, its `scaled_dot_product_attention` calls are the ring (for compiled models).
 
     For models that call `F.scaled_dot_product_attention` themselves (compiled, or outside HF's dispatch): the
-    swap is a `torch._dynamo.disable`d function, so a compiled graph breaks around it; the original is restored
-    after the module's forward, also when it raises. The ring needs the active CP context
-    (`make_cp_batch_and_ctx` / `create_context_parallel_ctx`), whose group must be `cp_mesh`'s. At C = 1 nothing
-    is attached (local attention is already exact). Returns the hook handles.
+    pre-hook enters a torch function mode on this thread that sends those calls to the ring (a
+    `torch._dynamo.disable`d function, so a compiled graph breaks around it); the post-hook leaves it, also when the
+    forward raises. Nothing global is rebound. The ring needs the active CP context (`make_cp_batch_and_ctx` /
+    `create_context_parallel_ctx`), whose group must be `cp_mesh`'s. At C = 1 nothing is attached (local attention
+    is already exact). Returns the hook handles.
     """
     if cp_mesh.size() <= 1:
         return []
-    saved: list[Any] = []
+    active: list[_RingSDPAMode] = []
 
     def swap_in(_module: nn.Module, _args: tuple[Any, ...]) -> None:
-        saved.append(F.scaled_dot_product_attention)
-        F.scaled_dot_product_attention = _ring_sdpa
+        mode = _RingSDPAMode()
+        mode.__enter__()
+        active.append(mode)
 
     def restore(_module: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:
-        if saved:
-            F.scaled_dot_product_attention = saved.pop()
+        if active:
+            active.pop().__exit__(None, None, None)
 
     handles = []
     for module in _attention_modules(model):

@@ -2,7 +2,8 @@
 
 What it is for, in the order a trainer calls it (torchtitan's rule: ep is carved out of the data-parallel ranks):
     plan = plan_expert_parallel(data_parallel_size=dp * cp, ep=N, num_experts=[...])   # pure, no process group
-    ep_mesh, expert_dp_mesh = build_expert_meshes(dp_cp_mesh, ep=N)                  # ep = innermost dp x cp ranks
+    plan = plan_expert_parallel(data_parallel_size=dp * cp, ep=N, num_experts=E)     # pure: no process group
+    ep_mesh, expert_dp_mesh = build_expert_meshes(dp_cp_mesh, plan)                  # ep = innermost dp x cp ranks
     apply_expert_parallel(model, ep_mesh)        # expert weights -> DTensor Shard(0) on ep; all-to-all dispatch
     fully_shard_experts(model, mesh=expert_dp_mesh, mp_policy=...)   # FSDP2 over the ranks left after ep
     ... then the trainer's own fully_shard of the layers and the root over dp x cp
@@ -83,20 +84,31 @@ def plan_expert_parallel(
 
 
 def build_expert_meshes(
-    data_mesh: Any, *, ep: int, ep_dim: str = "ep", expert_dp_dim: str = "expert_dp"
+    data_mesh: Any, plan: ExpertParallelPlan, *, ep_dim: str = "ep", expert_dp_dim: str = "expert_dp"
 ) -> tuple[Any, Any]:
     """`(ep_mesh, expert_dp_mesh)`: the 1-D data mesh (dp x cp flattened, e.g. the trainer's "dp_cp") unflattened
-    into (expert_dp, ep) with ep innermost (consecutive data ranks form an ep group, as in torchtitan).
+    into (plan.expert_dp, plan.ep) with ep innermost (consecutive data ranks form an ep group, as in torchtitan).
 
     Both come from the same root mesh, which FSDP2 needs to combine the ep sharding with its own. Collective (the
-    new process groups); call it on every rank after `plan_expert_parallel` accepted the layout.
+    new process groups); call it on every rank with the plan `plan_expert_parallel` made (it is not re-derived here).
+
+    Raises:
+        ValueError: the mesh is not 1-D, or its size is not the plan's `data_parallel_size` (both named, before any
+            collective).
     """
+    problems = []
     if data_mesh.ndim != 1:
-        raise ValueError(
+        problems.append(
             f"build_expert_meshes takes the 1-D data-parallel mesh (flatten dp x cp first), got a {data_mesh.ndim}-D "
             f"mesh with dims {data_mesh.mesh_dim_names}"
         )
-    plan = plan_expert_parallel(data_parallel_size=data_mesh.size(), ep=ep)
+    if data_mesh.size() != plan.data_parallel_size:
+        problems.append(
+            f"the data mesh has {data_mesh.size()} ranks but the plan was made for data_parallel_size="
+            f"{plan.data_parallel_size}; plan with plan_expert_parallel(data_parallel_size=<this mesh's size>, ...)"
+        )
+    if problems:
+        raise ValueError("cannot build the expert meshes:\n  - " + "\n  - ".join(problems))
     split = data_mesh._unflatten(0, (plan.expert_dp, plan.ep), (expert_dp_dim, ep_dim))
     return split[ep_dim], split[expert_dp_dim]
 

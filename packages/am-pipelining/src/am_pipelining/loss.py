@@ -214,17 +214,14 @@ def calculate_mtp_loss(
         targets = list(mtp_per_depth_targets)
     else:
         seq_idx = _resolve_seq_idx(labels, seq_idx, cu_seqlens)
-        targets = []
-        current = labels
-        seq_len = labels.shape[-1]
-        for k in range(depths):
-            current = roll_tensor(current, shifts=-1, dim=-1)
-            target = current.clone()
-            target[..., seq_len - min(k + 1, seq_len) :] = ignore_index
-            if seq_idx is not None:
-                crosses = roll_tensor(seq_idx, shifts=-(k + 1), dim=-1) != seq_idx
-                target = target.masked_fill(crosses, ignore_index)
-            targets.append(target)
+        # Depth k's target at t is the label k + 1 positions on, within the document: the one shift rule.
+        rows, row_ids = (
+            (labels, seq_idx) if labels.dim() == 2 else (labels[None], None if seq_idx is None else seq_idx[None])
+        )
+        targets = [
+            shift_packed_tensor(rows, depth=k + 1, seq_idx=row_ids, fill_value=ignore_index).view_as(labels)
+            for k in range(depths)
+        ]
     project = _output_projection(model, lm_weight) if mtp_per_depth_h is not None else (lambda x: x)
     per_depth = [_call_loss(loss_fn, project(o), t, num_label_tokens) for o, t in zip(outputs, targets, strict=True)]
     loss = torch.stack(per_depth).sum() * scaling_factor / depths

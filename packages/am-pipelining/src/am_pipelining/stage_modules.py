@@ -86,43 +86,43 @@ def _check_activation_checkpointing(model: nn.Module) -> None:
 
 def _emit_tensors_only(stage_model: nn.Module, *, stage_index: int = -1) -> nn.Module:
     """Make the stage return tensors only: `ModelOutput` -> `.logits`; anything else that is not a tensor or a
-    tuple of tensors raises a ValueError (it could not travel to the next stage). Idempotent."""
-    original = stage_model.forward
-    if getattr(original, "_pp_unwraps_model_output", False):
+    tuple of tensors raises a ValueError (it could not travel to the next stage). Idempotent.
+
+    A forward hook of this module (no forward is rebound): it travels with `copy.deepcopy` and acts on the copy.
+    """
+    if any(getattr(hook, "func", None) is _tensors_only for hook in stage_model._forward_hooks.values()):
         return stage_model
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        output = original(*args, **kwargs)
-        if isinstance(output, torch.Tensor):
-            return output
-        logits = getattr(output, "logits", None)
-        if logits is not None and not isinstance(output, tuple) and hasattr(output, "keys"):
-            return logits
-        if isinstance(output, tuple) and type(output) is not tuple:
-            raise ValueError(
-                f"Pipeline stage {stage_index} returned a {type(output).__name__} (a tuple subclass): torch's pipeline "
-                "treats only a plain tuple as several outputs, so this would travel as ONE non-tensor value and "
-                "the last stage's backward would fail. Fix: return a plain tuple and declare what each position is "
-                "in the model's contract, `PipelineContract(output_names=...)` (`pipeline_output_names`, see "
-                "am_pipelining.outputs)."
-            )
-        if isinstance(output, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in output):
-            return tuple(output)
-        described = (
-            f"a {type(output).__name__} holding {[type(o).__name__ for o in output]}"
-            if isinstance(output, (tuple, list))
-            else f"a {type(output).__name__}"
-        )
-        raise ValueError(
-            f"Pipeline stage {stage_index} returned {described}; only tensors (or a tuple of tensors) can travel "
-            "between stages. Fix: return masks/caches/metadata as tensors, or rebuild them on each stage "
-            "(e.g. causal masks are rebuilt and cached per stage)."
-        )
-
-    forward._pp_unwraps_model_output = True  # type: ignore[attr-defined]
-    stage_model.forward = forward
+    stage_model.register_forward_hook(functools.partial(_tensors_only, stage_index=stage_index))
     return stage_model
+
+
+def _tensors_only(_module: nn.Module, _args: Any, output: Any, *, stage_index: int) -> Any:
+    """`_emit_tensors_only`'s forward hook: the stage output that can travel to the next stage, or a ValueError."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if logits is not None and not isinstance(output, tuple) and hasattr(output, "keys"):
+        return logits
+    if isinstance(output, tuple) and type(output) is not tuple:
+        raise ValueError(
+            f"Pipeline stage {stage_index} returned a {type(output).__name__} (a tuple subclass): torch's pipeline "
+            "treats only a plain tuple as several outputs, so this would travel as ONE non-tensor value and "
+            "the last stage's backward would fail. Fix: return a plain tuple and declare what each position is "
+            "in the model's contract, `PipelineContract(output_names=...)` (`pipeline_output_names`, see "
+            "am_pipelining.outputs)."
+        )
+    if isinstance(output, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in output):
+        return tuple(output)
+    described = (
+        f"a {type(output).__name__} holding {[type(o).__name__ for o in output]}"
+        if isinstance(output, (tuple, list))
+        else f"a {type(output).__name__}"
+    )
+    raise ValueError(
+        f"Pipeline stage {stage_index} returned {described}; only tensors (or a tuple of tensors) can travel "
+        "between stages. Fix: return masks/caches/metadata as tensors, or rebuild them on each stage "
+        "(e.g. causal masks are rebuilt and cached per stage)."
+    )
 
 
 def build_stage_modules(

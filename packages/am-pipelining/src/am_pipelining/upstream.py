@@ -29,7 +29,8 @@ def _get_hidden_and_vocab_size(config: Any) -> tuple[int, int]:
 
 
 def _wrap_stage_forward_to_emit_tensor(stage_model: nn.Module) -> nn.Module:
-    """Make `stage_model.forward` return `output.logits` for a `ModelOutput`; tensors and tuples pass. Idempotent."""
+    """Make `stage_model` return `output.logits` for a `ModelOutput` (a forward hook, not a rebound forward); tensors
+    and tuples pass. Idempotent."""
     return _emit_tensors_only(stage_model)
 
 

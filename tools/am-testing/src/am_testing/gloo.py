@@ -56,7 +56,9 @@ def _mark(text: str) -> None:
             f.write(text)
 
 
-def run_cases(cases: dict[str, Callable[[], Any]], *, timeout: float | None = None) -> dict[str, Any]:
+def run_cases(
+    cases: dict[str, Callable[[], Any]], *, timeout: float | None = None, stop_after_failure: bool = False
+) -> dict[str, Any]:
     """Run each case in order (every rank runs the same cases), recording its result or its traceback.
 
     Args:
@@ -64,9 +66,16 @@ def run_cases(cases: dict[str, Callable[[], Any]], *, timeout: float | None = No
         timeout: seconds each case may take on this rank. A case past it stops the rank (its stack is written
             out first; a call blocked inside a collective is stopped too), and `run_group` fails naming the case.
             None: only `run_group`'s deadline for the whole group applies.
+        stop_after_failure: after each case the ranks agree (one all-reduce) whether any of them failed; from the
+            first failure on, the remaining cases are recorded as not run. For cases that exchange point-to-point
+            messages (pipeline schedules), where a message left unmatched by a failed case would reach the next one.
     """
     results: dict[str, Any] = {}
+    failed_before: str | None = None
     for name, case in cases.items():
+        if failed_before is not None:
+            results[name] = CaseError(f"not run: case {failed_before!r} failed before it on some rank")
+            continue
         _mark(f"in case {name!r}")
         if timeout is not None:
             # faulthandler's watchdog is a C thread: it fires even while the case blocks in C++ (a gloo wait).
@@ -77,6 +86,11 @@ def run_cases(cases: dict[str, Callable[[], Any]], *, timeout: float | None = No
             results[name] = CaseError(traceback.format_exc())
         finally:
             faulthandler.cancel_dump_traceback_later()
+        if stop_after_failure:
+            flag = torch.tensor([1.0 if isinstance(results[name], CaseError) else 0.0])
+            dist.all_reduce(flag)
+            if flag.item() > 0:
+                failed_before = name
     _mark("after its last case")
     return results
 
