@@ -165,3 +165,47 @@ def test_is_custom_model_for_classes_named_by_package_or_defining_module(reexpor
     assert ModelSupports(package.ReexportedForCausalLM()).is_custom_model
     assert ModelSupports(package.DefinedForCausalLM()).is_custom_model
     assert not ModelSupports(Plain()).is_custom_model
+
+
+def test_upstream_attach_forwards_the_flags_from_a_swapped_class():
+    """`am_capabilities.upstream.attach_capabilities_and_validate` gives code written against upstream its
+    `model.supports_cp` names: a same-named subclass forwarding to `model.supports`, live; the core attach patches no
+    class, so other instances and the original class stay unchanged."""
+    import copy
+
+    from am_capabilities import upstream
+
+    class Backend:
+        attn = "sdpa"
+
+    class Hybrid(Plain):
+        _supports_sdpa = True
+        supports_gradient_checkpointing = True  # the class's own meaning (HF's) is never shadowed
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = SimpleNamespace(hybrid_override_pattern="M*")
+            self.backend = Backend()
+
+    model = Hybrid()
+    assert upstream.attach_capabilities_and_validate(model, SimpleNamespace(cp_size=2)) is model
+    cls = type(model)
+    assert cls is not Hybrid
+    assert issubclass(cls, Hybrid)
+    assert (cls.__name__, cls.__qualname__, cls.__module__) == (Hybrid.__name__, Hybrid.__qualname__, Hybrid.__module__)
+    assert model.supports_cp is True
+    assert model.supports_pp is False
+    assert model.is_custom_model is False
+    assert {"supports_cp", "supports_tp_plan", "supports_sequence_packing"} <= set(upstream.FORWARDED_FLAGS)
+    assert model.supports_tp_plan is model.supports.supports_tp
+    model.backend.attn = "eager"  # live: read through model.supports on every access
+    assert model.supports_cp is False
+    assert model.supports_gradient_checkpointing is True  # the class attribute, not ours
+    upstream.attach_capabilities_and_validate(model, SimpleNamespace(cp_size=1))  # idempotent: no second swap
+    assert type(model) is cls
+    twin = copy.deepcopy(model)
+    assert twin.supports_cp is False
+    assert twin.supports.describes(twin)
+    assert not hasattr(Hybrid(), "supports_cp")  # the original class is untouched
+    with pytest.raises(ValueError, match="Unsupported configuration"):
+        upstream.attach_capabilities_and_validate(Plain(), SimpleNamespace(pp_size=2))
