@@ -312,11 +312,11 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
         problems.append(f"--skip-nonfinite-steps {cfg.skip_nonfinite_steps}: must be >= 0 (0: stop at the first)")
     sizes_ok = min(cfg.pp, cfg.dp, cfg.cp, cfg.tp) >= 1
     if sizes_ok and world_size != cfg.world_size:
-        sizes = f"pp x dp x cp = {cfg.pp} x {cfg.dp} x {cfg.cp}"
+        product = f"pp x dp x cp = {cfg.pp} x {cfg.dp} x {cfg.cp}"
         if cfg.tp > 1:  # ep adds no ranks (carved out of dp x cp); tp does
-            sizes = f"pp x dp x cp x tp = {cfg.pp} x {cfg.dp} x {cfg.cp} x {cfg.tp}"
+            product = f"pp x dp x cp x tp = {cfg.pp} x {cfg.dp} x {cfg.cp} x {cfg.tp}"
         problems.append(
-            f"the world size is {world_size} but {sizes} = {cfg.world_size}: "
+            f"the world size is {world_size} but {product} = {cfg.world_size}: "
             f"launch {cfg.world_size} processes (torchrun --nproc-per-node {cfg.world_size}) or change the sizes"
         )
     if cfg.dp >= 1 and cfg.global_batch % cfg.dp:

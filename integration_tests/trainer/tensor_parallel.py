@@ -131,7 +131,7 @@ def tp_local_parameters(parts: list[nn.Module]) -> set[int]:
     return found
 
 
-def full_tp_state(part: nn.Module, state: dict[str, torch.Tensor], *, group: Any) -> dict[str, torch.Tensor]:
+def full_tp_state(part: nn.Module, state: dict[str, Any], *, group: Any) -> dict[str, Any]:
     """`state` (the part's full state dict over dp x cp: DTensor TP shards already gathered) with the plain-tensor
     shards re-assembled by their modules' `tensor_parallel_full_state` (collective over the tp `group`, in module
     order on every tp rank)."""
