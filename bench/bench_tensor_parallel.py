@@ -160,13 +160,14 @@ def _nemotron(pattern: str) -> torch.nn.Module:
 MODEL_PLANS: dict[str, dict[str, Any]] = {
     "gemma4": {
         "build": lambda: _gemma4(LAYERS),
-        # 1 layer: sliding; 2 layers: sliding + full, so the added layer is a full-attention layer (attention + MLP)
-        "kinds": {"full attention + MLP": ((lambda: _gemma4(1)), (lambda: _gemma4(2)), 2)},
+        # 4 layers minus 2: one sliding and one full-attention layer (attention + MLP each); a model of 1 layer would
+        # have no sliding layer, whose v_proj the plan names (the full layers share K = V)
+        "kinds": {"sliding + full attention, + MLP": ((lambda: _gemma4(2)), (lambda: _gemma4(4)), ("2", "3"), 2)},
     },
     "nemotron": {
         "build": lambda: _nemotron("M*-E"),
         "kinds": {
-            name: ((lambda k=kind: _nemotron(k)), (lambda k=kind: _nemotron(2 * k)), 1)
+            name: ((lambda k=kind: _nemotron(k)), (lambda k=kind: _nemotron(2 * k)), ("1",), 1)
             for name, kind in (("mamba2", "M"), ("attention", "*"), ("mlp", "-"), ("moe (shared expert)", "E"))
         },
     },
@@ -208,7 +209,8 @@ def _sharded_bytes(model: torch.nn.Module, full_shapes: dict[str, tuple[int, ...
 
 
 def _replicated_in_layer(model: torch.nn.Module, layer: str) -> int:
-    """Bytes of the replicated TP parameters of one layer (their gradients are all-reduced over tp)."""
+    """Bytes of the replicated TP parameters of one layer (their gradients are all-reduced over tp; the tiny models'
+    per-head q/k norms in Gemma 4)."""
     from torch.distributed.tensor import Replicate
 
     return sum(
@@ -230,7 +232,7 @@ def _model_plans_worker(mesh: Any) -> dict[str, Any]:
         entry: dict[str, Any] = {"rank_sharded_bytes": sharded, "rank_whole_bytes": whole, "sharded_names": names}
         entry["step_cpu_seconds"] = _model_step_cpu_seconds(model)
         layers = {}
-        for kind, (one, two, regions) in spec["kinds"].items():
+        for kind, (one, two, added, regions) in spec["kinds"].items():
             counted = {}
             for count, build in ((1, one), (2, two)):
                 model = build()
@@ -242,8 +244,9 @@ def _model_plans_worker(mesh: Any) -> dict[str, Any]:
             measured = {k: counted[2].get(k, 0) - counted[1].get(k, 0) for k in kinds}
             layers[kind] = {
                 "measured": {k: v for k, v in measured.items() if v},
+                "layers": len(added),
                 "regions": regions,
-                "replicated_grad_bytes": _replicated_in_layer(model, "1"),
+                "replicated_grad_bytes": sum(_replicated_in_layer(model, layer) for layer in added),
             }
         entry["bytes_per_layer"] = layers
         result[name] = entry
@@ -264,9 +267,10 @@ def _model_plans_report(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         everything = sum(p.numel() * p.element_size() for p in params.values())
         layers = {}
         for kind, found in ranks[0]["models"][name]["bytes_per_layer"].items():
-            formula = {"all_reduce": 2 * found["regions"] * act + found["replicated_grad_bytes"]}
+            per = found["layers"]  # figures per layer: the added layers' bytes over their count
+            formula = {"all_reduce": (2 * found["regions"] * act * per + found["replicated_grad_bytes"]) // per}
             layers[kind] = {
-                "measured": found["measured"],
+                "measured": {k: v // per for k, v in found["measured"].items()},
                 "formula": formula,
                 "ratio_measured_over_formula": sum(found["measured"].values()) / sum(formula.values()),
             }

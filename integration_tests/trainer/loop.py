@@ -6,10 +6,12 @@ What it is for: `run(cfg)` is the whole job, in the order a reader expects (torc
        against its capabilities, data, checkpoint): ONE message, exit code 2. Otherwise the frozen run plan
        (trainer/plan.py: mesh, pipeline plan, EP plan, CP layout, precision, FSDP2, microbatches): the only layout
        the phases below read
-    2. `setup_mesh`: process group (gloo on the CPU, NCCL on GPUs) and one DeviceMesh ("pp", "dp", "cp")
+    2. `setup_mesh`: process group (gloo on the CPU, NCCL on GPUs) and one DeviceMesh ("pp", "dp", "cp"), with
+       "tp" innermost at --tp > 1
     3. `build`: the model, built once: fp32, seeded, identical on every rank
        -> storage dtype (fp32; bf16 only for --dtype bf16-pure, fp32-pinned tensors kept) -> pipeline stages
-       (pp > 1) -> experts sharded over ep (ep > 1, carved out of dp x cp; trainer/expert_parallel.py) -> per-layer
+       (pp > 1) -> tensor parallelism (tp > 1: the plan's modules of each part over tp; trainer/tensor_parallel.py)
+       -> experts sharded over ep (ep > 1, carved out of dp x cp; trainer/expert_parallel.py) -> per-layer
        activation checkpointing / torch.compile (trainer/layer_wrappers.py) -> FSDP2 over dp x cp (also over one
        rank for mixed precision: bf16 compute, fp32 master weights; experts over the ranks left after ep)
     4. (`build`, too) optimizer per model part and LR schedule (trainer/optim.py; default AdamW, warm-up + cosine),
