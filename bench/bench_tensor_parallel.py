@@ -269,10 +269,11 @@ def _model_plans_report(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         for kind, found in ranks[0]["models"][name]["bytes_per_layer"].items():
             per = found["layers"]  # figures per layer: the added layers' bytes over their count
             formula = {"all_reduce": (2 * found["regions"] * act * per + found["replicated_grad_bytes"]) // per}
+            measured = {k: v // per for k, v in found["measured"].items()}
             layers[kind] = {
-                "measured": {k: v // per for k, v in found["measured"].items()},
+                "measured": measured,
                 "formula": formula,
-                "ratio_measured_over_formula": sum(found["measured"].values()) / sum(formula.values()),
+                "ratio_measured_over_formula": sum(measured.values()) / sum(formula.values()),
             }
         step = max(r["models"][name]["step_cpu_seconds"] for r in ranks)
         report[name] = {
