@@ -217,13 +217,13 @@ DEFAULT_TRAIN_ARGS = ["--model", "nemotron", "--pp", "2", "--dp", "2"]
 
 
 def _world_size(args: list[str]) -> int:
-    """pp x dp x cp from trainer arguments (`--pp 2` or `--pp=2`; absent = 1)."""
-    sizes = {"--pp": 1, "--dp": 1, "--cp": 1}
+    """pp x dp x cp x tp from trainer arguments (`--pp 2` or `--pp=2`; absent = 1)."""
+    sizes = {"--pp": 1, "--dp": 1, "--cp": 1, "--tp": 1}
     for i, arg in enumerate(args):
         name, _, value = arg.partition("=")
         if name in sizes:
             sizes[name] = int(value or args[i + 1])
-    return sizes["--pp"] * sizes["--dp"] * sizes["--cp"]
+    return sizes["--pp"] * sizes["--dp"] * sizes["--cp"] * sizes["--tp"]
 
 
 @nox.session

@@ -136,6 +136,12 @@ class RunCache:
         "gemma4-moe-dp2-ep2": (2, ["--model", "gemma4-moe", "--dp", "2", "--ep", "2", *PARITY]),
         "nemotron-pp2-dp2-ep2": (4, ["--model", "nemotron", "--pp", "2", "--dp", "2", "--ep", "2", *PARITY]),
         "nemotron-dp2-ep2-cp2": (4, ["--model", "nemotron", "--dp", "2", "--ep", "2", "--cp", "2", *PARITY]),
+        # tensor parallelism (tp innermost): pp x dp x cp x tp processes, ep still carved out of dp x cp
+        "llama-tied-tp2": (2, ["--model", "llama", "--tie-embeddings", "--tp", "2", *PARITY]),
+        "nemotron-tp2": (2, ["--model", "nemotron", "--tp", "2", *PARITY]),
+        "gemma4-tp2-dp2": (4, ["--model", "gemma4", "--tp", "2", "--dp", "2", *PARITY]),
+        "nemotron-pp2-tp2": (4, ["--model", "nemotron", "--pp", "2", "--tp", "2", *PARITY]),
+        "gemma4-moe-dp2-tp2-ep2": (4, ["--model", "gemma4-moe", "--dp", "2", "--tp", "2", "--ep", "2", *PARITY]),
     }
 
     def __init__(self, root: Path) -> None:

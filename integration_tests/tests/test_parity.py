@@ -27,7 +27,15 @@ CASES = [
     ("gemma4-moe-dp2-ep2", "gemma4-moe"),  # expert parallelism: each rank holds 2 of the 4 experts, all-to-all
     ("nemotron-pp2-dp2-ep2", "nemotron"),  # pipeline x EP (4 ranks): the MoE stage's experts over its dp ranks
     ("nemotron-dp2-ep2-cp2", "nemotron"),  # EP over the cp ranks, experts FSDP2-sharded over dp (4 ranks)
+    *[
+        ("llama-tied-tp2", "llama-tied"),  # HF Llama's own base_model_tp_plan, vocabulary-parallel tied embedding
+        ("nemotron-tp2", "nemotron"),  # attention / MLP by features, Mamba2 by heads and groups (plain shards), MTP
+        ("gemma4-tp2-dp2", "gemma4"),  # FSDP2 over dp on top of the TP DTensors: 2-D (dp_cp, tp) parameters
+        ("nemotron-pp2-tp2", "nemotron"),  # each pipeline stage sharded over its own tp group
+        ("gemma4-moe-dp2-tp2-ep2", "gemma4-moe"),  # attention over tp, whole experts over ep (carved out of dp)
+    ],
 ]
+TP_CASES = CASES[-5:]
 
 
 def assert_weights_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, rtol: float) -> None:
@@ -130,3 +138,23 @@ def test_ep_export_loads_in_transformers_with_equal_logits(runs, case: str, hf_c
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf.eval()(ids).logits, ours.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("case", "reference"), TP_CASES, ids=[case for case, _ in TP_CASES])
+def test_tp_grad_norm_and_summary(runs, case: str, reference: str) -> None:
+    """Under TP the global gradient norm of every step equals the single process's (DTensor shards through their
+    mesh, whole parameters once, Mamba2's plain shards summed over tp), and summary.json records tp: the layout,
+    the mesh (tp innermost) and the plan's styles."""
+    summary, single = runs.get(case).check().summary, runs.get(reference).check().summary
+    got, want = torch.tensor(summary["grad_norms"]), torch.tensor(single["grad_norms"])
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=0.0)
+    assert summary["layout"]["tp"] == 2
+    assert single["layout"]["tp"] == 1
+    assert summary["mesh"]["tp"] == 2
+    assert "tp" not in single["mesh"]
+    mesh = summary["plan"]["mesh"]
+    assert mesh["axes"][-1] == "tp"
+    assert mesh["shape"][-1] == 2
+    styles = summary["plan"]["tensor_parallel"]["styles"]
+    assert {"colwise", "rowwise"} <= set(styles.values()), styles
+    assert single["plan"]["tensor_parallel"] is None

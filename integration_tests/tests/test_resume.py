@@ -1,6 +1,7 @@
 """Resume is exact: a run whose rank is SIGKILLed mid-run, relaunched with `--resume latest`, ends with the same
-weights, bit for bit, as the uninterrupted run (Nemotron-H with MTP, pp=2, 1F1B, fp32; and under expert parallelism,
-dp 2 x cp 2 with ep 2: the DCP checkpoint holds the experts as (expert_dp, ep)-sharded DTensors).
+weights, bit for bit, as the uninterrupted run (Nemotron-H with MTP, pp=2, 1F1B, fp32; under expert parallelism,
+dp 2 x cp 2 with ep 2: the DCP checkpoint holds the experts as (expert_dp, ep)-sharded DTensors; and at tp 2: TP
+DTensors and the Mamba2 mixers' plain-tensor shards under per-tp-rank keys).
 
 The kill comes from the trainer's fault injection (AM_TRAIN_FAIL_MODE=sigkill: rank 1 SIGKILLs itself as step 3
 starts, after the checkpoints of steps 1 and 2 were written); torchrun then stops rank 0.
@@ -17,12 +18,14 @@ ARGS = ["--model", "nemotron", "--pp", "2", "--schedule", "1F1B", *PARITY, "--ck
 
 
 EP_ARGS = ["--model", "nemotron", "--dp", "2", "--ep", "2", "--cp", "2", *PARITY, "--ckpt-every", "1"]
+# TP: the DCP checkpoint holds TP DTensors and Mamba2's plain-tensor shards (per-tp-rank keys)
+TP_ARGS = ["--model", "nemotron", "--tp", "2", *PARITY, "--ckpt-every", "1"]
 
 
 @pytest.mark.parametrize(
     ("reference", "args", "nproc"),
-    [("nemotron-pp2-1f1b", ARGS, 2), ("nemotron-dp2-ep2-cp2", EP_ARGS, 4)],
-    ids=["pp2", "ep2-dp2-cp2"],
+    [("nemotron-pp2-1f1b", ARGS, 2), ("nemotron-dp2-ep2-cp2", EP_ARGS, 4), ("nemotron-tp2", TP_ARGS, 2)],
+    ids=["pp2", "ep2-dp2-cp2", "tp2"],
 )
 def test_sigkill_then_resume_equals_uninterrupted_run_bit_for_bit(
     runs, tmp_path, reference: str, args: list[str], nproc: int

@@ -39,9 +39,14 @@ class BatchStep:
     dp_rank: int
     router: RouterAuxLoss | None
     has_first: bool
+    counts_loss: bool = True  # False on tp ranks > 0: every tp rank computes the same loss, counted once
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, *, train: bool) -> torch.Tensor:
         """One global batch forward and backward (`train`) or forward only (validation, under no_grad)."""
+        share = self._run(input_ids, labels, train=train)
+        return share if self.counts_loss else torch.zeros_like(share)
+
+    def _run(self, input_ids: torch.Tensor, labels: torch.Tensor, *, train: bool) -> torch.Tensor:
         from am_pipelining import sync_tied_embedding_grads
 
         plan = self.plan

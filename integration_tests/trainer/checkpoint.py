@@ -158,11 +158,16 @@ def _part_states(
     model_parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     # Keys are fully qualified names, unique across a rank's parts (layers keep their global index), so the parts'
-    # dicts merge into one checkpoint namespace without prefixes.
-    return [
-        (get_model_state_dict(part), get_optimizer_state_dict(part, optimizer, options=_OPTIM_OPTIONS))
-        for part, optimizer in zip(model_parts, optimizers, strict=True)
-    ]
+    # dicts merge into one checkpoint namespace without prefixes; plain-tensor TP shards get per-tp-rank keys.
+    from trainer.tensor_parallel import rename_tp_local
+
+    states = []
+    for part, optimizer in zip(model_parts, optimizers, strict=True):
+        model_state = get_model_state_dict(part)
+        optim_state = get_optimizer_state_dict(part, optimizer, options=_OPTIM_OPTIONS)
+        rename_tp_local(part, model_state, optim_state, back=False)
+        states.append((model_state, optim_state))
+    return states
 
 
 def _merge(parts: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
@@ -268,12 +273,17 @@ def load_checkpoint(
     optimizers: Sequence[torch.optim.Optimizer],
 ) -> dict[str, Any]:
     """Restore model parts, optimizers and this rank's RNG from `folder` (collective). Returns the trainer state."""
+    from trainer.tensor_parallel import rename_tp_local
+
     parts = _part_states(model_parts, optimizers)
     merged = _merge(parts)
     dcp.load(merged, checkpoint_id=str(folder / "dcp"))
     for part, optimizer, (model_keys, optim_keys) in zip(model_parts, optimizers, parts, strict=True):
-        set_model_state_dict(part, {k: merged["model"][k] for k in model_keys})
-        set_optimizer_state_dict(part, optimizer, {k: merged["optim"][k] for k in optim_keys}, options=_OPTIM_OPTIONS)
+        model_state = {k: merged["model"][k] for k in model_keys}
+        optim_state = {k: merged["optim"][k] for k in optim_keys}
+        rename_tp_local(part, model_state, optim_state, back=True)
+        set_model_state_dict(part, model_state)
+        set_optimizer_state_dict(part, optimizer, optim_state, options=_OPTIM_OPTIONS)
     rng_file = folder / "rng" / f"rank{dist.get_rank()}.pt"
     if not rng_file.is_file():
         raise FileNotFoundError(f"{rng_file} is missing: resume with the same world size as the checkpointed run")

@@ -75,10 +75,11 @@ class RunConfig:
     momentum: float | None = None
     lr_schedule: str = "cosine"
     skip_nonfinite_steps: int = 0  # issue 22: at most this many updates dropped for a non-finite loss / grad norm
+    tp: int = 1  # issue 24: tensor-parallel size, innermost mesh axis (trainer/tensor_parallel.py)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.cp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def local_batch(self) -> int:
@@ -113,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="expert-parallel size, carved out of the dp x cp ranks (must divide dp x cp and every expert count); "
         "does not add processes",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size (the model's declared plan; innermost mesh axis: pp x dp x cp x tp processes)",
     )
     p.add_argument("--schedule", default="1F1B", help="pipeline schedule name (GPipe, 1F1B, Interleaved1F1B, ...)")
     p.add_argument(
@@ -291,7 +298,7 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
     the data or a checkpoint are added by the caller, so the user sees them all in one message.
     """
     problems = []
-    for name in ("pp", "dp", "cp", "ep", "global_batch", "microbatch_size", "seq_len", "steps", "layers"):
+    for name in ("pp", "dp", "cp", "ep", "tp", "global_batch", "microbatch_size", "seq_len", "steps", "layers"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')}={getattr(cfg, name)}: must be >= 1")
     sizes = {"--hidden-size": cfg.hidden_size, "--layers": cfg.layers}
@@ -303,10 +310,13 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
         )
     if cfg.skip_nonfinite_steps < 0:
         problems.append(f"--skip-nonfinite-steps {cfg.skip_nonfinite_steps}: must be >= 0 (0: stop at the first)")
-    sizes_ok = min(cfg.pp, cfg.dp, cfg.cp) >= 1
+    sizes_ok = min(cfg.pp, cfg.dp, cfg.cp, cfg.tp) >= 1
     if sizes_ok and world_size != cfg.world_size:
+        product = f"pp x dp x cp = {cfg.pp} x {cfg.dp} x {cfg.cp}"
+        if cfg.tp > 1:  # ep adds no ranks (carved out of dp x cp); tp does
+            product = f"pp x dp x cp x tp = {cfg.pp} x {cfg.dp} x {cfg.cp} x {cfg.tp}"
         problems.append(
-            f"the world size is {world_size} but pp x dp x cp = {cfg.pp} x {cfg.dp} x {cfg.cp} = {cfg.world_size}: "
+            f"the world size is {world_size} but {product} = {cfg.world_size}: "
             f"launch {cfg.world_size} processes (torchrun --nproc-per-node {cfg.world_size}) or change the sizes"
         )
     if cfg.dp >= 1 and cfg.global_batch % cfg.dp:

@@ -6,10 +6,12 @@ What it is for: `run(cfg)` is the whole job, in the order a reader expects (torc
        against its capabilities, data, checkpoint): ONE message, exit code 2. Otherwise the frozen run plan
        (trainer/plan.py: mesh, pipeline plan, EP plan, CP layout, precision, FSDP2, microbatches): the only layout
        the phases below read
-    2. `setup_mesh`: process group (gloo on the CPU, NCCL on GPUs) and one DeviceMesh ("pp", "dp", "cp")
+    2. `setup_mesh`: process group (gloo on the CPU, NCCL on GPUs) and one DeviceMesh ("pp", "dp", "cp"), with
+       "tp" innermost at --tp > 1
     3. `build`: the model, built once: fp32, seeded, identical on every rank
        -> storage dtype (fp32; bf16 only for --dtype bf16-pure, fp32-pinned tensors kept) -> pipeline stages
-       (pp > 1) -> experts sharded over ep (ep > 1, carved out of dp x cp; trainer/expert_parallel.py) -> per-layer
+       (pp > 1) -> tensor parallelism (tp > 1: the plan's modules of each part over tp; trainer/tensor_parallel.py)
+       -> experts sharded over ep (ep > 1, carved out of dp x cp; trainer/expert_parallel.py) -> per-layer
        activation checkpointing / torch.compile (trainer/layer_wrappers.py) -> FSDP2 over dp x cp (also over one
        rank for mixed precision: bf16 compute, fp32 master weights; experts over the ranks left after ep)
     4. (`build`, too) optimizer per model part and LR schedule (trainer/optim.py; default AdamW, warm-up + cosine),
@@ -77,6 +79,7 @@ from trainer.plan import RunPlan, ValidatedRun
 from trainer.progress import Progress, run_summary, save_loss_curve
 from trainer.step_parts import RouterAuxLoss, TokenSumLoss, clip_grad_norm, make_hf_exporter
 from trainer.tb_logging import TensorBoardLog
+from trainer.tensor_parallel import apply_tensor_parallel_to_parts
 from trainer.validation import EXIT_BAD_INPUT, BadInput, resume_changes, validate
 
 
@@ -128,6 +131,7 @@ class Meshes:
     dp_cp: DeviceMesh
     ep: DeviceMesh | None
     expert_dp: DeviceMesh | None
+    tp: DeviceMesh | None = None  # the "tp" axis (innermost; None at tp 1: trainer/tensor_parallel.py)
 
 
 def setup_mesh(cfg: RunConfig, plan: RunPlan) -> Meshes:
@@ -142,7 +146,8 @@ def setup_mesh(cfg: RunConfig, plan: RunPlan) -> Meshes:
         dist.barrier()
     mesh, dp_cp = build_mesh(plan, device=device)
     ep_mesh, expert_dp = build_ep_meshes(dp_cp, plan=plan.expert_parallel)  # (None, None) at ep = 1
-    return Meshes(device=device, rank=rank, mesh=mesh, dp_cp=dp_cp, ep=ep_mesh, expert_dp=expert_dp)
+    tp = mesh["tp"] if plan.tp > 1 else None
+    return Meshes(device=device, rank=rank, mesh=mesh, dp_cp=dp_cp, ep=ep_mesh, expert_dp=expert_dp, tp=tp)
 
 
 @dataclass
@@ -175,6 +180,8 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
     parts = [model]
     if plan.is_pipeline:  # each rank keeps only its stages
         stages, parts = split_pipeline(model, mesh=meshes.mesh, plan=plan, device=device)
+    if meshes.tp is not None:  # after the split (each stage shards what it holds), before EP and FSDP2
+        apply_tensor_parallel_to_parts(parts, plan=plan.tensor_parallel, tp_mesh=meshes.tp)
     if meshes.ep is not None:
         apply_expert_parallel(parts, ep_mesh=meshes.ep)
     for part in parts:  # after the split (each stage wraps its own layers), before FSDP2
@@ -207,11 +214,16 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
         dp_rank=meshes.mesh["dp"].get_local_rank(),
         router=router,
         has_first=not stages or any(s.is_first for s in stages),
+        counts_loss=meshes.tp is None or meshes.tp.get_local_rank() == 0,
     )
     # One optimizer per part: identical math to one over all parameters (trainer/optim.py).
     optimizers = build_optimizers(parts, cfg)
-    shard_rank = meshes.dp_cp.get_local_rank()
-    export_hf = make_hf_exporter(validated.spec, parts, precision=plan.precision, shard_rank=shard_rank)
+    # One rank per stage sends the gathered weights: dp_cp rank 0 of tp rank 0.
+    shard_rank = meshes.dp_cp.get_local_rank() + (meshes.tp.get_local_rank() if meshes.tp is not None else 0)
+    tp_group = meshes.tp.get_group() if meshes.tp is not None else None
+    export_hf = make_hf_exporter(
+        validated.spec, parts, precision=plan.precision, shard_rank=shard_rank, tp_group=tp_group
+    )
     return Built(parts=parts, optimizers=optimizers, run_batch=run_batch, loss_fn=loss_fn, export_hf=export_hf)
 
 
@@ -259,6 +271,7 @@ def train(
     counts_load = plan.moe or router is not None
     val_batches = validation_batches(corpus.val, cfg) if corpus.val is not None else []
     pp_group = meshes.mesh["pp"].get_group()
+    tp_group = meshes.tp.get_group() if meshes.tp is not None else None
     progress = Progress(
         total_steps=cfg.steps,
         start_step=history.start_step,
@@ -280,7 +293,7 @@ def train(
             local, aux_loss = both[0], float(both[1])
         else:
             dist.all_reduce(local)  # the sum of every rank's share is the global token mean
-        grad_norm = clip_grad_norm(parts, max_norm=cfg.grad_clip, pp_group=pp_group)
+        grad_norm = clip_grad_norm(parts, max_norm=cfg.grad_clip, pp_group=pp_group, tp_group=tp_group)
         lr = lr_at(step, cfg)
         # The loss is all-reduced and the norm is global, so every rank takes the same decision here (no rank is
         # left waiting in a collective); RunStopped when the value is not finite and no skip is left.
@@ -367,7 +380,7 @@ def finish(
     if meshes.rank == 0:
         summary = run_summary(cfg, plan, history, family=family, last_ckpt=last_ckpt)
         cfg.out.mkdir(parents=True, exist_ok=True)
-        where = f"pp={plan.pp} dp={plan.dp} cp={plan.cp} ep={plan.ep}"
+        where = f"pp={plan.pp} dp={plan.dp} cp={plan.cp} ep={plan.ep}" + (f" tp={plan.tp}" if plan.tp > 1 else "")
         curve = save_loss_curve(
             [(s, loss) for s, loss, _ in history.losses],
             cfg.out / "loss_curve.png",

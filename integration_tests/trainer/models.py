@@ -97,7 +97,7 @@ def gemma4_config(*, hidden_size: int, num_layers: int, moe: bool, vocab_size: i
         num_key_value_heads=max(1, hidden_size // head_dim // 2),
         head_dim=head_dim,
         global_head_dim=2 * head_dim,
-        num_global_key_value_heads=1,
+        num_global_key_value_heads=max(1, hidden_size // head_dim // 2),  # as the sliding layers: tp 2 divides it
         attention_k_eq_v=True,
         sliding_window=8,
         layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)],

@@ -2,6 +2,8 @@
 
 What it is for: the functions the train loop applies to a model, in this fixed order:
     init_distributed -> build_mesh -> apply_precision -> split_pipeline (pp > 1)
+    -> tensor parallelism (tp > 1; trainer/tensor_parallel.py: the plan's modules of each part over the innermost
+       "tp" axis, as DTensors, and the plain-tensor shards of modules that shard themselves)
     -> expert parallelism (ep > 1; trainer/expert_parallel.py: the ep and expert_dp meshes carved out of this
        stage's dp x cp ranks, ep innermost, and the experts sharded over ep) -> apply_fsdp (the plan's `fsdp`)
 and, when cp > 1, `shard_batch_for_cp` on every microbatch (pp = 1) or `shard_pipeline_batch_for_cp` on every step's
@@ -95,8 +97,9 @@ def _free_port() -> int:
 
 
 def build_mesh(plan: RunPlan, *, device: torch.device) -> tuple[DeviceMesh, DeviceMesh]:
-    """One mesh with the plan's named axes ("pp", "dp", "cp") and sizes, and its flattened dp x cp axis ("dp_cp")
-    that FSDP2 shards over (torchtitan's layout: FSDP2 over dp x cp sums gradients over both)."""
+    """One mesh with the plan's named axes ("pp", "dp", "cp", and "tp" innermost at tp > 1) and sizes, and its
+    flattened dp x cp axis ("dp_cp") that FSDP2 shards over (torchtitan's layout: FSDP2 over dp x cp sums gradients
+    over both)."""
     mesh = init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=plan.mesh_axes)
     return mesh, mesh["dp", "cp"]._flatten("dp_cp")
 

@@ -71,7 +71,8 @@ class RunPlan:
     """The layout of one run, decided once before any process group (see the module docstring).
 
     Mesh: `mesh_axes` in order (outermost first) with `mesh_shape`; ep is carved out of dp x cp (adds no ranks);
-    `tp` is 1 until tensor parallelism lands (then "tp" joins the axes, innermost).
+    "tp" joins the axes, innermost, when `tp` > 1 (a run without TP keeps its 3-axis mesh); `tensor_parallel` is
+    am-tensor-parallel's frozen `TensorParallelPlan` of the whole model (None at tp 1; trainer/tensor_parallel.py).
     Sequence: every sequence of `seq_len` tokens is padded to a multiple of `pad_multiple` x cp and sharded over cp
     (`cp_layout` "contiguous" or "load_balanced", None at cp 1); `local_seq_len` tokens per rank and sequence.
     Batch: `global_batch` sequences per step, `local_batch` per dp replica, in `microbatches` of `microbatch_size`.
@@ -100,14 +101,15 @@ class RunPlan:
     attn_implementation: str | None
     moe: bool  # the model computes experts through am-moe (its expert load is counted per step)
     router_aux: RouterAuxPlan | None  # pp 1 only: a pipelined run trains on cross-entropy alone (validated)
+    tensor_parallel: Any = None  # am_tensor_parallel.TensorParallelPlan | None (None: tp 1)
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
-        return ("pp", "dp", "cp")
+        return ("pp", "dp", "cp", "tp") if self.tp > 1 else ("pp", "dp", "cp")
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        return (self.pp, self.dp, self.cp)
+        return (self.pp, self.dp, self.cp, self.tp) if self.tp > 1 else (self.pp, self.dp, self.cp)
 
     @property
     def is_pipeline(self) -> bool:
@@ -118,7 +120,7 @@ class RunPlan:
         """The layout that runs, as summary.json's `layout`: mesh sizes, the CP layout, and the pipeline plan's
         stages, placement, layer split and microbatches (pp 1: one stage holding every layer, microbatches =
         gradient-accumulation steps)."""
-        layout: dict[str, Any] = {"pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep}
+        layout: dict[str, Any] = {"pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep, "tp": self.tp}
         layout["cp_layout"] = self.cp_layout
         if self.pipeline is not None:
             return layout | {k: v for k, v in self.pipeline.layout().items() if k != "pp"}
@@ -170,6 +172,8 @@ class RunPlan:
             "router_aux": (
                 {"num_experts": router.num_experts, "top_k": router.top_k, "coef": router.coef} if router else None
             ),
+            # am-tensor-parallel's record of the plan: tp, flags, every module's style, the head counts it divides
+            "tensor_parallel": self.tensor_parallel.describe() if self.tensor_parallel is not None else None,
         }
 
 
@@ -203,10 +207,12 @@ def make_plan(
     pad_multiple: int,
     num_layers: int | None,
     router_aux: tuple[int, int, float, bool] | None,
+    tensor_parallel: Any = None,
 ) -> RunPlan:
     """The plan of a run `validate()` accepted: `cfg`'s sizes, the plans validation made (`pipeline`,
     `expert_parallel`), the CP facts it read from the model, and the model's own declarations (attention, FSDP2
-    grouping, experts). `router_aux` is step_parts' `router_aux_spec(model)` (used at pp 1 only)."""
+    grouping, experts). `router_aux` is step_parts' `router_aux_spec(model)` (used at pp 1 only); `tensor_parallel`
+    the validated `TensorParallelPlan` (trainer/tensor_parallel.py's `tensor_parallel_plan`, None at tp 1)."""
     from am_context_parallel import cp_local_seq_len
     from trainer.expert_parallel import has_experts
     from trainer.models import attn_implementation
@@ -222,7 +228,7 @@ def make_plan(
         dp=cfg.dp,
         cp=cfg.cp,
         ep=cfg.ep,
-        tp=1,
+        tp=cfg.tp,
         pipeline=pipeline,
         expert_parallel=expert_parallel,
         cp_layout=cp_layout if cfg.cp > 1 else None,
@@ -241,7 +247,16 @@ def make_plan(
         attn_implementation=attn_implementation(model),
         moe=has_experts(model),
         router_aux=router,
+        tensor_parallel=tensor_parallel,
     )
 
 
-__all__ = ["PRECISIONS", "Precision", "RouterAuxPlan", "RunPlan", "ValidatedRun", "make_plan", "uses_fsdp"]
+__all__ = [
+    "PRECISIONS",
+    "Precision",
+    "RouterAuxPlan",
+    "RunPlan",
+    "ValidatedRun",
+    "make_plan",
+    "uses_fsdp",
+]

@@ -135,7 +135,8 @@ def run_summary(
     steps_run = cfg.steps - history.start_step
     return {
         "model": family,
-        "mesh": {"pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep},
+        # tp joins the mesh (innermost) when > 1; the layout always records it
+        "mesh": {"pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep} | ({"tp": plan.tp} if plan.tp > 1 else {}),
         "layout": plan.layout(),
         "plan": plan.to_json(),  # every layout decision of the run, as validate() made it (trainer/plan.py)
         "schedule": plan.pipeline.schedule if plan.is_pipeline else None,

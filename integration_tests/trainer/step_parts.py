@@ -193,15 +193,18 @@ class RouterAuxLoss:
 
 
 @torch.no_grad()
-def clip_grad_norm(parts: list[nn.Module], *, max_norm: float, pp_group: Any) -> torch.Tensor:
+def clip_grad_norm(parts: list[nn.Module], *, max_norm: float, pp_group: Any, tp_group: Any = None) -> torch.Tensor:
     """Clip all gradients of this rank's parts by the GLOBAL norm (all stages, all shards); returns that norm.
 
     The output copy of a tied embedding (a pipeline duplicate holding the same summed gradient) is left out of the
-    norm, so the norm equals the unsplit model's; it is still scaled like every other gradient.
+    norm, so the norm equals the unsplit model's; it is still scaled like every other gradient. Under TP
+    (`tp_group`), DTensor shards count through their mesh, parameters TP leaves whole once (their gradients are the
+    same on every tp rank), and plain-tensor TP shards (trainer/tensor_parallel.py) are summed over tp.
     """
     from torch.distributed.tensor import DTensor
 
     from am_pipelining.tied import tied_embedding_copies
+    from trainer.tensor_parallel import tp_local_parameters
 
     duplicates = {
         id(dict(model.named_parameters())[copy.param_name])
@@ -211,17 +214,24 @@ def clip_grad_norm(parts: list[nn.Module], *, max_norm: float, pp_group: Any) ->
     # Under EP the experts' gradients are DTensors on (expert_dp, ep) and the others on dp_cp; DTensor ops do not mix
     # meshes, so norms and scaling run per mesh, in parameter order (shared by every rank of a stage, so the
     # full_tensor collectives line up).
+    tp_local = tp_local_parameters(parts) if tp_group is not None else set()
     by_mesh: dict[Any, list[nn.Parameter]] = {}
     for part in parts:
         for p in part.parameters():
             if p.grad is not None:
-                by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+                mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+                by_mesh.setdefault((mesh, id(p) in tp_local), []).append(p)
     norms = []
-    for params in by_mesh.values():
+    for (_, local), params in by_mesh.items():
         grads = [p.grad for p in params if id(p) not in duplicates and p.grad is not None]
         if grads:
             mesh_norm = torch.nn.utils.get_total_norm(grads, 2.0)
-            norms.append((mesh_norm.full_tensor() if isinstance(mesh_norm, DTensor) else mesh_norm).float())
+            mesh_norm = (mesh_norm.full_tensor() if isinstance(mesh_norm, DTensor) else mesh_norm).float()
+            if local:  # this tp rank's shard of a plain-tensor TP parameter: the squares add up over tp
+                squared = mesh_norm**2
+                dist.all_reduce(squared, group=tp_group)
+                mesh_norm = squared.sqrt()
+            norms.append(mesh_norm)
     norm = norms[0] if norms else torch.zeros(())  # one mesh: exactly the norm computed without EP
     if len(norms) > 1:
         norm = torch.stack(norms).square().sum().sqrt()
@@ -240,28 +250,35 @@ def clip_grad_norm(parts: list[nn.Module], *, max_norm: float, pp_group: Any) ->
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _full_state_dict(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+def _full_state_dict(parts: list[nn.Module], *, tp_group: Any = None) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from trainer.tensor_parallel import full_tp_state
 
     full: dict[str, torch.Tensor] = {}
     for part in parts:
         with quiet_expert_gathers():  # EP: experts on (expert_dp, ep) gather back to full [E, ...] tensors
             state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        if tp_group is not None:  # TP: the plain-tensor shards of modules that shard themselves, re-assembled
+            state = full_tp_state(part, state, group=tp_group)
         full.update({k: v.detach().cpu() for k, v in state.items() if isinstance(v, torch.Tensor)})
     return full
 
 
-def make_hf_exporter(spec: ModelSpec, parts: list[nn.Module], *, precision: Precision, shard_rank: int) -> Any:
+def make_hf_exporter(
+    spec: ModelSpec, parts: list[nn.Module], *, precision: Precision, shard_rank: int, tp_group: Any = None
+) -> Any:
     """`export(folder)`: collective; rank 0 writes the whole model as an HF-format folder.
 
-    Every rank gathers its parts' full weights (FSDP2 all-gather); one rank per pipeline stage (dp_cp rank 0) sends
+    Every rank gathers its parts' full weights (FSDP2 all-gather; TP shards over `tp_group`); one rank per pipeline
+    stage (`shard_rank` 0: dp_cp rank 0 of tp rank 0) sends
     them to rank 0, which loads them strictly into a fresh model of the same spec and calls its `save_pretrained`.
     NOTE: this gathers the full model in CPU memory on rank 0 — right for the tiny models here; a large model would
     write per-stage safetensors shards instead.
     """
 
     def export(folder: Path) -> None:
-        state = _full_state_dict(parts)
+        state = _full_state_dict(parts, tp_group=tp_group)
         gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
         dist.gather_object(state if shard_rank == 0 else {}, gathered if dist.get_rank() == 0 else None, dst=0)
         if dist.get_rank() != 0:

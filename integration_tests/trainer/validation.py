@@ -41,6 +41,7 @@ from trainer.guards import model_path_nonfinite_problems, nonfinite_parameters
 from trainer.models import ModelSpec, build_meta_model, build_model, folder_spec, preset_spec
 from trainer.parallel import cp_layout_name, cp_pad_multiple, decoder_layers, layer_feature_problems
 from trainer.plan import ValidatedRun, make_plan
+from trainer.tensor_parallel import tensor_parallel_plan, tensor_parallel_problems
 
 EXIT_BAD_INPUT = 2
 
@@ -224,6 +225,8 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
             validate_for_mesh(model, mesh_context(cfg))
         except ValueError as exc:
             problems.extend(line.strip().removeprefix("- ") for line in str(exc).splitlines()[1:] if line.strip())
+    if model is not None and min(cfg.tp, cfg.cp) >= 1:  # --tp: the plan, its sizes, what TP does not compose with
+        problems += tensor_parallel_problems(cfg, model)
     problems += vocab_problems(cfg, tokenizer=tokenizer, spec=spec)
     router_aux = router_aux_spec(model) if model is not None else None
     problems += _feature_model_problems(cfg, model=model, plan=pipeline, router_aux=router_aux)
@@ -255,6 +258,7 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
         pad_multiple=pad_multiple,
         num_layers=num_layers,
         router_aux=router_aux,
+        tensor_parallel=tensor_parallel_plan(cfg, model),
     )
     return ValidatedRun(plan=plan, spec=spec, model=model, corpus=tokens, resume_dir=resume_dir)
 
@@ -266,8 +270,8 @@ _MUST_MATCH_ON_RESUME = (
 # The options added later that change the layout, the token stream, the optimizer state or the schedule (checkpoints
 # written before these options existed hold none of them, which reads as their defaults).
 _FEATURES_MUST_MATCH_ON_RESUME = {
-    "ep": 1, "tokenizer": None, "data_field": None, "data_split": None, "val_fraction": None, "optimizer": "adamw",
-    "lr_schedule": "cosine",
+    "ep": 1, "tp": 1, "tokenizer": None, "data_field": None, "data_split": None, "val_fraction": None,
+    "optimizer": "adamw", "lr_schedule": "cosine",
 }  # fmt: skip
 
 

@@ -32,7 +32,7 @@ from .backend import resolve_backend
 from .config import NemotronConfig
 from .mamba2_cp import Mamba2CPContext, conv_halo_width, prepend_conv_halo, ssd_chunked_scan_cp
 from .ssd import ssd_chunked_scan
-from .tp_plan import MAMBA2_TP_PLAN, Mamba2HeadParallel, mamba2_tp_problems
+from .tp_plan import MAMBA2_TP_PLAN, Mamba2HeadParallel, mamba2_full_state, mamba2_tp_problems
 
 __all__ = [
     "CPU_SCAN_CHUNK_SIZE",
@@ -187,6 +187,7 @@ class Mamba2Mixer(nn.Module):
     # am-tensor-parallel: the mixer shards itself by heads and groups (Megatron's layout, tp_plan.py)
     _tp_plan: ClassVar[Any] = MAMBA2_TP_PLAN
     tensor_parallel_problems = mamba2_tp_problems
+    tensor_parallel_full_state = mamba2_full_state  # its plain-tensor shards, re-assembled (checkpoints, HF export)
 
     def tensor_parallel_style(self, *, sequence_parallel: bool = False) -> Mamba2HeadParallel:
         return Mamba2HeadParallel(sequence_parallel=sequence_parallel)

@@ -53,6 +53,7 @@ __all__ = [
     "gather_mamba2_grads",
     "gather_mamba2_state_dict",
     "in_proj_segments",
+    "mamba2_full_state",
     "mamba2_tp_problems",
 ]
 
@@ -186,6 +187,22 @@ def gather_mamba2_state_dict(model: nn.Module, *, group: Any = None) -> dict[str
         for name, tensor in _mamba2_tensors(mixer, lambda p: p.detach()):
             full[f"{prefix}.{name}"] = _gather_one(name, tensor, segments, group)
     return full
+
+
+def mamba2_full_state(mixer: Any, local: dict[str, torch.Tensor], *, group: Any = None) -> dict[str, torch.Tensor]:
+    """am-tensor-parallel's `tensor_parallel_full_state` of a head-sharded mixer: `local` maps names relative to the
+    mixer (`in_proj.weight`, `_fp32_params.A_log`, ...) to this rank's shards (plain tensors, e.g. from a full
+    FSDP2 state dict); returns them re-assembled to the unsharded shapes, collective over the tp `group` (every tp
+    rank calls it with the same names, in the same order). Names the layout does not shard (`out_proj.bias`) and
+    a mixer that is not sharded come back unchanged."""
+    segments = getattr(mixer, "_tp_full_segments", None)
+    if segments is None:
+        return dict(local)
+    sharded = {name for name, _ in _mamba2_tensors(mixer, lambda p: p)}
+    return {
+        name: _gather_one(name, tensor, segments, group) if name in sharded else tensor
+        for name, tensor in local.items()
+    }
 
 
 def gather_mamba2_grads(model: nn.Module, *, group: Any = None) -> dict[str, torch.Tensor]:

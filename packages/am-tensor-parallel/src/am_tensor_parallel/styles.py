@@ -52,6 +52,10 @@ STYLES: dict[str, str] = {
 # may implement: `tensor_parallel_problems(tp, *, sequence_parallel) -> list[str]`.
 MODULE_STYLE_METHOD = "tensor_parallel_style"
 PROBLEMS_METHOD = "tensor_parallel_problems"
+# The method through which such a module re-assembles its plain-tensor shards (checkpoints, HF export):
+# `tensor_parallel_full_state(local: {name relative to the module: this rank's tensor}, *, group) -> {name: full}`,
+# collective over the tp group (names it does not shard are returned unchanged).
+FULL_STATE_METHOD = "tensor_parallel_full_state"
 
 UNSUPPORTED_STYLES: dict[str, str] = {
     "moe_tp_experts": "experts are sharded by expert parallelism (am_moe.apply_expert_parallel over an ep mesh)",

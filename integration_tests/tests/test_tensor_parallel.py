@@ -1,0 +1,96 @@
+"""`--tp`: what tensor parallelism refuses, before any collective, in the user's terms.
+
+The parity of the TP layouts with the single process (loss every step, final weights) is in test_parity.py (its
+CASES, sharing the single-process references); exact resume at tp 2 in test_resume.py. Here: in-process
+`validate()` refusals (no process group) and one launch by hand proving exit code 2 on every rank before the
+rendezvous.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_bad_input import EXIT_BAD_INPUT, _launch_ranks_by_hand
+from trainer.config import parse_args
+from trainer.validation import BadInput, validate
+
+TINY = ["--hidden-size", "32", "--layers", "4", "--seq-len", "16", "--global-batch", "4", "--steps", "1"]
+
+
+def _refusal(args: list[str], *, world_size: int) -> str:
+    with pytest.raises(BadInput) as info:
+        validate(parse_args(args), world_size=world_size)
+    return str(info.value)
+
+
+def test_sizes_that_do_not_divide_are_each_named() -> None:
+    """Nemotron-H at tp 3: attention heads, KV heads, the MLP's intermediate features, the vocabulary, the Mamba2
+    heads and groups: every one is named (am-tensor-parallel's rule, read from the model on the meta device)."""
+    text = _refusal(["--model", "nemotron", *TINY, "--tp", "3"], world_size=3)
+    expected = [
+        "--tp 3: NemotronHForCausalLM: model.layers.1.mixer: 4 attention heads cannot be split over tp=3",
+        "--tp 3: NemotronHForCausalLM: model.layers.1.mixer: 2 key/value heads cannot be split over tp=3",
+        "model.layers.2.mixer.up_proj: 'colwise' splits its 64 output features over tp=3: not divisible",
+        "model.embed_tokens: 'embedding_rowwise' splits its 256 vocabulary entries over tp=3: not divisible",
+        "model.layers.0.mixer: Mamba2 has 4 heads, which cannot be split over tp=3",
+        "model.layers.0.mixer: Mamba2 has n_groups=2 B/C groups, which cannot be split exactly over tp=3",
+    ]
+    missing = [line for line in expected if line not in text]
+    assert not missing, f"not reported: {missing}\n{text}"
+
+
+def test_kv_heads_are_not_replicated_and_experts_follow_the_ep_rule() -> None:
+    """tp 4 divides Nemotron-H's 4 query heads but not its 2 KV heads (never replicated): refused. Under TP the
+    experts stay whole (ep splits them), so their rule is ep's: --ep 3 is refused against dp x cp and the experts."""
+    text = _refusal(["--model", "nemotron", *TINY, "--tp", "4"], world_size=4)
+    assert "2 key/value heads cannot be split over tp=4" in text, text
+    assert "attention heads cannot be split" not in text, text
+    text = _refusal(["--model", "gemma4-moe", *TINY, "--tp", "2", "--dp", "3", "--ep", "3"], world_size=6)
+    assert "ep_size=3: Gemma4ForCausalLM cannot use expert parallelism" in text, text
+    assert "--tp 2" not in text, text  # tp 2 itself is fine for Gemma 4 MoE: its attention and head split
+
+
+def test_world_size_must_be_pp_x_dp_x_cp_x_tp() -> None:
+    text = _refusal(["--model", "llama", *TINY, "--tp", "2", "--dp", "2"], world_size=2)
+    assert "the world size is 2 but pp x dp x cp x tp = 1 x 2 x 1 x 2 = 4" in text, text
+
+
+def test_features_not_supported_with_tp_are_refused_up_front() -> None:
+    """CP, activation checkpointing and compile are not run under TP: each is refused with the way out."""
+    args = ["--model", "llama", *TINY, "--tp", "2", "--cp", "2", "--activation-checkpointing", "--compile"]
+    text = _refusal(args, world_size=4)
+    for line in (
+        "--tp 2: context parallelism under tensor parallelism",
+        "--tp 2: --activation-checkpointing is not tested over TP-sharded layers",
+        "--tp 2: --compile is not tested over DTensor (TP) layers",
+    ):
+        assert line in text, text
+
+
+def test_a_model_without_a_plan_is_refused(tmp_path: Path) -> None:
+    """An HF architecture that declares no TP plan (GPT-2: no `base_model_tp_plan`) is refused at tp 2."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=256, bos_token_id=1, eos_token_id=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gpt2")
+    args = ["--model-path", str(tmp_path / "gpt2"), "--seq-len", "16", "--global-batch", "4", "--steps", "1"]
+    text = _refusal([*args, "--tp", "2"], world_size=2)
+    assert "--tp 2: GPT2LMHeadModel: GPT2LMHeadModel declares no tensor-parallel plan" in text, text
+    assert "run with tp=1" in text, text
+
+
+def test_bad_tp_exits_2_on_every_rank_before_any_collective(tmp_path: Path) -> None:
+    """Two ranks launched by hand with --tp 4: the world size and the KV heads / Mamba2 groups are refused in one
+    message, exit code 2 on both ranks, and no rank reached the rendezvous."""
+    args = ["--model", "nemotron", *TINY, "--tp", "4", "--no-progress", "--out", str(tmp_path / "out")]
+    (code0, out0), (code1, out1) = _launch_ranks_by_hand(args, world_size=2)
+    assert (code0, code1) == (EXIT_BAD_INPUT, EXIT_BAD_INPUT), out0[-3000:] + out1[-3000:]
+    assert "Traceback" not in out0 + out1
+    assert out0.count("refusing to start") == 1
+    assert "refusing to start" not in out1
+    assert "the world size is 2 but pp x dp x cp x tp = 1 x 1 x 1 x 4 = 4" in out0, out0
+    assert "2 key/value heads cannot be split over tp=4" in out0, out0
+    assert "n_groups=2 B/C groups, which cannot be split exactly over tp=4" in out0, out0

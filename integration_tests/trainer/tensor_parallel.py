@@ -1,0 +1,183 @@
+"""Tensor parallelism (TP) in the reference trainer: what `--tp` refuses, its plan, applying it, and the shards that
+a model's own modules hold.
+
+Mesh: pp x dp x cp x tp, tp innermost (the tp ranks of a group are consecutive global ranks: on GPUs, the same node's
+fastest links). Every rank of a tp group holds the same pipeline stage and reads the same rows of the batch; ep is
+still carved out of the dp x cp ranks (per tp coordinate), so FSDP2, EP and the loss work as without TP within one
+tp coordinate.
+Order (trainer/loop.py's `build`, torchtitan's): split_pipeline -> `apply_tensor_parallel_to_parts` (each part:
+am-tensor-parallel's plan, validated once on the whole model, restricted to the modules the part holds) -> experts
+over ep -> FSDP2 over dp x cp on top of the TP DTensors (2-D (dp_cp, tp) parameters).
+Exactness: every tp rank computes the same loss (the head's logits are gathered), so the logged loss counts tp rank 0
+only (BatchStep); the TP collectives make each parameter's gradient the single-process one. Gradients of parameters
+that TP leaves whole are identical on the tp ranks (the regions' inputs all-reduce their gradient), so the gradient
+norm counts them once; DTensor shards count through their mesh; the plain-tensor shards of modules that shard
+themselves (Nemotron-H's Mamba2 mixer, am-tensor-parallel's "module" style) are summed over tp (`tp_local_names`,
+step_parts' `clip_grad_norm`). Checkpoints keep those shards under per-tp-rank keys (`rename_tp_local`) and the HF
+export re-assembles them through the module's `tensor_parallel_full_state` (`full_tp_state`).
+What it must not do: decide another axis's rules, or name a model class (the plan and the hooks come from the model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from trainer.config import RunConfig
+
+# What --tp does not compose with yet: each is refused up front, with the reason (nothing runs half-supported).
+_UNSUPPORTED_WITH_TP = {
+    "cp": "context parallelism under tensor parallelism (ring attention over head-sharded q/k/v) is not tested: "
+    "run --cp 1 with --tp, or --tp 1 with --cp",
+    "activation_checkpointing": "--activation-checkpointing is not tested over TP-sharded layers: drop it with --tp",
+    "compile": "--compile is not tested over DTensor (TP) layers: drop it with --tp",
+}
+
+
+def tensor_parallel_problems(cfg: RunConfig, model: nn.Module) -> list[str]:
+    """Every reason `--tp` cannot run `model` as asked ([] at tp 1): am-tensor-parallel's `tp_problems` (a declared
+    plan must exist; heads, KV heads, intermediate and vocabulary sizes must divide by tp; experts stay whole under
+    TP, so their counts are ep's rule), the features not supported with TP, a transformers MoE router loss, and a
+    module that shards itself without a way to re-assemble its shards (needed by checkpoints and the HF export).
+    Reads the model only (a preset on the meta device); before any process group."""
+    if cfg.tp <= 1:
+        return []
+    from am_tensor_parallel import FULL_STATE_METHOD, declared_plan, match_plan, tp_problems
+    from trainer.step_parts import router_aux_spec
+
+    where = f"--tp {cfg.tp}: {type(model).__name__}"
+    problems = [f"{where}: {problem}" for problem in tp_problems(model, cfg.tp)]
+    asked = {"cp": cfg.cp > 1, "activation_checkpointing": cfg.activation_checkpointing, "compile": cfg.compile}
+    problems += [f"--tp {cfg.tp}: {_UNSUPPORTED_WITH_TP[name]}" for name, on in asked.items() if on]
+    if router_aux_spec(model) is not None:
+        problems.append(
+            f"{where} computes a transformers router load-balancing loss, which the trainer does not reproduce "
+            "under tensor parallelism: run it with --tp 1"
+        )
+    modules = dict(model.named_modules())
+    styles, _ = match_plan(model, declared_plan(model) or {})
+    for name, style in styles.items():
+        if style == "module" and not callable(getattr(modules[name], FULL_STATE_METHOD, None)):
+            problems.append(
+                f"{where}: {name} ({type(modules[name]).__name__}) shards itself (style 'module') but has no "
+                f"`{FULL_STATE_METHOD}` to re-assemble its shards for checkpoints and the HF export: run --tp 1"
+            )
+    return problems
+
+
+def tensor_parallel_plan(cfg: RunConfig, model: nn.Module) -> Any:
+    """The frozen `TensorParallelPlan` of the whole model at `--tp` (None at tp 1); call after
+    `tensor_parallel_problems` found none."""
+    if cfg.tp <= 1:
+        return None
+    from am_tensor_parallel import plan_tensor_parallel
+
+    return plan_tensor_parallel(model, tp=cfg.tp)
+
+
+@dataclass(frozen=True)
+class TPLocal:
+    """The plain-tensor parameters of a part that hold this tp rank's shard (their shapes differ from the unsharded
+    model's), by name, and this rank's tp coordinate."""
+
+    rank: int
+    names: frozenset[str]
+
+
+_TP_LOCAL_ATTR = "_am_tp_local"  # set on each part by `apply_tensor_parallel_to_parts` (survives FSDP2's wrap)
+
+
+def apply_tensor_parallel_to_parts(parts: list[nn.Module], *, plan: Any, tp_mesh: Any) -> None:
+    """Shard every model part over `tp_mesh` with the run's validated `plan` (restricted, for a pipeline stage, to
+    the modules it holds: names are kept by the stage split). Records the part's plain-tensor shards (`TPLocal`).
+    Collective over tp (DTensor placement)."""
+    from torch.distributed.tensor import DTensor
+
+    from am_tensor_parallel import apply_tensor_parallel
+
+    for part in parts:
+        modules = dict(part.named_modules())
+        shapes = {name: tuple(p.shape) for name, p in part.named_parameters()}
+        if all(name in modules for name in plan.styles):
+            apply_tensor_parallel(part, tp_mesh, plan=plan)  # the whole model: the plan as validated
+        else:
+            held = {name: style for name, style in plan.styles.items() if name in modules}
+            apply_tensor_parallel(part, tp_mesh, plan=held)
+        local = frozenset(
+            name
+            for name, p in part.named_parameters()
+            if not isinstance(p, DTensor) and name in shapes and tuple(p.shape) != shapes[name]
+        )
+        setattr(part, _TP_LOCAL_ATTR, TPLocal(rank=tp_mesh.get_local_rank(), names=local))
+
+
+def tp_local_names(part: nn.Module) -> TPLocal | None:
+    """The part's plain-tensor TP shards (None: no TP, or none held)."""
+    local = getattr(part, _TP_LOCAL_ATTR, None)
+    return local if local is not None and local.names else None
+
+
+def tp_local_parameters(parts: list[nn.Module]) -> set[int]:
+    """`id`s of the parameters (as they are now: after FSDP2's wrap) that hold a plain-tensor TP shard."""
+    found: set[int] = set()
+    for part in parts:
+        local = tp_local_names(part)
+        if local is not None:
+            found |= {id(p) for name, p in part.named_parameters() if name in local.names}
+    return found
+
+
+def full_tp_state(part: nn.Module, state: dict[str, Any], *, group: Any) -> dict[str, Any]:
+    """`state` (the part's full state dict over dp x cp: DTensor TP shards already gathered) with the plain-tensor
+    shards re-assembled by their modules' `tensor_parallel_full_state` (collective over the tp `group`, in module
+    order on every tp rank)."""
+    from am_tensor_parallel import FULL_STATE_METHOD
+
+    local = tp_local_names(part)
+    if local is None:
+        return state
+    full = dict(state)
+    for prefix, module in part.named_modules():
+        hook = getattr(module, FULL_STATE_METHOD, None)
+        owned = sorted(name for name in local.names if prefix and name.startswith(prefix + "."))
+        if not callable(hook) or not owned:
+            continue
+        relative = {name[len(prefix) + 1 :]: state[name] for name in owned}
+        for name, tensor in hook(relative, group=group).items():
+            full[f"{prefix}.{name}"] = tensor
+    return full
+
+
+def rename_tp_local(part: nn.Module, model_state: dict[str, Any], optim_state: dict[str, Any], *, back: bool) -> None:
+    """Give the plain-tensor TP shards per-tp-rank keys in a checkpoint (`name` -> `name@tp<r>`, in the model state
+    and in the flattened optimizer state: `state.<name>.<key>`, `param_groups.<name>.<key>`), or take them back
+    (`back`). The tp ranks hold different tensors under one name, which torch.distributed.checkpoint would otherwise
+    keep once. In place."""
+    local = tp_local_names(part)
+    if local is None:
+        return
+    suffix = f"@tp{local.rank}"
+    pairs = [(name, name + suffix) for name in local.names]
+    if back:
+        pairs = [(new, old) for old, new in pairs]
+    for old, new in pairs:
+        if old in model_state:
+            model_state[new] = model_state.pop(old)
+        for kind in ("state.", "param_groups."):
+            for key in [k for k in optim_state if k.startswith(f"{kind}{old}.")]:
+                optim_state[f"{kind}{new}{key[len(kind) + len(old) :]}"] = optim_state.pop(key)
+
+
+__all__ = [
+    "TPLocal",
+    "apply_tensor_parallel_to_parts",
+    "full_tp_state",
+    "rename_tp_local",
+    "tensor_parallel_plan",
+    "tensor_parallel_problems",
+    "tp_local_names",
+    "tp_local_parameters",
+]
