@@ -51,6 +51,7 @@ from .parallel import (
     quiet_expert_gathers,
 )
 from .routing import RoutingError, balanced_routing, routing_problems
+from .tuning import grouped_mm_auto_choices
 
 __all__ = [
     "__version__",
@@ -62,6 +63,7 @@ __all__ = [
     "GroupLayout",
     "GroupedMMChoice",
     "grouped_linear",
+    "grouped_mm_auto_choices",
     "select_grouped_mm_backend",
     # dispatch / combine
     "AllToAllDispatcher",

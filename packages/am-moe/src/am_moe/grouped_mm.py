@@ -38,10 +38,14 @@ _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class GroupedMMChoice:
-    """Which kernel multiplies the expert groups, and why (`backend` is "grouped_mm", "loop" or "gmm")."""
+    """Which kernel multiplies the expert groups, and why (`backend` is "grouped_mm", "loop" or "gmm").
+
+    seconds: `((backend, seconds), ...)` when `grouped_mm="auto"` measured the candidates (`am_moe.tuning`), else ().
+    """
 
     backend: str
     reason: str
+    seconds: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
