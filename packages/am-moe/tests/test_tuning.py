@@ -67,10 +67,12 @@ def test_auto_keeps_the_faster_backend_once_per_process(
     x, index, weights = _inputs()
     experts(x, index, weights)
     choice = experts.grouped_mm_choice
-    assert choice is not None and choice.backend == winner
+    assert choice is not None
+    assert choice.backend == winner
     assert dict(choice.seconds) == seconds
     assert "measured (forward+backward on 40 rows" in choice.reason
-    assert f"-> {winner}" in choice.reason and "rule: torch._grouped_mm on cpu" in choice.reason
+    assert f"-> {winner}" in choice.reason
+    assert "rule: torch._grouped_mm on cpu" in choice.reason
     assert clock.calls == tuning.REPEATS * len(tuning.CANDIDATES)
     assert grouped_mm_auto_choices() == {"cpu float32: 8 local experts, H=16, I=12, gated silu": choice}
     # the same module again, and another module of the same shapes: no new measurement, same choice
@@ -90,8 +92,10 @@ def test_measurement_changes_nothing_of_the_module(fresh: None) -> None:
     state = torch.get_rng_state()
     outs = [module(x.clone().requires_grad_(), index, weights) for module in (experts, twin)]
     assert torch.equal(torch.get_rng_state(), state)
-    assert experts.grouped_mm_choice is not None and experts.grouped_mm_choice.seconds  # it did measure
-    assert experts.gate_up_proj.grad is None and experts.down_proj.grad is None
+    assert experts.grouped_mm_choice is not None  # it did measure
+    assert experts.grouped_mm_choice.seconds
+    assert experts.gate_up_proj.grad is None
+    assert experts.down_proj.grad is None
     assert torch.equal(experts.tokens_per_expert, twin.tokens_per_expert)  # counted once
     torch.testing.assert_close(outs[0], outs[1], rtol=FP32_TOL, atol=FP32_TOL)
 
@@ -121,8 +125,10 @@ def test_no_measurement_without_real_rows(fresh: None, monkeypatch: pytest.Monke
     experts = _experts()
     x, index, weights = _inputs()
     experts(x, index, weights, token_mask=torch.zeros(20, dtype=torch.bool))  # all padding: nothing to time
-    assert clock.calls == 0 and grouped_mm_auto_choices() == {}
-    assert experts.grouped_mm_choice is not None and experts.grouped_mm_choice.seconds == ()  # the rule's
+    assert clock.calls == 0
+    assert grouped_mm_auto_choices() == {}
+    assert experts.grouped_mm_choice is not None  # the rule's
+    assert experts.grouped_mm_choice.seconds == ()
     with torch.inference_mode():  # forward only: inference tensors cannot require grad
         experts(x, index, weights)
     assert experts.grouped_mm_choice is not None

@@ -41,6 +41,10 @@ class AllToAllStats:
     backward_bytes: int = 0  # backward of both all-to-alls (gradients of the same rows)
     metadata_bytes: int = 0  # the header all-gather (counts per expert, flags)
     calls: int = 0
+    # The largest dispatch receive buffer allocated on this rank (rows routed to its experts by its whole ep group,
+    # its own included): rows <= ep x tokens x min(top_k, E / ep), bytes = rows x hidden x element size (README).
+    peak_receive_rows: int = 0
+    peak_receive_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -65,6 +69,12 @@ def _record(**increments: int) -> None:
     for stats in _active_stats:
         for name, value in increments.items():
             setattr(stats, name, getattr(stats, name) + value)
+
+
+def _record_receive(buffer: torch.Tensor) -> None:
+    for stats in _active_stats:
+        stats.peak_receive_rows = max(stats.peak_receive_rows, buffer.shape[0])
+        stats.peak_receive_bytes = max(stats.peak_receive_bytes, buffer.numel() * buffer.element_size())
 
 
 @dataclass
@@ -180,7 +190,10 @@ class _AllToAll(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group  # type: ignore[attr-defined]
         _record(**{kind: _remote_bytes(x, input_splits, group)})
-        return _all_to_all(x, output_splits, input_splits, group)
+        out = _all_to_all(x, output_splits, input_splits, group)
+        if kind == "dispatch_bytes":
+            _record_receive(out)
+        return out
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
