@@ -29,11 +29,11 @@ from torch import nn
 
 from am_moe import (
     GroupedExperts,
-    count_all_to_all_bytes,
     LoadBalancing,
     RouterBalancer,
     aux_loss_values,
     configure_load_balancing,
+    count_all_to_all_bytes,
     expert_fsdp_dim,
     expert_load,
     set_aux_loss_scale,
