@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dispatch import AllToAllDispatcher, LocalDispatcher, combine_pairs
-from .grouped_mm import GroupedMMChoice, GroupLayout, grouped_linear, select_grouped_mm_backend
+from .grouped_mm import GROUPED_MM_BACKENDS, GroupedMMChoice, GroupLayout, grouped_linear, select_grouped_mm_backend
 from .routing import routing_problems
 from .tuning import TuningKey, can_measure, measure_grouped_mm, measured_choice
 
@@ -66,8 +66,9 @@ class GroupedExperts(nn.Module):
         activation: a name in `EXPERT_ACTIVATIONS` or a callable applied elementwise.
         grouped_mm: "auto" (where both `torch._grouped_mm` and the per-expert loop can run, the faster one as
             measured once per process on the first forward's rows, `am_moe.tuning`; else the one that runs),
-            "grouped_mm" (refused where it cannot run), "loop", or "gmm" (the `grouped_gemm` package; bf16 on CUDA,
-            refused elsewhere naming what is missing). The choice is reported by `grouped_mm_choice`.
+            "grouped_mm" (refused where it cannot run), "loop", "gmm" (the `grouped_gemm` package; bf16 on CUDA) or
+            "te" (Transformer Engine's `GroupedLinear`; CUDA); a library backend is refused where it cannot run,
+            naming what is missing (package, CUDA, dtype). The choice is reported by `grouped_mm_choice`.
         combine_dtype: dtype of the weighted sum over the top-k experts (fp32 default: the routing weights are not
             rounded to bf16); None sums in the experts' output dtype.
 
@@ -106,8 +107,8 @@ class GroupedExperts(nn.Module):
             )
         elif not isinstance(activation, str) and not callable(activation):
             problems.append(f"activation must be a name or a callable, got {activation!r}")
-        if grouped_mm not in ("auto", "grouped_mm", "loop", "gmm"):
-            problems.append(f"grouped_mm must be 'auto', 'grouped_mm', 'loop' or 'gmm', got {grouped_mm!r}")
+        if grouped_mm not in GROUPED_MM_BACKENDS:
+            problems.append(f"grouped_mm must be one of {GROUPED_MM_BACKENDS}, got {grouped_mm!r}")
         if combine_dtype is not None and not combine_dtype.is_floating_point:
             problems.append(f"combine_dtype must be a floating dtype or None, got {combine_dtype}")
         if problems:
@@ -239,7 +240,7 @@ class GroupedExperts(nn.Module):
             )
         choice = self.choose_grouped_mm(hidden_states.device, hidden_states.dtype)
         measure = self._measurable(choice)  # "auto", both can run, not measured yet in this process
-        host_sizes = measure or choice.backend in ("loop", "gmm") or hidden_states.device.type == "cpu"
+        host_sizes = measure or choice.backend in ("loop", "gmm", "te") or hidden_states.device.type == "cpu"
         rows, layout, state = self.dispatcher.dispatch(
             hidden_states,
             top_k_index,
