@@ -141,8 +141,8 @@ def _select_te(device_type: str, dtype: torch.dtype) -> GroupedMMChoice:
     refusals = []
     if not _te_installed():
         refusals.append(
-            "Transformer Engine is not installed (`transformer_engine.pytorch`; `pip install transformer_engine[pytorch]` "
-            "on a CUDA machine)"
+            "Transformer Engine is not installed (`transformer_engine.pytorch`; "
+            "`pip install transformer_engine[pytorch]` on a CUDA machine)"
         )
     if device_type != "cuda":
         refusals.append(f"Transformer Engine's GroupedLinear runs only on CUDA, not {device_type!r}")
