@@ -55,6 +55,7 @@ class EPSpec:
     skew: bool = False  # rank 1's tokens only pick experts 0..3 (ep rank 1 owns 4..7)
     checkpointed: bool = False
     dtype: torch.dtype = torch.float32
+    dispatcher: str = "torch"  # "torch_token": DeepEP's token-level protocol, the libraries' shared logic
 
 
 EP_SPECS = [
@@ -65,6 +66,11 @@ EP_SPECS = [
     EPSpec("top_k_all_experts", top_k=E, tokens=(5, 6)),
     EPSpec("activation_checkpointing", checkpointed=True, padding=True),
     EPSpec("bf16", dtype=torch.bfloat16, padding=True),
+    EPSpec("token_gated_grouped_mm", dispatcher="torch_token"),
+    EPSpec("token_padding_and_skew_loop", padding=True, skew=True, backend="loop", dispatcher="torch_token"),
+    EPSpec("token_empty_rank_plain", gated=False, activation="relu2", tokens=(19, 0), dispatcher="torch_token"),
+    EPSpec("token_top_k_all_experts", top_k=E, tokens=(5, 6), dispatcher="torch_token"),
+    EPSpec("token_activation_checkpointing", checkpointed=True, padding=True, dispatcher="torch_token"),
 ]
 
 
@@ -168,7 +174,7 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     def ep_case(spec: EPSpec) -> Any:
         def run() -> dict[str, Any]:
             experts = _experts(spec)
-            apply_expert_parallel(experts, ep_mesh)
+            apply_expert_parallel(experts, ep_mesh, dispatcher=spec.dispatcher)
             inputs = _pair_inputs(spec, pair)
             start = sum(spec.tokens[:ep_rank])
             local = {k: v[start : start + spec.tokens[ep_rank]] for k, v in inputs.items()}
@@ -213,6 +219,29 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
             except RoutingError as exc:
                 errors[name] = str(exc)
         errors["afterwards"] = str(experts(x, good, weights).shape)  # the group is still in step
+        token_experts = _experts(EPSpec("bad_token"))
+        apply_expert_parallel(token_experts, ep_mesh, dispatcher="torch_token")
+        try:
+            token_experts(x, bad, weights)
+            errors["token_out_of_range_on_rank0"] = "no error"
+        except RoutingError as exc:
+            errors["token_out_of_range_on_rank0"] = str(exc)
+        errors["token_afterwards"] = str(token_experts(x, good, weights).shape)
+        for name, kwargs in (
+            ("deepep_on_cpu", {"dispatcher": "deepep", "dispatcher_num_sms": 24}),
+            ("torch_with_knobs", {"dispatcher": "torch", "dispatcher_num_sms": 24, "dispatcher_async_dispatch": True}),
+        ):
+            try:  # refused before any collective: every rank raises, none waits
+                apply_expert_parallel(_experts(EPSpec(name)), ep_mesh, **kwargs)
+                errors[name] = "no error"
+            except ValueError as exc:
+                errors[name] = str(exc)
+        two = nn.ModuleList([_experts(EPSpec("shared")), _experts(EPSpec("shared"))])
+        apply_expert_parallel(two, ep_mesh, dispatcher="torch_token")
+        separate = nn.ModuleList([_experts(EPSpec("separate")), _experts(EPSpec("separate"))])
+        apply_expert_parallel(separate, ep_mesh, dispatcher="torch_token", dispatcher_share_token_dispatcher=False)
+        errors["shared_one_dispatcher"] = str(two[0].dispatcher is two[1].dispatcher)
+        errors["separate_dispatchers"] = str(separate[0].dispatcher is not separate[1].dispatcher)
         try:
             apply_expert_parallel(GroupedExperts(5, H, INTER, gated=False, activation="relu2"), ep_mesh)
             errors["indivisible"] = "no error"
@@ -314,6 +343,25 @@ def test_bad_input_raises_on_every_rank(group_results: Any) -> None:
             assert "same shape" in errors["shape_on_rank1"]
         assert errors["afterwards"] == "torch.Size([4, 16])"
         assert "5 experts cannot be split evenly over ep=2" in errors["indivisible"]
+
+
+def test_token_dispatchers_refuse_and_share_as_asked(group_results: Any) -> None:
+    """The token-level dispatcher raises on every rank for one rank's bad input, like the pair dispatcher; deepep on
+    this machine is refused naming the package and CUDA (one ValueError, before any collective); the library knobs
+    are refused for the torch dispatcher; dispatcher_share_token_dispatcher gives one object to all layers or one
+    per layer."""
+    results, _ = group_results
+    for rank in range(4):
+        errors = case_result(results, "ep2/bad_input", rank)
+        assert "rank(s) [0] of 2 got invalid router outputs" in errors["token_out_of_range_on_rank0"]
+        assert errors["token_afterwards"] == "torch.Size([4, 16])"
+        deepep = errors["deepep_on_cpu"]
+        assert "`deep_ep` package, not installed" in deepep
+        assert "needs tokens on a CUDA GPU" in deepep
+        knobs = errors["torch_with_knobs"]
+        assert "dispatcher_num_sms=24, dispatcher_async_dispatch=True tune the communication kernels" in knobs
+        assert errors["shared_one_dispatcher"] == "True"
+        assert errors["separate_dispatchers"] == "True"
 
 
 def _reference_fsdp() -> tuple[TinyMoE, torch.Tensor, torch.Tensor]:

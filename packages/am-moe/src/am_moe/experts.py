@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dispatch import AllToAllDispatcher, LocalDispatcher, combine_pairs
+from .dispatch import AllToAllDispatcher, LocalDispatcher
 from .grouped_mm import GROUPED_MM_BACKENDS, GroupedMMChoice, GroupLayout, grouped_linear, select_grouped_mm_backend
 from .routing import routing_problems
+from .token_dispatch import HybridEPDispatcher, TokenDispatcher
 from .tuning import TuningKey, can_measure, measure_grouped_mm, measured_choice
 
 __all__ = ["EXPERT_ACTIVATIONS", "GroupedExperts"]
@@ -132,7 +133,7 @@ class GroupedExperts(nn.Module):
         self.register_buffer(
             "tokens_per_expert", torch.zeros(num_experts, dtype=torch.long, device=device), persistent=False
         )
-        self.dispatcher: LocalDispatcher | AllToAllDispatcher = LocalDispatcher()
+        self.dispatcher: LocalDispatcher | AllToAllDispatcher | TokenDispatcher | HybridEPDispatcher = LocalDispatcher()
         self._choices: dict[tuple[str, torch.dtype], GroupedMMChoice] = {}
         self._last_choice: GroupedMMChoice | None = None
 
@@ -143,7 +144,7 @@ class GroupedExperts(nn.Module):
 
     @property
     def ep_size(self) -> int:
-        return self.dispatcher.ep_size if isinstance(self.dispatcher, AllToAllDispatcher) else 1
+        return getattr(self.dispatcher, "ep_size", 1)
 
     @property
     def num_local_experts(self) -> int:
@@ -248,14 +249,14 @@ class GroupedExperts(nn.Module):
             num_experts=self.num_experts,
             problems=problems,
             host_sizes=host_sizes,
+            top_k_weights=top_k_weights,
         )
         self._record_load(state.counts)
         if measure and can_measure(rows, sum(layout.sizes or ())):
             choice = self._measure(rows, layout, first, down, choice)
         out = self._experts(rows, layout, first, down, choice.backend)
-        sorted_out = self.dispatcher.undispatch(out, state)
-        return combine_pairs(
-            sorted_out, state, top_k_weights, out_dtype=hidden_states.dtype, combine_dtype=self.combine_dtype
+        return self.dispatcher.combine(
+            out, state, top_k_weights, out_dtype=hidden_states.dtype, combine_dtype=self.combine_dtype
         )
 
     def _experts(
