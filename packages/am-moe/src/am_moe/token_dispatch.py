@@ -343,7 +343,7 @@ def _masked_routing(
 
 
 def _permute(recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tensor, local: int) -> tuple[Any, ...]:
-    """Received tokens -> expert rows grouped by local expert: (rows `[n, H]`, sizes, pair_rows `[n]`, weights `[n]`)."""
+    """Received tokens -> rows grouped by local expert: (rows `[n, H]`, sizes, pair_rows `[n]`, weights `[n]`)."""
     top_k = recv_idx.shape[1]
     flat = recv_idx.reshape(-1)
     key = torch.where(flat < 0, local, flat)
