@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,33 @@ class DispatchState:
     recv_splits: list[int] = field(default_factory=list)
     inverse_regroup: torch.Tensor | None = None
     group: dist.ProcessGroup | None = None
+
+
+class Dispatcher(Protocol):
+    """What `GroupedExperts` calls: rows grouped by (local) expert out, `[T, H]` back. The state is the
+    dispatcher's own per-call object (`DispatchState`, `token_dispatch.TokenState`, ...)."""
+
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        token_mask: torch.Tensor | None,
+        *,
+        num_experts: int,
+        problems: list[str],
+        host_sizes: bool,
+        top_k_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, GroupLayout, Any]: ...
+
+    def combine(
+        self,
+        expert_out: torch.Tensor,
+        state: Any,
+        top_k_weights: torch.Tensor,
+        *,
+        out_dtype: torch.dtype,
+        combine_dtype: torch.dtype | None,
+    ) -> torch.Tensor: ...
 
 
 def _sort_pairs(

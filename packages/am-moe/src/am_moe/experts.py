@@ -25,10 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dispatch import AllToAllDispatcher, LocalDispatcher
+from .dispatch import Dispatcher, LocalDispatcher
 from .grouped_mm import GROUPED_MM_BACKENDS, GroupedMMChoice, GroupLayout, grouped_linear, select_grouped_mm_backend
 from .routing import routing_problems
-from .token_dispatch import HybridEPDispatcher, TokenDispatcher
 from .tuning import TuningKey, can_measure, measure_grouped_mm, measured_choice
 
 __all__ = ["EXPERT_ACTIVATIONS", "GroupedExperts"]
@@ -133,7 +132,7 @@ class GroupedExperts(nn.Module):
         self.register_buffer(
             "tokens_per_expert", torch.zeros(num_experts, dtype=torch.long, device=device), persistent=False
         )
-        self.dispatcher: LocalDispatcher | AllToAllDispatcher | TokenDispatcher | HybridEPDispatcher = LocalDispatcher()
+        self.dispatcher: Dispatcher = LocalDispatcher()
         self._choices: dict[tuple[str, torch.dtype], GroupedMMChoice] = {}
         self._last_choice: GroupedMMChoice | None = None
 

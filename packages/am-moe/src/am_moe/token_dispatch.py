@@ -284,7 +284,7 @@ class _Dispatch(torch.autograd.Function):
     """exchange.dispatch, differentiable in the tokens and the weights (backward: combine of both gradients)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, exchange: TokenExchange, box: dict
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         recv_x, recv_idx, recv_w, handle = exchange.dispatch(x, idx, weights, box["num_experts"])
@@ -305,7 +305,7 @@ class _Combine(torch.autograd.Function):
     """exchange.combine of the weighted per-token sums (backward: dispatch of the gradient with the cached layout)."""
 
     @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, exchange: TokenExchange, handle: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, y: torch.Tensor, exchange: TokenExchange, handle: Any) -> torch.Tensor:
         ctx.exchange, ctx.handle = exchange, handle
         out, _ = exchange.combine(y, handle)
         return out
@@ -418,7 +418,7 @@ class TokenDispatcher:
 
 class _HybridDispatch(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, hybrid: HybridEPDispatcher, box: dict
     ) -> tuple[torch.Tensor, torch.Tensor]:
         buffer = hybrid.buffer(x, box["local"])
@@ -446,7 +446,7 @@ class _HybridDispatch(torch.autograd.Function):
 
 class _HybridCombine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, buffer: Any, handle: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, rows: torch.Tensor, buffer: Any, handle: Any) -> torch.Tensor:
         ctx.buffer, ctx.handle = buffer, handle
         out, _ = buffer.combine_with_unpermute(hidden=rows, handle=handle, pad_multiple=None)
         return out
