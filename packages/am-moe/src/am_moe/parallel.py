@@ -111,7 +111,7 @@ def apply_expert_parallel(
     ep_mesh: Any,
     *,
     dispatcher: str = "torch",
-    dispatcher_num_sms: int | None = None,
+    dispatcher_num_sms: int = 20,
     dispatcher_async_dispatch: bool = False,
     dispatcher_share_token_dispatcher: bool = True,
 ) -> list[GroupedExperts]:
@@ -120,8 +120,9 @@ def apply_expert_parallel(
     dispatcher: "torch" ((token, k) pairs over `all_to_all_single`, `dispatch.py`), "torch_token" (DeepEP's
     token-level protocol in plain torch), "deepep", "uccl_ep", "hybridep" (the libraries, CUDA;
     `token_dispatch.py`). dispatcher_num_sms / dispatcher_async_dispatch: the libraries' SMs and asynchronous
-    dispatch (upstream's BackendConfig knobs; refused for the torch dispatchers). dispatcher_share_token_dispatcher:
-    True gives every layer of `module` ONE dispatcher object (one communication buffer), False one per layer.
+    dispatch (upstream's BackendConfig knobs and defaults; other values are refused for the torch dispatchers).
+    dispatcher_share_token_dispatcher: True gives every layer of `module` ONE dispatcher object (one communication
+    buffer), False one per layer.
 
     Each expert weight becomes a DTensor `Shard(0)` on `ep_mesh` (rank r keeps experts [r*E/ep, (r+1)*E/ep)),
     scattered from the mesh's first rank so every rank ends with the same experts. Returns the modules it sharded (an

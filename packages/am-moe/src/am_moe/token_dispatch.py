@@ -69,13 +69,13 @@ def dispatcher_problems(
     *,
     ep: int,
     device_type: str,
-    num_sms: int | None = None,
+    num_sms: int = 20,
     async_dispatch: bool = False,
 ) -> list[str]:
     """Everything that keeps `dispatcher` from running as asked, as messages (empty: it runs). Pure: no collective.
 
-    ep: the expert-parallel size; device_type: where the tokens live ("cuda", "cpu"); num_sms: SMs reserved for the
-    library's communication kernels (upstream's `dispatcher_num_sms`; None = the library's default);
+    ep: the expert-parallel size; device_type: where the tokens live ("cuda", "cpu"); num_sms: SMs the library's
+    communication kernels use (upstream's `dispatcher_num_sms`, default 20 as upstream and DeepEP);
     async_dispatch: overlap the dispatch with computation (upstream's `dispatcher_async_dispatch`).
     """
     if dispatcher not in DISPATCHERS:
@@ -95,7 +95,7 @@ def dispatcher_problems(
         if device_type != "cuda" or not torch.cuda.is_available():
             where = "torch.cuda.is_available() is False" if not torch.cuda.is_available() else f"{device_type!r}"
             problems.append(f"dispatcher={dispatcher!r} needs tokens on a CUDA GPU ({where})")
-        if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms <= 0):
+        if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms <= 0:
             problems.append(f"dispatcher_num_sms={num_sms!r} must be a positive int")
         if async_dispatch and dispatcher == "hybridep":
             problems.append(
@@ -103,12 +103,12 @@ def dispatcher_problems(
                 "use dispatcher='deepep' or 'uccl_ep' for it, or leave it False"
             )
     else:
-        knobs = [f"dispatcher_num_sms={num_sms}"] if num_sms is not None else []
+        knobs = [f"dispatcher_num_sms={num_sms}"] if num_sms != 20 else []
         knobs += ["dispatcher_async_dispatch=True"] if async_dispatch else []
         if knobs:
             problems.append(
                 f"{', '.join(knobs)} tune the communication kernels of deepep / uccl_ep / hybridep; "
-                f"dispatcher={dispatcher!r} (torch collectives) has none: leave them at their defaults"
+                f"dispatcher={dispatcher!r} (torch collectives) has none: leave them at their defaults (20, False)"
             )
     return problems
 
@@ -197,13 +197,13 @@ class DeepEPExchange:
     DeepEP-compatible `Buffer`. One communication buffer per exchange, sized by the library's size hints and grown
     when a larger hidden size needs it. Tokens must be bf16 (DeepEP's normal kernels); weights travel in fp32.
 
-    num_sms: `Buffer.set_num_sms` (the SMs the kernels use; upstream's `dispatcher_num_sms`), None = the library's
-    default. async_dispatch: `async_finish` + `allocate_on_comm_stream`, the current stream waiting on the returned
-    events (upstream's `dispatcher_async_dispatch`).
+    num_sms: `Buffer.set_num_sms` (the SMs the kernels use; upstream's `dispatcher_num_sms`). async_dispatch:
+    `async_finish` + `allocate_on_comm_stream`, the current stream waiting on the returned events (upstream's
+    `dispatcher_async_dispatch`).
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, *, module: str = "deep_ep", num_sms: int | None = None, async_dispatch: bool
+        self, group: dist.ProcessGroup, *, module: str = "deep_ep", num_sms: int = 20, async_dispatch: bool = False
     ) -> None:
         self.group, self.module, self.num_sms, self.async_dispatch = group, module, num_sms, async_dispatch
         self._buffer: Any = None
@@ -213,8 +213,7 @@ class DeepEPExchange:
 
     def _get_buffer(self, hidden_bytes: int) -> Any:
         buffer_cls = self._lib().Buffer
-        if self.num_sms is not None:
-            buffer_cls.set_num_sms(self.num_sms)
+        buffer_cls.set_num_sms(self.num_sms)
         size = dist.get_world_size(self.group)
         nvl = rdma = 0
         for config in (buffer_cls.get_dispatch_config(size), buffer_cls.get_combine_config(size)):
@@ -475,7 +474,7 @@ class HybridEPDispatcher:
     num_sms: `num_sms_dispatch_api` and `num_sms_combine_api` of the buffer (upstream's `dispatcher_num_sms`).
     """
 
-    def __init__(self, group: dist.ProcessGroup, *, num_sms: int | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup, *, num_sms: int = 20) -> None:
         self.group, self.num_sms, self.name = group, num_sms, "hybridep"
         self.ep_size = dist.get_world_size(group)
         self._buffer: Any = None
@@ -485,11 +484,7 @@ class HybridEPDispatcher:
         tokens, hidden = x.shape
         if self._buffer is None or tokens > self._capacity[0] or (hidden, local) != self._capacity[1:]:
             lib = importlib.import_module("deep_ep")  # HybridEP ships in DeepEP's package; CUDA loads here
-            sms = (
-                {}
-                if self.num_sms is None
-                else {"num_sms_dispatch_api": self.num_sms, "num_sms_combine_api": self.num_sms}
-            )
+            sms = {"num_sms_dispatch_api": self.num_sms, "num_sms_combine_api": self.num_sms}
             self._buffer = lib.HybridEPBuffer(
                 group=self.group,
                 hidden_dim=hidden,
@@ -554,7 +549,7 @@ def make_dispatcher(
     dispatcher: str,
     group: dist.ProcessGroup,
     *,
-    num_sms: int | None = None,
+    num_sms: int = 20,
     async_dispatch: bool = False,
     shared: dict[str, Any] | None = None,
 ) -> Any:
