@@ -4,7 +4,8 @@ On a machine without CUDA it prints ONE line saying so and exits 0. On one CUDA 
 Gemma 4 (bf16 parameters, AdamW), a few training steps per backend choice this machine can run
 (`am_precision.backend_runtime_problems` decides; nothing is faked): attention sdpa / eager / flex / cudnn / te,
 experts torch (per-expert loop) vs torch_mm (grouped GEMM), TE linears + norms and TE FP8 autocast when Transformer
-Engine is installed; and am-moe's grouped-GEMM backends alone (loop, grouped_mm, gmm, te, auto with its measured pick). Each run starts from the same weights and batch as the reference (`torch` / sdpa) run; its
+Engine is installed; and am-moe's grouped-GEMM backends alone (loop, grouped_mm, gmm, te, auto with its measured
+pick). Each run starts from the same weights and batch as the reference (`torch` / sdpa) run; its
 first loss must equal the reference's within bf16 tolerance. It also initialises NCCL on one rank (one all-reduce).
 Writes bench/results-gpu.json: per run step time (median), tokens/s, MFU against the GPU's dense bf16 peak (when
 the GPU is a known one), peak memory, first loss and its difference from the reference, or the refusal reason.
