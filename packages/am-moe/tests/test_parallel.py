@@ -24,8 +24,10 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from am_moe import (
+    DeepEPExchange,
     GroupedExperts,
     RoutingError,
+    TokenDispatcher,
     apply_expert_parallel,
     build_expert_meshes,
     count_all_to_all_bytes,
@@ -71,6 +73,8 @@ EP_SPECS = [
     EPSpec("token_empty_rank_plain", gated=False, activation="relu2", tokens=(19, 0), dispatcher="torch_token"),
     EPSpec("token_top_k_all_experts", top_k=E, tokens=(5, 6), dispatcher="torch_token"),
     EPSpec("token_activation_checkpointing", checkpointed=True, padding=True, dispatcher="torch_token"),
+    # am_moe.DeepEPExchange calling a stand-in `deep_ep` with DeepEP's signatures (tests/_fake_deep_ep.py)
+    EPSpec("deepep_exchange_padding_and_skew", padding=True, skew=True, dispatcher="deepep_stand_in"),
 ]
 
 
@@ -174,7 +178,11 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     def ep_case(spec: EPSpec) -> Any:
         def run() -> dict[str, Any]:
             experts = _experts(spec)
-            apply_expert_parallel(experts, ep_mesh, dispatcher=spec.dispatcher)
+            stand_in = spec.dispatcher == "deepep_stand_in"
+            apply_expert_parallel(experts, ep_mesh, dispatcher="torch_token" if stand_in else spec.dispatcher)
+            if stand_in:  # the real DeepEP needs CUDA: the exchange calls a stand-in module with its API
+                exchange = DeepEPExchange(ep_mesh.get_group(), module="_fake_deep_ep", num_sms=24)
+                experts.dispatcher = TokenDispatcher(ep_mesh.get_group(), exchange, name="deepep")
             inputs = _pair_inputs(spec, pair)
             start = sum(spec.tokens[:ep_rank])
             local = {k: v[start : start + spec.tokens[ep_rank]] for k, v in inputs.items()}
@@ -183,6 +191,11 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
             result["down_grad"] = _full(experts.down_proj.grad)
             result["load"] = expert_load(experts, group=ep_mesh.get_group()).tokens_per_expert[""]
             result["local_experts"] = experts.first_proj.to_local().shape[0]
+            if stand_in:
+                import _fake_deep_ep
+
+                result["deepep_num_sms"] = _fake_deep_ep.Buffer.num_sms
+                result["deepep_buffers"] = _fake_deep_ep.Buffer.created
             return result
 
         return run
@@ -316,6 +329,8 @@ def test_ep2_equals_single_process_layer(group_results: Any, spec: EPSpec) -> No
             torch.testing.assert_close(rank["down_grad"], reference.down_proj.grad, rtol=tol, atol=tol)
             # load summed over the ep group = the single-process layer's counts (padding excluded, counted once)
             assert torch.equal(rank["load"], reference.tokens_per_expert)
+            if spec.dispatcher == "deepep_stand_in":  # Buffer.set_num_sms(24); one buffer reused fwd and bwd
+                assert (rank["deepep_num_sms"], rank["deepep_buffers"]) == (24, 1)
 
 
 def test_all_to_all_bytes_match_the_formula(group_results: Any) -> None:
