@@ -73,8 +73,9 @@ EP_SPECS = [
     EPSpec("token_empty_rank_plain", gated=False, activation="relu2", tokens=(19, 0), dispatcher="torch_token"),
     EPSpec("token_top_k_all_experts", top_k=E, tokens=(5, 6), dispatcher="torch_token"),
     EPSpec("token_activation_checkpointing", checkpointed=True, padding=True, dispatcher="torch_token"),
-    # am_moe.DeepEPExchange calling a stand-in `deep_ep` with DeepEP's signatures (tests/_fake_deep_ep.py)
-    EPSpec("deepep_exchange_padding_and_skew", padding=True, skew=True, dispatcher="deepep_stand_in"),
+    # am_moe.DeepEPExchange calling a stand-in `deep_ep` with DeepEP's signatures (tests/_fake_deep_ep.py), in bf16:
+    # DeepEP moves bf16 tokens only
+    EPSpec("deepep_exchange_bf16", padding=True, skew=True, dtype=torch.bfloat16, dispatcher="deepep_stand_in"),
 ]
 
 

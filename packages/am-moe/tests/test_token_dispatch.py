@@ -70,3 +70,12 @@ def test_padding_selects_no_expert() -> None:
     idx, w = _masked_routing(torch.tensor([[1, 2], [3, 0]]), torch.ones(2, 2), torch.tensor([True, False]))
     assert idx.tolist() == [[1, 2], [-1, -1]]
     assert w.tolist() == [[1.0, 1.0], [0.0, 0.0]]
+
+
+def test_library_dispatchers_refuse_tokens_that_are_not_bf16() -> None:
+    from am_moe.token_dispatch import _library_dtype_problems
+
+    (problem,) = _library_dtype_problems("deepep", torch.zeros(2, 4))
+    assert "moves bf16 tokens only, got torch.float32" in problem
+    assert _library_dtype_problems("deepep", torch.zeros(2, 4, dtype=torch.bfloat16)) == []
+    assert _library_dtype_problems("torch_token", torch.zeros(2, 4)) == []

@@ -330,6 +330,16 @@ class TokenState:
     exchange: Any
 
 
+def _library_dtype_problems(name: str, hidden_states: torch.Tensor) -> list[str]:
+    """DeepEP's / UCCL-EP's normal kernels and HybridEP's (without FP8) move bf16 tokens only."""
+    if name in _LIBRARY and hidden_states.dtype != torch.bfloat16:
+        return [
+            f"dispatcher {name!r} moves bf16 tokens only, got {hidden_states.dtype}: run the MoE layer in bf16 "
+            "(mixed precision) or use dispatcher='torch'"
+        ]
+    return []
+
+
 def _masked_routing(
     top_k_index: torch.Tensor, top_k_weights: torch.Tensor, token_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -382,6 +392,7 @@ class TokenDispatcher:
         del host_sizes  # the received counts reach the host anyway (grouped GEMM sizes)
         if top_k_weights is None:
             raise RoutingError(f"dispatcher {self.name!r} applies the routing weights on the experts' rank: pass them")
+        problems = problems + _library_dtype_problems(self.name, hidden_states)
         if problems:  # malformed shapes: still join the header exchange so every rank raises
             counts = torch.zeros(num_experts + 2, dtype=torch.long, device=hidden_states.device)
         else:
@@ -510,6 +521,7 @@ class HybridEPDispatcher:
         del host_sizes
         if top_k_weights is None:
             raise RoutingError("dispatcher 'hybridep' applies the routing weights on the experts' rank: pass them")
+        problems = problems + _library_dtype_problems(self.name, hidden_states)
         if problems:
             counts = torch.zeros(num_experts + 2, dtype=torch.long, device=hidden_states.device)
         else:
