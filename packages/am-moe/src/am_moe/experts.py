@@ -239,7 +239,9 @@ class GroupedExperts(nn.Module):
                 f"hidden_states are {hidden_states.dtype} but the expert weights are {first.dtype}; cast one of them"
             )
         choice = self.choose_grouped_mm(hidden_states.device, hidden_states.dtype)
-        measure = self._measurable(choice)  # "auto", both can run, not measured yet in this process
+        # "auto", both can run, not measured yet in this process; never inside a graph being compiled (no timing of
+        # fake tensors, and no host sync forced into the graph: the rule's choice runs there)
+        measure = self._measurable(choice) and not torch.compiler.is_compiling()
         host_sizes = measure or choice.backend in ("loop", "gmm", "te") or hidden_states.device.type == "cpu"
         rows, layout, state = self.dispatcher.dispatch(
             hidden_states,
