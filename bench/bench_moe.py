@@ -1,8 +1,11 @@
 """Benchmark of am-moe, measured in one run.
 
 (1) Routed experts, forward + backward, fp32 on the CPU: 64 experts, top-8, 4096 tokens, hidden 256, expert
-    intermediate 256, gated (SwiGLU), random routing. `GroupedExperts` (backend chosen automatically; printed with
-    its reason) against two per-expert loops written here with the same weights:
+    intermediate 256, gated (SwiGLU), random routing. `GroupedExperts` with each of its backends — `"grouped_mm"`
+    (`torch._grouped_mm`), `"loop"` (one matmul per expert) and `"auto"` (measures both on its first forward and
+    keeps the faster, `am_moe.tuning`; printed with its timings) — reported side by side (ratio grouped_mm / loop:
+    below 1 means the grouped GEMM is faster here), and against two per-expert loops written here with the same
+    weights:
     - "per-expert loop": transformers' eager experts pattern — for each expert, find its (token, k) pairs with a
       mask, gather the tokens, two matmuls on the expert's slice `weight[e]`, weight them and `index_add` into the
       output. The issue's reference; target ratio <= 0.4.
@@ -105,10 +108,15 @@ def _grouped_vs_loops() -> dict[str, Any]:
     torch.manual_seed(0)
     experts = {
         name: GroupedExperts(EXPERTS, HIDDEN, INTER, gated=True, activation="silu", grouped_mm=backend)
-        for name, backend in (("grouped_auto", "auto"), ("grouped_loop_backend", "loop"))
+        for name, backend in (
+            ("grouped_auto", "auto"),
+            ("grouped_mm_backend", "grouped_mm"),
+            ("grouped_loop_backend", "loop"),
+        )
     }
     experts["grouped_auto"].init_weights(std=0.05)
-    experts["grouped_loop_backend"].load_state_dict(experts["grouped_auto"].state_dict())
+    for name in ("grouped_mm_backend", "grouped_loop_backend"):
+        experts[name].load_state_dict(experts["grouped_auto"].state_dict())
     gate_up, down = experts["grouped_auto"].gate_up_proj, experts["grouped_auto"].down_proj
     inputs = _inputs()
     steps = {name: _step(module, [module.gate_up_proj, module.down_proj], inputs) for name, module in experts.items()}
@@ -142,7 +150,7 @@ def _grouped_vs_loops() -> dict[str, Any]:
             "threads": torch.get_num_threads(),
             "repeats": REPEATS,
         },
-        "backend": {"name": choice.backend, "reason": choice.reason},
+        "backend": {"name": choice.backend, "reason": choice.reason, "measured_seconds": dict(choice.seconds)},
         "cpu_seconds": best_cpu,
         "wall_seconds": best_wall,
         "max_abs_diff_vs_per_expert_loop": max_diff,
@@ -150,6 +158,10 @@ def _grouped_vs_loops() -> dict[str, Any]:
         "wall_ratio_grouped_over_per_expert_loop": best_wall["grouped_auto"] / best_wall["per_expert_loop"],
         "ratio_grouped_over_sorted_loop": best_cpu["grouped_auto"] / best_cpu["sorted_loop"],
         "ratio_loop_backend_over_per_expert_loop": best_cpu["grouped_loop_backend"] / best_cpu["per_expert_loop"],
+        "ratio_grouped_mm_over_loop_backend": best_cpu["grouped_mm_backend"] / best_cpu["grouped_loop_backend"],
+        "wall_ratio_grouped_mm_over_loop_backend": best_wall["grouped_mm_backend"] / best_wall["grouped_loop_backend"],
+        "auto_picked_the_faster": best_cpu[f"grouped_{'mm' if choice.backend == 'grouped_mm' else 'loop'}_backend"]
+        <= min(best_cpu["grouped_mm_backend"], best_cpu["grouped_loop_backend"]),
     }
 
 
@@ -204,7 +216,7 @@ def main() -> None:
         f"intermediate {INTER}, SwiGLU; best of {REPEATS} (CPU time)"
     )
     part1 = _grouped_vs_loops()
-    print(f"  backend: {part1['backend']['name']} ({part1['backend']['reason']})")
+    print(f"  auto picked: {part1['backend']['name']} ({part1['backend']['reason']})")
     for name, seconds in part1["cpu_seconds"].items():
         print(
             f"  {name:>22}: {seconds:.3f} s CPU, {part1['wall_seconds'][name]:.3f} s wall, max |diff| vs per-expert "
@@ -214,6 +226,11 @@ def main() -> None:
         f"  ratio grouped / per-expert loop = {part1['ratio_grouped_over_per_expert_loop']:.3f} (target <= 0.4; wall "
         f"{part1['wall_ratio_grouped_over_per_expert_loop']:.3f}); grouped / sorted loop = "
         f"{part1['ratio_grouped_over_sorted_loop']:.3f}"
+    )
+    print(
+        f"  grouped_mm / loop backend = {part1['ratio_grouped_mm_over_loop_backend']:.3f} (wall "
+        f"{part1['wall_ratio_grouped_mm_over_loop_backend']:.3f}); auto picked the faster in this timing: "
+        f"{part1['auto_picked_the_faster']}"
     )
     print(
         f"(2) EP={EP} all-to-all bytes per MoE layer and rank, {TOKENS} tokens/rank, top-{TOP_K}, hidden {HIDDEN}, fp32"

@@ -4,7 +4,8 @@ On a machine without CUDA it prints ONE line saying so and exits 0. On one CUDA 
 Gemma 4 (bf16 parameters, AdamW), a few training steps per backend choice this machine can run
 (`am_precision.backend_runtime_problems` decides; nothing is faked): attention sdpa / eager / flex / cudnn / te,
 experts torch (per-expert loop) vs torch_mm (grouped GEMM), TE linears + norms and TE FP8 autocast when Transformer
-Engine is installed. Each run starts from the same weights and batch as the reference (`torch` / sdpa) run; its
+Engine is installed; and am-moe's grouped-GEMM backends alone (loop, grouped_mm, gmm, te, auto with its measured
+pick). Each run starts from the same weights and batch as the reference (`torch` / sdpa) run; its
 first loss must equal the reference's within bf16 tolerance. It also initialises NCCL on one rank (one all-reduce).
 Writes bench/results-gpu.json: per run step time (median), tokens/s, MFU against the GPU's dense bf16 peak (when
 the GPU is a known one), peak memory, first loss and its difference from the reference, or the refusal reason.
@@ -199,6 +200,54 @@ def _run_model(name: str, peak: float | None) -> dict[str, Any]:
     return out
 
 
+EXPERT_BACKENDS = ("loop", "grouped_mm", "gmm", "te", "auto")  # am_moe.GroupedExperts(grouped_mm=...)
+
+
+def _expert_backends() -> dict[str, Any]:
+    """am-moe's grouped-GEMM backends on this GPU (bf16, 64 experts, top-8, 8192 tokens, H=I=1024, SwiGLU), forward +
+    backward against the per-expert loop: max |diff| of the output and the input gradient, median time, or the
+    refusal (a missing package or GPU is named); "auto" reports what its measurement picked. The token-level
+    dispatchers (deepep / uccl_ep / hybridep) need ep >= 2, i.e. two GPUs: not run by this one-GPU kit."""
+    from am_moe import GroupedExperts
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    tokens, experts_n, top_k, hidden = 8192, 64, 8, 1024
+    x = torch.randn(tokens, hidden, generator=gen).to("cuda", torch.bfloat16)
+    weights, index = torch.rand(tokens, experts_n, generator=gen).softmax(-1).topk(top_k, -1)
+    weights, index = weights.cuda(), index.cuda()
+    out: dict[str, Any] = {}
+    reference = None
+    for backend in EXPERT_BACKENDS:
+        torch.manual_seed(0)
+        module = GroupedExperts(experts_n, hidden, hidden, gated=True, activation="silu", grouped_mm=backend)
+        module.init_weights(std=0.02)
+        module = module.to("cuda", torch.bfloat16)
+        try:
+            times = []
+            for _ in range(4):
+                inp = x.clone().requires_grad_()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                y = module(inp, index, weights)
+                y.backward(torch.ones_like(y))
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+        except (ValueError, RuntimeError, ImportError) as err:
+            out[backend] = {"refused_or_failed": f"{type(err).__name__}: {err}"}
+            continue
+        result: dict[str, Any] = {"fwd_bwd_s": statistics.median(times[1:])}
+        choice = module.grouped_mm_choice
+        result["choice"] = None if choice is None else {"backend": choice.backend, "reason": choice.reason}
+        if reference is None:
+            reference = (y.detach().float(), inp.grad.float())
+        else:
+            result["max_abs_diff_out"] = float((y.detach().float() - reference[0]).abs().max())
+            result["max_abs_diff_x_grad"] = float((inp.grad.float() - reference[1]).abs().max())
+        out[backend] = result
+        print(f"gpu: am-moe experts grouped_mm={backend}: {json.dumps(result)}", flush=True)
+    return out
+
+
 def _nccl_one_rank() -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -236,6 +285,7 @@ def main() -> int:
         "seq": SEQ,
         "steps": STEPS,
         "nccl": _nccl_one_rank(),
+        "am_moe_expert_backends": _expert_backends(),
     }
     for model_name in MODELS:
         with contextlib.suppress(KeyboardInterrupt):

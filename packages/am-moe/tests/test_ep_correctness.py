@@ -11,7 +11,8 @@ process running the same micro-batches one after the other (gradient accumulatio
 - the global gradient norm, computed per mesh as the reference trainer does, counts every expert parameter exactly
   once (equals the single-process norm);
 - the bias update from the all-reduced load gives the single process's bias after every step;
-- skewed routing (every token to expert 0) at ep 2 and ep 4: exact, no hang;
+- skewed routing (every token to expert 0) at ep 2 and ep 4: exact, no hang, and the dispatch receive buffer of
+  expert 0's owner holds exactly its ep group's routed pairs (the README's bound, reached), the other ranks' none;
 - ep x expert_dp > E (2 experts on ep 2 x expert_dp 2): the expert weights shard on dim 1 for FSDP2, exact;
 - context parallelism (each cp rank holds columns of the same rows): the sequence-level term over whole sequences.
 """
@@ -32,6 +33,7 @@ from am_moe import (
     RouterBalancer,
     aux_loss_values,
     configure_load_balancing,
+    count_all_to_all_bytes,
     expert_fsdp_dim,
     expert_load,
     set_aux_loss_scale,
@@ -222,7 +224,14 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
                 if isinstance(module, FSDPModule):
                     module.set_gradient_divide_factor(1.0)
                     module.set_force_sum_reduction_for_comms(True)
-            result = _train(model, spec, rank=rank, group=dp_cp.get_group())
+            with count_all_to_all_bytes() as stats:
+                result = _train(model, spec, rank=rank, group=dp_cp.get_group())
+            result["receive"] = {
+                "rows": stats.peak_receive_rows,
+                "bytes": stats.peak_receive_bytes,
+                "ep_group": torch.distributed.get_process_group_ranks(ep_mesh.get_group()),
+                "ep_rank": ep_mesh.get_local_rank(),
+            }
             weight = model.experts.gate_up_proj
             result["placements"] = [str(p) for p in weight.placements]
             result["fsdp_dim"] = expert_fsdp_dim(model.experts, expert_dp_mesh)
@@ -294,6 +303,28 @@ def test_all_to_one_expert_routes_every_pair_to_it(group_results: Any) -> None:
         load = case_result(group_results, name, 3)["steps"][0]["load"]
         assert load[0] == load.sum()
         assert load.sum() > 0
+
+
+@pytest.mark.parametrize("name", ["ep2_all_to_one_expert", "ep4_all_to_one_expert"])
+def test_all_to_one_receive_buffer_equals_the_documented_bound(group_results: Any, name: str) -> None:
+    """README bound: the dispatch receive buffer of an ep rank holds the (token, k) pairs its ep group routes to its
+    experts, R <= ep x T x min(K, E / ep) rows of H values. All to expert 0 (K = 1): its owner receives every real
+    token of its ep group in each micro-batch (the bound with padding excluded), the others nothing."""
+    spec = next(s for s in SPECS if s.name == name)
+    tokens = B * S
+    for rank in range(WORLD):
+        got = case_result(group_results, name, rank)["receive"]
+        group = got["ep_group"]
+        assert len(group) == spec.ep
+        per_micro = [
+            sum(int(_batch(spec, step, source, micro)["mask"].sum()) for source in group) * spec.top_k
+            for step in range(STEPS)
+            for micro in range(MICRO)
+        ]
+        expected = max(per_micro) if got["ep_rank"] == 0 else 0
+        assert got["rows"] == expected, f"rank {rank}"
+        assert got["bytes"] == expected * H * 4, f"rank {rank}"  # fp32 rows of H values
+        assert got["rows"] <= spec.ep * tokens * min(spec.top_k, spec.num_experts // spec.ep)
 
 
 def test_more_ranks_than_experts_shards_experts_on_dim_1(group_results: Any) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from am_moe import GroupedMMChoice, GroupLayout, grouped_linear, select_grouped_mm_backend
+from am_moe import GroupedExperts, GroupedMMChoice, GroupLayout, grouped_linear, select_grouped_mm_backend
 
 # fp32, same matmuls in a different grouping: differences are a few ulps of the result
 FP32_TOL = 1e-6
@@ -154,3 +154,64 @@ def test_gmm_calls_grouped_gemm_public_op_with_host_batch_sizes(monkeypatch) -> 
     torch.testing.assert_close(got, want)
     assert calls == [((6, 8), torch.int64, "cpu", True)]
     assert torch.equal(got[6], torch.zeros(5))
+
+
+def test_te_is_refused_naming_what_is_missing(monkeypatch) -> None:
+    """experts 'te' (Transformer Engine GroupedLinear) needs TE and CUDA: both named in one message, no fallback."""
+    from am_moe import grouped_mm as module
+
+    monkeypatch.setattr(module, "_te_installed", lambda: False)
+    with pytest.raises(ValueError, match="'te' cannot run here") as err:
+        select_grouped_mm_backend(device="cpu", dtype=torch.float32, sizes=(16,), requested="te")
+    message = str(err.value)
+    assert "Transformer Engine is not installed" in message
+    assert "only on CUDA" in message
+    with pytest.raises(ValueError, match="Transformer Engine"):
+        GroupedExperts(4, 16, 16, gated=True, activation="silu", grouped_mm="te")(
+            torch.randn(3, 16), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+        )
+
+
+def test_te_runs_grouped_linear_on_views_of_the_stacked_weight(monkeypatch) -> None:
+    """grouped_linear(backend="te") calls a `GroupedLinear(num_gemms, in, out)` built on the meta device with its
+    `weight{g}` parameters replaced by views of the ONE stacked weight, forward `(inp, m_splits)` (TE's public
+    signature): outputs and the gradients of the rows and of the stacked weight equal the loop's. TE needs CUDA, so a
+    stand-in module with TE's signature and parameter names computes the per-group matmuls here."""
+    from am_moe import grouped_mm as module
+
+    built = []
+
+    class FakeGroupedLinear(torch.nn.Module):
+        def __init__(self, num_gemms, in_features, out_features, *, bias, params_dtype, device) -> None:
+            super().__init__()
+            built.append((num_gemms, in_features, out_features, bias, params_dtype, device))
+            for g in range(num_gemms):
+                self.register_parameter(
+                    f"weight{g}", torch.nn.Parameter(torch.empty(out_features, in_features, device=device))
+                )
+
+        def forward(self, inp, m_splits):
+            parts = inp.split(m_splits)
+            return torch.cat([p @ getattr(self, f"weight{g}").T for g, p in enumerate(parts)])
+
+    class FakeTE:
+        GroupedLinear = FakeGroupedLinear
+
+    module._te_grouped_linear.cache_clear()
+    monkeypatch.setattr(module.importlib, "import_module", lambda name: FakeTE)
+    try:
+        sizes = [2, 0, 4]
+        layout = GroupLayout(ends=torch.tensor([2, 2, 6], dtype=torch.int32), sizes=sizes)
+        results = []
+        for backend in ("te", "loop"):
+            x = torch.randn(7, 8, generator=torch.Generator().manual_seed(0)).requires_grad_()
+            weight = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+            out = grouped_linear(x, weight, layout, backend=backend)
+            out.backward(torch.ones_like(out))
+            results.append((out.detach(), x.grad, weight.grad))
+        for got, want in zip(*results, strict=True):
+            torch.testing.assert_close(got, want)
+        assert built == [(3, 8, 5, False, torch.float32, "meta")]
+        assert torch.equal(results[0][0][6], torch.zeros(5))  # the row past the last group
+    finally:
+        module._te_grouped_linear.cache_clear()

@@ -24,8 +24,10 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from am_moe import (
+    DeepEPExchange,
     GroupedExperts,
     RoutingError,
+    TokenDispatcher,
     apply_expert_parallel,
     build_expert_meshes,
     count_all_to_all_bytes,
@@ -55,6 +57,7 @@ class EPSpec:
     skew: bool = False  # rank 1's tokens only pick experts 0..3 (ep rank 1 owns 4..7)
     checkpointed: bool = False
     dtype: torch.dtype = torch.float32
+    dispatcher: str = "torch"  # "torch_token": DeepEP's token-level protocol, the libraries' shared logic
 
 
 EP_SPECS = [
@@ -65,6 +68,14 @@ EP_SPECS = [
     EPSpec("top_k_all_experts", top_k=E, tokens=(5, 6)),
     EPSpec("activation_checkpointing", checkpointed=True, padding=True),
     EPSpec("bf16", dtype=torch.bfloat16, padding=True),
+    EPSpec("token_gated_grouped_mm", dispatcher="torch_token"),
+    EPSpec("token_padding_and_skew_loop", padding=True, skew=True, backend="loop", dispatcher="torch_token"),
+    EPSpec("token_empty_rank_plain", gated=False, activation="relu2", tokens=(19, 0), dispatcher="torch_token"),
+    EPSpec("token_top_k_all_experts", top_k=E, tokens=(5, 6), dispatcher="torch_token"),
+    EPSpec("token_activation_checkpointing", checkpointed=True, padding=True, dispatcher="torch_token"),
+    # am_moe.DeepEPExchange calling a stand-in `deep_ep` with DeepEP's signatures (tests/_fake_deep_ep.py), in bf16:
+    # DeepEP moves bf16 tokens only
+    EPSpec("deepep_exchange_bf16", padding=True, skew=True, dtype=torch.bfloat16, dispatcher="deepep_stand_in"),
 ]
 
 
@@ -169,7 +180,11 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     def ep_case(spec: EPSpec) -> Any:
         def run() -> dict[str, Any]:
             experts = _experts(spec)
-            apply_expert_parallel(experts, ep_mesh)
+            stand_in = spec.dispatcher == "deepep_stand_in"
+            apply_expert_parallel(experts, ep_mesh, dispatcher="torch_token" if stand_in else spec.dispatcher)
+            if stand_in:  # the real DeepEP needs CUDA: the exchange calls a stand-in module with its API
+                exchange = DeepEPExchange(ep_mesh.get_group(), module="_fake_deep_ep", num_sms=24)
+                experts.dispatcher = TokenDispatcher(ep_mesh.get_group(), exchange, name="deepep")
             inputs = _pair_inputs(spec, pair)
             start = sum(spec.tokens[:ep_rank])
             local = {k: v[start : start + spec.tokens[ep_rank]] for k, v in inputs.items()}
@@ -178,6 +193,11 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
             result["down_grad"] = _full(experts.down_proj.grad)
             result["load"] = expert_load(experts, group=ep_mesh.get_group()).tokens_per_expert[""]
             result["local_experts"] = experts.first_proj.to_local().shape[0]
+            if stand_in:
+                import _fake_deep_ep
+
+                result["deepep_num_sms"] = _fake_deep_ep.Buffer.num_sms
+                result["deepep_buffers"] = _fake_deep_ep.Buffer.created
             return result
 
         return run
@@ -214,6 +234,29 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
             except RoutingError as exc:
                 errors[name] = str(exc)
         errors["afterwards"] = str(experts(x, good, weights).shape)  # the group is still in step
+        token_experts = _experts(EPSpec("bad_token"))
+        apply_expert_parallel(token_experts, ep_mesh, dispatcher="torch_token")
+        try:
+            token_experts(x, bad, weights)
+            errors["token_out_of_range_on_rank0"] = "no error"
+        except RoutingError as exc:
+            errors["token_out_of_range_on_rank0"] = str(exc)
+        errors["token_afterwards"] = str(token_experts(x, good, weights).shape)
+        for name, kwargs in (
+            ("deepep_on_cpu", {"dispatcher": "deepep", "dispatcher_num_sms": 24}),
+            ("torch_with_knobs", {"dispatcher": "torch", "dispatcher_num_sms": 24, "dispatcher_async_dispatch": True}),
+        ):
+            try:  # refused before any collective: every rank raises, none waits
+                apply_expert_parallel(_experts(EPSpec(name)), ep_mesh, **kwargs)
+                errors[name] = "no error"
+            except ValueError as exc:
+                errors[name] = str(exc)
+        two = nn.ModuleList([_experts(EPSpec("shared")), _experts(EPSpec("shared"))])
+        apply_expert_parallel(two, ep_mesh, dispatcher="torch_token")
+        separate = nn.ModuleList([_experts(EPSpec("separate")), _experts(EPSpec("separate"))])
+        apply_expert_parallel(separate, ep_mesh, dispatcher="torch_token", dispatcher_share_token_dispatcher=False)
+        errors["shared_one_dispatcher"] = str(two[0].dispatcher is two[1].dispatcher)
+        errors["separate_dispatchers"] = str(separate[0].dispatcher is not separate[1].dispatcher)
         try:
             apply_expert_parallel(GroupedExperts(5, H, INTER, gated=False, activation="relu2"), ep_mesh)
             errors["indivisible"] = "no error"
@@ -293,6 +336,8 @@ def test_ep2_equals_single_process_layer(group_results: Any, spec: EPSpec) -> No
             torch.testing.assert_close(rank["down_grad"], reference.down_proj.grad, rtol=tol, atol=tol)
             # load summed over the ep group = the single-process layer's counts (padding excluded, counted once)
             assert torch.equal(rank["load"], reference.tokens_per_expert)
+            if spec.dispatcher == "deepep_stand_in":  # Buffer.set_num_sms(24); one buffer reused fwd and bwd
+                assert (rank["deepep_num_sms"], rank["deepep_buffers"]) == (24, 1)
 
 
 def test_all_to_all_bytes_match_the_formula(group_results: Any) -> None:
@@ -321,6 +366,25 @@ def test_bad_input_raises_on_every_rank(group_results: Any) -> None:
         assert errors["afterwards"] == "torch.Size([4, 16])"
         assert "5 experts cannot be split evenly over ep=2" in errors["indivisible"]
         assert "the data mesh has 2 ranks but the plan was made for data_parallel_size=4" in errors["plan_mismatch"]
+
+
+def test_token_dispatchers_refuse_and_share_as_asked(group_results: Any) -> None:
+    """The token-level dispatcher raises on every rank for one rank's bad input, like the pair dispatcher; deepep on
+    this machine is refused naming the package and CUDA (one ValueError, before any collective); the library knobs
+    are refused for the torch dispatcher; dispatcher_share_token_dispatcher gives one object to all layers or one
+    per layer."""
+    results, _ = group_results
+    for rank in range(4):
+        errors = case_result(results, "ep2/bad_input", rank)
+        assert "rank(s) [0] of 2 got invalid router outputs" in errors["token_out_of_range_on_rank0"]
+        assert errors["token_afterwards"] == "torch.Size([4, 16])"
+        deepep = errors["deepep_on_cpu"]
+        assert "`deep_ep` package, not installed" in deepep
+        assert "needs tokens on a CUDA GPU" in deepep
+        knobs = errors["torch_with_knobs"]
+        assert "dispatcher_num_sms=24, dispatcher_async_dispatch=True tune the communication kernels" in knobs
+        assert errors["shared_one_dispatcher"] == "True"
+        assert errors["separate_dispatchers"] == "True"
 
 
 def _reference_fsdp() -> tuple[TinyMoE, torch.Tensor, torch.Tensor]:

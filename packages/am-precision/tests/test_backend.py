@@ -86,9 +86,6 @@ def test_rope_fusion_auto_resolves_off_and_explicit_true_is_refused_not_disabled
 _UNIMPLEMENTED_VALUES = {
     "rope": "quack",
     "rope_fusion": True,
-    "dispatcher_num_sms": 32,
-    "dispatcher_share_token_dispatcher": False,
-    "dispatcher_async_dispatch": True,
     "enable_fsdp_optimizations": True,
     "cuda_graph": CudaGraphConfig(modules=["attn"]),
     "mok": MoKBackendConfig(minibatch_size=8192),
@@ -117,6 +114,22 @@ def test_a_value_nothing_honours_is_refused_with_the_fix(name, value):
     if default is dataclasses.MISSING:  # nested option groups (cuda_graph, mok) default to a fresh instance
         default = default_field.default_factory()
     BackendConfig(**{name: default}, **extra)
+
+
+def test_dispatcher_knobs_are_accepted_for_the_library_dispatchers_only():
+    """am_moe.apply_expert_parallel honours dispatcher_num_sms / _async_dispatch / _share_token_dispatcher for
+    deepep, hybridep and uccl_ep; the torch dispatcher has no kernels to tune, so other values are refused there."""
+    for dispatcher in ("deepep", "hybridep", "uccl_ep"):
+        cfg = BackendConfig(dispatcher=dispatcher, dispatcher_num_sms=32, dispatcher_async_dispatch=True)
+        assert (cfg.dispatcher_num_sms, cfg.dispatcher_async_dispatch) == (32, True)
+    assert (
+        BackendConfig(dispatcher="torch", dispatcher_share_token_dispatcher=False).dispatcher_share_token_dispatcher
+        is False
+    )
+    with pytest.raises(ValueError, match=r"\(1 problem\)") as err:
+        BackendConfig(dispatcher="torch", dispatcher_num_sms=32, dispatcher_async_dispatch=True)
+    assert "dispatcher_num_sms=32, dispatcher_async_dispatch=True tune(s) the communication kernels" in str(err.value)
+    assert "but dispatcher='torch'" in str(err.value)
 
 
 @pytest.mark.usefixtures("no_te_no_cuda")

@@ -51,6 +51,16 @@ from .parallel import (
     quiet_expert_gathers,
 )
 from .routing import RoutingError, balanced_routing, routing_problems
+from .token_dispatch import (
+    DISPATCHERS,
+    DeepEPExchange,
+    HybridEPDispatcher,
+    TokenDispatcher,
+    TokenExchange,
+    TorchTokenExchange,
+    dispatcher_problems,
+)
+from .tuning import grouped_mm_auto_choices
 
 __all__ = [
     "__version__",
@@ -62,6 +72,7 @@ __all__ = [
     "GroupLayout",
     "GroupedMMChoice",
     "grouped_linear",
+    "grouped_mm_auto_choices",
     "select_grouped_mm_backend",
     # dispatch / combine
     "AllToAllDispatcher",
@@ -69,6 +80,14 @@ __all__ = [
     "DispatchState",
     "LocalDispatcher",
     "count_all_to_all_bytes",
+    # token-level dispatchers (DeepEP / UCCL-EP / HybridEP, and their protocol in torch)
+    "DISPATCHERS",
+    "DeepEPExchange",
+    "HybridEPDispatcher",
+    "TokenDispatcher",
+    "TokenExchange",
+    "TorchTokenExchange",
+    "dispatcher_problems",
     # router outputs
     "RoutingError",
     "balanced_routing",

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,10 @@ class AllToAllStats:
     backward_bytes: int = 0  # backward of both all-to-alls (gradients of the same rows)
     metadata_bytes: int = 0  # the header all-gather (counts per expert, flags)
     calls: int = 0
+    # The largest dispatch receive buffer allocated on this rank (rows routed to its experts by its whole ep group,
+    # its own included): rows <= ep x tokens x min(top_k, E / ep), bytes = rows x hidden x element size (README).
+    peak_receive_rows: int = 0
+    peak_receive_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -67,6 +72,12 @@ def _record(**increments: int) -> None:
             setattr(stats, name, getattr(stats, name) + value)
 
 
+def _record_receive(buffer: torch.Tensor) -> None:
+    for stats in _active_stats:
+        stats.peak_receive_rows = max(stats.peak_receive_rows, buffer.shape[0])
+        stats.peak_receive_bytes = max(stats.peak_receive_bytes, buffer.numel() * buffer.element_size())
+
+
 @dataclass
 class DispatchState:
     """What combine needs from dispatch (one per call, never stored on a module).
@@ -83,6 +94,33 @@ class DispatchState:
     recv_splits: list[int] = field(default_factory=list)
     inverse_regroup: torch.Tensor | None = None
     group: dist.ProcessGroup | None = None
+
+
+class Dispatcher(Protocol):
+    """What `GroupedExperts` calls: rows grouped by (local) expert out, `[T, H]` back. The state is the
+    dispatcher's own per-call object (`DispatchState`, `token_dispatch.TokenState`, ...)."""
+
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        token_mask: torch.Tensor | None,
+        *,
+        num_experts: int,
+        problems: list[str],
+        host_sizes: bool,
+        top_k_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, GroupLayout, Any]: ...
+
+    def combine(
+        self,
+        expert_out: torch.Tensor,
+        state: Any,
+        top_k_weights: torch.Tensor,
+        *,
+        out_dtype: torch.dtype,
+        combine_dtype: torch.dtype | None,
+    ) -> torch.Tensor: ...
 
 
 def _sort_pairs(
@@ -136,7 +174,9 @@ class LocalDispatcher:
         num_experts: int,
         problems: list[str],
         host_sizes: bool,
+        top_k_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, GroupLayout, DispatchState]:
+        del top_k_weights  # pairs come back unweighted; `combine` weights them on this rank
         if problems:
             raise RoutingError("invalid router outputs for the experts:\n  - " + "\n  - ".join(problems))
         top_k = top_k_index.shape[1]
@@ -157,6 +197,19 @@ class LocalDispatcher:
         if token_mask is not None:
             valid = torch.arange(rows.shape[0], device=rows.device) < ends[-1]
         return rows, GroupLayout(ends, valid_rows=valid), state
+
+    def combine(
+        self,
+        expert_out: torch.Tensor,
+        state: DispatchState,
+        top_k_weights: torch.Tensor,
+        *,
+        out_dtype: torch.dtype,
+        combine_dtype: torch.dtype | None,
+    ) -> torch.Tensor:
+        """Expert rows `[N, H]` -> `[T, H]`: sum_k weight[t, k] * expert output of pair (t, k) (`combine_pairs`)."""
+        sorted_out = self.undispatch(expert_out, state)
+        return combine_pairs(sorted_out, state, top_k_weights, out_dtype=out_dtype, combine_dtype=combine_dtype)
 
     def undispatch(self, expert_out: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Expert rows -> `[T*K, H]` in sorted pair order, padding rows 0."""
@@ -180,7 +233,10 @@ class _AllToAll(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group  # type: ignore[attr-defined]
         _record(**{kind: _remote_bytes(x, input_splits, group)})
-        return _all_to_all(x, output_splits, input_splits, group)
+        out = _all_to_all(x, output_splits, input_splits, group)
+        if kind == "dispatch_bytes":
+            _record_receive(out)
+        return out
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -205,6 +261,33 @@ def _remote_bytes(x: torch.Tensor, splits: list[int], group: dist.ProcessGroup) 
     return sum(n for rank, n in enumerate(splits) if rank != me) * row
 
 
+def agree_on_input(
+    counts: torch.Tensor, problems: list[str], group: dist.ProcessGroup, *, num_experts: int
+) -> list[list[int]]:
+    """All-gather every rank's header (pairs per expert, out-of-range count, "my input is malformed" flag) over
+    `group` and raise `RoutingError` on EVERY rank when any rank's input is bad, before any token moves.
+
+    counts: `[E + 2]` int64 from the pair sort (experts, padding, out of range). Returns the host table
+    `[ep][E + 2]` (per rank: its pairs per expert, its out-of-range count, its flag).
+    """
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
+    flag = torch.tensor([1 if problems else 0], dtype=torch.long, device=counts.device)
+    header = torch.cat([counts[:num_experts], counts[num_experts + 1 :], flag])  # [E + 2]
+    gathered = torch.empty(ep * header.numel(), dtype=header.dtype, device=counts.device)
+    dist.all_gather_into_tensor(gathered, header, group=group)
+    _record(metadata_bytes=header.numel() * header.element_size() * (ep - 1), calls=1)
+    table = gathered.view(ep, -1).tolist()
+    bad_ranks = [rank for rank, row in enumerate(table) if row[-1] or row[-2]]
+    if bad_ranks:
+        mine = list(problems)
+        if table[me][-2]:
+            mine.append(out_of_range_message(table[me][-2], num_experts))
+        where = f"expert-parallel rank(s) {bad_ranks} of {ep} got invalid router outputs"
+        detail = "; this rank's problems:\n  - " + "\n  - ".join(mine) if mine else " (see their errors)"
+        raise RoutingError(where + detail)
+    return table
+
+
 class AllToAllDispatcher:
     """Experts sharded over the ranks of `group`: rank r owns experts `[r * E / ep, (r + 1) * E / ep)`.
 
@@ -226,8 +309,11 @@ class AllToAllDispatcher:
         num_experts: int,
         problems: list[str],
         host_sizes: bool,
+        top_k_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, GroupLayout, DispatchState]:
-        del host_sizes  # always known here: the split sizes come to the host anyway
+        # host sizes are always known here (the split sizes come to the host anyway); the pairs come back
+        # unweighted and `combine` weights them on the tokens' rank
+        del host_sizes, top_k_weights
         ep, me = self.ep_size, self.ep_rank
         local = num_experts // ep
         device = hidden_states.device
@@ -236,20 +322,7 @@ class AllToAllDispatcher:
             order = inverse = torch.zeros(0, dtype=torch.long, device=device)
         else:
             order, inverse, counts = _sort_pairs(top_k_index, token_mask, num_experts)
-        flag = torch.tensor([1 if problems else 0], dtype=torch.long, device=device)
-        header = torch.cat([counts[:num_experts], counts[num_experts + 1 :], flag])  # [E + 2]
-        gathered = torch.empty(ep * header.numel(), dtype=header.dtype, device=device)
-        dist.all_gather_into_tensor(gathered, header, group=self.group)
-        _record(metadata_bytes=header.numel() * header.element_size() * (ep - 1), calls=1)
-        table = gathered.view(ep, -1).tolist()
-        bad_ranks = [rank for rank, row in enumerate(table) if row[-1] or row[-2]]
-        if bad_ranks:
-            mine = list(problems)
-            if table[me][-2]:
-                mine.append(out_of_range_message(table[me][-2], num_experts))
-            where = f"expert-parallel rank(s) {bad_ranks} of {ep} got invalid router outputs"
-            detail = "; this rank's problems:\n  - " + "\n  - ".join(mine) if mine else " (see their errors)"
-            raise RoutingError(where + detail)
+        table = agree_on_input(counts, problems, self.group, num_experts=num_experts)
 
         top_k = top_k_index.shape[1]
         mine_counts = table[me][:num_experts]
@@ -285,6 +358,19 @@ class AllToAllDispatcher:
             group=self.group,
         )
         return rows, GroupLayout(ends, sizes=sizes), state
+
+    def combine(
+        self,
+        expert_out: torch.Tensor,
+        state: DispatchState,
+        top_k_weights: torch.Tensor,
+        *,
+        out_dtype: torch.dtype,
+        combine_dtype: torch.dtype | None,
+    ) -> torch.Tensor:
+        """Expert rows `[N, H]` -> `[T, H]` on the tokens' rank, weighted there (`combine_pairs`)."""
+        sorted_out = self.undispatch(expert_out, state)
+        return combine_pairs(sorted_out, state, top_k_weights, out_dtype=out_dtype, combine_dtype=combine_dtype)
 
     def undispatch(self, expert_out: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Expert rows (grouped by local expert) -> `[T*K, H]` on the tokens' rank, in sorted pair order."""

@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dispatch import AllToAllDispatcher, LocalDispatcher, combine_pairs
-from .grouped_mm import GroupedMMChoice, GroupLayout, grouped_linear, select_grouped_mm_backend
+from .dispatch import Dispatcher, LocalDispatcher
+from .grouped_mm import GROUPED_MM_BACKENDS, GroupedMMChoice, GroupLayout, grouped_linear, select_grouped_mm_backend
 from .routing import routing_problems
+from .tuning import TuningKey, can_measure, measure_grouped_mm, measured_choice
 
 __all__ = ["EXPERT_ACTIVATIONS", "GroupedExperts"]
 
@@ -63,10 +64,11 @@ class GroupedExperts(nn.Module):
         intermediate_size: I, each expert's inner width (the gate and up halves each have I rows when gated).
         gated: gate+up projection (`gate_up_proj`) vs a single up projection (`up_proj`).
         activation: a name in `EXPERT_ACTIVATIONS` or a callable applied elementwise.
-        grouped_mm: "auto" (torch._grouped_mm where it runs, else one matmul per expert), "grouped_mm" (refused
-            where it cannot run), "loop", or "gmm" (the `grouped_gemm` package; bf16 on CUDA, refused elsewhere
-            naming what is missing). The choice is made once per device and dtype and reported by
-            `grouped_mm_choice`.
+        grouped_mm: "auto" (where both `torch._grouped_mm` and the per-expert loop can run, the faster one as
+            measured once per process on the first forward's rows, `am_moe.tuning`; else the one that runs),
+            "grouped_mm" (refused where it cannot run), "loop", "gmm" (the `grouped_gemm` package; bf16 on CUDA) or
+            "te" (Transformer Engine's `GroupedLinear`; CUDA); a library backend is refused where it cannot run,
+            naming what is missing (package, CUDA, dtype). The choice is reported by `grouped_mm_choice`.
         combine_dtype: dtype of the weighted sum over the top-k experts (fp32 default: the routing weights are not
             rounded to bf16); None sums in the experts' output dtype.
 
@@ -105,8 +107,8 @@ class GroupedExperts(nn.Module):
             )
         elif not isinstance(activation, str) and not callable(activation):
             problems.append(f"activation must be a name or a callable, got {activation!r}")
-        if grouped_mm not in ("auto", "grouped_mm", "loop", "gmm"):
-            problems.append(f"grouped_mm must be 'auto', 'grouped_mm', 'loop' or 'gmm', got {grouped_mm!r}")
+        if grouped_mm not in GROUPED_MM_BACKENDS:
+            problems.append(f"grouped_mm must be one of {GROUPED_MM_BACKENDS}, got {grouped_mm!r}")
         if combine_dtype is not None and not combine_dtype.is_floating_point:
             problems.append(f"combine_dtype must be a floating dtype or None, got {combine_dtype}")
         if problems:
@@ -130,7 +132,7 @@ class GroupedExperts(nn.Module):
         self.register_buffer(
             "tokens_per_expert", torch.zeros(num_experts, dtype=torch.long, device=device), persistent=False
         )
-        self.dispatcher: LocalDispatcher | AllToAllDispatcher = LocalDispatcher()
+        self.dispatcher: Dispatcher = LocalDispatcher()
         self._choices: dict[tuple[str, torch.dtype], GroupedMMChoice] = {}
         self._last_choice: GroupedMMChoice | None = None
 
@@ -141,7 +143,7 @@ class GroupedExperts(nn.Module):
 
     @property
     def ep_size(self) -> int:
-        return self.dispatcher.ep_size if isinstance(self.dispatcher, AllToAllDispatcher) else 1
+        return getattr(self.dispatcher, "ep_size", 1)
 
     @property
     def num_local_experts(self) -> int:
@@ -153,14 +155,53 @@ class GroupedExperts(nn.Module):
         return self._last_choice
 
     def choose_grouped_mm(self, device: torch.device, dtype: torch.dtype) -> GroupedMMChoice:
-        """The backend for inputs on `device` in `dtype` (decided once per pair, then reused)."""
+        """The backend for inputs on `device` in `dtype`: the rule's (decided once per pair), or, for "auto" where
+        both `torch._grouped_mm` and the loop can run, the faster one as measured in this process (`am_moe.tuning`;
+        until the first measurement, the rule's)."""
         key = (str(device), dtype)
         if key not in self._choices:
             sizes = (self.hidden_size, self.intermediate_size, 2 * self.intermediate_size if self.gated else 0)
             self._choices[key] = select_grouped_mm_backend(
                 device=device, dtype=dtype, sizes=tuple(s for s in sizes if s), requested=self.grouped_mm
             )
-        self._last_choice = self._choices[key]
+        choice = self._choices[key]
+        if self._measurable(choice):
+            choice = measured_choice(self._tuning_key(device, dtype)) or choice
+        self._last_choice = choice
+        return choice
+
+    def _measurable(self, rule: GroupedMMChoice) -> bool:
+        return self.grouped_mm == "auto" and rule.backend == "grouped_mm" and not rule.seconds
+
+    def _tuning_key(self, device: torch.device, dtype: torch.dtype) -> TuningKey:
+        capability = ""
+        if device.type == "cuda" and torch.cuda.is_available():
+            capability = " sm{}{}".format(*torch.cuda.get_device_capability(device))
+        return TuningKey(
+            f"{device}{capability}",
+            dtype,
+            self.num_local_experts,
+            self.hidden_size,
+            self.intermediate_size,
+            self.gated,
+            self.activation_name,
+        )
+
+    def _measure(
+        self, rows: torch.Tensor, layout: GroupLayout, first: torch.Tensor, down: torch.Tensor, rule: GroupedMMChoice
+    ) -> GroupedMMChoice:
+        """Time both backends on these rows and weights (detached copies: nothing of the module changes)."""
+        rows, first, down = rows.detach(), first.detach(), down.detach()
+
+        def run(backend: str, backward: bool) -> None:
+            x, w1, w2 = (t.clone().requires_grad_(backward) for t in (rows, first, down))
+            out = self._experts(x, layout, w1, w2, backend)
+            leaves = [x, w1, w2]
+            if backward:
+                torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+        key = self._tuning_key(rows.device, rows.dtype)
+        self._last_choice = measure_grouped_mm(key, run, num_rows=sum(layout.sizes or ()), rule=rule)
         return self._last_choice
 
     @torch.no_grad()
@@ -198,7 +239,10 @@ class GroupedExperts(nn.Module):
                 f"hidden_states are {hidden_states.dtype} but the expert weights are {first.dtype}; cast one of them"
             )
         choice = self.choose_grouped_mm(hidden_states.device, hidden_states.dtype)
-        host_sizes = choice.backend in ("loop", "gmm") or hidden_states.device.type == "cpu"
+        # "auto", both can run, not measured yet in this process; never inside a graph being compiled (no timing of
+        # fake tensors, and no host sync forced into the graph: the rule's choice runs there)
+        measure = self._measurable(choice) and not torch.compiler.is_compiling()
+        host_sizes = measure or choice.backend in ("loop", "gmm", "te") or hidden_states.device.type == "cpu"
         rows, layout, state = self.dispatcher.dispatch(
             hidden_states,
             top_k_index,
@@ -206,12 +250,14 @@ class GroupedExperts(nn.Module):
             num_experts=self.num_experts,
             problems=problems,
             host_sizes=host_sizes,
+            top_k_weights=top_k_weights,
         )
         self._record_load(state.counts)
+        if measure and can_measure(rows, sum(layout.sizes or ())):
+            choice = self._measure(rows, layout, first, down, choice)
         out = self._experts(rows, layout, first, down, choice.backend)
-        sorted_out = self.dispatcher.undispatch(out, state)
-        return combine_pairs(
-            sorted_out, state, top_k_weights, out_dtype=hidden_states.dtype, combine_dtype=self.combine_dtype
+        return self.dispatcher.combine(
+            out, state, top_k_weights, out_dtype=hidden_states.dtype, combine_dtype=self.combine_dtype
         )
 
     def _experts(

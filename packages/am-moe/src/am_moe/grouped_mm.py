@@ -1,5 +1,6 @@
-"""Grouped GEMM over expert-sorted rows: `torch._grouped_mm` where it runs, per-group matmuls elsewhere, or the
-`grouped_gemm` package's CUTLASS kernel when asked for ("gmm", upstream's `BackendConfig.experts="gmm"`).
+"""Grouped GEMM over expert-sorted rows: `torch._grouped_mm` where it runs, per-group matmuls elsewhere, or, when
+asked for, the `grouped_gemm` package's CUTLASS kernel ("gmm", upstream's `BackendConfig.experts="gmm"`) or
+Transformer Engine's `GroupedLinear` ("te", upstream's `experts="te"`); both libraries are imported on first use.
 
 What it is for: `select_grouped_mm_backend` decides ONCE per (device, dtype, matrix sizes) which kernel multiplies
 the row groups — by rules on the device, dtype and strides, never by trying a call and catching its failure — and
@@ -32,16 +33,20 @@ import torch.nn.functional as F
 
 __all__ = ["GROUPED_MM_BACKENDS", "GroupLayout", "GroupedMMChoice", "grouped_linear", "select_grouped_mm_backend"]
 
-GROUPED_MM_BACKENDS: tuple[str, ...] = ("auto", "grouped_mm", "loop", "gmm")
+GROUPED_MM_BACKENDS: tuple[str, ...] = ("auto", "grouped_mm", "loop", "gmm", "te")
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
 class GroupedMMChoice:
-    """Which kernel multiplies the expert groups, and why (`backend` is "grouped_mm", "loop" or "gmm")."""
+    """Which kernel multiplies the expert groups, and why (`backend` is "grouped_mm", "loop", "gmm" or "te").
+
+    seconds: `((backend, seconds), ...)` when `grouped_mm="auto"` measured the candidates (`am_moe.tuning`), else ().
+    """
 
     backend: str
     reason: str
+    seconds: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,8 @@ def select_grouped_mm_backend(
 
     sizes: every contraction and output width the experts multiply (hidden size, intermediate size, 2 x intermediate
         for gated experts). requested: "auto" (the fastest that runs), "grouped_mm" (refused with the reason when it
-        cannot run), "loop", or "gmm" (the `grouped_gemm` package: bf16 on CUDA; refused naming what is missing).
+        cannot run), "loop", "gmm" (the `grouped_gemm` package: bf16 on CUDA) or "te" (Transformer Engine's
+        `GroupedLinear`: CUDA); a library backend is refused naming everything that is missing.
     """
     device = torch.device(device)
     return _select(device.type, _capability(device), dtype, tuple(int(s) for s in sizes), requested)
@@ -88,6 +94,8 @@ def _select(
         return GroupedMMChoice("loop", "requested: one matmul per expert over split views")
     if requested == "gmm":
         return _select_gmm(device_type, dtype)
+    if requested == "te":
+        return _select_te(device_type, dtype)
     refusals = []
     if not hasattr(torch, "_grouped_mm"):
         refusals.append(f"torch {torch.__version__} has no torch._grouped_mm")
@@ -114,11 +122,53 @@ def _select(
     return GroupedMMChoice("grouped_mm", f"torch._grouped_mm on cpu, {dtype} (a per-group loop inside the op)")
 
 
-def _gmm_installed() -> bool:
+def _installed(package: str) -> bool:
     try:
-        return importlib.util.find_spec("grouped_gemm") is not None
+        return importlib.util.find_spec(package) is not None
     except (ImportError, ValueError):
         return False
+
+
+def _gmm_installed() -> bool:
+    return _installed("grouped_gemm")
+
+
+def _te_installed() -> bool:
+    return _installed("transformer_engine")
+
+
+def _select_te(device_type: str, dtype: torch.dtype) -> GroupedMMChoice:
+    refusals = []
+    if not _te_installed():
+        refusals.append(
+            "Transformer Engine is not installed (`transformer_engine.pytorch`; "
+            "`pip install transformer_engine[pytorch]` on a CUDA machine)"
+        )
+    if device_type != "cuda":
+        refusals.append(f"Transformer Engine's GroupedLinear runs only on CUDA, not {device_type!r}")
+    if dtype not in _GROUPED_MM_DTYPES:
+        refusals.append(f"Transformer Engine's GroupedLinear takes fp32/bf16/fp16, not {dtype}")
+    if refusals:
+        raise ValueError("grouped GEMM backend 'te' cannot run here: " + "; ".join(refusals))
+    return GroupedMMChoice(
+        "te", "requested: transformer_engine.pytorch.GroupedLinear (one grouped GEMM per projection)"
+    )
+
+
+@functools.cache
+def _te_grouped_linear(groups: int, in_features: int, out_features: int, dtype: torch.dtype) -> Any:
+    """One weightless TE `GroupedLinear` per shape: built on the meta device (TE's deferred initialisation), its
+    `weight{g}` parameters are replaced at each call by views of the stacked expert weight (`functional_call`), so
+    the experts keep ONE `[G, out, in]` parameter (EP / FSDP2 / checkpoints unchanged) and TE allocates no copy."""
+    te = importlib.import_module("transformer_engine.pytorch")  # imports TE's CUDA extension: first use only
+    return te.GroupedLinear(groups, in_features, out_features, bias=False, params_dtype=dtype, device="meta")
+
+
+def _te_linear(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    module = _te_grouped_linear(weight.shape[0], weight.shape[2], weight.shape[1], weight.dtype)
+    weights = {f"weight{g}": w for g, w in enumerate(weight.unbind(0))}
+    # GroupedLinear.forward(inp, m_splits): rows [sum(m_splits), in] grouped in order -> [sum(m_splits), out]
+    return torch.func.functional_call(module, weights, (x, sizes))
 
 
 def _select_gmm(device_type: str, dtype: torch.dtype) -> GroupedMMChoice:
@@ -155,7 +205,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, layout: GroupLayout, *
     """`out[rows of group g] = x[rows of group g] @ weight[g].T` for every group. x: `[N, in]`, weight: `[G, out, in]`
     -> `[N, out]` in x's dtype. Rows outside every group (`layout.valid_rows` False) give 0 and pass no gradient.
 
-    backend: a `GroupedMMChoice.backend` ("grouped_mm", "loop" or "gmm"); the loop and gmm need `layout.sizes`.
+    backend: a `GroupedMMChoice.backend` ("grouped_mm", "loop", "gmm" or "te"); all but grouped_mm need
+        `layout.sizes`.
     """
     valid = None if layout.valid_rows is None else layout.valid_rows.unsqueeze(-1)
     if valid is not None:
@@ -185,8 +236,15 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, layout: GroupLayout, *
         out = _gmm_ops().gmm(x[:total], weight, batch_sizes, trans_b=True)
         if total < x.shape[0]:
             out = torch.cat([out, out.new_zeros(x.shape[0] - total, weight.shape[1])])
+    elif backend == "te":
+        if layout.sizes is None:
+            raise ValueError("the te backend needs the group sizes on the host (GroupLayout.sizes)")
+        total = sum(layout.sizes)
+        out = _te_linear(x[:total], weight, layout.sizes)
+        if total < x.shape[0]:
+            out = torch.cat([out, out.new_zeros(x.shape[0] - total, weight.shape[1])])
     else:
-        raise ValueError(f"grouped_linear backend must be 'grouped_mm', 'loop' or 'gmm', not {backend!r}")
+        raise ValueError(f"grouped_linear backend must be 'grouped_mm', 'loop', 'gmm' or 'te', not {backend!r}")
     if valid is not None:
         out = torch.where(valid, out, out.new_zeros(()))
     return out

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .dispatch import AllToAllDispatcher
 from .experts import GroupedExperts
+from .token_dispatch import dispatcher_problems, make_dispatcher
 
 __all__ = [
     "ExpertParallelPlan",
@@ -118,8 +118,23 @@ def expert_modules(module: nn.Module) -> list[tuple[str, GroupedExperts]]:
     return [(name, m) for name, m in module.named_modules() if isinstance(m, GroupedExperts)]
 
 
-def apply_expert_parallel(module: nn.Module, ep_mesh: Any) -> list[GroupedExperts]:
-    """Shard every `GroupedExperts` in `module` over the 1-D `ep_mesh` and make it dispatch with all-to-all.
+def apply_expert_parallel(
+    module: nn.Module,
+    ep_mesh: Any,
+    *,
+    dispatcher: str = "torch",
+    dispatcher_num_sms: int = 20,
+    dispatcher_async_dispatch: bool = False,
+    dispatcher_share_token_dispatcher: bool = True,
+) -> list[GroupedExperts]:
+    """Shard every `GroupedExperts` in `module` over the 1-D `ep_mesh` and make it dispatch tokens over the mesh.
+
+    dispatcher: "torch" ((token, k) pairs over `all_to_all_single`, `dispatch.py`), "torch_token" (DeepEP's
+    token-level protocol in plain torch), "deepep", "uccl_ep", "hybridep" (the libraries, CUDA;
+    `token_dispatch.py`). dispatcher_num_sms / dispatcher_async_dispatch: the libraries' SMs and asynchronous
+    dispatch (upstream's BackendConfig knobs and defaults; other values are refused for the torch dispatchers).
+    dispatcher_share_token_dispatcher: True gives every layer of `module` ONE dispatcher object (one communication
+    buffer), False one per layer.
 
     Each expert weight becomes a DTensor `Shard(0)` on `ep_mesh` (rank r keeps experts [r*E/ep, (r+1)*E/ep)),
     scattered from the mesh's first rank so every rank ends with the same experts. Returns the modules it sharded (an
@@ -141,16 +156,33 @@ def apply_expert_parallel(module: nn.Module, ep_mesh: Any) -> list[GroupedExpert
             problems.append(f"{label}: {experts.num_experts} experts cannot be split evenly over ep={ep} ranks")
         if any(isinstance(p, DTensor) for p in experts.parameters(recurse=False)):
             problems.append(f"{label}: already sharded (apply_expert_parallel was applied before)")
+    device_type = found[0][1].first_proj.device.type if found else ep_mesh.device_type
+    problems += dispatcher_problems(
+        dispatcher,
+        ep=ep,
+        device_type=device_type,
+        num_sms=dispatcher_num_sms,
+        async_dispatch=dispatcher_async_dispatch,
+    )
+    if not isinstance(dispatcher_share_token_dispatcher, bool):
+        problems.append(f"dispatcher_share_token_dispatcher={dispatcher_share_token_dispatcher!r} must be a bool")
     if problems:
         raise ValueError("apply_expert_parallel:\n  - " + "\n  - ".join(problems))
     group = ep_mesh.get_group()
+    shared: dict[str, Any] | None = {} if dispatcher_share_token_dispatcher else None
     if dist.get_rank(group) != ep_mesh.get_local_rank():
         raise RuntimeError("the ep mesh's process group does not rank ranks in mesh order")  # pragma: no cover
     for _, experts in found:
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        experts.dispatcher = AllToAllDispatcher(group)
+        experts.dispatcher = make_dispatcher(
+            dispatcher,
+            group,
+            num_sms=dispatcher_num_sms,
+            async_dispatch=dispatcher_async_dispatch,
+            shared=shared,
+        )
     return [experts for _, experts in found]
 
 

@@ -161,9 +161,9 @@ _BOOL_FIELDS = (
     "compile_attn",
 )
 
-_A2A_KNOB = (
-    "it tunes an all-to-all token dispatcher kernel (deepep, hybridep, uccl_ep, mok), which no am-* package runs"
-)
+# am_moe.apply_expert_parallel honours these for its library dispatchers (deepep, hybridep, uccl_ep); the torch
+# dispatcher has no communication kernels to tune.
+_LIBRARY_DISPATCHERS = ("deepep", "hybridep", "uccl_ep")
 
 # Values of upstream fields that no am-* package honours: field -> (does this value ask for it?, why and the fix).
 # Refused at construction instead of being accepted and ignored. A package that implements one deletes its entry
@@ -174,9 +174,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: v is True,
         "no am-* model fuses RoPE with Transformer Engine; leave rope_fusion=None (resolves to False)",
     ),
-    "dispatcher_num_sms": (lambda v: v != 20, f"{_A2A_KNOB}; leave it at 20"),
-    "dispatcher_share_token_dispatcher": (lambda v: v is False, f"{_A2A_KNOB}; leave it True"),
-    "dispatcher_async_dispatch": (lambda v: v is True, f"{_A2A_KNOB}; leave it False"),
     "enable_fsdp_optimizations": (lambda v: v is True, "no am-* model has model-specific FSDP tweaks; leave it False"),
     "cuda_graph": (
         lambda v: isinstance(v, CudaGraphConfig) and v.enabled,
@@ -228,7 +225,7 @@ class BackendConfig:
         enable_deepep: removed upstream field, accepted only as None so upstream configs that spell it load.
 
     Fields no am-* package implements (README, "Who honours each field") keep their upstream defaults and accept
-    only them: `rope="quack"`, `rope_fusion=True`, the `dispatcher_*` knobs, `enable_fsdp_optimizations`, a
+    only them: `rope="quack"`, `rope_fusion=True`, `enable_fsdp_optimizations`, a
     non-empty `cuda_graph`, a non-default `mok` and `enable_deepep` are refused with the reason and the fix. Models
     refuse what they do not support of the fields they read (`attn`, `experts`, `dispatcher`, ...) and what this
     machine cannot run (`backend_runtime_problems`).
@@ -339,6 +336,15 @@ class BackendConfig:
                 f"experts={self.experts!r} consumes tokens permuted by an all-to-all dispatcher "
                 f"({_format_allowed(_A2A_DISPATCHERS)}), but dispatcher={self.dispatcher!r}; choose one of those "
                 "dispatchers or experts='torch_mm' / 'torch'"
+            )
+        sms = self.dispatcher_num_sms
+        knobs = [f"dispatcher_num_sms={sms!r}"] if isinstance(sms, int) and sms > 0 and sms != 20 else []
+        knobs += ["dispatcher_async_dispatch=True"] if self.dispatcher_async_dispatch is True else []
+        if knobs and self.dispatcher in DISPATCHER_BACKENDS and self.dispatcher not in _LIBRARY_DISPATCHERS:
+            problems.append(
+                f"{', '.join(knobs)} tune(s) the communication kernels of {_format_allowed(_LIBRARY_DISPATCHERS)} "
+                f"(am_moe.apply_expert_parallel), but dispatcher={self.dispatcher!r}; leave the defaults "
+                "(20, False) or choose one of those dispatchers"
             )
         backends_known = self.linear in LINEAR_BACKENDS and self.experts in EXPERTS_BACKENDS
         te_fp8_usable = isinstance(self.te_fp8, TEFp8Config) and "te_fp8" not in refused
