@@ -56,7 +56,7 @@ def test_greedy_generate_with_left_padding_equals_transformers(pair) -> None:
 def test_cache_shapes_dtypes_and_reorder() -> None:
     cfg = NemotronConfig.from_any(tiny_hf_config("M*M"))
     cache = NemotronHybridCache(cfg, 3, dtype=torch.bfloat16)
-    assert set(cache.conv_states) == {0, 2}
+    assert set(cache.conv_states) == set(cache.ssm_states) == {0, 1, 2}  # every layer has its slot (upstream)
     assert cache.conv_states[0].shape == (3, 32 + 2 * 2 * 8, 4)
     assert cache.ssm_states[0].shape == (3, 4, 8, 8)
     assert cache.ssm_states[0].dtype == torch.float32
