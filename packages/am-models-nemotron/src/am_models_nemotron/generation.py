@@ -122,6 +122,12 @@ class NemotronHGenerationMixin(GenerationMixin):
     def can_generate(cls) -> bool:
         return True
 
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        """GenerationMixin hook: False, so `generate` creates no `DynamicCache` of its own (whose `get_seq_length`
+        fails without attention layers); `prepare_inputs_for_generation` creates the `NemotronHybridCache`."""
+        return False
+
     def get_experts_implementation(self) -> dict[str, str]:
         """GenerationMixin hook: our experts have one implementation, nothing to switch while decoding."""
         return {}
