@@ -25,7 +25,7 @@ from am_precision import AttentionKernel, BackendConfig
 
 from .config import SLIDING, kv_sharing_modes, layer_head_dim, layer_num_kv_heads
 from .cp import active_ring_context, attention_cp_problem, ring_attention
-from .layers import Gemma4RMSNorm
+from .layers import Gemma4RMSNorm, make_linear, make_norm
 from .local_attention import local_attention
 from .masks import AttentionInputs, build_attention_mask
 
@@ -117,19 +117,22 @@ class Gemma4Attention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         hidden, eps = int(config.hidden_size), float(config.rms_norm_eps)
 
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.q_norm = Gemma4RMSNorm(self.head_dim, eps=eps)
-        self.k_proj: nn.Linear | None = None
-        self.v_proj: nn.Linear | None = None
-        self.k_norm: Gemma4RMSNorm | None = None
+        self.q_proj = make_linear(hidden, self.num_heads * self.head_dim, bias=bias, backend=backend)
+        self.q_norm = make_norm(self.head_dim, eps=eps, backend=backend)
+        self.k_proj: nn.Module | None = None
+        self.v_proj: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
         self.v_norm: Gemma4RMSNorm | None = None
         if not self.is_kv_shared_layer:
-            self.k_norm = Gemma4RMSNorm(self.head_dim, eps=eps)
+            self.k_norm = make_norm(self.head_dim, eps=eps, backend=backend)
+            # weightless: no backend norm has that form (and a weight would add a key the checkpoint lacks)
             self.v_norm = Gemma4RMSNorm(self.head_dim, eps=eps, with_scale=False)
-            self.k_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias)
+            self.k_proj = make_linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias, backend=backend)
             if not self.use_alternative_attention:
-                self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+                self.v_proj = make_linear(
+                    hidden, self.num_key_value_heads * self.head_dim, bias=bias, backend=backend
+                )
+        self.o_proj = make_linear(self.num_heads * self.head_dim, hidden, bias=bias, backend=backend)
         # The core attention `backend.attn` names (None: SDPA). No parameters, no state-dict keys.
         self.core_attention = AttentionKernel(
             "sdpa" if backend is None else backend.attn,

@@ -26,7 +26,7 @@ from .attention import Gemma4Attention
 from .backend import resolve_backend
 from .cache import Gemma4HybridCache
 from .cp import active_ring_context
-from .layers import Gemma4RMSNorm
+from .layers import make_linear, make_norm
 from .masks import AttentionInputs
 from .moe import Gemma4MoE
 
@@ -71,26 +71,31 @@ class Gemma4DecoderLayer(nn.Module):
         backend = resolve_backend(backend, owner=type(self).__name__)
         self.self_attn = Gemma4Attention(config, layer_idx, backend=backend)
         self.mlp = Gemma4TextMLP(config, layer_idx)
-        self.input_layernorm = Gemma4RMSNorm(hidden, eps=eps)
-        self.post_attention_layernorm = Gemma4RMSNorm(hidden, eps=eps)
-        self.pre_feedforward_layernorm = Gemma4RMSNorm(hidden, eps=eps)
-        self.post_feedforward_layernorm = Gemma4RMSNorm(hidden, eps=eps)
+        if backend is not None and backend.linear != "torch":  # the same names, built by the backend
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                proj = getattr(self.mlp, name)
+                setattr(self.mlp, name, make_linear(proj.in_features, proj.out_features, bias=False, backend=backend))
+        self.input_layernorm = make_norm(hidden, eps=eps, backend=backend)
+        self.post_attention_layernorm = make_norm(hidden, eps=eps, backend=backend)
+        self.pre_feedforward_layernorm = make_norm(hidden, eps=eps, backend=backend)
+        self.post_feedforward_layernorm = make_norm(hidden, eps=eps, backend=backend)
         self.layer_scalar: torch.Tensor
         self.register_buffer("layer_scalar", torch.ones(1))
 
         self.hidden_size_per_layer_input = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
         if self.hidden_size_per_layer_input:
             self.act_fn = ACT2FN[config.hidden_activation]
-            self.per_layer_input_gate = nn.Linear(hidden, self.hidden_size_per_layer_input, bias=False)
-            self.per_layer_projection = nn.Linear(self.hidden_size_per_layer_input, hidden, bias=False)
-            self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps=eps)
+            ple = self.hidden_size_per_layer_input
+            self.per_layer_input_gate = make_linear(hidden, ple, bias=False, backend=backend)
+            self.per_layer_projection = make_linear(ple, hidden, bias=False, backend=backend)
+            self.post_per_layer_input_norm = make_norm(hidden, eps=eps, backend=backend)
 
         self.enable_moe_block = bool(getattr(config, "enable_moe_block", False))
         if self.enable_moe_block:
             self.moe = Gemma4MoE(config, backend=backend)
-            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(hidden, eps=eps)
-            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps=eps)
-            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps=eps)
+            self.post_feedforward_layernorm_1 = make_norm(hidden, eps=eps, backend=backend)
+            self.post_feedforward_layernorm_2 = make_norm(hidden, eps=eps, backend=backend)
+            self.pre_feedforward_layernorm_2 = make_norm(hidden, eps=eps, backend=backend)
 
     def forward(
         self,

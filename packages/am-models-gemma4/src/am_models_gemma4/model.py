@@ -28,7 +28,7 @@ from .cache import Gemma4HybridCache
 from .config import validate_text_config
 from .cp import active_ring_context
 from .decoder import Gemma4DecoderLayer
-from .layers import Gemma4RMSNorm
+from .layers import Gemma4RMSNorm, is_backend_linear, is_backend_norm, make_linear, make_norm
 from .masks import AttentionInputs
 from .moe import Gemma4Experts, Gemma4Router
 from .pretrained import Gemma4PreTrainedModel
@@ -42,15 +42,15 @@ def init_module_weights(module: nn.Module, *, std: float) -> None:
     """The init of one module's own tensors (not its children's), by type: transformers' Gemma 4 rules — normal(0,
     std) linear and embedding weights (zero bias, zero padding row), ones for norm weights and router scales, 1.0
     for a layer's scalar. `Gemma4TextModel.init_weights` applies it to every module; `sharded.init_units` per unit."""
-    if isinstance(module, nn.Linear):
+    if is_backend_linear(module):
         nn.init.normal_(module.weight, std=std)
-        if module.bias is not None:
+        if getattr(module, "bias", None) is not None and module.bias.numel():
             nn.init.zeros_(module.bias)
     elif isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, std=std)
         if module.padding_idx is not None:
             module.weight[module.padding_idx].zero_()
-    elif isinstance(module, Gemma4RMSNorm) and module.with_scale:
+    elif is_backend_norm(module):
         nn.init.ones_(module.weight)
     elif isinstance(module, Gemma4Router):
         nn.init.ones_(module.scale)
@@ -143,7 +143,7 @@ class Gemma4TextModel(nn.Module):
                 for index in range(config.num_hidden_layers)
             }
         )
-        self.norm = Gemma4RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.norm = make_norm(hidden, eps=config.rms_norm_eps, backend=backend)
         self.rotary_emb = Gemma4TextRotaryEmbedding(config)
         self.hidden_size_per_layer_input = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
         if self.hidden_size_per_layer_input:
@@ -155,9 +155,11 @@ class Gemma4TextModel(nn.Module):
                 embed_scale=self.hidden_size_per_layer_input**0.5,
             )
             self.per_layer_input_scale = 2.0**-0.5
-            self.per_layer_model_projection = nn.Linear(hidden, ple, bias=False)
+            self.per_layer_model_projection = make_linear(hidden, ple, bias=False, backend=backend)
             self.per_layer_model_projection_scale = hidden**-0.5
-            self.per_layer_projection_norm = Gemma4RMSNorm(self.hidden_size_per_layer_input, eps=config.rms_norm_eps)
+            self.per_layer_projection_norm = make_norm(
+                self.hidden_size_per_layer_input, eps=config.rms_norm_eps, backend=backend
+            )
         self.init_weights()
 
     @torch.no_grad()

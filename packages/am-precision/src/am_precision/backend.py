@@ -170,14 +170,9 @@ _A2A_KNOB = (
 # here and updates the README table "Who honours each field".
 _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rope": (lambda v: v == "quack", "no am-* model has a QuACK RoPE kernel; use rope='torch'"),
-    "rope_fusion": (
-        lambda v: v is True,
-        "no am-* model fuses RoPE with Transformer Engine; leave rope_fusion=None (resolves to False)",
-    ),
     "dispatcher_num_sms": (lambda v: v != 20, f"{_A2A_KNOB}; leave it at 20"),
     "dispatcher_share_token_dispatcher": (lambda v: v is False, f"{_A2A_KNOB}; leave it True"),
     "dispatcher_async_dispatch": (lambda v: v is True, f"{_A2A_KNOB}; leave it False"),
-    "enable_fsdp_optimizations": (lambda v: v is True, "no am-* model has model-specific FSDP tweaks; leave it False"),
     "cuda_graph": (
         lambda v: isinstance(v, CudaGraphConfig) and v.enabled,
         "no am-* model captures CUDA graphs; leave cuda_graph=CudaGraphConfig() (modules=[])",
