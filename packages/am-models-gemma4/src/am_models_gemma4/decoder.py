@@ -13,6 +13,7 @@ What it must not do: accept another kind of cache (transformers' `DynamicCache` 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -81,6 +82,8 @@ class Gemma4DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = make_norm(hidden, eps=eps, backend=backend)
         self.layer_scalar: torch.Tensor
         self.register_buffer("layer_scalar", torch.ones(1))
+        # te_fp8: the layer's Transformer Engine modules compute in FP8 inside this recipe's autocast.
+        self.te_fp8 = backend.te_fp8 if backend is not None else None
 
         self.hidden_size_per_layer_input = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
         if self.hidden_size_per_layer_input:
@@ -113,9 +116,35 @@ class Gemma4DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """hidden_states `[B, S, H]` → `[B, S, H]`; padding_mask `[B, S]` (True = pad) keeps pads out of the MoE.
 
-        past_key_values: None (training), or the text model's `Gemma4HybridCache` while generating.
+        past_key_values: None (training), or the text model's `Gemma4HybridCache` while generating. With
+        `backend.te_fp8` the layer runs inside `te_fp8.maybe_te_autocast()`.
         """
         del position_ids, kwargs  # positions arrive as position_embeddings; extra HF kwargs are not needed
+        fp8 = self.te_fp8.maybe_te_autocast() if self.te_fp8 is not None else contextlib.nullcontext()
+        with fp8:
+            return self._forward(
+                hidden_states,
+                per_layer_input,
+                position_embeddings=position_embeddings,
+                shared_kv_states=shared_kv_states,
+                attention_mask=attention_mask,
+                attention_inputs=attention_inputs,
+                padding_mask=padding_mask,
+                past_key_values=past_key_values,
+            )
+
+    def _forward(
+        self,
+        hidden_states: torch.Tensor,
+        per_layer_input: torch.Tensor | None,
+        *,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        shared_kv_states: Any,
+        attention_mask: torch.Tensor | None,
+        attention_inputs: AttentionInputs | None,
+        padding_mask: torch.Tensor | None,
+        past_key_values: Any,
+    ) -> torch.Tensor:
         if past_key_values is not None and not isinstance(past_key_values, Gemma4HybridCache):
             raise TypeError(
                 f"past_key_values is a {type(past_key_values).__name__}; am_models_gemma4 layers read and write only "

@@ -5,6 +5,8 @@ fp32 compute, output in the input dtype, weight initialized to ones — not Gemm
 `rms_norm`, a hand-written autograd function: three passes forward (a fused vector norm, two multiplies) and a
 closed-form backward (about six passes, the weight gradient and the row dot products as mat-vecs) that saves only
 the input and the per-row `rstd` — instead of the decomposed op's pow/mean/add/rsqrt graph and its backward.
+`Gemma4RotaryEmbedding`: transformers' per-layer-type rotary embedding whose (cos, sin) also carry the fp32 angles
+when `fused` (`RotaryTables.angles`), for Transformer Engine's fused RoPE (`BackendConfig.rope_fusion`).
 `make_linear` / `make_norm`: the projection and scaled-norm modules a `BackendConfig` asks for (`linear`: torch or
 Transformer Engine `Linear`; `rms_norm`: this fp32 norm, `nn.RMSNorm` in the input dtype, TE's `RMSNorm`, QuACK's),
 with transformers' parameter names (`weight`, `bias`), so checkpoints do not depend on the backend.
@@ -19,10 +21,18 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm as _HFGemma4RMSNorm
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
 from am_precision import BackendConfig, initialize_linear_module, initialize_rms_norm_module
 
-__all__ = ["Gemma4RMSNorm", "is_backend_linear", "is_backend_norm", "make_linear", "make_norm", "rms_norm"]
+__all__ = [
+    "Gemma4RMSNorm",
+    "Gemma4RotaryEmbedding",
+    "RotaryTables",
+    "is_backend_linear", "is_backend_norm", "make_linear",
+    "make_norm",
+    "rms_norm",
+]
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -111,3 +121,48 @@ def is_backend_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.RMSNorm) or (
         type(module).__name__ in ("RMSNorm", "QuackRMSNorm") and getattr(module, "weight", None) is not None
     )
+
+
+class RotaryTables(tuple):  # noqa: SLOT001 - a plain tuple subclass: `cos, sin = tables` keeps working everywhere
+    """`(cos, sin)` `[B or 1, S, d]` in the activation dtype, plus `angles` `[B or 1, S, d]` fp32 radians (the
+    `cat(freqs, freqs)` cos/sin were computed from) when the rotary embedding was built `fused`, else None."""
+
+    angles: torch.Tensor | None
+
+    def __new__(cls, cos: torch.Tensor, sin: torch.Tensor, angles: torch.Tensor | None = None) -> RotaryTables:
+        tables = super().__new__(cls, (cos, sin))
+        tables.angles = angles
+        return tables
+
+
+class Gemma4RotaryEmbedding(Gemma4TextRotaryEmbedding):
+    """transformers' `Gemma4TextRotaryEmbedding` (same buffers, same cos/sin); `fused=True` also hands over the
+    angles TE's fused kernel rotates by (it computes cos/sin itself, without an attention scaling factor).
+
+    Raises:
+        ValueError: `fused` with a layer type whose RoPE scales cos/sin (attention_scaling != 1): TE's kernel has no
+            such factor.
+    """
+
+    def __init__(self, config: Any, *, fused: bool = False) -> None:
+        super().__init__(config)
+        self.fused = fused
+        if fused:
+            scaled = {
+                t: s
+                for t in sorted(set(config.layer_types))
+                if (s := float(getattr(self, f"{t}_attention_scaling", 1.0))) != 1.0
+            }
+            if scaled:
+                raise ValueError(
+                    f"rope_fusion=True: the RoPE of {sorted(scaled)} scales cos/sin by {scaled}, which Transformer "
+                    "Engine's fused kernel cannot; leave rope_fusion False for this config"
+                )
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str) -> RotaryTables:  # type: ignore[override]
+        cos, sin = super().forward(x, position_ids, layer_type)
+        if not self.fused:
+            return RotaryTables(cos, sin)
+        inv_freq = getattr(self, f"{layer_type}_inv_freq").to(device=x.device, dtype=torch.float)
+        freqs = position_ids[..., None].float() * inv_freq
+        return RotaryTables(cos, sin, torch.cat((freqs, freqs), dim=-1))

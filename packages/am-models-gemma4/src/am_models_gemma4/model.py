@@ -18,9 +18,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding, Gemma4TextScaledWordEmbedding
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbedding
 
-from am_precision import BackendConfig
+from am_precision import BackendConfig, prepare_for_final_backward, prepare_for_grad_accumulation
 
 from .attention import SharedKVStates
 from .backend import resolve_backend
@@ -28,7 +28,7 @@ from .cache import Gemma4HybridCache
 from .config import validate_text_config
 from .cp import active_ring_context
 from .decoder import Gemma4DecoderLayer
-from .layers import Gemma4RMSNorm, is_backend_linear, is_backend_norm, make_linear, make_norm
+from .layers import Gemma4RMSNorm, Gemma4RotaryEmbedding, is_backend_linear, is_backend_norm, make_linear, make_norm
 from .masks import AttentionInputs
 from .moe import Gemma4Experts, Gemma4Router
 from .pretrained import Gemma4PreTrainedModel
@@ -144,7 +144,7 @@ class Gemma4TextModel(nn.Module):
             }
         )
         self.norm = make_norm(hidden, eps=config.rms_norm_eps, backend=backend)
-        self.rotary_emb = Gemma4TextRotaryEmbedding(config)
+        self.rotary_emb = Gemma4RotaryEmbedding(config, fused=backend is not None and backend.rope_fusion)
         self.hidden_size_per_layer_input = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
         if self.hidden_size_per_layer_input:
             ple = config.num_hidden_layers * self.hidden_size_per_layer_input
@@ -344,6 +344,21 @@ class Gemma4ForCausalLM(Gemma4PreTrainedModel):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
+
+    def prepare_for_grad_accumulation(self, pp_enabled: bool = False) -> None:
+        """With `backend.enable_fsdp_optimizations` (upstream's MoE FSDP hook): before the first backward of an
+        optimizer step, defer every FSDP unit's reduce-scatter and resharding (`am_precision.fsdp_sync`; a no-op
+        under pipeline parallelism, without the option, or without a backend)."""
+        backend = self.model.backend
+        if backend is not None and backend.enable_fsdp_optimizations:
+            prepare_for_grad_accumulation(self, pp_enabled=pp_enabled)
+
+    def prepare_for_final_backward(self, pp_enabled: bool = False) -> None:
+        """With `backend.enable_fsdp_optimizations`: before the last backward of an optimizer step, turn the
+        reduce-scatter and resharding back on (`am_precision.fsdp_sync`)."""
+        backend = self.model.backend
+        if backend is not None and backend.enable_fsdp_optimizations:
+            prepare_for_final_backward(self, pp_enabled=pp_enabled)
 
     def forward(
         self,

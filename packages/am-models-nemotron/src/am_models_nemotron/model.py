@@ -35,7 +35,13 @@ from am_model_contract import (
     TensorParallelContract,
 )
 from am_moe import GroupedExperts, LoadBalancing
-from am_precision import BackendConfig, initialize_linear_module, yield_fp32_model
+from am_precision import (
+    BackendConfig,
+    initialize_linear_module,
+    prepare_for_final_backward,
+    prepare_for_grad_accumulation,
+    yield_fp32_model,
+)
 from am_precision.hf_io import resolve_dtype
 
 from . import pipeline_stage
@@ -368,6 +374,19 @@ class NemotronHForCausalLM(nn.Module, NemotronHGenerationMixin):
                 f"{sorted(set(self.nemotron_config.layers_block_type))}); use ep=1"
             )
         return am_moe.apply_expert_parallel(self, ep_mesh)
+
+    def prepare_for_grad_accumulation(self, pp_enabled: bool = False) -> None:
+        """With `backend.enable_fsdp_optimizations`: before the first backward of an optimizer step, defer every FSDP
+        unit's reduce-scatter and resharding (am_precision.prepare_for_grad_accumulation; a no-op under pipeline
+        parallelism, whose schedules already defer it, and without the option)."""
+        if self.backend.enable_fsdp_optimizations:
+            prepare_for_grad_accumulation(self, pp_enabled=pp_enabled)
+
+    def prepare_for_final_backward(self, pp_enabled: bool = False) -> None:
+        """With `backend.enable_fsdp_optimizations`: before the last backward of an optimizer step, turn the
+        reduce-scatter and resharding back on (am_precision.prepare_for_final_backward)."""
+        if self.backend.enable_fsdp_optimizations:
+            prepare_for_final_backward(self, pp_enabled=pp_enabled)
 
     def customize_pipeline_stage_modules(
         self, module_names_per_stage: list[list[str]], *, layers_prefix: str = "model.", text_model: Any = None
