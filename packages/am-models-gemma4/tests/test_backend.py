@@ -163,9 +163,12 @@ def test_fused_rotary_tables_carry_the_angles_of_transformers_cos_and_sin() -> N
         cos, sin = plain(x, positions, layer_type)
         tables = fused(x, positions, layer_type)
         assert plain(x, positions, layer_type).angles is None
-        assert torch.equal(tables[0], cos) and torch.equal(tables[1], sin)
-        assert tables.angles is not None and tables.angles.dtype == torch.float32
-        assert torch.allclose(tables.angles.cos(), cos, atol=1e-6) and torch.allclose(tables.angles.sin(), sin, atol=1e-6)
+        assert torch.equal(tables[0], cos)
+        assert torch.equal(tables[1], sin)
+        assert tables.angles is not None
+        assert tables.angles.dtype == torch.float32
+        assert torch.allclose(tables.angles.cos(), cos, atol=1e-6)
+        assert torch.allclose(tables.angles.sin(), sin, atol=1e-6)
         head_dim = cos.shape[-1]
         q = torch.randn(2, 6, 4, head_dim)
         expected = _rotary(q, cos, sin)
@@ -178,8 +181,12 @@ def test_fsdp_optimizations_drive_the_fsdp_hooks_only_when_asked(monkeypatch) ->
     import am_models_gemma4.model as model_module
 
     seen: list[tuple[str, bool]] = []
-    monkeypatch.setattr(model_module, "prepare_for_grad_accumulation", lambda m, *, pp_enabled: seen.append(("acc", pp_enabled)))
-    monkeypatch.setattr(model_module, "prepare_for_final_backward", lambda m, *, pp_enabled: seen.append(("final", pp_enabled)))
+    monkeypatch.setattr(
+        model_module, "prepare_for_grad_accumulation", lambda m, *, pp_enabled: seen.append(("acc", pp_enabled))
+    )
+    monkeypatch.setattr(
+        model_module, "prepare_for_final_backward", lambda m, *, pp_enabled: seen.append(("final", pp_enabled))
+    )
     for backend in (None, _backend()):
         model = Gemma4ForCausalLM(C.text_config(), backend=backend)
         model.prepare_for_grad_accumulation()

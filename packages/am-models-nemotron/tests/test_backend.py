@@ -141,8 +141,12 @@ def test_fsdp_optimizations_drive_the_fsdp_hooks_only_when_asked(monkeypatch) ->
     import am_models_nemotron.model as model_module
 
     seen: list[tuple[str, bool]] = []
-    monkeypatch.setattr(model_module, "prepare_for_grad_accumulation", lambda m, *, pp_enabled: seen.append(("acc", pp_enabled)))
-    monkeypatch.setattr(model_module, "prepare_for_final_backward", lambda m, *, pp_enabled: seen.append(("final", pp_enabled)))
+    monkeypatch.setattr(
+        model_module, "prepare_for_grad_accumulation", lambda m, *, pp_enabled: seen.append(("acc", pp_enabled))
+    )
+    monkeypatch.setattr(
+        model_module, "prepare_for_final_backward", lambda m, *, pp_enabled: seen.append(("final", pp_enabled))
+    )
     plain = NemotronHForCausalLM(tiny_hf_config("*"), default_backend())
     plain.prepare_for_grad_accumulation()
     plain.prepare_for_final_backward()

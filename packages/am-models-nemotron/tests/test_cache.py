@@ -81,12 +81,16 @@ def test_prepare_inputs_for_generation_returns_what_generate_and_the_seed_expect
 
     _, model = pair
     ids = tokens(2, 7, seed=4)
-    first = model.prepare_inputs_for_generation(ids, past_key_values=DynamicCache(), attention_mask=torch.ones_like(ids))
+    first = model.prepare_inputs_for_generation(
+        ids, past_key_values=DynamicCache(), attention_mask=torch.ones_like(ids)
+    )
     assert isinstance(first["past_key_values"], NemotronHybridCache)
-    assert torch.equal(first["input_ids"], ids) and first["use_cache"] is True
+    assert torch.equal(first["input_ids"], ids)
+    assert first["use_cache"] is True
     assert torch.equal(first["cache_position"], torch.arange(7))
     mask = first["causal_mask_mapping"]["full_attention"]
-    assert mask.shape == (2, 1, 7, 7) and mask.dtype == model.dtype
+    assert mask.shape == (2, 1, 7, 7)
+    assert mask.dtype == model.dtype
     assert torch.equal(mask[0, 0] == 0, torch.ones(7, 7, dtype=torch.bool).tril())
     with torch.no_grad():
         out = model(**first)
@@ -103,7 +107,8 @@ def test_prepare_inputs_for_generation_returns_what_generate_and_the_seed_expect
         model(**step)  # the backbone accepts the position: it is the cache's next one
     embeds = model.get_input_embeddings()(ids[:, :5])
     from_embeds = model.prepare_inputs_for_generation(ids[:, :0], inputs_embeds=embeds)
-    assert "input_ids" not in from_embeds and from_embeds["inputs_embeds"] is embeds
+    assert "input_ids" not in from_embeds
+    assert from_embeds["inputs_embeds"] is embeds
     assert from_embeds["causal_mask_mapping"]["full_attention"].shape == (2, 1, 5, 5)
     assert torch.equal(from_embeds["cache_position"], torch.arange(5))
 

@@ -269,5 +269,7 @@ def test_construction_dtype_comes_from_the_config_as_upstream_builds_it() -> Non
     assert model.lm_head.weight.dtype == model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.model.layers["0"].mixer.A_log.dtype == torch.float32
     assert model.model.layers["1"].mixer.gate.e_score_correction_bias.dtype == torch.float32
-    assert NemotronHForCausalLM(tiny_hf_config("M*", torch_dtype="bfloat16"), dtype=torch.float32).dtype == torch.float32
+    assert (
+        NemotronHForCausalLM(tiny_hf_config("M*", torch_dtype="bfloat16"), dtype=torch.float32).dtype == torch.float32
+    )
     assert NemotronHForCausalLM(tiny_hf_config("M*")).dtype == torch.get_default_dtype()

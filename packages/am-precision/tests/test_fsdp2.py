@@ -169,7 +169,8 @@ def test_yield_fp32_model_on_a_sharded_model(rank_results):
 
 def test_deferred_gradient_sync_gives_plain_fsdp_gradients_reducing_only_at_the_last_backward(rank_results):
     """enable_fsdp_optimizations: `prepare_for_grad_accumulation` / `prepare_for_final_backward` (upstream's
-    MoEFSDPSyncMixin rule) reduce-scatter only in the last backward of a step, with the gradients of plain FSDP2 accumulation."""
+    MoEFSDPSyncMixin rule) reduce-scatter only in the last backward of a step, with the gradients of plain FSDP2
+    accumulation."""
     for f in facts(rank_results, "deferred_sync_accumulates_the_same_gradients"):
         plain, deferred = f["calls"]["plain"], f["calls"]["deferred"]
         assert deferred["units"] == 3

@@ -130,9 +130,7 @@ class Gemma4Attention(nn.Module):
             self.v_norm = Gemma4RMSNorm(self.head_dim, eps=eps, with_scale=False)
             self.k_proj = make_linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias, backend=backend)
             if not self.use_alternative_attention:
-                self.v_proj = make_linear(
-                    hidden, self.num_key_value_heads * self.head_dim, bias=bias, backend=backend
-                )
+                self.v_proj = make_linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias, backend=backend)
         self.o_proj = make_linear(self.num_heads * self.head_dim, hidden, bias=bias, backend=backend)
         # RoPE through Transformer Engine's fused kernel (am_precision.fused_rope) on the angles the model's
         # Gemma4RotaryEmbedding(fused=True) hands over with cos/sin; the torch rotation otherwise.

@@ -29,7 +29,9 @@ __all__ = [
     "Gemma4RMSNorm",
     "Gemma4RotaryEmbedding",
     "RotaryTables",
-    "is_backend_linear", "is_backend_norm", "make_linear",
+    "is_backend_linear",
+    "is_backend_norm",
+    "make_linear",
     "make_norm",
     "rms_norm",
 ]
@@ -123,7 +125,7 @@ def is_backend_norm(module: nn.Module) -> bool:
     )
 
 
-class RotaryTables(tuple):  # noqa: SLOT001 - a plain tuple subclass: `cos, sin = tables` keeps working everywhere
+class RotaryTables(tuple):
     """`(cos, sin)` `[B or 1, S, d]` in the activation dtype, plus `angles` `[B or 1, S, d]` fp32 radians (the
     `cat(freqs, freqs)` cos/sin were computed from) when the rotary embedding was built `fused`, else None."""
 

@@ -28,7 +28,7 @@ from .cache import Gemma4HybridCache
 from .config import validate_text_config
 from .cp import active_ring_context
 from .decoder import Gemma4DecoderLayer
-from .layers import Gemma4RMSNorm, Gemma4RotaryEmbedding, is_backend_linear, is_backend_norm, make_linear, make_norm
+from .layers import Gemma4RotaryEmbedding, is_backend_linear, is_backend_norm, make_linear, make_norm
 from .masks import AttentionInputs
 from .moe import Gemma4Experts, Gemma4Router
 from .pretrained import Gemma4PreTrainedModel

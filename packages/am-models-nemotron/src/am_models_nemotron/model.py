@@ -564,4 +564,3 @@ class NemotronHForCausalLM(nn.Module, NemotronHGenerationMixin):
             mtp_per_depth_targets=inputs.per_depth_targets,
         )
         return output.to_tuple() if return_dict is False else output
-

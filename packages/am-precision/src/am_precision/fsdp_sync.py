@@ -1,4 +1,4 @@
-"""Gradient accumulation under FSDP2 without a reduce-scatter per micro-batch (`BackendConfig.enable_fsdp_optimizations`).
+"""FSDP2 gradient accumulation without a reduce-scatter per micro-batch (`BackendConfig.enable_fsdp_optimizations`).
 
 What it is for: NeMo AutoModel's MoE FSDP optimization, as its `MoEFSDPSyncMixin` documents it: without pipeline
 parallelism, `prepare_for_grad_accumulation(model)` before the first backward of an optimizer step defers every
