@@ -161,7 +161,7 @@ class Gemma4RotaryEmbedding(Gemma4TextRotaryEmbedding):
                     "Engine's fused kernel cannot; leave rope_fusion False for this config"
                 )
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str) -> RotaryTables:  # type: ignore[override]
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str) -> RotaryTables:
         cos, sin = super().forward(x, position_ids, layer_type)
         if not self.fused:
             return RotaryTables(cos, sin)

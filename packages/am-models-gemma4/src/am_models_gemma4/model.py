@@ -43,15 +43,16 @@ def init_module_weights(module: nn.Module, *, std: float) -> None:
     std) linear and embedding weights (zero bias, zero padding row), ones for norm weights and router scales, 1.0
     for a layer's scalar. `Gemma4TextModel.init_weights` applies it to every module; `sharded.init_units` per unit."""
     if is_backend_linear(module):
-        nn.init.normal_(module.weight, std=std)
-        if getattr(module, "bias", None) is not None and module.bias.numel():
-            nn.init.zeros_(module.bias)
+        nn.init.normal_(_tensor(module, "weight"), std=std)
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor) and bias.numel():
+            nn.init.zeros_(bias)
     elif isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, std=std)
         if module.padding_idx is not None:
             module.weight[module.padding_idx].zero_()
     elif is_backend_norm(module):
-        nn.init.ones_(module.weight)
+        nn.init.ones_(_tensor(module, "weight"))
     elif isinstance(module, Gemma4Router):
         nn.init.ones_(module.scale)
         nn.init.ones_(module.per_expert_scale)
@@ -60,6 +61,13 @@ def init_module_weights(module: nn.Module, *, std: float) -> None:
         nn.init.normal_(module.down_proj, std=std)
     elif isinstance(module, Gemma4DecoderLayer):
         module.layer_scalar.fill_(1.0)
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """`module.<name>` as a tensor (torch, TE and QuACK modules all hold their weights as parameters)."""
+    value = getattr(module, name)
+    assert isinstance(value, torch.Tensor), f"{type(module).__name__}.{name} is not a tensor"
+    return value
 
 
 _IGNORED_KWARGS = frozenset({"return_dict", "output_attentions", "cache_position", "num_items_in_batch"})
@@ -144,7 +152,7 @@ class Gemma4TextModel(nn.Module):
             }
         )
         self.norm = make_norm(hidden, eps=config.rms_norm_eps, backend=backend)
-        self.rotary_emb = Gemma4RotaryEmbedding(config, fused=backend is not None and backend.rope_fusion)
+        self.rotary_emb = Gemma4RotaryEmbedding(config, fused=bool(backend is not None and backend.rope_fusion))
         self.hidden_size_per_layer_input = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
         if self.hidden_size_per_layer_input:
             ple = config.num_hidden_layers * self.hidden_size_per_layer_input
