@@ -120,6 +120,7 @@ def _variants() -> dict[str, dict[str, Any]]:
     runs["rms_norm=torch"] = {"rms_norm": "torch"}
     runs["linear=te,rms_norm=te"] = {"linear": "te", "rms_norm": "te"}
     runs["rope_fusion"] = {"rope_fusion": True}  # Gemma 4: TE's fused RoPE; Nemotron-H (NoPE) refuses it
+    runs["rope=quack"] = {"rope": "quack"}  # Gemma 4: QuACK's rotary kernel; Nemotron-H refuses it
     runs["te_fp8=current"] = {"linear": "te", "rms_norm": "te", "te_fp8": {"recipe": "current"}}
     return runs
 

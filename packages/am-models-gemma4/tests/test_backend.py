@@ -131,6 +131,8 @@ def test_transformer_engine_values_are_refused_naming_what_is_missing() -> None:
     for what in ("linear='te'", "rms_norm='te'", "rope_fusion=True (TE's fused RoPE)", "te_fp8 (TE FP8 autocast)"):
         assert what in message
     assert "not implemented" not in message
+    with pytest.raises(ValueError, match=r"rope='quack' needs the `quack` package"):
+        Gemma4ForCausalLM(C.text_config(), backend=_backend(rope="quack"))
 
 
 def test_rms_norm_torch_runs_nn_rmsnorm_and_matches_the_fp32_norm() -> None:

@@ -132,6 +132,8 @@ def test_rope_fusion_is_refused_because_the_attention_has_no_rope() -> None:
     """Nemotron-H's attention is NoPE: rope_fusion=True has nothing to fuse, so it is refused (never ignored)."""
     with pytest.raises(ValueError, match="no positional encoding"):
         NemotronHForCausalLM(tiny_hf_config("*"), default_backend().replace(rope_fusion=True))
+    with pytest.raises(ValueError, match="rope='quack' picks a rotary-embedding kernel"):
+        NemotronHForCausalLM(tiny_hf_config("*"), default_backend().replace(rope="quack"))
 
 
 def test_fsdp_optimizations_drive_the_fsdp_hooks_only_when_asked(monkeypatch) -> None:

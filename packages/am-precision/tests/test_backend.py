@@ -86,7 +86,6 @@ def test_rope_fusion_auto_resolves_off_and_explicit_true_is_kept_not_disabled():
 
 # A value of every field no am-* package implements, the same one the README table lists.
 _UNIMPLEMENTED_VALUES = {
-    "rope": "quack",
     "dispatcher_num_sms": 32,
     "dispatcher_share_token_dispatcher": False,
     "dispatcher_async_dispatch": True,

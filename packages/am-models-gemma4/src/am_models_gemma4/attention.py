@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
 
-from am_precision import AttentionKernel, BackendConfig, fused_rope
+from am_precision import AttentionKernel, BackendConfig, fused_rope, quack_rope
 
 from .config import SLIDING, kv_sharing_modes, layer_head_dim, layer_num_kv_heads
 from .cp import active_ring_context, attention_cp_problem, ring_attention
@@ -135,6 +135,7 @@ class Gemma4Attention(nn.Module):
         # RoPE through Transformer Engine's fused kernel (am_precision.fused_rope) on the angles the model's
         # Gemma4RotaryEmbedding(fused=True) hands over with cos/sin; the torch rotation otherwise.
         self.rope_fusion = bool(backend is not None and backend.rope_fusion)
+        self.rope = "torch" if backend is None else backend.rope  # "quack": QuACK's rotary kernel (quack_rope)
         # The core attention `backend.attn` names (None: SDPA). No parameters, no state-dict keys.
         self.core_attention = AttentionKernel(
             "sdpa" if backend is None else backend.attn,
@@ -209,6 +210,8 @@ class Gemma4Attention(nn.Module):
                     "(Gemma4RotaryEmbedding(config, fused=True)), not bare (cos, sin)"
                 )
             rotate = functools.partial(fused_rope, angles=angles)
+        elif self.rope == "quack":
+            rotate = functools.partial(quack_rope, cos=cos, sin=sin)
         else:
             rotate = functools.partial(_rotary, cos=cos, sin=sin)
         batch, seq = hidden_states.shape[:2]

@@ -2,9 +2,9 @@
 
 What it is for: Gemma 4 takes upstream's `backend=` like Nemotron-H. It honours `attn` (am-precision's
 `AttentionKernel`: sdpa, eager, flex, cudnn, te), `compile_attn`, `linear` (torch, te, quack: the attention, MLP
-and per-layer-input projections), `rms_norm` (torch_fp32, torch, te, quack: every scaled norm), `rope_fusion`
-(Transformer Engine's fused RoPE), `te_fp8` (TE autocast around each decoder layer), `enable_fsdp_optimizations`
-(the model's `prepare_for_grad_accumulation` / `prepare_for_final_backward`) and `experts` ("torch": one matmul per
+and per-layer-input projections), `rms_norm` (torch_fp32, torch, te, quack: every scaled norm), `rope` (torch, quack:
+QuACK's rotary kernel), `rope_fusion` (Transformer Engine's fused RoPE), `te_fp8` (TE autocast around each decoder
+layer), `enable_fsdp_optimizations` (the model's `prepare_for_grad_accumulation` / `prepare_for_final_backward`) and `experts` ("torch": one matmul per
 expert, "torch_mm": am-moe's grouped GEMM). Every other value either is the one Gemma 4 runs or is refused, all
 problems in one `ValueError` naming what is missing (`backend_runtime_problems`: CUDA, Transformer Engine,
 QuACK). `backend=None` keeps the model's own defaults (SDPA; the experts' grouped GEMM chosen by am-moe).
@@ -47,7 +47,7 @@ def backend_problems(backend: BackendConfig) -> list[str]:
     """Every reason `backend` cannot run in Gemma 4 on this machine (empty: it runs as asked)."""
     # What this machine lacks for the fields built as asked (TE / QuACK linears and norms, TE attention, fused RoPE,
     # FP8).
-    problems = backend_runtime_problems(backend, fields=("attn", "linear", "rms_norm", "rope_fusion", "te_fp8"))
+    problems = backend_runtime_problems(backend, fields=("attn", "linear", "rms_norm", "rope", "rope_fusion", "te_fp8"))
     for name in ("experts", "dispatcher"):
         value = getattr(backend, name)
         if value not in SUPPORTED_BACKENDS[name]:

@@ -48,7 +48,7 @@ from .lm_head import compute_lm_head_logits
 from .materialize import InitUnit, local_region, materialize_sharded_, unit_seed
 from .modules import Float32RMSNorm, initialize_linear_module, initialize_rms_norm_module
 from .report import Fp32Report, TensorPrecision, assert_fp32_contract, fp32_report
-from .rope import fused_rope, get_rope_config
+from .rope import fused_rope, get_rope_config, quack_rope
 from .runtime import backend_runtime_problems
 from .te_patch import (
     apply_te_patches,
@@ -115,6 +115,7 @@ __all__ = [
     # lm head and rope
     "compute_lm_head_logits",
     "fused_rope",
+    "quack_rope",
     # FSDP gradient accumulation (enable_fsdp_optimizations)
     "fsdp_units",
     "prepare_for_final_backward",

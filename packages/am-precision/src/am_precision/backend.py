@@ -169,7 +169,6 @@ _A2A_KNOB = (
 # Refused at construction instead of being accepted and ignored. A package that implements one deletes its entry
 # here and updates the README table "Who honours each field".
 _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "rope": (lambda v: v == "quack", "no am-* model has a QuACK RoPE kernel; use rope='torch'"),
     "dispatcher_num_sms": (lambda v: v != 20, f"{_A2A_KNOB}; leave it at 20"),
     "dispatcher_share_token_dispatcher": (lambda v: v is False, f"{_A2A_KNOB}; leave it True"),
     "dispatcher_async_dispatch": (lambda v: v is True, f"{_A2A_KNOB}; leave it False"),
@@ -201,7 +200,7 @@ class BackendConfig:
         attn: attention kernel, one of `ATTN_BACKENDS`.
         linear: linear layers, one of `LINEAR_BACKENDS`.
         rms_norm: RMSNorm, one of `RMS_NORM_BACKENDS` ("torch_fp32" computes in fp32 whatever the storage dtype).
-        rope: rotary embedding kernel, one of `ROPE_BACKENDS`.
+        rope: rotary embedding kernel, one of `ROPE_BACKENDS` ("quack": QuACK's rotary kernel, `quack_rope`).
         rope_fusion: rotate queries and keys with Transformer Engine's fused RoPE kernel (`fused_rope`). None
             (default) resolves to False (upstream forces the fusion off altogether; here True is honoured by models
             with RoPE, Gemma 4, and refused where TE / CUDA is missing); after construction it is always a bool.
@@ -226,7 +225,7 @@ class BackendConfig:
         enable_deepep: removed upstream field, accepted only as None so upstream configs that spell it load.
 
     Fields no am-* package implements (README, "Who honours each field") keep their upstream defaults and accept
-    only them: `rope="quack"`, the `dispatcher_*` knobs, a
+    only them: the `dispatcher_*` knobs, a
     non-empty `cuda_graph`, a non-default `mok` and `enable_deepep` are refused with the reason and the fix. Models
     refuse what they do not support of the fields they read (`attn`, `experts`, `dispatcher`, ...) and what this
     machine cannot run (`backend_runtime_problems`).
