@@ -2,12 +2,13 @@
 
 What it is for: Gemma 4 takes upstream's `backend=` like Nemotron-H. It honours `attn` (am-precision's
 `AttentionKernel`: sdpa, eager, flex, cudnn, te), `compile_attn`, `linear` (torch, te, quack: the attention, MLP
-and per-layer-input projections), `rms_norm` (torch_fp32, torch, te, quack: every scaled norm), `rope` (torch, quack:
-QuACK's rotary kernel), `rope_fusion` (Transformer Engine's fused RoPE), `te_fp8` (TE autocast around each decoder
-layer), `enable_fsdp_optimizations` (the model's `prepare_for_grad_accumulation` / `prepare_for_final_backward`) and `experts` ("torch": one matmul per
-expert, "torch_mm": am-moe's grouped GEMM). Every other value either is the one Gemma 4 runs or is refused, all
-problems in one `ValueError` naming what is missing (`backend_runtime_problems`: CUDA, Transformer Engine,
-QuACK). `backend=None` keeps the model's own defaults (SDPA; the experts' grouped GEMM chosen by am-moe).
+and per-layer-input projections), `rms_norm` (torch_fp32, torch, te, quack: every scaled norm), `rope` (torch,
+quack: QuACK's rotary kernel), `rope_fusion` (Transformer Engine's fused RoPE), `te_fp8` (TE autocast around each
+decoder layer), `enable_fsdp_optimizations` (the model's `prepare_for_grad_accumulation` /
+`prepare_for_final_backward`) and `experts` ("torch": one matmul per expert, "torch_mm": am-moe's grouped GEMM).
+Every other value either is the one Gemma 4 runs or is refused, all problems in one `ValueError` naming what is
+missing (`backend_runtime_problems`: CUDA, Transformer Engine, QuACK). `backend=None` keeps the model's own
+defaults (SDPA; the experts' grouped GEMM chosen by am-moe).
 What it must not do: rewrite a field to another value, import transformer_engine, or mutate the config it is given.
 """
 
