@@ -6,11 +6,11 @@ reads as the model's math: resolve the inputs (`forward_inputs`, one place), run
 loss (`loss.combined_causal_lm_loss`, one rule). What the infrastructure reads is declared once, in `am_contract()`
 (am-model-contract: pipeline outputs and forward, contiguous context parallelism, expert parallelism); its hooks and
 the others (the training loss, generation, checkpoints) are one-line methods over plain functions in the module of
-their concept. The forward serves a plain model (training, eval, generation through transformers'
-`GenerationMixin` with `NemotronHybridCache`) and a pruned pipeline stage (`pipeline_stage`). It
-accepts what NeMo AutoModel's forward accepts (packed rows through `seq_idx` / `_packed_seq_ids` / THD
-`cu_seqlens` / restarting `position_ids`, `padding_mask`, `causal_mask_mapping`, per-depth MTP inputs) with real
-semantics on its own SDPA path: a packed row gives each document the logits it gets alone.
+their concept. The forward serves a plain model (training, eval, generation through
+`generation.NemotronHGenerationMixin`, the GenerationMixin hooks, with `NemotronHybridCache`) and a pruned pipeline
+stage (`pipeline_stage`). It accepts what NeMo AutoModel's forward accepts (packed rows through `seq_idx` /
+`_packed_seq_ids` / THD `cu_seqlens` / restarting `position_ids`, `padding_mask`, `causal_mask_mapping`, per-depth
+MTP inputs) with real semantics on its own SDPA path: a packed row gives each document the logits it gets alone.
 What it must not do: import am-pipelining or am-capabilities (they read `am_contract()`), mutate the
 `BackendConfig` it receives, count the MTP loss into `loss` (see `outputs`), or tie the input and output
 embeddings (the architecture has none; rejected).
@@ -42,14 +42,13 @@ from am_precision import (
     prepare_for_grad_accumulation,
     yield_fp32_model,
 )
-from am_precision.hf_io import resolve_dtype
 
 from . import pipeline_stage
 from ._init import weight_of
 from .backbone import NemotronV3Model, move_buffers_
 from .backend import resolve_backend
 from .cache import NemotronHybridCache
-from .config import NemotronConfig, as_hf_config
+from .config import NemotronConfig, as_hf_config, construction_dtype
 from .cp import block_cp_problems, nemotron_cp_options, prepare_batch_for_cp
 from .forward_inputs import resolve_forward_inputs
 from .generation import NemotronHGenerationMixin
@@ -59,17 +58,7 @@ from .mtp_inputs import mtp_fusion_inputs
 from .outputs import NemotronHCausalLMOutputWithPast, keep_positions, select_hidden_states, split_output
 from .tp_plan import CAUSAL_LM_TP_PLAN
 
-__all__ = ["NemotronHForCausalLM", "construction_dtype"]
-
-
-def construction_dtype(config: Any) -> torch.dtype:
-    """The parameter dtype a model is built in without `dtype=`: the config's `dtype` / `torch_dtype` (a dtype or its
-    name, as a hub `config.json` spells it), else torch's default dtype.
-
-    Raises:
-        ValueError: the config names something that is not a torch dtype.
-    """
-    return resolve_dtype(torch_dtype=None, dtype="auto", config=config) or torch.get_default_dtype()
+__all__ = ["NemotronHForCausalLM"]
 
 
 class NemotronHForCausalLM(nn.Module, NemotronHGenerationMixin):
