@@ -3,9 +3,11 @@
 On a machine without CUDA it prints ONE line saying so and exits 0. On one CUDA GPU it runs, for Nemotron-H and
 Gemma 4 (bf16 parameters, AdamW), a few training steps per backend choice this machine can run
 (`am_precision.backend_runtime_problems` decides; nothing is faked): attention sdpa / eager / flex / cudnn / te,
-experts torch (per-expert loop) vs torch_mm (grouped GEMM), TE linears + norms and TE FP8 autocast when Transformer
-Engine is installed; and am-moe's grouped-GEMM backends alone (loop, grouped_mm, gmm, te, auto with its measured
-pick). Each run starts from the same weights and batch as the reference (`torch` / sdpa) run; its
+experts torch (per-expert loop) vs torch_mm (grouped GEMM), rms_norm torch, TE linears + norms, TE's fused RoPE
+(rope_fusion: Gemma 4; Nemotron-H has no RoPE and refuses it) and TE FP8 autocast when Transformer Engine is
+installed, plus TE's fused RoPE kernel against the torch rotation on the same angles (fp32 / bf16, shared and per-row
+positions), and am-moe's grouped-GEMM backends alone (loop, grouped_mm, gmm, te, auto with its measured pick).
+Each run starts from the same weights and batch as the reference (`torch` / sdpa) run; its
 first loss must equal the reference's within bf16 tolerance. It also initialises NCCL on one rank (one all-reduce).
 Writes bench/results-gpu.json: per run step time (median), tokens/s, MFU against the GPU's dense bf16 peak (when
 the GPU is a known one), peak memory, first loss and its difference from the reference, or the refusal reason.
@@ -116,7 +118,10 @@ def _variants() -> dict[str, dict[str, Any]]:
         runs[f"attn={attn}"] = {"attn": attn}
     runs["experts=torch_mm"] = {"experts": "torch_mm"}
     runs["experts=torch_mm_mxfp8"] = {"experts": "torch_mm_mxfp8"}
+    runs["rms_norm=torch"] = {"rms_norm": "torch"}
     runs["linear=te,rms_norm=te"] = {"linear": "te", "rms_norm": "te"}
+    runs["rope_fusion"] = {"rope_fusion": True}  # Gemma 4: TE's fused RoPE; Nemotron-H (NoPE) refuses it
+    runs["rope=quack"] = {"rope": "quack"}  # Gemma 4: QuACK's rotary kernel; Nemotron-H refuses it
     runs["te_fp8=current"] = {"linear": "te", "rms_norm": "te", "te_fp8": {"recipe": "current"}}
     return runs
 
@@ -185,7 +190,10 @@ def _run_model(name: str, peak: float | None) -> dict[str, Any]:
             model = model.to(device="cuda", dtype=torch.bfloat16)
             params_count = sum(p.numel() for p in model.parameters())
             result = _train(model.train(), vocab, params_count, peak)
-        except (ValueError, RuntimeError, NotImplementedError) as err:
+        except ValueError as err:  # the model refuses the value (e.g. rope_fusion in NoPE Nemotron-H)
+            out[run] = {"refused": str(err)}
+            continue
+        except (RuntimeError, NotImplementedError) as err:
             out[run] = {"failed": f"{type(err).__name__}: {err}"}
             continue
         finally:
@@ -248,6 +256,35 @@ def _expert_backends() -> dict[str, Any]:
     return out
 
 
+def _fused_rope_check() -> dict[str, Any]:
+    """TE's fused RoPE (am_precision.fused_rope) against the torch rotation on the same angles, fp32 and bf16, with
+    one angle table and with per-row positions (packed rows)."""
+    from am_models_gemma4.attention import _rotary
+    from am_precision import backend_runtime_problems, fused_rope
+
+    missing = backend_runtime_problems(_backend({"rope_fusion": True}), fields=("rope_fusion",))
+    if missing:
+        return {"skipped": missing}
+    out: dict[str, Any] = {}
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for rows in ("shared", "per_row"):
+            positions = (
+                torch.arange(256).expand(2, 256)
+                if rows == "shared"
+                else torch.stack([torch.arange(256), torch.arange(256) % 100])
+            )
+            freqs = positions[..., None].float() * inv_freq
+            angles = torch.cat((freqs, freqs), dim=-1).cuda()
+            x = torch.randn(2, 256, 8, 64, generator=gen).to(device="cuda", dtype=dtype)
+            expected = _rotary(x, angles.cos().to(dtype), angles.sin().to(dtype))
+            actual = fused_rope(x, angles)
+            diff = float((actual.float() - expected.float()).abs().max())
+            out[f"{dtype}/{rows}"] = {"max_abs_diff": diff, "matches_reference": diff <= tol * 4}
+    return out
+
+
 def _nccl_one_rank() -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -286,6 +323,7 @@ def main() -> int:
         "steps": STEPS,
         "nccl": _nccl_one_rank(),
         "am_moe_expert_backends": _expert_backends(),
+        "fused_rope": _fused_rope_check(),
     }
     for model_name in MODELS:
         with contextlib.suppress(KeyboardInterrupt):
@@ -293,7 +331,7 @@ def main() -> int:
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     mismatched = [
         f"{m}/{run}"
-        for m in MODELS
+        for m in (*MODELS, "fused_rope")
         for run, r in results.get(m, {}).items()
         if isinstance(r, dict) and r.get("matches_reference") is False
     ]

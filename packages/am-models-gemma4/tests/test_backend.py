@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from am_models_gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
-from am_precision import BackendConfig
+from am_precision import BackendConfig, flags
 from am_precision import attention as attention_kernels
 
 # fp32 logits of a 4-layer tiny model: the kernels differ only in summation order (softmax in fp32 everywhere).
@@ -95,7 +95,7 @@ def test_values_gemma4_cannot_run_are_refused_all_at_once() -> None:
     backend = BackendConfig(
         attn="tilelang",
         linear="torch",
-        rms_norm="torch",
+        rms_norm="quack",
         experts="torch",
         dispatcher="hybridep",
         enable_hf_state_dict_adapter=False,
@@ -103,7 +103,7 @@ def test_values_gemma4_cannot_run_are_refused_all_at_once() -> None:
     with pytest.raises(ValueError, match="cannot run as asked") as err:
         Gemma4ForCausalLM(C.text_config(), backend=backend)
     message = str(err.value)
-    for wrong in ("attn='tilelang'", "rms_norm='torch'", "dispatcher='hybridep'", "enable_hf_state_dict_adapter=False"):
+    for wrong in ("attn='tilelang'", "rms_norm='quack'", "dispatcher='hybridep'", "enable_hf_state_dict_adapter=False"):
         assert wrong in message
     with pytest.raises(TypeError, match=r"must be an am_precision\.BackendConfig"):
         Gemma4ForCausalLM(C.text_config(), backend="sdpa")
@@ -118,3 +118,83 @@ def test_context_parallelism_refuses_a_kernel_the_ring_would_replace() -> None:
     assert "attn='eager'" in problems[0]
     assert "use attn='sdpa' with cp > 1" in problems[0]
     assert _model(_backend(attn="sdpa")).cp_problems(seq_len=16, local_seq_len=8, cp_size=2) == []
+
+
+@pytest.mark.skipif(flags.HAVE_TE and torch.cuda.is_available(), reason="Transformer Engine and CUDA are here")
+def test_transformer_engine_values_are_refused_naming_what_is_missing() -> None:
+    """linear / rms_norm 'te', rope_fusion and te_fp8 run Transformer Engine modules and kernels (bench/gpu_smoke.py
+    runs them on a GPU); without TE or CUDA each is named in one error, never replaced by the torch modules."""
+    backend = _backend(linear="te", rms_norm="te", rope_fusion=True, te_fp8={"recipe": "current"})
+    with pytest.raises(ValueError, match="cannot run as asked") as err:
+        Gemma4ForCausalLM(C.text_config(), backend=backend)
+    message = str(err.value)
+    for what in ("linear='te'", "rms_norm='te'", "rope_fusion=True (TE's fused RoPE)", "te_fp8 (TE FP8 autocast)"):
+        assert what in message
+    assert "not implemented" not in message
+    with pytest.raises(ValueError, match=r"rope='quack' needs the `quack` package"):
+        Gemma4ForCausalLM(C.text_config(), backend=_backend(rope="quack"))
+
+
+def test_rms_norm_torch_runs_nn_rmsnorm_and_matches_the_fp32_norm() -> None:
+    """rms_norm='torch': every scaled norm is torch's nn.RMSNorm (the same `weight` key), and in fp32 the logits
+    equal the default fp32 norm's; the weightless v_norm keeps its form (no key to add)."""
+    reference = _model(_backend())
+    torch_norms = Gemma4ForCausalLM(C.text_config(), backend=_backend(rms_norm="torch")).eval()
+    assert torch_norms.load_state_dict(reference.state_dict()) is not None  # same keys, strict
+    layer = torch_norms.model.layers["0"]
+    assert isinstance(layer.input_layernorm, torch.nn.RMSNorm)
+    assert isinstance(layer.self_attn.q_norm, torch.nn.RMSNorm)
+    assert isinstance(torch_norms.model.norm, torch.nn.RMSNorm)
+    ids = torch.randint(0, C.text_config().vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, actual = reference(ids).logits, torch_norms(ids).logits
+    assert (actual - expected).abs().max() <= FP32_TOL * expected.abs().max()
+
+
+def test_fused_rotary_tables_carry_the_angles_of_transformers_cos_and_sin() -> None:
+    """rope_fusion hands TE's kernel the fp32 angles cos/sin come from; rotating by them is transformers' rotation
+    (checked here with torch's cos/sin of the angles, the math TE's kernel computes)."""
+    from am_models_gemma4.attention import _rotary
+    from am_models_gemma4.layers import Gemma4RotaryEmbedding
+
+    config = C.text_config()
+    plain, fused = Gemma4RotaryEmbedding(config), Gemma4RotaryEmbedding(config, fused=True)
+    x = torch.randn(2, 6, 4, 16)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2]])  # the second row packs two documents
+    for layer_type in sorted(set(config.layer_types)):
+        cos, sin = plain(x, positions, layer_type)
+        tables = fused(x, positions, layer_type)
+        assert plain(x, positions, layer_type).angles is None
+        assert torch.equal(tables[0], cos)
+        assert torch.equal(tables[1], sin)
+        assert tables.angles is not None
+        assert tables.angles.dtype == torch.float32
+        assert torch.allclose(tables.angles.cos(), cos, atol=1e-6)
+        assert torch.allclose(tables.angles.sin(), sin, atol=1e-6)
+        head_dim = cos.shape[-1]
+        q = torch.randn(2, 6, 4, head_dim)
+        expected = _rotary(q, cos, sin)
+        assert torch.allclose(_rotary(q, tables.angles.cos(), tables.angles.sin()), expected, atol=1e-6)
+
+
+def test_fsdp_optimizations_drive_the_fsdp_hooks_only_when_asked(monkeypatch) -> None:
+    """enable_fsdp_optimizations: prepare_for_grad_accumulation / prepare_for_final_backward (upstream's hooks) call
+    am-precision's deferred-sync functions (run on a 2-rank FSDP2 group in am-precision's test_fsdp2.py)."""
+    import am_models_gemma4.model as model_module
+
+    seen: list[tuple[str, bool]] = []
+    monkeypatch.setattr(
+        model_module, "prepare_for_grad_accumulation", lambda m, *, pp_enabled: seen.append(("acc", pp_enabled))
+    )
+    monkeypatch.setattr(
+        model_module, "prepare_for_final_backward", lambda m, *, pp_enabled: seen.append(("final", pp_enabled))
+    )
+    for backend in (None, _backend()):
+        model = Gemma4ForCausalLM(C.text_config(), backend=backend)
+        model.prepare_for_grad_accumulation()
+        model.prepare_for_final_backward()
+    assert seen == []
+    model = Gemma4ForCausalLM(C.text_config(), backend=_backend(enable_fsdp_optimizations=True))
+    model.prepare_for_grad_accumulation(pp_enabled=True)
+    model.prepare_for_final_backward()
+    assert seen == [("acc", True), ("final", False)]

@@ -128,12 +128,35 @@ def test_supported_values_are_returned_unchanged() -> None:
         assert resolve_backend(chosen) is chosen
 
 
-@pytest.mark.parametrize("fields", [{"enable_fsdp_optimizations": True}])
-def test_fields_no_package_implements_are_refused_before_the_model_sees_them(fields) -> None:
-    """One decision, one place: am-precision's BackendConfig refuses them, so the model has no rule of its own."""
-    (name,) = fields
-    with pytest.raises(ValueError, match=f"{name}=.* is not implemented by any am-\\* package"):
-        BackendConfig(**fields)
+def test_rope_fusion_is_refused_because_the_attention_has_no_rope() -> None:
+    """Nemotron-H's attention is NoPE: rope_fusion=True has nothing to fuse, so it is refused (never ignored)."""
+    with pytest.raises(ValueError, match="no positional encoding"):
+        NemotronHForCausalLM(tiny_hf_config("*"), default_backend().replace(rope_fusion=True))
+    with pytest.raises(ValueError, match="rope='quack' picks a rotary-embedding kernel"):
+        NemotronHForCausalLM(tiny_hf_config("*"), default_backend().replace(rope="quack"))
+
+
+def test_fsdp_optimizations_drive_the_fsdp_hooks_only_when_asked(monkeypatch) -> None:
+    """enable_fsdp_optimizations: the model's prepare_for_grad_accumulation / prepare_for_final_backward (upstream's
+    MoE FSDP hooks) call am-precision's deferred-sync functions with pp_enabled; without it they do nothing. The
+    sync itself is tested on a 2-rank FSDP2 group in am-precision (test_fsdp2.py)."""
+    import am_models_nemotron.model as model_module
+
+    seen: list[tuple[str, bool]] = []
+    monkeypatch.setattr(
+        model_module, "prepare_for_grad_accumulation", lambda m, *, pp_enabled: seen.append(("acc", pp_enabled))
+    )
+    monkeypatch.setattr(
+        model_module, "prepare_for_final_backward", lambda m, *, pp_enabled: seen.append(("final", pp_enabled))
+    )
+    plain = NemotronHForCausalLM(tiny_hf_config("*"), default_backend())
+    plain.prepare_for_grad_accumulation()
+    plain.prepare_for_final_backward()
+    assert seen == []
+    optimized = NemotronHForCausalLM(tiny_hf_config("*"), default_backend().replace(enable_fsdp_optimizations=True))
+    optimized.prepare_for_grad_accumulation(pp_enabled=False)
+    optimized.prepare_for_final_backward(pp_enabled=True)
+    assert seen == [("acc", False), ("final", True)]
 
 
 def test_te_values_are_refused_naming_transformer_engine_all_at_once() -> None:

@@ -260,3 +260,16 @@ def test_sharded_checkpoint_round_trip(tmp_path: Path) -> None:
     loaded = NemotronHForCausalLM.from_pretrained(tmp_path)
     for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_construction_dtype_comes_from_the_config_as_upstream_builds_it() -> None:
+    """No `dtype=`: the config's torch_dtype (fp32-pinned tensors stay fp32); an explicit dtype wins; a config
+    without one builds in torch's default dtype."""
+    model = NemotronHForCausalLM(tiny_hf_config("ME*", torch_dtype="bfloat16"))
+    assert model.lm_head.weight.dtype == model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.model.layers["0"].mixer.A_log.dtype == torch.float32
+    assert model.model.layers["1"].mixer.gate.e_score_correction_bias.dtype == torch.float32
+    assert (
+        NemotronHForCausalLM(tiny_hf_config("M*", torch_dtype="bfloat16"), dtype=torch.float32).dtype == torch.float32
+    )
+    assert NemotronHForCausalLM(tiny_hf_config("M*")).dtype == torch.get_default_dtype()

@@ -193,12 +193,14 @@ def padded_moe_case(name: str) -> None:
         assert torch.equal(mask, pads[microbatch : microbatch + 1]), f"layer {key}: wrong padding mask"
 
 
-def csv_case() -> None:
-    """A compute-only CSV schedule (written from Interleaved1F1B's action list) runs and matches the reference."""
+def csv_case(schedule: str = "Interleaved1F1B") -> None:
+    """A compute-only CSV schedule (written from `schedule`'s action list: Interleaved1F1B, 2 stages per rank, or
+    1F1B, 1 stage per rank) runs through `build_pipeline_schedule(csv, None, ...)` and matches the reference."""
     world = dist.get_world_size()
-    timeline = schedule_timeline("Interleaved1F1B", pp_size=world, n_microbatches=4, stages_per_rank=2)
+    per_rank = 2 if schedule == "Interleaved1F1B" else 1
+    timeline = schedule_timeline(schedule, pp_size=world, n_microbatches=4, stages_per_rank=per_rank)
     rows = {r: [a for a in timeline.actions if a.rank == r] for r in range(world)}
-    path = os.path.join(tempfile.gettempdir(), f"am_pp_schedule_{os.getppid()}.csv")
+    path = os.path.join(tempfile.gettempdir(), f"am_pp_schedule_{schedule}_{os.getppid()}.csv")
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             for r in range(world):
@@ -208,7 +210,7 @@ def csv_case() -> None:
     model = copy.deepcopy(ref_model)
     data = M.batch("llama", 4)
     ref_losses = _reference(ref_model, "llama", data, 1)
-    stages, parts = split_model_into_stages(model, _mesh(), "pp", "Interleaved1F1B", "cpu")
+    stages, parts = split_model_into_stages(model, _mesh(), "pp", schedule, "cpu")
     sched = build_pipeline_schedule(path, None, 1, 4, stages, M.mean_ce)
     losses: list[torch.Tensor] = []
     has_first = any(s.is_first for s in stages)
@@ -453,6 +455,7 @@ def cases_2ranks() -> dict[str, Callable[[], None]]:
         parity_case, "qwen3", "1F1B", layers=5, expected_layers={0: [[0, 1, 2]], 1: [[3, 4]]}
     )
     cases["csv-schedule"] = csv_case
+    cases["csv-schedule-one-stage-per-rank"] = functools.partial(csv_case, "1F1B")
     cases["padded-moe-gemma4"] = functools.partial(padded_moe_case, "gemma4")
     cases["padded-moe-gemma4_vlm"] = functools.partial(padded_moe_case, "gemma4_vlm")
     cases["mask-cache-no-mask"] = functools.partial(mask_cache_case, with_mask=False)

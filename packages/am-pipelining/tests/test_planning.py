@@ -75,6 +75,12 @@ def test_csv_schedules_plan_with_loop_placement(tmp_path):
     assert named.schedule == "Interleaved1F1B"  # the name still decides stages per rank and placement
     with pytest.raises(PipelinePlanError, match="does not exist or is not a file"):
         plan_pipeline(8, 2, None, csv=tmp_path / "missing.csv")
+    # The runtime schedule runs what the file lists, one stage per rank included (stages built for 1F1B, as
+    # NeMo AutoModel's build_pipeline_schedule(csv, None, ...) takes them).
+    one = plan_pipeline(
+        8, 2, None, csv=csv, stage_layers=[[0, 1, 2, 3], [4, 5, 6, 7]], local_batch_size=4, microbatch_size=1
+    )
+    assert (one.schedule_class, one.stages_per_rank, one.rank_stages) == (runtime_schedule_class(), 1, ((0,), (1,)))
 
 
 def test_planning_without_a_model_or_a_batch():

@@ -26,6 +26,8 @@ from am_precision import (
     cast_model_to_dtype,
     compute_lm_head_logits,
     fp32_report,
+    prepare_for_final_backward,
+    prepare_for_grad_accumulation,
     yield_fp32_model,
 )
 
@@ -245,6 +247,39 @@ def yield_fp32_on_sharded_model(mesh: DeviceMesh) -> dict[str, Any]:
         "embed_rounded_once": torch.equal(
             model.embed.weight.full_tensor(), torch.full(model.embed.weight.shape, UNROUNDABLE).to(BF16)
         ),
+    }
+
+
+@case
+def deferred_sync_accumulates_the_same_gradients(mesh: DeviceMesh) -> dict[str, Any]:
+    """Three micro-batches accumulated with the sync deferred to the last backward give the gradients of plain
+    FSDP2 accumulation; no gradient is reduce-scattered before the last backward (plain FSDP2 does it every time)."""
+    grads = {}
+    calls = {}
+    for deferred in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model[2], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        torch.manual_seed(1 + mesh.get_local_rank())
+        batches = [torch.randn(3, 8) for _ in range(3)]
+        units = prepare_for_grad_accumulation(model) if deferred else 0
+        reduced_early = []  # did a micro-batch before the last reduce-scatter (a sharded .grad appears)?
+        for i, x in enumerate(batches):
+            if deferred and i == len(batches) - 1:
+                prepare_for_final_backward(model)
+            model(x).square().mean().backward()
+            if i < len(batches) - 1:
+                # a reduce-scatter leaves sharded (DTensor) gradients; deferred, the unsharded ones accumulate
+                reduced_early.append(all(isinstance(p.grad, DTensor) for p in model.parameters()))
+        key = "deferred" if deferred else "plain"
+        grads[key] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        calls[key] = {"reduced_early": reduced_early, "units": units}
+    return {
+        "calls": calls,
+        "max_diff": max((grads["deferred"][n] - grads["plain"][n]).abs().max().item() for n in grads["plain"]),
+        "pp_noop": prepare_for_grad_accumulation(nn.Linear(2, 2), pp_enabled=True),
     }
 
 

@@ -75,18 +75,17 @@ def test_dispatcher_default_prefers_deepep_then_uccl_on_cuda(te_and_cuda, monkey
 
 
 @pytest.mark.usefixtures("te_and_cuda")
-def test_rope_fusion_auto_resolves_off_and_explicit_true_is_refused_not_disabled():
+def test_rope_fusion_auto_resolves_off_and_explicit_true_is_kept_not_disabled():
+    """Upstream forces rope_fusion off; here True is kept (am_precision.fused_rope; the models refuse it where TE or
+    CUDA is missing, or where there is no RoPE)."""
     assert BackendConfig(rope="torch").rope_fusion is False
     assert BackendConfig(rope_fusion=False).rope_fusion is False
-    with pytest.raises(ValueError, match=r"rope_fusion=True is not implemented by any am-\* package"):
-        BackendConfig(rope_fusion=True)
+    assert BackendConfig(rope_fusion=True).rope_fusion is True
+    assert BackendConfig(enable_fsdp_optimizations=True).enable_fsdp_optimizations is True
 
 
 # A value of every field no am-* package implements, the same one the README table lists.
 _UNIMPLEMENTED_VALUES = {
-    "rope": "quack",
-    "rope_fusion": True,
-    "enable_fsdp_optimizations": True,
     "cuda_graph": CudaGraphConfig(modules=["attn"]),
     "mok": MoKBackendConfig(minibatch_size=8192),
     "enable_deepep": True,

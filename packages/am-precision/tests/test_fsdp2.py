@@ -165,3 +165,16 @@ def test_yield_fp32_model_on_a_sharded_model(rank_results):
         assert {d for n, d in f["after"].items() if n != "lm_head.weight"} == {"bfloat16"}
         assert f["head_exact"]
         assert f["embed_rounded_once"]
+
+
+def test_deferred_gradient_sync_gives_plain_fsdp_gradients_reducing_only_at_the_last_backward(rank_results):
+    """enable_fsdp_optimizations: `prepare_for_grad_accumulation` / `prepare_for_final_backward` (upstream's
+    MoEFSDPSyncMixin rule) reduce-scatter only in the last backward of a step, with the gradients of plain FSDP2
+    accumulation."""
+    for f in facts(rank_results, "deferred_sync_accumulates_the_same_gradients"):
+        plain, deferred = f["calls"]["plain"], f["calls"]["deferred"]
+        assert deferred["units"] == 3
+        assert plain["reduced_early"] == [True, True]  # plain FSDP2: a reduce-scatter after every backward
+        assert deferred["reduced_early"] == [False, False]  # deferred: only the last backward reduce-scatters
+        assert f["max_diff"] < 1e-6  # fp32, the same sums in another order
+        assert f["pp_noop"] == 0

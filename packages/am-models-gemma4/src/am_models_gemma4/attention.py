@@ -14,18 +14,19 @@ other modules' attention (the vision tower keeps transformers' attention even un
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+import functools
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import torch
 from torch import nn
 from transformers.models.gemma4.modeling_gemma4 import apply_rotary_pos_emb
 
-from am_precision import AttentionKernel, BackendConfig
+from am_precision import AttentionKernel, BackendConfig, fused_rope, quack_rope
 
 from .config import SLIDING, kv_sharing_modes, layer_head_dim, layer_num_kv_heads
 from .cp import active_ring_context, attention_cp_problem, ring_attention
-from .layers import Gemma4RMSNorm
+from .layers import Gemma4RMSNorm, make_linear, make_norm
 from .local_attention import local_attention
 from .masks import AttentionInputs, build_attention_mask
 
@@ -117,19 +118,24 @@ class Gemma4Attention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         hidden, eps = int(config.hidden_size), float(config.rms_norm_eps)
 
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.q_norm = Gemma4RMSNorm(self.head_dim, eps=eps)
-        self.k_proj: nn.Linear | None = None
-        self.v_proj: nn.Linear | None = None
-        self.k_norm: Gemma4RMSNorm | None = None
+        self.q_proj = make_linear(hidden, self.num_heads * self.head_dim, bias=bias, backend=backend)
+        self.q_norm = make_norm(self.head_dim, eps=eps, backend=backend)
+        self.k_proj: nn.Module | None = None
+        self.v_proj: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
         self.v_norm: Gemma4RMSNorm | None = None
         if not self.is_kv_shared_layer:
-            self.k_norm = Gemma4RMSNorm(self.head_dim, eps=eps)
+            self.k_norm = make_norm(self.head_dim, eps=eps, backend=backend)
+            # weightless: no backend norm has that form (and a weight would add a key the checkpoint lacks)
             self.v_norm = Gemma4RMSNorm(self.head_dim, eps=eps, with_scale=False)
-            self.k_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias)
+            self.k_proj = make_linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias, backend=backend)
             if not self.use_alternative_attention:
-                self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+                self.v_proj = make_linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias, backend=backend)
+        self.o_proj = make_linear(self.num_heads * self.head_dim, hidden, bias=bias, backend=backend)
+        # RoPE through Transformer Engine's fused kernel (am_precision.fused_rope) on the angles the model's
+        # Gemma4RotaryEmbedding(fused=True) hands over with cos/sin; the torch rotation otherwise.
+        self.rope_fusion = bool(backend is not None and backend.rope_fusion)
+        self.rope = "torch" if backend is None else backend.rope  # "quack": QuACK's rotary kernel (quack_rope)
         # The core attention `backend.attn` names (None: SDPA). No parameters, no state-dict keys.
         self.core_attention = AttentionKernel(
             "sdpa" if backend is None else backend.attn,
@@ -140,7 +146,7 @@ class Gemma4Attention(nn.Module):
         )
 
     def _keys_and_values(
-        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shared: Any, cache: Any
+        self, hidden_states: torch.Tensor, rotate: Callable[[torch.Tensor], torch.Tensor], shared: Any, cache: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's keys and values `[B, H_kv, S, d]` — with a cache, the cached ones first — or, on a "reuse"
         layer, those its store layer published in this forward."""
@@ -157,7 +163,7 @@ class Gemma4Attention(nn.Module):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         keys = self.k_proj(hidden_states).view(shape)
         values = self.v_proj(hidden_states).view(shape) if self.v_proj is not None else keys
-        keys = _rotary(self.k_norm(keys), cos, sin).transpose(1, 2)
+        keys = rotate(self.k_norm(keys)).transpose(1, 2)
         values = self.v_norm(values).transpose(1, 2)
         if cache is not None:
             keys, values = cache.update(keys, values, self.layer_idx)
@@ -194,10 +200,24 @@ class Gemma4Attention(nn.Module):
                 "(or Gemma4ForCausalLM), which builds the masks of cached steps"
             )
         cos, sin = position_embeddings
+        rotate: Callable[[torch.Tensor], torch.Tensor]
+        if self.rope_fusion:
+            angles = getattr(position_embeddings, "angles", None)
+            if angles is None:
+                raise ValueError(
+                    f"layer {self.layer_idx}: rope_fusion=True rotates with Transformer Engine's fused kernel, which "
+                    "needs the rotary angles: pass the position embeddings of the model's own rotary_emb "
+                    "(Gemma4RotaryEmbedding(config, fused=True)), not bare (cos, sin)"
+                )
+            rotate = functools.partial(fused_rope, angles=angles)
+        elif self.rope == "quack":
+            rotate = functools.partial(quack_rope, cos=cos, sin=sin)
+        else:
+            rotate = functools.partial(_rotary, cos=cos, sin=sin)
         batch, seq = hidden_states.shape[:2]
         queries = self.q_proj(hidden_states).view(batch, seq, -1, self.head_dim)
-        queries = _rotary(self.q_norm(queries), cos, sin).transpose(1, 2)
-        keys, values = self._keys_and_values(hidden_states, cos, sin, shared_kv_states, cache)
+        queries = rotate(self.q_norm(queries)).transpose(1, 2)
+        keys, values = self._keys_and_values(hidden_states, rotate, shared_kv_states, cache)
         dropout = self.attention_dropout if self.training else 0.0
 
         ring = attention_inputs.ring if attention_inputs is not None else active_ring_context()

@@ -1,32 +1,39 @@
 """Which `BackendConfig` choices Gemma 4 runs, and the one check every class calls before it builds anything.
 
 What it is for: Gemma 4 takes upstream's `backend=` like Nemotron-H. It honours `attn` (am-precision's
-`AttentionKernel`: sdpa, eager, flex, cudnn, te), `compile_attn` and `experts` ("torch": one matmul per expert,
-"torch_mm": am-moe's grouped GEMM). Every other value either is the one Gemma 4 runs or is refused, all problems in
-one `ValueError` naming what is missing. `backend=None` keeps the model's own defaults (SDPA; the experts' grouped
-GEMM chosen by am-moe).
+`AttentionKernel`: sdpa, eager, flex, cudnn, te), `compile_attn`, `linear` (torch, te, quack: the attention, MLP
+and per-layer-input projections), `rms_norm` (torch_fp32, torch, te, quack: every scaled norm), `rope` (torch,
+quack: QuACK's rotary kernel), `rope_fusion` (Transformer Engine's fused RoPE), `te_fp8` (TE autocast around each
+decoder layer), `enable_fsdp_optimizations` (the model's `prepare_for_grad_accumulation` /
+`prepare_for_final_backward`) and `experts` ("torch": one matmul per expert, "torch_mm": am-moe's grouped GEMM).
+Every other value either is the one Gemma 4 runs or is refused, all problems in one `ValueError` naming what is
+missing (`backend_runtime_problems`: CUDA, Transformer Engine, QuACK). `backend=None` keeps the model's own
+defaults (SDPA; the experts' grouped GEMM chosen by am-moe).
 What it must not do: rewrite a field to another value, import transformer_engine, or mutate the config it is given.
 """
 
 from __future__ import annotations
 
-from am_precision import RUNNABLE_ATTN_BACKENDS, BackendConfig, attention_backend_problem
+from am_precision import (
+    LINEAR_BACKENDS,
+    RMS_NORM_BACKENDS,
+    RUNNABLE_ATTN_BACKENDS,
+    BackendConfig,
+    backend_runtime_problems,
+)
 
 __all__ = ["SUPPORTED_BACKENDS", "backend_problems", "experts_grouped_mm", "resolve_backend"]
 
 # Values Gemma 4 has code for (a value may still need CUDA / a library: `backend_problems` says which).
 SUPPORTED_BACKENDS: dict[str, tuple[object, ...]] = {
     "attn": RUNNABLE_ATTN_BACKENDS,
-    "linear": ("torch",),
-    "rms_norm": ("torch_fp32",),
+    "linear": LINEAR_BACKENDS,
+    "rms_norm": RMS_NORM_BACKENDS,
     "experts": ("torch", "torch_mm"),
     "dispatcher": ("torch",),
 }
 
 _WHY = {
-    "linear": "Gemma 4's projections are torch nn.Linear (transformers' parameter layout); use linear='torch'",
-    "rms_norm": "Gemma 4's RMSNorm is transformers' Gemma 4 norm, computed in fp32 (rms_norm='torch_fp32'); "
-    "use rms_norm='torch_fp32'",
     "experts": "Gemma 4's experts run am-moe's per-expert loop ('torch') or grouped GEMM ('torch_mm'); 'te' / 'gmm' "
     "consume tokens permuted by an all-to-all dispatcher this model does not run, and 'torch_mm_mxfp8' needs a "
     "Blackwell GPU",
@@ -39,11 +46,10 @@ _EXPERTS_GROUPED_MM = {"torch": "loop", "torch_mm": "grouped_mm"}
 
 def backend_problems(backend: BackendConfig) -> list[str]:
     """Every reason `backend` cannot run in Gemma 4 on this machine (empty: it runs as asked)."""
-    problems = []
-    attn_problem = attention_backend_problem(backend.attn)
-    if attn_problem is not None:
-        problems.append(attn_problem)
-    for name in ("linear", "rms_norm", "experts", "dispatcher"):
+    # What this machine lacks for the fields built as asked (TE / QuACK linears and norms, TE attention, fused RoPE,
+    # FP8).
+    problems = backend_runtime_problems(backend, fields=("attn", "linear", "rms_norm", "rope", "rope_fusion", "te_fp8"))
+    for name in ("experts", "dispatcher"):
         value = getattr(backend, name)
         if value not in SUPPORTED_BACKENDS[name]:
             problems.append(f"{name}={value!r}: {_WHY[name]}")

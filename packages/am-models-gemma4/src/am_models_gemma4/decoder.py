@@ -13,6 +13,7 @@ What it must not do: accept another kind of cache (transformers' `DynamicCache` 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from .attention import Gemma4Attention
 from .backend import resolve_backend
 from .cache import Gemma4HybridCache
 from .cp import active_ring_context
-from .layers import Gemma4RMSNorm
+from .layers import make_linear, make_norm
 from .masks import AttentionInputs
 from .moe import Gemma4MoE
 
@@ -71,26 +72,33 @@ class Gemma4DecoderLayer(nn.Module):
         backend = resolve_backend(backend, owner=type(self).__name__)
         self.self_attn = Gemma4Attention(config, layer_idx, backend=backend)
         self.mlp = Gemma4TextMLP(config, layer_idx)
-        self.input_layernorm = Gemma4RMSNorm(hidden, eps=eps)
-        self.post_attention_layernorm = Gemma4RMSNorm(hidden, eps=eps)
-        self.pre_feedforward_layernorm = Gemma4RMSNorm(hidden, eps=eps)
-        self.post_feedforward_layernorm = Gemma4RMSNorm(hidden, eps=eps)
+        if backend is not None and backend.linear != "torch":  # the same names, built by the backend
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                proj = getattr(self.mlp, name)
+                setattr(self.mlp, name, make_linear(proj.in_features, proj.out_features, bias=False, backend=backend))
+        self.input_layernorm = make_norm(hidden, eps=eps, backend=backend)
+        self.post_attention_layernorm = make_norm(hidden, eps=eps, backend=backend)
+        self.pre_feedforward_layernorm = make_norm(hidden, eps=eps, backend=backend)
+        self.post_feedforward_layernorm = make_norm(hidden, eps=eps, backend=backend)
         self.layer_scalar: torch.Tensor
         self.register_buffer("layer_scalar", torch.ones(1))
+        # te_fp8: the layer's Transformer Engine modules compute in FP8 inside this recipe's autocast.
+        self.te_fp8 = backend.te_fp8 if backend is not None else None
 
         self.hidden_size_per_layer_input = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
         if self.hidden_size_per_layer_input:
             self.act_fn = ACT2FN[config.hidden_activation]
-            self.per_layer_input_gate = nn.Linear(hidden, self.hidden_size_per_layer_input, bias=False)
-            self.per_layer_projection = nn.Linear(self.hidden_size_per_layer_input, hidden, bias=False)
-            self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps=eps)
+            ple = self.hidden_size_per_layer_input
+            self.per_layer_input_gate = make_linear(hidden, ple, bias=False, backend=backend)
+            self.per_layer_projection = make_linear(ple, hidden, bias=False, backend=backend)
+            self.post_per_layer_input_norm = make_norm(hidden, eps=eps, backend=backend)
 
         self.enable_moe_block = bool(getattr(config, "enable_moe_block", False))
         if self.enable_moe_block:
             self.moe = Gemma4MoE(config, backend=backend)
-            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(hidden, eps=eps)
-            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps=eps)
-            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps=eps)
+            self.post_feedforward_layernorm_1 = make_norm(hidden, eps=eps, backend=backend)
+            self.post_feedforward_layernorm_2 = make_norm(hidden, eps=eps, backend=backend)
+            self.pre_feedforward_layernorm_2 = make_norm(hidden, eps=eps, backend=backend)
 
     def forward(
         self,
@@ -108,9 +116,35 @@ class Gemma4DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """hidden_states `[B, S, H]` → `[B, S, H]`; padding_mask `[B, S]` (True = pad) keeps pads out of the MoE.
 
-        past_key_values: None (training), or the text model's `Gemma4HybridCache` while generating.
+        past_key_values: None (training), or the text model's `Gemma4HybridCache` while generating. With
+        `backend.te_fp8` the layer runs inside `te_fp8.maybe_te_autocast()`.
         """
         del position_ids, kwargs  # positions arrive as position_embeddings; extra HF kwargs are not needed
+        fp8 = self.te_fp8.maybe_te_autocast() if self.te_fp8 is not None else contextlib.nullcontext()
+        with fp8:
+            return self._forward(
+                hidden_states,
+                per_layer_input,
+                position_embeddings=position_embeddings,
+                shared_kv_states=shared_kv_states,
+                attention_mask=attention_mask,
+                attention_inputs=attention_inputs,
+                padding_mask=padding_mask,
+                past_key_values=past_key_values,
+            )
+
+    def _forward(
+        self,
+        hidden_states: torch.Tensor,
+        per_layer_input: torch.Tensor | None,
+        *,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        shared_kv_states: Any,
+        attention_mask: torch.Tensor | None,
+        attention_inputs: AttentionInputs | None,
+        padding_mask: torch.Tensor | None,
+        past_key_values: Any,
+    ) -> torch.Tensor:
         if past_key_values is not None and not isinstance(past_key_values, Gemma4HybridCache):
             raise TypeError(
                 f"past_key_values is a {type(past_key_values).__name__}; am_models_gemma4 layers read and write only "

@@ -5,7 +5,13 @@ fp32 compute, output in the input dtype, weight initialized to ones — not Gemm
 `rms_norm`, a hand-written autograd function: three passes forward (a fused vector norm, two multiplies) and a
 closed-form backward (about six passes, the weight gradient and the row dot products as mat-vecs) that saves only
 the input and the per-row `rstd` — instead of the decomposed op's pow/mean/add/rsqrt graph and its backward.
-What it must not do: change the numerics beyond rounding order (checked against transformers in the tests).
+`Gemma4RotaryEmbedding`: transformers' per-layer-type rotary embedding whose (cos, sin) also carry the fp32 angles
+when `fused` (`RotaryTables.angles`), for Transformer Engine's fused RoPE (`BackendConfig.rope_fusion`).
+`make_linear` / `make_norm`: the projection and scaled-norm modules a `BackendConfig` asks for (`linear`: torch or
+Transformer Engine `Linear`; `rms_norm`: this fp32 norm, `nn.RMSNorm` in the input dtype, TE's `RMSNorm`, QuACK's),
+with transformers' parameter names (`weight`, `bias`), so checkpoints do not depend on the backend.
+What it must not do: change the numerics beyond rounding order (checked against transformers in the tests), or
+import transformer_engine / quack unless a backend asks for them (am-precision imports them lazily).
 """
 
 from __future__ import annotations
@@ -13,9 +19,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm as _HFGemma4RMSNorm
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
-__all__ = ["Gemma4RMSNorm", "rms_norm"]
+from am_precision import BackendConfig, initialize_linear_module, initialize_rms_norm_module
+
+__all__ = [
+    "Gemma4RMSNorm",
+    "Gemma4RotaryEmbedding",
+    "RotaryTables",
+    "is_backend_linear",
+    "is_backend_norm",
+    "make_linear",
+    "make_norm",
+    "rms_norm",
+]
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -68,3 +87,84 @@ class Gemma4RMSNorm(_HFGemma4RMSNorm):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight.float() if self.with_scale else None
         return rms_norm(hidden_states.float(), weight, self.eps).type_as(hidden_states)
+
+
+def make_linear(in_features: int, out_features: int, *, bias: bool, backend: BackendConfig | None) -> nn.Module:
+    """`x [..., in] -> [..., out]` as `backend.linear` asks: "torch" (or no backend) `nn.Linear`, "te" Transformer
+    Engine's `Linear`, "quack" QuACK's (both CUDA only; `backend_problems` refuses them where they cannot run).
+    Parameters in torch's default dtype, as `nn.Linear` creates them."""
+    if backend is None or backend.linear == "torch":
+        return nn.Linear(in_features, out_features, bias=bias)
+    return initialize_linear_module(
+        backend.linear, in_features, out_features, bias=bias, dtype=torch.get_default_dtype()
+    )
+
+
+def make_norm(dim: int, *, eps: float, backend: BackendConfig | None) -> nn.Module:
+    """A scaled RMSNorm over the last dim as `backend.rms_norm` asks: "torch_fp32" (or no backend) `Gemma4RMSNorm`
+    (fp32 compute), "torch" `nn.RMSNorm` (computes in the input dtype), "te" TE's `RMSNorm`, "quack" QuACK's. All
+    compute `x · rsqrt(mean(x²) + eps) · weight` with `weight` initialized to ones (Gemma 4's norm, not `1 + w`)."""
+    if backend is None or backend.rms_norm == "torch_fp32":
+        return Gemma4RMSNorm(dim, eps=eps)
+    return initialize_rms_norm_module(backend.rms_norm, dim, eps=eps, dtype=torch.get_default_dtype())
+
+
+def is_backend_linear(module: nn.Module) -> bool:
+    """True for the modules `make_linear` builds (torch, TE or QuACK linears): init draws their weights."""
+    return isinstance(module, nn.Linear) or (
+        type(module).__name__ == "Linear" and getattr(module, "weight", None) is not None
+    )
+
+
+def is_backend_norm(module: nn.Module) -> bool:
+    """True for the scaled norms `make_norm` builds: init sets their weights to ones."""
+    if isinstance(module, Gemma4RMSNorm):
+        return bool(module.with_scale)
+    return isinstance(module, nn.RMSNorm) or (
+        type(module).__name__ in ("RMSNorm", "QuackRMSNorm") and getattr(module, "weight", None) is not None
+    )
+
+
+class RotaryTables(tuple):
+    """`(cos, sin)` `[B or 1, S, d]` in the activation dtype, plus `angles` `[B or 1, S, d]` fp32 radians (the
+    `cat(freqs, freqs)` cos/sin were computed from) when the rotary embedding was built `fused`, else None."""
+
+    angles: torch.Tensor | None
+
+    def __new__(cls, cos: torch.Tensor, sin: torch.Tensor, angles: torch.Tensor | None = None) -> RotaryTables:
+        tables = super().__new__(cls, (cos, sin))
+        tables.angles = angles
+        return tables
+
+
+class Gemma4RotaryEmbedding(Gemma4TextRotaryEmbedding):
+    """transformers' `Gemma4TextRotaryEmbedding` (same buffers, same cos/sin); `fused=True` also hands over the
+    angles TE's fused kernel rotates by (it computes cos/sin itself, without an attention scaling factor).
+
+    Raises:
+        ValueError: `fused` with a layer type whose RoPE scales cos/sin (attention_scaling != 1): TE's kernel has no
+            such factor.
+    """
+
+    def __init__(self, config: Any, *, fused: bool = False) -> None:
+        super().__init__(config)
+        self.fused = fused
+        if fused:
+            scaled = {
+                t: s
+                for t in sorted(set(config.layer_types))
+                if (s := float(getattr(self, f"{t}_attention_scaling", 1.0))) != 1.0
+            }
+            if scaled:
+                raise ValueError(
+                    f"rope_fusion=True: the RoPE of {sorted(scaled)} scales cos/sin by {scaled}, which Transformer "
+                    "Engine's fused kernel cannot; leave rope_fusion False for this config"
+                )
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str) -> RotaryTables:
+        cos, sin = super().forward(x, position_ids, layer_type)
+        if not self.fused:
+            return RotaryTables(cos, sin)
+        inv_freq = getattr(self, f"{layer_type}_inv_freq").to(device=x.device, dtype=torch.float)
+        freqs = position_ids[..., None].float() * inv_freq
+        return RotaryTables(cos, sin, torch.cat((freqs, freqs), dim=-1))

@@ -18,9 +18,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding, Gemma4TextScaledWordEmbedding
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbedding
 
-from am_precision import BackendConfig
+from am_precision import BackendConfig, prepare_for_final_backward, prepare_for_grad_accumulation
 
 from .attention import SharedKVStates
 from .backend import resolve_backend
@@ -28,7 +28,7 @@ from .cache import Gemma4HybridCache
 from .config import validate_text_config
 from .cp import active_ring_context
 from .decoder import Gemma4DecoderLayer
-from .layers import Gemma4RMSNorm
+from .layers import Gemma4RotaryEmbedding, is_backend_linear, is_backend_norm, make_linear, make_norm
 from .masks import AttentionInputs
 from .moe import Gemma4Experts, Gemma4Router
 from .pretrained import Gemma4PreTrainedModel
@@ -42,16 +42,17 @@ def init_module_weights(module: nn.Module, *, std: float) -> None:
     """The init of one module's own tensors (not its children's), by type: transformers' Gemma 4 rules — normal(0,
     std) linear and embedding weights (zero bias, zero padding row), ones for norm weights and router scales, 1.0
     for a layer's scalar. `Gemma4TextModel.init_weights` applies it to every module; `sharded.init_units` per unit."""
-    if isinstance(module, nn.Linear):
-        nn.init.normal_(module.weight, std=std)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
+    if is_backend_linear(module):
+        nn.init.normal_(_tensor(module, "weight"), std=std)
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor) and bias.numel():
+            nn.init.zeros_(bias)
     elif isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, std=std)
         if module.padding_idx is not None:
             module.weight[module.padding_idx].zero_()
-    elif isinstance(module, Gemma4RMSNorm) and module.with_scale:
-        nn.init.ones_(module.weight)
+    elif is_backend_norm(module):
+        nn.init.ones_(_tensor(module, "weight"))
     elif isinstance(module, Gemma4Router):
         nn.init.ones_(module.scale)
         nn.init.ones_(module.per_expert_scale)
@@ -60,6 +61,13 @@ def init_module_weights(module: nn.Module, *, std: float) -> None:
         nn.init.normal_(module.down_proj, std=std)
     elif isinstance(module, Gemma4DecoderLayer):
         module.layer_scalar.fill_(1.0)
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """`module.<name>` as a tensor (torch, TE and QuACK modules all hold their weights as parameters)."""
+    value = getattr(module, name)
+    assert isinstance(value, torch.Tensor), f"{type(module).__name__}.{name} is not a tensor"
+    return value
 
 
 _IGNORED_KWARGS = frozenset({"return_dict", "output_attentions", "cache_position", "num_items_in_batch"})
@@ -143,8 +151,8 @@ class Gemma4TextModel(nn.Module):
                 for index in range(config.num_hidden_layers)
             }
         )
-        self.norm = Gemma4RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.rotary_emb = Gemma4TextRotaryEmbedding(config)
+        self.norm = make_norm(hidden, eps=config.rms_norm_eps, backend=backend)
+        self.rotary_emb = Gemma4RotaryEmbedding(config, fused=bool(backend is not None and backend.rope_fusion))
         self.hidden_size_per_layer_input = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
         if self.hidden_size_per_layer_input:
             ple = config.num_hidden_layers * self.hidden_size_per_layer_input
@@ -155,9 +163,11 @@ class Gemma4TextModel(nn.Module):
                 embed_scale=self.hidden_size_per_layer_input**0.5,
             )
             self.per_layer_input_scale = 2.0**-0.5
-            self.per_layer_model_projection = nn.Linear(hidden, ple, bias=False)
+            self.per_layer_model_projection = make_linear(hidden, ple, bias=False, backend=backend)
             self.per_layer_model_projection_scale = hidden**-0.5
-            self.per_layer_projection_norm = Gemma4RMSNorm(self.hidden_size_per_layer_input, eps=config.rms_norm_eps)
+            self.per_layer_projection_norm = make_norm(
+                self.hidden_size_per_layer_input, eps=config.rms_norm_eps, backend=backend
+            )
         self.init_weights()
 
     @torch.no_grad()
@@ -342,6 +352,21 @@ class Gemma4ForCausalLM(Gemma4PreTrainedModel):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
+
+    def prepare_for_grad_accumulation(self, pp_enabled: bool = False) -> None:
+        """With `backend.enable_fsdp_optimizations` (upstream's MoE FSDP hook): before the first backward of an
+        optimizer step, defer every FSDP unit's reduce-scatter and resharding (`am_precision.fsdp_sync`; a no-op
+        under pipeline parallelism, without the option, or without a backend)."""
+        backend = self.model.backend
+        if backend is not None and backend.enable_fsdp_optimizations:
+            prepare_for_grad_accumulation(self, pp_enabled=pp_enabled)
+
+    def prepare_for_final_backward(self, pp_enabled: bool = False) -> None:
+        """With `backend.enable_fsdp_optimizations`: before the last backward of an optimizer step, turn the
+        reduce-scatter and resharding back on (`am_precision.fsdp_sync`)."""
+        backend = self.model.backend
+        if backend is not None and backend.enable_fsdp_optimizations:
+            prepare_for_final_backward(self, pp_enabled=pp_enabled)
 
     def forward(
         self,

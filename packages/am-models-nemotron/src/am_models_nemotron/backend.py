@@ -47,6 +47,16 @@ def backend_problems(backend: BackendConfig) -> list[str]:
         problems.append(
             _EXPERTS_WHY.get(backend.experts, f"experts={backend.experts!r}: supported {SUPPORTED_BACKENDS['experts']}")
         )
+    if backend.rope != "torch":
+        problems.append(
+            f"rope={backend.rope!r} picks a rotary-embedding kernel, but Nemotron-H's attention has no positional "
+            "encoding (NoPE): there is no RoPE to run; leave rope='torch'"
+        )
+    if backend.rope_fusion:
+        problems.append(
+            "rope_fusion=True fuses the rotary embedding into Transformer Engine's kernel, but Nemotron-H's attention "
+            "has no positional encoding (NoPE): there is no RoPE to fuse; leave rope_fusion False"
+        )
     if backend.dispatcher not in SUPPORTED_BACKENDS["dispatcher"]:
         problems.append(
             f"dispatcher={backend.dispatcher!r} is an expert-parallel all-to-all kernel package, which this model "

@@ -1,8 +1,11 @@
 """`NemotronHybridCache`: generation state of a Nemotron-H model.
 
-What it is for: per Mamba layer a conv window [B, conv_dim, conv_kernel] and an SSM state [B, heads, head_dim, N];
-per attention layer growing K/V [B, kv_heads, T, head_dim]. `has_previous_state` tells the Mamba mixers to take
-the one-token decode step instead of a prefill.
+What it is for: a conv window [B, conv_dim, conv_kernel] and an SSM state [B, heads, head_dim, N] in the slot of
+EVERY layer index (as NeMo AutoModel's cache: code that indexes `conv_states[i]` / `ssm_states[i]` by any layer finds
+one; only the Mamba layers write theirs), and per attention layer growing K/V [B, kv_heads, T, head_dim].
+`has_previous_state` tells the Mamba mixers to take the one-token decode step instead of a prefill;
+`seen_tokens` counts the tokens the model has run through the cache (the sequence length of a model without
+attention layers).
 What it must not do: keep SSM states in a low-precision dtype — they accumulate over the whole sequence, so they are
 fp32 whatever the model dtype (upstream keeps them in the model dtype; transformers keeps fp32).
 """
@@ -44,23 +47,24 @@ class NemotronHybridCache:
         self.batch_size = batch_size
         self.dtype = dtype
         self.has_previous_state = False
+        self.seen_tokens = 0
         conv_dim = cfg.mamba_intermediate_size + 2 * cfg.n_groups * cfg.ssm_state_size
         self.conv_states: dict[int, torch.Tensor] = {}
         self.ssm_states: dict[int, torch.Tensor] = {}
         self.key_cache: dict[int, torch.Tensor] = {}
         self.value_cache: dict[int, torch.Tensor] = {}
         self.attention_layers = [i for i, kind in enumerate(cfg.layers_block_type) if kind == "attention"]
-        for i, kind in enumerate(cfg.layers_block_type):
-            if kind == "mamba":
-                self.conv_states[i] = torch.zeros(batch_size, conv_dim, cfg.conv_kernel, dtype=dtype, device=device)
-                self.ssm_states[i] = torch.zeros(
-                    batch_size,
-                    cfg.mamba_num_heads,
-                    cfg.mamba_head_dim,
-                    cfg.ssm_state_size,
-                    dtype=ssm_state_dtype,
-                    device=device,
-                )
+        self.mamba_layers = [i for i, kind in enumerate(cfg.layers_block_type) if kind == "mamba"]
+        for i in range(len(cfg.layers_block_type)):
+            self.conv_states[i] = torch.zeros(batch_size, conv_dim, cfg.conv_kernel, dtype=dtype, device=device)
+            self.ssm_states[i] = torch.zeros(
+                batch_size,
+                cfg.mamba_num_heads,
+                cfg.mamba_head_dim,
+                cfg.ssm_state_size,
+                dtype=ssm_state_dtype,
+                device=device,
+            )
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Append key/value [B, kv_heads, q, d] of `layer_idx`; return the full [B, kv_heads, T, d] pair."""
@@ -72,9 +76,12 @@ class NemotronHybridCache:
         return key, value
 
     def get_seq_length(self, layer_idx: int | None = None) -> int:
-        """Tokens cached by `layer_idx` (default: the first attention layer); 0 when empty or attention-free."""
+        """Tokens cached by `layer_idx` (default: the first attention layer, or `seen_tokens` without attention
+        layers); 0 when empty."""
         if layer_idx is None:
-            layer_idx = self.attention_layers[0] if self.attention_layers else -1
+            if not self.attention_layers:
+                return self.seen_tokens
+            layer_idx = self.attention_layers[0]
         cached = self.key_cache.get(layer_idx)
         return 0 if cached is None else int(cached.shape[-2])
 

@@ -4,7 +4,8 @@ What it is for: accept a transformers `NemotronHConfig`, a NVIDIA remote-code co
 plain dict, and produce `NemotronConfig` whose `layers_block_type` uses one vocabulary ("mamba", "attention",
 "mlp", "moe") whatever the source spelled: the pattern string `hybrid_override_pattern` ("M*-E"), NVIDIA's names,
 or transformers >= 5.13's "linear_attention" / "full_attention". `as_hf_config` gives the transformers config
-that `model.config` holds (generation and checkpoints read it).
+that `model.config` holds (generation and checkpoints read it). `construction_dtype`: the parameter dtype a model
+is built in when no `dtype=` is given (the config's `torch_dtype`, as upstream builds it).
 What it must not do: silently accept an unknown block kind or drop a field the model needs; it never mutates the
 object it reads.
 """
@@ -17,11 +18,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from am_precision.hf_io import resolve_dtype
+
 __all__ = [
     "BLOCK_KINDS",
     "PATTERN_SYMBOLS",
     "NemotronConfig",
     "as_hf_config",
+    "construction_dtype",
     "normalize_block_types",
 ]
 
@@ -271,3 +277,13 @@ def as_hf_config(config: Any) -> Any:
     values["mtp_layers_block_type"] = [_HF_KIND_NAMES[k] for k in normalized.mtp_layers_block_type]
     values["time_step_limit"] = list(normalized.time_step_limit)
     return NemotronHConfig(**values)
+
+
+def construction_dtype(config: Any) -> torch.dtype:
+    """The parameter dtype a model is built in without `dtype=`: the config's `dtype` / `torch_dtype` (a dtype or its
+    name, as a hub `config.json` spells it), else torch's default dtype.
+
+    Raises:
+        ValueError: the config names something that is not a torch dtype.
+    """
+    return resolve_dtype(torch_dtype=None, dtype="auto", config=config) or torch.get_default_dtype()

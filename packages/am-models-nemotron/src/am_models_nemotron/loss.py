@@ -243,3 +243,14 @@ def combined_causal_lm_loss(
         return CombinedLoss(loss=lm_loss, lm_loss=lm_loss, mtp_loss=None, mtp_per_depth_losses=[])
     mtp_loss = torch.stack(depth_losses).sum() * mtp_loss_scaling_factor / len(depth_losses)
     return CombinedLoss(loss=lm_loss + mtp_loss, lm_loss=lm_loss, mtp_loss=mtp_loss, mtp_per_depth_losses=depth_losses)
+
+
+def sum_over_items(count: Any) -> LossFn:
+    """transformers' `num_items_in_batch` normalization as a `loss_fn`: the cross-entropy SUM over the non-ignored
+    targets divided by `count` (the items of the whole accumulated batch), instead of this micro-batch's mean."""
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        valid = (targets != -100).sum()
+        return cross_entropy(logits, targets, empty_is_zero=True) * valid / count
+
+    return loss

@@ -6,11 +6,11 @@ reads as the model's math: resolve the inputs (`forward_inputs`, one place), run
 loss (`loss.combined_causal_lm_loss`, one rule). What the infrastructure reads is declared once, in `am_contract()`
 (am-model-contract: pipeline outputs and forward, contiguous context parallelism, expert parallelism); its hooks and
 the others (the training loss, generation, checkpoints) are one-line methods over plain functions in the module of
-their concept. The forward serves a plain model (training, eval, generation through transformers'
-`GenerationMixin` with `NemotronHybridCache`) and a pruned pipeline stage (`pipeline_stage`). It
-accepts what NeMo AutoModel's forward accepts (packed rows through `seq_idx` / `_packed_seq_ids` / THD
-`cu_seqlens` / restarting `position_ids`, `padding_mask`, `causal_mask_mapping`, per-depth MTP inputs) with real
-semantics on its own SDPA path: a packed row gives each document the logits it gets alone.
+their concept. The forward serves a plain model (training, eval, generation through
+`generation.NemotronHGenerationMixin`, the GenerationMixin hooks, with `NemotronHybridCache`) and a pruned pipeline
+stage (`pipeline_stage`). It accepts what NeMo AutoModel's forward accepts (packed rows through `seq_idx` /
+`_packed_seq_ids` / THD `cu_seqlens` / restarting `position_ids`, `padding_mask`, `causal_mask_mapping`, per-depth
+MTP inputs) with real semantics on its own SDPA path: a packed row gives each document the logits it gets alone.
 What it must not do: import am-pipelining or am-capabilities (they read `am_contract()`), mutate the
 `BackendConfig` it receives, count the MTP loss into `loss` (see `outputs`), or tie the input and output
 embeddings (the architecture has none; rejected).
@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Self, cast
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, GenerationMixin
+from transformers import GenerationConfig
 
 import am_moe
 from am_context_parallel import ContiguousCPOptions
@@ -35,34 +35,41 @@ from am_model_contract import (
     TensorParallelContract,
 )
 from am_moe import GroupedExperts, LoadBalancing
-from am_precision import BackendConfig, initialize_linear_module, yield_fp32_model
+from am_precision import (
+    BackendConfig,
+    initialize_linear_module,
+    prepare_for_final_backward,
+    prepare_for_grad_accumulation,
+    yield_fp32_model,
+)
 
 from . import pipeline_stage
 from ._init import weight_of
 from .backbone import NemotronV3Model, move_buffers_
 from .backend import resolve_backend
 from .cache import NemotronHybridCache
-from .config import NemotronConfig, as_hf_config
+from .config import NemotronConfig, as_hf_config, construction_dtype
 from .cp import block_cp_problems, nemotron_cp_options, prepare_batch_for_cp
 from .forward_inputs import resolve_forward_inputs
-from .generation import generation_inputs
-from .loss import combined_causal_lm_loss, cross_entropy
+from .generation import NemotronHGenerationMixin
+from .loss import combined_causal_lm_loss, sum_over_items
 from .mtp import MTPConfig, MTPModule
 from .mtp_inputs import mtp_fusion_inputs
-from .outputs import NemotronHCausalLMOutputWithPast, select_hidden_states
+from .outputs import NemotronHCausalLMOutputWithPast, keep_positions, select_hidden_states, split_output
 from .tp_plan import CAUSAL_LM_TP_PLAN
 
 __all__ = ["NemotronHForCausalLM"]
 
 
-class NemotronHForCausalLM(nn.Module, GenerationMixin):
+class NemotronHForCausalLM(nn.Module, NemotronHGenerationMixin):
     """Nemotron-H causal LM with optional multi-token prediction.
 
     Args:
         config: transformers `NemotronHConfig`, a NVIDIA remote-code config, any attribute object or a dict.
         backend: kernel choices; None: `default_backend()` (plain PyTorch). A `BackendConfig` runs as asked or is
             refused by `resolve_backend` (one ValueError naming every value that cannot run here). Never mutated.
-        dtype: parameter dtype at construction (fp32-pinned tensors are fp32 regardless).
+        dtype: parameter dtype at construction (fp32-pinned tensors are fp32 regardless); None: the config's
+            `torch_dtype` / `dtype` (as NeMo AutoModel builds it), or torch's default dtype when the config has none.
         device: construction device ("meta" defers allocation; then load a checkpoint with `assign=True`, or
             `to_empty(...)` and `initialize_weights(buffer_device=...)`).
         num_nextn_predict_layers: overrides the config's MTP depth count (0 disables MTP).
@@ -122,7 +129,7 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
         config: Any,
         backend: BackendConfig | None = None,
         *,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         num_nextn_predict_layers: int | None = None,
         mtp_loss_scaling_factor: float = 0.1,
@@ -139,6 +146,7 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
             )
         self.config = hf_config
         self.nemotron_config = cfg
+        dtype = construction_dtype(hf_config) if dtype is None else dtype
         self.backend = resolve_backend(backend, owner=type(self).__name__)
         self.model = NemotronV3Model(cfg, self.backend, device=device, dtype=dtype)
         self.lm_head: nn.Module | None = initialize_linear_module(
@@ -302,19 +310,9 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
         output's `mtp_per_depth_targets` (context parallelism) are used unless given; scaling_factor: default
         `mtp_config.loss_scaling_factor`. The rule itself is `loss.combined_causal_lm_loss`.
         """
-        depths, mtp_hidden = self.num_mtp_depths, []
-        if isinstance(output, tuple):
-            logits = output[0]
-            if depths and len(output) >= 1 + depths:
-                mtp_hidden = list(output[1 : 1 + depths])
-                if seq_idx is None and len(output) == depths + 2:
-                    seq_idx = output[-1]
-        elif isinstance(output, torch.Tensor):
-            logits = output
-        else:
-            logits, mtp_hidden = output.logits, list(output.mtp_per_depth_h or [])
-            if mtp_per_depth_targets is None:
-                mtp_per_depth_targets = getattr(output, "mtp_per_depth_targets", None)
+        logits, mtp_hidden, output_seq_idx, output_targets = split_output(output, mtp_depths=self.num_mtp_depths)
+        seq_idx = output_seq_idx if seq_idx is None else seq_idx
+        mtp_per_depth_targets = output_targets if mtp_per_depth_targets is None else mtp_per_depth_targets
         return combined_causal_lm_loss(
             logits,
             labels,
@@ -366,6 +364,19 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
             )
         return am_moe.apply_expert_parallel(self, ep_mesh)
 
+    def prepare_for_grad_accumulation(self, pp_enabled: bool = False) -> None:
+        """With `backend.enable_fsdp_optimizations`: before the first backward of an optimizer step, defer every FSDP
+        unit's reduce-scatter and resharding (am_precision.prepare_for_grad_accumulation; a no-op under pipeline
+        parallelism, whose schedules already defer it, and without the option)."""
+        if self.backend.enable_fsdp_optimizations:
+            prepare_for_grad_accumulation(self, pp_enabled=pp_enabled)
+
+    def prepare_for_final_backward(self, pp_enabled: bool = False) -> None:
+        """With `backend.enable_fsdp_optimizations`: before the last backward of an optimizer step, turn the
+        reduce-scatter and resharding back on (am_precision.prepare_for_final_backward)."""
+        if self.backend.enable_fsdp_optimizations:
+            prepare_for_final_backward(self, pp_enabled=pp_enabled)
+
     def customize_pipeline_stage_modules(
         self, module_names_per_stage: list[list[str]], *, layers_prefix: str = "model.", text_model: Any = None
     ) -> list[list[str]]:
@@ -387,38 +398,6 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
     def get_pipeline_kwargs_chunk_dims(self, kwargs: dict[str, Any]) -> dict[str, int]:
         """am-pipelining's hook: per-sample tensors in `kwargs` are split into micro-batches along dim 0."""
         return {name: 0 for name in pipeline_stage.PER_SAMPLE_KWARGS if isinstance(kwargs.get(name), torch.Tensor)}
-
-    # Generation (transformers' GenerationMixin hooks)
-
-    @classmethod
-    def can_generate(cls) -> bool:
-        return True
-
-    def get_experts_implementation(self) -> dict[str, str]:
-        """GenerationMixin hook: our experts have one implementation, nothing to switch while decoding."""
-        return {}
-
-    def set_experts_implementation(self, implementation: Any) -> None:
-        """GenerationMixin hook (no-op, see `get_experts_implementation`)."""
-
-    def prepare_inputs_for_generation(
-        self,
-        input_ids: torch.LongTensor,
-        next_sequence_length: int | None = None,
-        past_key_values: Any = None,
-        attention_mask: torch.LongTensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        is_first_iteration: bool | None = None,
-        **kwargs: Any,
-    ) -> dict[str, Any]:
-        """The whole prompt and a fresh `NemotronHybridCache` first, then one token per step (`generation_inputs`)."""
-        return generation_inputs(
-            self, input_ids, past_key_values=past_key_values, attention_mask=attention_mask, inputs_embeds=inputs_embeds
-        )
-
-    def _reorder_cache(self, past_key_values: NemotronHybridCache, beam_idx: torch.LongTensor) -> NemotronHybridCache:
-        past_key_values.reorder_cache(beam_idx)
-        return past_key_values
 
     # Forward
 
@@ -523,8 +502,9 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
         )
         if cache is not None:
             cache.has_previous_state = True
+            cache.seen_tokens += reference.shape[1]
         if compute_logits:
-            logits = self.lm_head(_keep(hidden, logits_to_keep))
+            logits = self.lm_head(keep_positions(hidden, logits_to_keep))
         else:
             logits = hidden.new_empty(*hidden.shape[:-1], 0)
 
@@ -554,7 +534,7 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
                 lm_head=self.lm_head,
                 mtp_loss_scaling_factor=self.mtp_config.loss_scaling_factor,
                 seq_idx=layout.seq_idx,
-                loss_fn=_sum_over(inputs.num_items_in_batch) if inputs.num_items_in_batch is not None else None,
+                loss_fn=sum_over_items(inputs.num_items_in_batch) if inputs.num_items_in_batch is not None else None,
                 labels_shifted=inputs.labels_shifted,
                 mtp_per_depth_targets=inputs.per_depth_targets,
                 # padding is never a target, nor predicts one (under CP already applied before sharding)
@@ -573,21 +553,3 @@ class NemotronHForCausalLM(nn.Module, GenerationMixin):
             mtp_per_depth_targets=inputs.per_depth_targets,
         )
         return output.to_tuple() if return_dict is False else output
-
-
-def _sum_over(count: Any) -> Any:
-    """transformers' `num_items_in_batch` normalization: cross-entropy sum over non-ignored targets / count."""
-
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        valid = (targets != -100).sum()
-        return cross_entropy(logits, targets, empty_is_zero=True) * valid / count
-
-    return loss
-
-
-def _keep(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-    if isinstance(logits_to_keep, torch.Tensor):
-        return hidden[:, logits_to_keep]
-    if logits_to_keep < 0:
-        raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
-    return hidden[:, -logits_to_keep:]

@@ -3,7 +3,9 @@
 What it is for: `NemotronHCausalLMOutputWithPast`, a transformers `CausalLMOutputWithPast` with the MTP fields
 declared as dataclass fields (they survive FSDP2's output reconstruction), whose `loss` is the next-token cross
 entropy only, as upstream and transformers return it (the combined loss is `loss.combined_causal_lm_loss`); and
-`select_hidden_states`, transformers' `output_hidden_states` selection.
+`select_hidden_states`, transformers' `output_hidden_states` selection; `split_output`, the parts of any of the
+model's outputs (the output class, a last pipeline stage's tuple, bare logits); `keep_positions`, transformers'
+`logits_to_keep`.
 What it must not do: compute a loss, or count the MTP loss into `loss` (a recipe that adds the MTP loss itself would
 count it twice).
 """
@@ -12,11 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-__all__ = ["NemotronHCausalLMOutputWithPast", "select_hidden_states"]
+__all__ = ["NemotronHCausalLMOutputWithPast", "keep_positions", "select_hidden_states", "split_output"]
 
 
 @dataclass
@@ -53,3 +56,38 @@ def select_hidden_states(
     indices = [selection] if isinstance(selection, int) else list(selection)
     chosen = {i % count for i in indices if -count <= i < count}
     return tuple(h if i in chosen else None for i, h in enumerate(hidden_states))
+
+
+def split_output(
+    output: Any, *, mtp_depths: int
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None, list[torch.Tensor] | None]:
+    """`(logits, MTP hidden states, seq_idx, MTP targets)` of one of the model's outputs.
+
+    output: `NemotronHCausalLMOutputWithPast`; a last pipeline stage's tuple `(logits [B, S, V], *D MTP hidden states
+    [B, S, H], int32 seq_idx [B, S])` (the tail only when D > 0); or bare logits. Missing parts are [] / None.
+    """
+    if isinstance(output, tuple):
+        mtp_hidden: list[torch.Tensor] = []
+        seq_idx = None
+        if mtp_depths and len(output) >= 1 + mtp_depths:
+            mtp_hidden = list(output[1 : 1 + mtp_depths])
+            if len(output) == mtp_depths + 2:
+                seq_idx = output[-1]
+        return output[0], mtp_hidden, seq_idx, None
+    if isinstance(output, torch.Tensor):
+        return output, [], None, None
+    return output.logits, list(output.mtp_per_depth_h or []), None, getattr(output, "mtp_per_depth_targets", None)
+
+
+def keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """transformers' `logits_to_keep` on hidden states [B, S, H]: 0 keeps all, n > 0 the last n positions, a tensor
+    the positions it indexes.
+
+    Raises:
+        ValueError: a negative count.
+    """
+    if isinstance(logits_to_keep, torch.Tensor):
+        return hidden[:, logits_to_keep]
+    if logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
+    return hidden[:, -logits_to_keep:]

@@ -214,7 +214,9 @@ def per_rank_problems(
             f"Single stage schedule {name} requires exactly 1 stage per rank, but got {got}. {fix} Or pick a "
             "multi-stage schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)."
         )
-    elif multi and stages_per_rank < 2:
+    elif multi and stages_per_rank < 2 and schedule_class is not _compat.runtime_schedule_class():
+        # The CSV runtime schedule runs whatever the file lists: one stage per rank (a 1F1B written as a CSV, what
+        # NeMo AutoModel's build_pipeline_schedule accepts) is as valid as several.
         problems.append(
             f"Multi-stage schedule {name} requires at least 2 stages per rank, but got {got}. {fix} Or pick 1F1B "
             "or GPipe."

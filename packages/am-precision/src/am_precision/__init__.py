@@ -42,12 +42,13 @@ from .flags import (
     set_is_optim_step,
     te_usable,
 )
+from .fsdp_sync import fsdp_units, prepare_for_final_backward, prepare_for_grad_accumulation
 from .keep_rules import KeepRule, canonical_name, fp32_keep_rules, match_keep_rule
 from .lm_head import compute_lm_head_logits
 from .materialize import InitUnit, local_region, materialize_sharded_, unit_seed
 from .modules import Float32RMSNorm, initialize_linear_module, initialize_rms_norm_module
 from .report import Fp32Report, TensorPrecision, assert_fp32_contract, fp32_report
-from .rope import get_rope_config
+from .rope import fused_rope, get_rope_config, quack_rope
 from .runtime import backend_runtime_problems
 from .te_patch import (
     apply_te_patches,
@@ -113,6 +114,12 @@ __all__ = [
     "local_region",
     # lm head and rope
     "compute_lm_head_logits",
+    "fused_rope",
+    "quack_rope",
+    # FSDP gradient accumulation (enable_fsdp_optimizations)
+    "fsdp_units",
+    "prepare_for_final_backward",
+    "prepare_for_grad_accumulation",
     "get_rope_config",
     # Transformer Engine patching
     "patch_te_modules",

@@ -169,12 +169,6 @@ _LIBRARY_DISPATCHERS = ("deepep", "hybridep", "uccl_ep")
 # Refused at construction instead of being accepted and ignored. A package that implements one deletes its entry
 # here and updates the README table "Who honours each field".
 _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "rope": (lambda v: v == "quack", "no am-* model has a QuACK RoPE kernel; use rope='torch'"),
-    "rope_fusion": (
-        lambda v: v is True,
-        "no am-* model fuses RoPE with Transformer Engine; leave rope_fusion=None (resolves to False)",
-    ),
-    "enable_fsdp_optimizations": (lambda v: v is True, "no am-* model has model-specific FSDP tweaks; leave it False"),
     "cuda_graph": (
         lambda v: isinstance(v, CudaGraphConfig) and v.enabled,
         "no am-* model captures CUDA graphs; leave cuda_graph=CudaGraphConfig() (modules=[])",
@@ -203,9 +197,10 @@ class BackendConfig:
         attn: attention kernel, one of `ATTN_BACKENDS`.
         linear: linear layers, one of `LINEAR_BACKENDS`.
         rms_norm: RMSNorm, one of `RMS_NORM_BACKENDS` ("torch_fp32" computes in fp32 whatever the storage dtype).
-        rope: rotary embedding kernel, one of `ROPE_BACKENDS`.
-        rope_fusion: use TE's fused RoPE. None (default) resolves to False (what upstream does too: it forces the
-            fusion off); after construction it is always a bool.
+        rope: rotary embedding kernel, one of `ROPE_BACKENDS` ("quack": QuACK's rotary kernel, `quack_rope`).
+        rope_fusion: rotate queries and keys with Transformer Engine's fused RoPE kernel (`fused_rope`). None
+            (default) resolves to False (upstream forces the fusion off altogether; here True is honoured by models
+            with RoPE, Gemma 4, and refused where TE / CUDA is missing); after construction it is always a bool.
         experts: MoE expert computation, one of `EXPERTS_BACKENDS`; "te" and "gmm" need an all-to-all dispatcher.
         dispatcher: MoE token dispatcher, one of `DISPATCHER_BACKENDS`.
         dispatcher_num_sms: streaming multiprocessors reserved for the dispatcher's communication kernels.
@@ -215,7 +210,9 @@ class BackendConfig:
             `balanced_routing`: every expert gets the same number of (token, k) pairs, or one more).
         fake_gate_noise: noise added to the fake gate's scores (finite, >= 0).
         enable_hf_state_dict_adapter: convert checkpoints from/to the HF layout on load/save.
-        enable_fsdp_optimizations: model-specific FSDP tweaks.
+        enable_fsdp_optimizations: defer FSDP2's gradient reduce-scatter and resharding to the last backward of an
+            optimizer step (upstream's MoE FSDP sync): the models' `prepare_for_grad_accumulation` /
+            `prepare_for_final_backward` then call `am_precision.fsdp_sync`'s functions; without it they do nothing.
         te_fp8: FP8 recipe (`TEFp8Config` or a dict of its fields); requires linear="te" or experts="te".
             am-models-nemotron enters `te_fp8.maybe_te_autocast()` around each block (its TE modules).
         gate_precision: dtype of MoE router math (a dtype or a name such as "float32" / "torch.float32").
@@ -225,7 +222,7 @@ class BackendConfig:
         enable_deepep: removed upstream field, accepted only as None so upstream configs that spell it load.
 
     Fields no am-* package implements (README, "Who honours each field") keep their upstream defaults and accept
-    only them: `rope="quack"`, `rope_fusion=True`, `enable_fsdp_optimizations`, a
+    only them: a
     non-empty `cuda_graph`, a non-default `mok` and `enable_deepep` are refused with the reason and the fix. Models
     refuse what they do not support of the fields they read (`attn`, `experts`, `dispatcher`, ...) and what this
     machine cannot run (`backend_runtime_problems`).
@@ -345,6 +342,11 @@ class BackendConfig:
                 f"{', '.join(knobs)} tune(s) the communication kernels of {_format_allowed(_LIBRARY_DISPATCHERS)} "
                 f"(am_moe.apply_expert_parallel), but dispatcher={self.dispatcher!r}; leave the defaults "
                 "(20, False) or choose one of those dispatchers"
+            )
+        if self.rope == "quack" and self.rope_fusion is True:
+            problems.append(
+                "rope='quack' and rope_fusion=True choose two RoPE kernels (QuACK's and Transformer Engine's fused "
+                "one); keep rope='torch' with rope_fusion=True, or drop rope_fusion"
             )
         backends_known = self.linear in LINEAR_BACKENDS and self.experts in EXPERTS_BACKENDS
         te_fp8_usable = isinstance(self.te_fp8, TEFp8Config) and "te_fp8" not in refused

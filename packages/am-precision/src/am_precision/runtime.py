@@ -55,7 +55,7 @@ def _needs_package(what: str, module: str, install: str, *, cuda: bool) -> str |
 def backend_runtime_problems(
     backend: BackendConfig,
     *,
-    fields: Iterable[str] = ("attn", "linear", "rms_norm", "rope_fusion", "experts", "dispatcher", "te_fp8"),
+    fields: Iterable[str] = ("attn", "linear", "rms_norm", "rope", "rope_fusion", "experts", "dispatcher", "te_fp8"),
 ) -> list[str]:
     """Every value among `fields` of `backend` that this machine cannot run, with what is missing (empty: all run).
 
@@ -73,6 +73,9 @@ def backend_runtime_problems(
                 problems.append(_needs_te(f"{name}='te'", cuda=cuda))
             elif value == "quack":
                 problems.append(_needs_package(f"{name}='quack'", "quack", "`pip install quack-kernels`", cuda=cuda))
+        elif name == "rope":
+            if value == "quack":
+                problems.append(_needs_package("rope='quack'", "quack", "`pip install quack-kernels`", cuda=cuda))
         elif name == "rope_fusion":
             if value:
                 problems.append(_needs_te("rope_fusion=True (TE's fused RoPE)", cuda=cuda))
