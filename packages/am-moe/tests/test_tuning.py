@@ -29,6 +29,7 @@ class FakeClock:
         self.seconds, self.calls = seconds, 0
 
     def __call__(self, fn: Callable[[], None], device: str) -> float:
+        torch.device(device)  # the real timer synchronises this device: it must be a device string torch parses
         fn()
         backend = tuning.CANDIDATES[self.calls % len(tuning.CANDIDATES)]
         self.calls += 1
@@ -133,3 +134,12 @@ def test_no_measurement_without_real_rows(fresh: None, monkeypatch: pytest.Monke
         experts(x, index, weights)
     assert experts.grouped_mm_choice is not None
     assert "measured (forward on 40 rows" in experts.grouped_mm_choice.reason
+
+
+def test_tuning_key_keeps_the_device_string_apart_from_the_gpu_model() -> None:
+    """The first GPU run (H200) failed with "Invalid device string: 'cuda:0 sm90'": the GPU model was appended to
+    the device the timer synchronises. The key holds both, apart, and describes both."""
+    key = tuning.TuningKey("cuda:0", torch.bfloat16, 8, 64, 32, True, "silu", capability="sm90")
+    assert torch.device(key.device) == torch.device("cuda", 0)
+    assert key.describe().startswith("cuda:0 sm90 bfloat16: 8 local experts")
+    assert tuning.TuningKey("cpu", torch.float32, 8, 64, 32, True, "silu").describe().startswith("cpu float32:")

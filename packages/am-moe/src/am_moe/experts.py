@@ -176,15 +176,16 @@ class GroupedExperts(nn.Module):
     def _tuning_key(self, device: torch.device, dtype: torch.dtype) -> TuningKey:
         capability = ""
         if device.type == "cuda" and torch.cuda.is_available():
-            capability = " sm{}{}".format(*torch.cuda.get_device_capability(device))
+            capability = "sm{}{}".format(*torch.cuda.get_device_capability(device))
         return TuningKey(
-            f"{device}{capability}",
+            str(device),
             dtype,
             self.num_local_experts,
             self.hidden_size,
             self.intermediate_size,
             self.gated,
             self.activation_name,
+            capability=capability,
         )
 
     def _measure(

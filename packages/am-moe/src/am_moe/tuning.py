@@ -32,18 +32,20 @@ REPEATS = 3  # best of REPEATS after one warm-up run per backend, alternating (n
 class TuningKey:
     """What the timing depends on besides the row count: one measurement per key and process."""
 
-    device: str
+    device: str  # a torch device string ("cuda:0", "cpu"): the timer synchronises this device
     dtype: torch.dtype
     local_experts: int
     hidden: int
     intermediate: int
     gated: bool
     activation: str
+    capability: str = ""  # "sm90" on CUDA: the same device index can hold another GPU model in another process
 
     def describe(self) -> str:
         kind = "gated" if self.gated else "plain"
+        where = f"{self.device} {self.capability}" if self.capability else self.device
         return (
-            f"{self.device} {str(self.dtype).removeprefix('torch.')}: {self.local_experts} local experts, "
+            f"{where} {str(self.dtype).removeprefix('torch.')}: {self.local_experts} local experts, "
             f"H={self.hidden}, I={self.intermediate}, {kind} {self.activation}"
         )
 
