@@ -100,6 +100,9 @@ class RunPlan:
     attn_implementation: str | None
     moe: bool  # the model computes experts through am-moe (its expert load is counted per step)
     router_aux: RouterAuxPlan | None  # pp 1 only: a pipelined run trains on cross-entropy alone (validated)
+    # am_moe.LoadBalancing of the model's am-moe routers: its recipe under the --moe-* options (trainer/moe_balance.py);
+    # None for a model without them
+    moe_balancing: Any = None
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
@@ -136,6 +139,8 @@ class RunPlan:
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON data of the whole plan (summary.json's `plan`)."""
+        from trainer.moe_balance import balancing_json
+
         ep = self.expert_parallel
         router = self.router_aux
         return {
@@ -170,6 +175,7 @@ class RunPlan:
             "router_aux": (
                 {"num_experts": router.num_experts, "top_k": router.top_k, "coef": router.coef} if router else None
             ),
+            "moe_balancing": balancing_json(self.moe_balancing),
         }
 
 
@@ -203,6 +209,7 @@ def make_plan(
     pad_multiple: int,
     num_layers: int | None,
     router_aux: tuple[int, int, float, bool] | None,
+    moe_balancing: Any = None,
 ) -> RunPlan:
     """The plan of a run `validate()` accepted: `cfg`'s sizes, the plans validation made (`pipeline`,
     `expert_parallel`), the CP facts it read from the model, and the model's own declarations (attention, FSDP2
@@ -241,6 +248,7 @@ def make_plan(
         attn_implementation=attn_implementation(model),
         moe=has_experts(model),
         router_aux=router,
+        moe_balancing=moe_balancing,
     )
 
 

@@ -39,6 +39,7 @@ from trainer.config import (
 from trainer.data import Corpus, load_tokens
 from trainer.guards import model_path_nonfinite_problems, nonfinite_parameters
 from trainer.models import ModelSpec, build_meta_model, build_model, folder_spec, preset_spec
+from trainer.moe_balance import balancing_plan, balancing_problems
 from trainer.parallel import cp_layout_name, cp_pad_multiple, decoder_layers, layer_feature_problems
 from trainer.plan import ValidatedRun, make_plan
 
@@ -227,6 +228,7 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
     problems += vocab_problems(cfg, tokenizer=tokenizer, spec=spec)
     router_aux = router_aux_spec(model) if model is not None else None
     problems += _feature_model_problems(cfg, model=model, plan=pipeline, router_aux=router_aux)
+    problems += balancing_problems(cfg, model)  # the --moe-* options: numbers, and against the model's routers
     vocab = spec.vocab_size if spec is not None else (_tokenizer_vocab(tokenizer) or 256)
     tokens, found = data_problems(cfg, vocab_size=vocab, tokenizer=tokenizer)
     problems += found
@@ -255,6 +257,7 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
         pad_multiple=pad_multiple,
         num_layers=num_layers,
         router_aux=router_aux,
+        moe_balancing=balancing_plan(cfg, model),
     )
     return ValidatedRun(plan=plan, spec=spec, model=model, corpus=tokens, resume_dir=resume_dir)
 
@@ -267,7 +270,8 @@ _MUST_MATCH_ON_RESUME = (
 # written before these options existed hold none of them, which reads as their defaults).
 _FEATURES_MUST_MATCH_ON_RESUME = {
     "ep": 1, "tokenizer": None, "data_field": None, "data_split": None, "val_fraction": None, "optimizer": "adamw",
-    "lr_schedule": "cosine",
+    "lr_schedule": "cosine", "moe_bias_update_rate": None, "moe_aux_loss_coeff": None, "moe_seq_aux_loss_coeff": None,
+    "moe_z_loss_coeff": None,
 }  # fmt: skip
 
 
