@@ -133,9 +133,8 @@ def run_summary(
     """summary.json's content (rank 0, after the last step): the model, the plan and its layout, the losses and
     histories, the feature options, throughput and the last checkpoint (the loss curve's path is added by the
     caller)."""
-    from trainer.tb_logging import tensorboard_dir
-
     from trainer.moe_balance import balancing_json
+    from trainer.tb_logging import tensorboard_dir
 
     router = plan.router_aux
     losses, val_losses, aux = history.losses, history.val_losses, history.aux_losses
