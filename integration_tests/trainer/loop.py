@@ -76,6 +76,7 @@ from trainer.parallel import (
 )
 from trainer.plan import RunPlan, ValidatedRun
 from trainer.progress import Progress, run_summary, save_loss_curve
+from trainer.router_aux_pipeline import PipelineRouterAux
 from trainer.step_parts import RouterAuxLoss, TokenSumLoss, clip_grad_norm, make_hf_exporter
 from trainer.tb_logging import TensorBoardLog
 from trainer.validation import EXIT_BAD_INPUT, BadInput, resume_changes, validate
@@ -175,8 +176,12 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
     apply_precision(model, precision=plan.precision)
     stages: list[Any] = []
     parts = [model]
+    pipeline_router = None
     if plan.is_pipeline:  # each rank keeps only its stages
         stages, parts = split_pipeline(model, mesh=meshes.mesh, plan=plan, device=device)
+        if router is not None:  # the router loss over the global batch, from each stage's own layers
+            assert plan.num_layers is not None  # a pipeline needs the layers (validated)
+            pipeline_router = PipelineRouterAux(parts, router, num_layers=plan.num_layers, device=device)
     if meshes.ep is not None:
         apply_expert_parallel(parts, ep_mesh=meshes.ep)
     balance = None
@@ -213,6 +218,7 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
         dp_rank=meshes.mesh["dp"].get_local_rank(),
         router=router,
         has_first=not stages or any(s.is_first for s in stages),
+        pipeline_router=pipeline_router,
     )
     # One optimizer per part: identical math to one over all parameters (trainer/optim.py).
     optimizers = build_optimizers(parts, cfg)

@@ -99,7 +99,7 @@ class RunPlan:
     num_layers: int | None  # decoder layers am-pipelining finds (None: none found; pp 1 only)
     attn_implementation: str | None
     moe: bool  # the model computes experts through am-moe (its expert load is counted per step)
-    router_aux: RouterAuxPlan | None  # pp 1 only: a pipelined run trains on cross-entropy alone (validated)
+    router_aux: RouterAuxPlan | None  # pp 1: step_parts.RouterAuxLoss; pp > 1: trainer/router_aux_pipeline.py
     # am_moe.LoadBalancing of the model's am-moe routers: its recipe under the --moe-* options (trainer/moe_balance.py);
     # None for a model without them
     moe_balancing: Any = None
@@ -221,7 +221,7 @@ def make_plan(
 
     precision = PRECISIONS[cfg.dtype]
     router = None
-    if router_aux is not None and pipeline is None:
+    if router_aux is not None:
         experts, top_k, coef, in_objective = router_aux
         router = RouterAuxPlan(num_experts=experts, top_k=top_k, coef=coef if in_objective else 0.0)
     return RunPlan(

@@ -333,25 +333,13 @@ def router_aux_model_problems(
     cfg: RunConfig, model: nn.Module | None, *, router_aux: tuple[int, int, float, bool] | None
 ) -> list[str]:
     """A transformers MoE model whose training objective includes a router loss the trainer cannot reproduce
-    (`router_aux_problems`), or includes its load-balancing loss at `--pp > 1`: refused rather than dropping the
-    term. The load-balancing loss needs the top-k counts of every layer over the whole global batch before any
-    backward, which a pipeline schedule (a stage's backward runs before the other microbatches' forwards, and each
-    stage holds only its own layers) does not provide. `router_aux`: step_parts' `router_aux_spec(model)`."""
+    (`router_aux_problems`): refused rather than dropping the term. (Transformers' own load-balancing loss runs in
+    every layout: step_parts.RouterAuxLoss at pp 1, trainer/router_aux_pipeline.py at pp > 1.)"""
     from trainer.step_parts import router_aux_problems
 
     if model is None:
         return []
-    problems = router_aux_problems(model)
-    spec = router_aux if cfg.pp > 1 else None
-    if spec is None or not spec[3]:
-        return problems
-    return [
-        *problems,
-        f"--pp {cfg.pp}: {type(model).__name__} trains with its router load-balancing loss "
-        f"(config output_router_logits=true, router_aux_loss_coef={spec[2]}), which the pipeline cannot compute "
-        "over the global batch; run with --pp 1 (dp, cp and FSDP2 compute it exactly), or set "
-        '"output_router_logits": false in the config.json of --model-path to train on cross-entropy alone',
-    ]
+    return router_aux_problems(model)
 
 
 def _resume_mismatches(cfg: RunConfig, state: dict[str, Any]) -> list[str]:
