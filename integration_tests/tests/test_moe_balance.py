@@ -39,7 +39,8 @@ def test_the_default_is_the_models_recipe_and_options_override_it() -> None:
     assert (plan.moe_balancing.bias_update_rate, plan.moe_balancing.z_loss_coeff) == (0.0, 1e-3)
     assert plan.moe_balancing.seq_aux_loss_coeff == 1e-4  # not given: the recipe's
     gemma = validate(parse_args(["--model", "gemma4-moe", *TINY]), world_size=1).plan
-    assert not gemma.moe_balancing.has_loss_terms and gemma.moe_balancing.bias_update_rate == 0  # its recipe: off
+    assert not gemma.moe_balancing.has_loss_terms  # its recipe: all off
+    assert gemma.moe_balancing.bias_update_rate == 0
     assert validate(parse_args(["--model", "llama", *TINY]), world_size=1).plan.moe_balancing is None
 
 
@@ -56,7 +57,8 @@ def test_bad_values_are_all_named_in_one_refusal() -> None:
 @pytest.mark.parametrize("model", ["llama", "gemma4"])
 def test_options_on_a_dense_model_are_refused(model: str) -> None:
     message = _refusal(["--model", model, *TINY, "--moe-aux-loss-coeff", "0.01"])
-    assert "--moe-aux-loss-coeff 0.01: " in message and "has no am-moe router to balance" in message, message
+    assert "--moe-aux-loss-coeff 0.01: " in message, message
+    assert "has no am-moe router to balance" in message, message
     assert "drop the --moe-* options" in message
 
 
@@ -121,7 +123,9 @@ def test_a_skewed_router_is_balanced_by_the_bias_update_and_stays_skewed_without
     off = launch([*common, "0", "--moe-bias-update-rate", "0"], nproc=1, out=tmp_path / "off").check()
     balanced, skewed = on.summary["expert_imbalance"], off.summary["expert_imbalance"]
     assert all(math.isclose(r, 2.0) for r in skewed), skewed  # 2 of 4 experts get every token, every step
-    assert balanced[0] == 2.0 and balanced[-1] < 1.5, balanced
+    assert balanced[0] == 2.0, balanced
+    assert balanced[-1] < 1.5, balanced
     assert on.summary["moe_balancing"]["bias_update_rate"] == RATE
     bias = next(v for k, v in on.final_weights().items() if k.endswith("e_score_correction_bias"))
-    assert bias[:2].max() < SKEW and bias[2:].min() > 0, bias  # moved towards the under-loaded experts
+    assert bias[:2].max() < SKEW, bias  # moved towards the under-loaded experts
+    assert bias[2:].min() > 0, bias
