@@ -129,3 +129,14 @@ def test_a_skewed_router_is_balanced_by_the_bias_update_and_stays_skewed_without
     bias = next(v for k, v in on.final_weights().items() if k.endswith("e_score_correction_bias"))
     assert bias[:2].max() < SKEW, bias  # moved towards the under-loaded experts
     assert bias[2:].min() > 0, bias
+
+
+def test_the_command_line_refuses_with_exit_code_2_before_training(tmp_path: Path) -> None:
+    """The refusal reaches the user as every other bad input does: one message, exit code 2, nothing trained."""
+    args = ["--model", "gemma4-moe", *PARITY, "--moe-bias-update-rate", "1e-3", "--moe-z-loss-coeff", "-1"]
+    run = launch(args, nproc=1, out=tmp_path / "refused")
+    assert run.returncode == 2, run.output[-3000:]
+    assert "refusing to start (2 problems)" in run.output, run.output[-3000:]
+    assert "--moe-z-loss-coeff -1.0: must be a finite number >= 0" in run.output
+    assert "Gemma4ForCausalLM's routers have no selection bias" in run.output
+    assert not (tmp_path / "refused" / "summary.json").exists()
