@@ -99,18 +99,23 @@ class PipelineRouterAux:
 
     def _router_hook(self, layer_index: int, index: int, layer: nn.Module) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self.mode is None or _in_backward():
+            if self.mode is None:
                 return
             logits = output[index] if isinstance(output, tuple | list) else output
+            # An activation-checkpoint recomputation (inside backward) runs the same ops, so that it saves the same
+            # tensors as the forward did, but counts nothing.
+            counted = not _in_backward()
             counts, prob_sum = self.router.layer_stats((logits.reshape(-1, logits.shape[-1]),))
-            self.counts[layer_index] += counts[0]
-            if self.mode == "train":
+            if counted:
+                self.counts[layer_index] += counts[0]
+            if self.mode == "train" and counted:
                 self.prob_sum += prob_sum.detach()
             if self.mode == "train" and self.counts_first:
                 assert self.totals is not None
                 share = self.router.share(self.totals, prob_sum)
-                self.aux_share += share.detach().float()
-                self.pending.setdefault(id(layer), []).append(share)
+                if counted:  # (a recomputation's share has no consumer: the forward's share carries the gradient)
+                    self.aux_share += share.detach().float()
+                    self.pending.setdefault(id(layer), []).append(share)
 
         return hook
 
