@@ -157,12 +157,14 @@ def test_router_loss_at_pp2_equals_the_single_process(tmp_path: Path, family: st
     """`--pp 2` trains on the model's own objective too (each stage holds its own layers; the global top-k counts
     of every layer come from a counting pass, each stage injects its routers' share of the gradient): every step's
     loss (incl. coef x aux), aux and expert imbalance, and the final weights, equal the single process's (fp32,
-    1e-5). Qwen2-MoE's first stage holds only a dense layer."""
+    1e-5). Qwen2-MoE's first stage holds only a dense layer, and its layers are activation-checkpointed (a
+    recomputation inside backward must neither count nor carry a share again)."""
     from conftest import PARITY, launch, without_preset_sizes
     from test_parity import RTOL, assert_weights_close
 
     single = SHARED.single(family, tmp_path)
     args = [*without_preset_sizes(PARITY), "--model-path", str(SHARED.folder(family, tmp_path)), "--pp", "2"]
+    args += ["--activation-checkpointing"] if family == "qwen2_moe" else []
     pp2 = launch(args, nproc=2, out=tmp_path / f"{family}-pp2").check()
     assert pp2.summary["plan"]["router_aux"] == {"num_experts": 4, "top_k": 2, "coef": COEF}
     assert pp2.summary["aux_loss_coef"] == COEF
