@@ -3,7 +3,7 @@
 What it is for: `RunPlan` is frozen data (torchtitan's `ParallelDims`, grown to the whole layout): the mesh sizes and
 axis order, am-pipelining's `PipelinePlan` (None at pp 1), am-moe's `ExpertParallelPlan` (None at ep 1), the CP
 layout, pad multiple and local sequence length, the precision policy, whether FSDP2 wraps the model, the
-microbatching, the attention implementation and how the router's auxiliary loss is handled. `make_plan` is the one
+microbatching, the attention implementation, how the router's auxiliary loss is handled and the MoE load balancing. `make_plan` is the one
 function that decides them (called by `validate()`, before any process group); the build and step functions of
 trainer/loop.py read the plan and never the raw options again, and summary.json records `plan.to_json()`.
 `ValidatedRun` carries the plan together with what is not layout (the model spec, the model validation checked, the
@@ -213,7 +213,8 @@ def make_plan(
 ) -> RunPlan:
     """The plan of a run `validate()` accepted: `cfg`'s sizes, the plans validation made (`pipeline`,
     `expert_parallel`), the CP facts it read from the model, and the model's own declarations (attention, FSDP2
-    grouping, experts). `router_aux` is step_parts' `router_aux_spec(model)` (used at pp 1 only)."""
+    grouping, experts). `router_aux` is step_parts' `router_aux_spec(model)`; `moe_balancing` is
+    trainer/moe_balance.py's `balancing_plan(cfg, model)` (None: no am-moe routers)."""
     from am_context_parallel import cp_local_seq_len
     from trainer.expert_parallel import has_experts
     from trainer.models import attn_implementation
