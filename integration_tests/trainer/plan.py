@@ -3,8 +3,9 @@
 What it is for: `RunPlan` is frozen data (torchtitan's `ParallelDims`, grown to the whole layout): the mesh sizes and
 axis order, am-pipelining's `PipelinePlan` (None at pp 1), am-moe's `ExpertParallelPlan` (None at ep 1), the CP
 layout, pad multiple and local sequence length, the precision policy, whether FSDP2 wraps the model, the
-microbatching, the attention implementation, how the router's auxiliary loss is handled and the MoE load balancing. `make_plan` is the one
-function that decides them (called by `validate()`, before any process group); the build and step functions of
+microbatching, the attention implementation, how the router's auxiliary loss is handled and the MoE load
+balancing. `make_plan` is the one function that decides them (called by `validate()`, before any process group); the
+build and step functions of
 trainer/loop.py read the plan and never the raw options again, and summary.json records `plan.to_json()`.
 `ValidatedRun` carries the plan together with what is not layout (the model spec, the model validation checked, the
 data, the folder to resume).
