@@ -5,8 +5,8 @@ axis order, am-pipelining's `PipelinePlan` (None at pp 1), am-moe's `ExpertParal
 layout, pad multiple and local sequence length, the precision policy, whether FSDP2 wraps the model, the
 microbatching, the attention implementation, how the router's auxiliary loss is handled and the MoE load
 balancing. `make_plan` is the one function that decides them (called by `validate()`, before any process group); the
-build and step functions of
-trainer/loop.py read the plan and never the raw options again, and summary.json records `plan.to_json()`.
+build and step functions of trainer/loop.py read the plan and never the raw options again, and summary.json
+records `plan.to_json()`.
 `ValidatedRun` carries the plan together with what is not layout (the model spec, the model validation checked, the
 data, the folder to resume).
 What it must not do: touch torch.distributed, or decide a rule that another module owns (it asks am-pipelining,
