@@ -30,6 +30,8 @@ TINY = ["--hidden-size", "32", "--layers", "4", "--seq-len", "16", "--global-bat
 # element that is ~0 (|g| ~ eps) cannot turn into a whole learning-rate step of difference in that weight.
 PARITY = [*TINY, "--dtype", "fp32", "--adam-eps", "1e-6", "--no-progress", "--timeout", "60"]
 LAUNCH_TIMEOUT_S = 240
+# The three am-moe balancing loss terms, large enough to move the router measurably in 3 steps.
+GEMMA_AUX_TERMS = ["--moe-aux-loss-coeff", "0.01", "--moe-seq-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
 # In-process validate() calls: a tiny preset run.
 TINY_ARGS = ["--hidden-size", "32", "--layers", "2", "--seq-len", "16", "--global-batch", "4", "--steps", "1"]
 
@@ -142,6 +144,11 @@ class RunCache:
         "gemma4-tp2-dp2": (4, ["--model", "gemma4", "--tp", "2", "--dp", "2", *PARITY]),
         "nemotron-pp2-tp2": (4, ["--model", "nemotron", "--pp", "2", "--tp", "2", *PARITY]),
         "gemma4-moe-dp2-tp2-ep2": (4, ["--model", "gemma4-moe", "--dp", "2", "--tp", "2", "--ep", "2", *PARITY]),
+        # load balancing (issue 25): Nemotron-H runs its recipe by default (bias update 1e-3, sequence aux 1e-4);
+        # Gemma 4's recipe is all off, so its parity turns the three loss terms on by flag
+        "nemotron-dp2-ep2": (2, ["--model", "nemotron", "--dp", "2", "--ep", "2", *PARITY]),
+        "gemma4-moe-aux": (1, ["--model", "gemma4-moe", *PARITY, *GEMMA_AUX_TERMS]),
+        "gemma4-moe-aux-dp2-ep2": (2, ["--model", "gemma4-moe", "--dp", "2", "--ep", "2", *PARITY, *GEMMA_AUX_TERMS]),
     }
 
     def __init__(self, root: Path) -> None:

@@ -27,6 +27,8 @@ CASES = [
     ("gemma4-moe-dp2-ep2", "gemma4-moe"),  # expert parallelism: each rank holds 2 of the 4 experts, all-to-all
     ("nemotron-pp2-dp2-ep2", "nemotron"),  # pipeline x EP (4 ranks): the MoE stage's experts over its dp ranks
     ("nemotron-dp2-ep2-cp2", "nemotron"),  # EP over the cp ranks, experts FSDP2-sharded over dp (4 ranks)
+    ("nemotron-dp2-ep2", "nemotron"),  # EP over the dp ranks, Nemotron-H's balancing recipe
+    ("gemma4-moe-aux-dp2-ep2", "gemma4-moe-aux"),  # EP, Gemma 4 MoE with the three aux loss terms on
     *[
         ("llama-tied-tp2", "llama-tied"),  # HF Llama's own base_model_tp_plan, vocabulary-parallel tied embedding
         ("nemotron-tp2", "nemotron"),  # attention / MLP by features, Mamba2 by heads and groups (plain shards), MTP
@@ -158,3 +160,56 @@ def test_tp_grad_norm_and_summary(runs, case: str, reference: str) -> None:
     styles = summary["plan"]["tensor_parallel"]["styles"]
     assert {"colwise", "rowwise"} <= set(styles.values()), styles
     assert single["plan"]["tensor_parallel"] is None
+
+
+# Every Nemotron-H run balances with its recipe (the default); these are issue 25's layouts, plus CP and PP x CP.
+BALANCE_CASES = [
+    ("nemotron-dp2-ep2", "nemotron"),
+    ("nemotron-pp2-dp2-ep2", "nemotron"),
+    ("gemma4-moe-aux-dp2-ep2", "gemma4-moe-aux"),
+    ("nemotron-dp2-ep2-cp2", "nemotron"),
+    ("nemotron-pp2-cp2", "nemotron"),
+]
+BIAS_KEY = "e_score_correction_bias"
+
+
+@pytest.mark.parametrize(("case", "reference"), BALANCE_CASES, ids=[case for case, _ in BALANCE_CASES])
+def test_load_balancing_equals_single_process(runs, case: str, reference: str) -> None:
+    """With load balancing on (Nemotron-H's recipe: bias update 1e-3 + sequence aux 1e-4; Gemma 4 MoE: the
+    batch, sequence and z-loss terms by flag), the router biases after 3 steps are bit-identical to the single
+    process's (the update is a sign of global integer counts), the balancing terms of every step equal its within
+    RTOL, and the run records what it applied (loss and weights: test_parallel_run_equals_single_process)."""
+    parallel, single = runs.get(case).check().summary, runs.get(reference).check().summary
+    assert parallel["moe_balancing"] == single["moe_balancing"]
+    assert parallel["plan"]["moe_balancing"] == single["moe_balancing"]
+    if reference == "nemotron":
+        assert single["moe_balancing"] == {
+            "bias_update_rate": 1e-3, "aux_loss_coeff": 0.0, "seq_aux_loss_coeff": 1e-4, "z_loss_coeff": 0.0
+        }  # fmt: skip
+        got, want = runs.get(case).final_weights(), runs.get(reference).final_weights()
+        biases = [name for name in want if name.endswith(BIAS_KEY)]
+        assert biases, sorted(want)
+        for name in biases:
+            assert got[name].dtype == torch.float32
+            assert torch.equal(got[name], want[name]), f"{name}: {got[name]} vs {want[name]}"
+            assert want[name].abs().max() > 0, f"{name} never moved: the bias update did not run"
+    terms, want_terms = parallel["moe_aux_losses"], single["moe_aux_losses"]
+    assert terms.keys() == want_terms.keys() == {"moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss"}
+    for name, values in want_terms.items():
+        torch.testing.assert_close(torch.tensor(terms[name]), torch.tensor(values), rtol=RTOL, atol=0)
+    on = [name for name, values in want_terms.items() if any(v != 0 for v in values)]
+    assert on == (["moe_seq_aux_loss"] if reference == "nemotron" else list(want_terms)), want_terms
+
+
+def test_gemma4_moe_aux_terms_change_the_training(runs) -> None:
+    """The terms reach the router: the same Gemma 4 MoE run with and without them ends with different router
+    weights, and the run without them (its recipe: all off) records no terms."""
+    with_terms, without = runs.get("gemma4-moe-aux").check(), runs.get("gemma4-moe").check()
+    assert without.summary["moe_aux_losses"] is None
+    assert without.summary["moe_balancing"] == dict.fromkeys(
+        ("bias_update_rate", "aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff"), 0.0
+    )
+    got, want = with_terms.final_weights(), without.final_weights()
+    routers = [name for name in want if "router" in name and name.endswith("weight")]
+    assert routers
+    assert all(not torch.equal(got[name], want[name]) for name in routers), routers

@@ -115,6 +115,65 @@ def test_a_model_whose_config_leaves_the_aux_loss_out_keeps_cross_entropy_but_re
     assert RouterAuxLoss.for_model(llama) is None
 
 
+def _save_qwen2_moe(folder: Path) -> None:
+    """Qwen2-MoE with a dense first layer (`mlp_only_layers=[0]`): at pp 2 the first stage holds no router."""
+    import transformers
+
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=24, mlp_only_layers=[0], output_router_logits=True,
+        router_aux_loss_coef=COEF, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen2MoeForCausalLM(config).save_pretrained(str(folder))
+
+
+class _SharedRuns:
+    """The model folders and single-process runs, made once per session and shared by the tests that need them."""
+
+    def __init__(self, savers: dict[str, Any]) -> None:
+        self.savers = savers
+        self.folders: dict[str, Path] = {}
+        self.runs: dict[str, Any] = {}
+
+    def folder(self, family: str, tmp_path: Path) -> Path:
+        if family not in self.folders:
+            self.folders[family] = tmp_path / family
+            self.savers[family](self.folders[family])
+        return self.folders[family]
+
+    def single(self, family: str, tmp_path: Path) -> Any:
+        from conftest import PARITY, launch, without_preset_sizes
+
+        if family not in self.runs:
+            args = [*without_preset_sizes(PARITY), "--model-path", str(self.folder(family, tmp_path))]
+            self.runs[family] = launch(args, nproc=1, out=tmp_path / f"{family}-single").check()
+        return self.runs[family]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_router_loss_at_pp2_equals_the_single_process(tmp_path: Path, family: str) -> None:
+    """`--pp 2` trains on the model's own objective too (each stage holds its own layers; the global top-k counts
+    of every layer come from a counting pass, each stage injects its routers' share of the gradient): every step's
+    loss (incl. coef x aux), aux and expert imbalance, and the final weights, equal the single process's (fp32,
+    1e-5). Qwen2-MoE's first stage holds only a dense layer, and its layers are activation-checkpointed (a
+    recomputation inside backward must neither count nor carry a share again)."""
+    from conftest import PARITY, launch, without_preset_sizes
+    from test_parity import RTOL, assert_weights_close
+
+    single = SHARED.single(family, tmp_path)
+    args = [*without_preset_sizes(PARITY), "--model-path", str(SHARED.folder(family, tmp_path)), "--pp", "2"]
+    args += ["--activation-checkpointing"] if family == "qwen2_moe" else []
+    pp2 = launch(args, nproc=2, out=tmp_path / f"{family}-pp2").check()
+    assert pp2.summary["plan"]["router_aux"] == {"num_experts": 4, "top_k": 2, "coef": COEF}
+    assert pp2.summary["aux_loss_coef"] == COEF
+    for key in ("losses", "aux_losses", "expert_imbalance"):
+        assert len(pp2.summary[key]) == 3, key
+        assert pp2.summary[key] == pytest.approx(single.summary[key], rel=RTOL), key
+    assert_weights_close(pp2.final_weights(), single.final_weights(), rtol=RTOL)
+
+
 def _save_mixtral(folder: Path) -> None:
     import transformers
 
@@ -131,14 +190,13 @@ def test_mixtral_trains_on_its_own_objective_at_dp2_with_microbatches_as_in_one_
     """The trainer end to end on a Mixtral folder: step 1's loss is transformers' own `loss` (CE + 0.02 x aux) on
     the first global batch; dp 2 with two microbatches of one row per rank trains like one process with one
     microbatch of four (loss incl. aux and aux within 1e-5 each step); aux and the expert imbalance are reported
-    apart (summary.json, TensorBoard). `--pp 2` is refused before any process group, naming the term."""
+    apart (summary.json, TensorBoard). (`--pp 2`: test_router_loss_at_pp2_equals_the_single_process.)"""
     from conftest import PARITY, launch, without_preset_sizes
     from trainer.config import parse_args
     from trainer.data import BatchStream
-    from trainer.validation import BadInput, validate
+    from trainer.validation import validate
 
-    folder = tmp_path / "mixtral"
-    _save_mixtral(folder)
+    folder = SHARED.folder("mixtral", tmp_path)
     args = [*without_preset_sizes(PARITY), "--model-path", str(folder)]
     cfg = parse_args([*args, "--out", str(tmp_path / "oracle")])
     validated = validate(cfg, world_size=1)
@@ -147,14 +205,7 @@ def test_mixtral_trains_on_its_own_objective_at_dp2_with_microbatches_as_in_one_
     with torch.no_grad():
         own = model.train()(input_ids=inputs, labels=labels, shift_labels=labels, output_router_logits=True)
 
-    with pytest.raises(BadInput) as refused:
-        validate(parse_args([*args, "--pp", "2", "--out", str(tmp_path / "pp2")]), world_size=2)
-    assert (
-        "--pp 2: MixtralForCausalLM trains with its router load-balancing loss (config output_router_logits=true, "
-        f"router_aux_loss_coef={COEF}), which the pipeline cannot compute over the global batch; run with --pp 1"
-    ) in str(refused.value)
-
-    single = launch(args, nproc=1, out=tmp_path / "single").check()
+    single = SHARED.single("mixtral", tmp_path)
     dp2 = launch([*args, "--dp", "2", "--microbatch-size", "1"], nproc=2, out=tmp_path / "dp2").check()
     for run in (single, dp2):
         summary = run.summary
@@ -207,3 +258,6 @@ def test_a_router_loss_of_another_rule_is_refused_before_any_process_group() -> 
 
     assert router_aux_model_problems(parse_args(["--pp", "1"]), model, router_aux=None) == [problem]
     assert router_aux_problems(_tiny("mixtral")) == []
+
+
+SHARED = _SharedRuns({"mixtral": _save_mixtral, "qwen2_moe": _save_qwen2_moe})

@@ -31,6 +31,7 @@ FORBIDDEN = [
     ("trainer.parallel", "cp_layout_name"), ("trainer.parallel", "cp_pad_multiple"),
     ("trainer.parallel", "fsdp_grouping"), ("trainer.models", "attn_implementation"),
     ("trainer.expert_parallel", "has_experts"), ("trainer.step_parts", "router_aux_spec"),
+    ("trainer.moe_balance", "balancing_plan"), ("trainer.moe_balance", "recipe_of"),
 ]
 
 
@@ -113,6 +114,9 @@ def test_summary_records_the_whole_plan(guarded_run: Run) -> None:
     assert (plan["fsdp"], plan["fsdp_grouping"]) == (True, "decoder layers")  # sharded over dp x cp = 2
     assert plan["batch"] == {"global_batch": 4, "local_batch": 4, "microbatch_size": 1, "microbatches": 4}
     assert (plan["num_layers"], plan["moe"], plan["router_aux"]) == (4, True, None)
+    assert plan["moe_balancing"] == {  # Nemotron-H's recipe, read from the plan by the run (not re-derived)
+        "bias_update_rate": 1e-3, "aux_loss_coeff": 0.0, "seq_aux_loss_coeff": 1e-4, "z_loss_coeff": 0.0
+    }  # fmt: skip
     # The summary's older keys are views of the same plan.
     summary = guarded_run.summary
     assert summary["layout"]["cp_layout"] == "contiguous"

@@ -40,6 +40,8 @@ class BatchStep:
     router: RouterAuxLoss | None
     has_first: bool
     counts_loss: bool = True  # False on tp ranks > 0: every tp rank computes the same loss, counted once
+    # pp > 1 with a transformers MoE model's router loss: trainer/router_aux_pipeline.py's PipelineRouterAux
+    pipeline_router: Any = None
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, *, train: bool) -> torch.Tensor:
         """One global batch forward and backward (`train`) or forward only (validation, under no_grad)."""
@@ -47,8 +49,6 @@ class BatchStep:
         return share if self.counts_loss else torch.zeros_like(share)
 
     def _run(self, input_ids: torch.Tensor, labels: torch.Tensor, *, train: bool) -> torch.Tensor:
-        from am_pipelining import sync_tied_embedding_grads
-
         plan = self.plan
         rows = slice(self.dp_rank * plan.local_batch, (self.dp_rank + 1) * plan.local_batch)
         input_ids, labels = input_ids[rows].to(self.device), labels[rows].to(self.device)
@@ -58,6 +58,18 @@ class BatchStep:
                 microbatch_size=plan.microbatch_size, cp_mesh=self.mesh if plan.cp > 1 else None, backward=train,
                 router=self.router if train else None,  # validation: the held-out cross-entropy alone
             )  # fmt: skip
+        router = self.pipeline_router if train else None  # validation: the held-out cross-entropy alone
+        if router is None:
+            return self._pipeline(input_ids, labels, train=train)
+        if router.counts_first:  # the router loss needs the global top-k counts before any backward
+            router.count(lambda: self._pipeline(input_ids, labels, train=False), device=self.device)
+        return router.train_step(lambda: self._pipeline(input_ids, labels, train=True))
+
+    def _pipeline(self, input_ids: torch.Tensor, labels: torch.Tensor, *, train: bool) -> torch.Tensor:
+        """pp > 1: this rank's rows through the schedule (`step`, or `eval`: forward only); its loss share."""
+        from am_pipelining import sync_tied_embedding_grads
+
+        plan = self.plan
         losses: list[torch.Tensor] = []
         step_ctx: Any = contextlib.nullcontext
         first_inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}

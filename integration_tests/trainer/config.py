@@ -76,6 +76,11 @@ class RunConfig:
     lr_schedule: str = "cosine"
     skip_nonfinite_steps: int = 0  # issue 22: at most this many updates dropped for a non-finite loss / grad norm
     tp: int = 1  # issue 24: tensor-parallel size, innermost mesh axis (trainer/tensor_parallel.py)
+    # --- expert load balancing (issue 25; trainer/moe_balance.py): None = the model's own recipe
+    moe_bias_update_rate: float | None = None
+    moe_aux_loss_coeff: float | None = None
+    moe_seq_aux_loss_coeff: float | None = None
+    moe_z_loss_coeff: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -185,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
         "progress bar and summary.json); 0: the first such step stops the run with exit code 3",
     )
     _add_feature_options(p)
+    from trainer.moe_balance import add_balancing_options
+
+    add_balancing_options(p)
     return p
 
 

@@ -68,7 +68,9 @@ def apply_expert_parallel(parts: list[nn.Module], *, ep_mesh: DeviceMesh) -> Non
         hook(ep_mesh)
 
 
-def step_expert_imbalance(parts: list[nn.Module], *, data_group: Any, pp_group: Any, device: torch.device) -> float:
+def step_expert_imbalance(
+    parts: list[nn.Module], *, data_group: Any, pp_group: Any, device: torch.device, on_load: Any = None
+) -> float:
     """This step's expert load imbalance over the whole model: the largest, over every MoE layer of every stage, of
     (tokens routed to the busiest expert) / (mean tokens per expert), counted on the global batch. Resets the
     counters for the next step.
@@ -77,10 +79,18 @@ def step_expert_imbalance(parts: list[nn.Module], *, data_group: Any, pp_group: 
     dispatch; am-moe's `expert_load`), then the largest ratio is taken over `pp_group` (each stage holds its own
     layers). Call it on every rank, once per step, after the step's forwards and before any other forward (an
     evaluation forward would be counted too). NaN when no MoE layer saw a token.
+
+    on_load: called as `on_load(part, load)` with each part's global `am_moe.ExpertLoad` (the bias update of
+    trainer/moe_balance.py reads the same counts; no second all-reduce).
     """
     from am_moe import expert_load
 
-    ratios = [expert_load(part, group=data_group, reset=True).max_imbalance() for part in parts]
+    ratios = []
+    for part in parts:
+        load = expert_load(part, group=data_group, reset=True)
+        if on_load is not None:
+            on_load(part, load)
+        ratios.append(load.max_imbalance())
     seen = [r for r in ratios if r is not None and not math.isnan(r)]
     worst = torch.tensor(max(seen) if seen else -1.0, dtype=torch.float64, device=device)
     if dist.get_world_size(pp_group) > 1:

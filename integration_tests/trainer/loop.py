@@ -65,6 +65,7 @@ from trainer.expert_parallel import apply_expert_parallel, build_ep_meshes, rese
 from trainer.guards import EXIT_RUN_STOPPED, RunStopped, StepGuard
 from trainer.layer_wrappers import apply_activation_checkpointing, apply_compile
 from trainer.models import build_model, is_meta_model
+from trainer.moe_balance import MoEBalance
 from trainer.optim import build_optimizers, lr_at, set_lr
 from trainer.parallel import (
     CPPipelineTargets,
@@ -77,6 +78,7 @@ from trainer.parallel import (
 )
 from trainer.plan import RunPlan, ValidatedRun
 from trainer.progress import Progress, run_summary, save_loss_curve
+from trainer.router_aux_pipeline import PipelineRouterAux
 from trainer.step_parts import RouterAuxLoss, TokenSumLoss, clip_grad_norm, make_hf_exporter
 from trainer.tb_logging import TensorBoardLog
 from trainer.tensor_parallel import apply_tensor_parallel_to_parts
@@ -160,6 +162,7 @@ class Built:
     run_batch: BatchStep
     loss_fn: TokenSumLoss
     export_hf: Any
+    balance: MoEBalance | None = None  # the am-moe routers' load balancing (None: a model without them)
 
 
 def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
@@ -178,12 +181,20 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
     apply_precision(model, precision=plan.precision)
     stages: list[Any] = []
     parts = [model]
+    pipeline_router = None
     if plan.is_pipeline:  # each rank keeps only its stages
         stages, parts = split_pipeline(model, mesh=meshes.mesh, plan=plan, device=device)
+        if router is not None:  # the router loss over the global batch, from each stage's own layers
+            assert plan.num_layers is not None  # a pipeline needs the layers (validated)
+            pipeline_router = PipelineRouterAux(parts, router, num_layers=plan.num_layers, device=device)
     if meshes.tp is not None:  # after the split (each stage shards what it holds), before EP and FSDP2
         apply_tensor_parallel_to_parts(parts, plan=plan.tensor_parallel, tp_mesh=meshes.tp)
     if meshes.ep is not None:
         apply_expert_parallel(parts, ep_mesh=meshes.ep)
+    balance = None
+    if plan.moe_balancing is not None:  # on each stage's own module (a stage copy would not share the settings)
+        cp_group = meshes.mesh["cp"].get_group() if plan.cp > 1 else None
+        balance = MoEBalance(parts, balancing=plan.moe_balancing, sequence_group=cp_group)
     for part in parts:  # after the split (each stage wraps its own layers), before FSDP2
         if cfg.activation_checkpointing:
             apply_activation_checkpointing(part)
@@ -215,6 +226,7 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
         router=router,
         has_first=not stages or any(s.is_first for s in stages),
         counts_loss=meshes.tp is None or meshes.tp.get_local_rank() == 0,
+        pipeline_router=pipeline_router,
     )
     # One optimizer per part: identical math to one over all parameters (trainer/optim.py).
     optimizers = build_optimizers(parts, cfg)
@@ -224,7 +236,9 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
     export_hf = make_hf_exporter(
         validated.spec, parts, precision=plan.precision, shard_rank=shard_rank, tp_group=tp_group
     )
-    return Built(parts=parts, optimizers=optimizers, run_batch=run_batch, loss_fn=loss_fn, export_hf=export_hf)
+    return Built(
+        parts=parts, optimizers=optimizers, run_batch=run_batch, loss_fn=loss_fn, export_hf=export_hf, balance=balance
+    )
 
 
 @dataclass
@@ -241,6 +255,7 @@ class History:
     imbalances: list[float] = field(default_factory=list)
     aux_losses: list[float] = field(default_factory=list)
     wall_s: float = 0.0
+    moe_terms: list[dict[str, float]] = field(default_factory=list)  # am-moe balancing terms per applied step
 
 
 def restore(cfg: RunConfig, built: Built, *, corpus: Corpus, resume_dir: Path | None) -> History:
@@ -257,6 +272,7 @@ def restore(cfg: RunConfig, built: Built, *, corpus: Corpus, resume_dir: Path | 
     history.val_losses = [tuple(x) for x in state.get("val_losses", [])]
     history.imbalances = list(state.get("expert_imbalance") or [])
     history.aux_losses = list(state.get("aux_losses") or [])
+    history.moe_terms = list(state.get("moe_aux_losses") or [])
     history.guard = StepGuard(max_skips=cfg.skip_nonfinite_steps, skipped=state.get("skipped_steps", []))
     return history
 
@@ -267,7 +283,7 @@ def train(
     """Phase 6: the steps from `history.start_step + 1` to `--steps`, with validation, progress, TensorBoard and
     checkpoints; returns the last checkpoint written. Fills `history` (and its `wall_s`)."""
     rank, parts = meshes.rank, built.parts
-    router = built.run_batch.router
+    router, balance = built.run_batch.router, built.balance
     counts_load = plan.moe or router is not None
     val_batches = validation_batches(corpus.val, cfg) if corpus.val is not None else []
     pp_group = meshes.mesh["pp"].get_group()
@@ -285,6 +301,8 @@ def train(
         maybe_inject_fault(step, rank)
         input_ids, labels = history.stream.next_batch()
         built.loss_fn.denominator = float((labels != -100).sum())
+        if balance is not None:
+            balance.before_step(input_ids.numel())
         local = built.run_batch(input_ids, labels, train=True)
         aux_loss = None
         if router is not None and router.last_aux_share is not None:  # one all-reduce for both shares
@@ -293,6 +311,7 @@ def train(
             local, aux_loss = both[0], float(both[1])
         else:
             dist.all_reduce(local)  # the sum of every rank's share is the global token mean
+        moe_terms = balance.step_terms(meshes.device) if balance is not None else None
         grad_norm = clip_grad_norm(parts, max_norm=cfg.grad_clip, pp_group=pp_group, tp_group=tp_group)
         lr = lr_at(step, cfg)
         # The loss is all-reduced and the norm is global, so every rank takes the same decision here (no rank is
@@ -307,6 +326,8 @@ def train(
             history.losses.append((step, float(local), float(grad_norm)))
             if aux_loss is not None:
                 history.aux_losses.append(aux_loss)
+            if moe_terms is not None:
+                history.moe_terms.append(moe_terms)
         elif rank == 0:
             print(
                 f"warning: {history.guard.last_problem}; update skipped ({len(history.guard.skipped)} of "
@@ -317,7 +338,11 @@ def train(
         imbalance = None
         if plan.moe:  # before any validation forward, which the counters would see too
             data_group = meshes.dp_cp.get_group()
-            imbalance = step_expert_imbalance(parts, data_group=data_group, pp_group=pp_group, device=meshes.device)
+            # the same global counts move the routers' biases (after the optimizer step; not for a skipped step)
+            on_load = balance.update_bias if balance is not None and apply else None
+            imbalance = step_expert_imbalance(
+                parts, data_group=data_group, pp_group=pp_group, device=meshes.device, on_load=on_load
+            )
         elif router is not None:  # counted in the step's forwards, over the global batch
             imbalance = router.last_imbalance if router.last_imbalance is not None else math.nan
         if counts_load:
@@ -328,10 +353,12 @@ def train(
             history.val_losses.append((step, val_loss))
             if plan.moe:
                 reset_expert_counts(parts)  # the next step's load counts training tokens only
+            if balance is not None:
+                balance.reset()  # and its balancing terms too
         skipped = len(history.guard.skipped) if cfg.skip_nonfinite_steps else None
         progress.update(
             step=step, loss=float(local), lr=lr, val_loss=val_loss, expert_imbalance=imbalance, aux_loss=aux_loss,
-            skipped=skipped,
+            skipped=skipped, moe_terms=moe_terms,
         )  # fmt: skip
         tensorboard.scalars(
             step,
@@ -339,6 +366,7 @@ def train(
             | {"train/tokens_per_s": progress.tokens_per_second()}
             | ({"train/expert_imbalance": imbalance} if imbalance is not None else {})
             | ({"train/aux_loss": aux_loss} if aux_loss is not None else {})
+            | {f"train/{name}": value for name, value in (moe_terms or {}).items()}
             | ({"val/loss": val_loss} if val_loss is not None else {}),
         )
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
@@ -359,6 +387,7 @@ def _save(cfg: RunConfig, step: int, plan: RunPlan, built: Built, history: Histo
         "val_losses": history.val_losses,
         "expert_imbalance": history.imbalances if plan.moe or router else None,
         "aux_losses": history.aux_losses if router else None,
+        "moe_aux_losses": history.moe_terms if built.balance is not None and built.balance.has_loss_terms else None,
         "skipped_steps": history.guard.skipped,
     }
     return ckpt.save_checkpoint(

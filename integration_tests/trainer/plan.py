@@ -3,9 +3,10 @@
 What it is for: `RunPlan` is frozen data (torchtitan's `ParallelDims`, grown to the whole layout): the mesh sizes and
 axis order, am-pipelining's `PipelinePlan` (None at pp 1), am-moe's `ExpertParallelPlan` (None at ep 1), the CP
 layout, pad multiple and local sequence length, the precision policy, whether FSDP2 wraps the model, the
-microbatching, the attention implementation and how the router's auxiliary loss is handled. `make_plan` is the one
-function that decides them (called by `validate()`, before any process group); the build and step functions of
-trainer/loop.py read the plan and never the raw options again, and summary.json records `plan.to_json()`.
+microbatching, the attention implementation, how the router's auxiliary loss is handled and the MoE load
+balancing. `make_plan` is the one function that decides them (called by `validate()`, before any process group); the
+build and step functions of trainer/loop.py read the plan and never the raw options again, and summary.json
+records `plan.to_json()`.
 `ValidatedRun` carries the plan together with what is not layout (the model spec, the model validation checked, the
 data, the folder to resume).
 What it must not do: touch torch.distributed, or decide a rule that another module owns (it asks am-pipelining,
@@ -100,8 +101,11 @@ class RunPlan:
     num_layers: int | None  # decoder layers am-pipelining finds (None: none found; pp 1 only)
     attn_implementation: str | None
     moe: bool  # the model computes experts through am-moe (its expert load is counted per step)
-    router_aux: RouterAuxPlan | None  # pp 1 only: a pipelined run trains on cross-entropy alone (validated)
+    router_aux: RouterAuxPlan | None  # pp 1: step_parts.RouterAuxLoss; pp > 1: trainer/router_aux_pipeline.py
     tensor_parallel: Any = None  # am_tensor_parallel.TensorParallelPlan | None (None: tp 1)
+    # am_moe.LoadBalancing of the model's am-moe routers: its recipe under the --moe-* options (trainer/moe_balance.py);
+    # None for a model without them
+    moe_balancing: Any = None
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
@@ -138,6 +142,8 @@ class RunPlan:
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON data of the whole plan (summary.json's `plan`)."""
+        from trainer.moe_balance import balancing_json
+
         ep = self.expert_parallel
         router = self.router_aux
         return {
@@ -174,6 +180,7 @@ class RunPlan:
             ),
             # am-tensor-parallel's record of the plan: tp, flags, every module's style, the head counts it divides
             "tensor_parallel": self.tensor_parallel.describe() if self.tensor_parallel is not None else None,
+            "moe_balancing": balancing_json(self.moe_balancing),
         }
 
 
@@ -208,11 +215,13 @@ def make_plan(
     num_layers: int | None,
     router_aux: tuple[int, int, float, bool] | None,
     tensor_parallel: Any = None,
+    moe_balancing: Any = None,
 ) -> RunPlan:
     """The plan of a run `validate()` accepted: `cfg`'s sizes, the plans validation made (`pipeline`,
     `expert_parallel`), the CP facts it read from the model, and the model's own declarations (attention, FSDP2
-    grouping, experts). `router_aux` is step_parts' `router_aux_spec(model)` (used at pp 1 only); `tensor_parallel`
-    the validated `TensorParallelPlan` (trainer/tensor_parallel.py's `tensor_parallel_plan`, None at tp 1)."""
+    grouping, experts). `router_aux` is step_parts' `router_aux_spec(model)`; `tensor_parallel` the validated
+    `TensorParallelPlan` (trainer/tensor_parallel.py's `tensor_parallel_plan`, None at tp 1); `moe_balancing` is
+    trainer/moe_balance.py's `balancing_plan(cfg, model)` (None: no am-moe routers)."""
     from am_context_parallel import cp_local_seq_len
     from trainer.expert_parallel import has_experts
     from trainer.models import attn_implementation
@@ -220,7 +229,7 @@ def make_plan(
 
     precision = PRECISIONS[cfg.dtype]
     router = None
-    if router_aux is not None and pipeline is None:
+    if router_aux is not None:
         experts, top_k, coef, in_objective = router_aux
         router = RouterAuxPlan(num_experts=experts, top_k=top_k, coef=coef if in_objective else 0.0)
     return RunPlan(
@@ -248,6 +257,7 @@ def make_plan(
         moe=has_experts(model),
         router_aux=router,
         tensor_parallel=tensor_parallel,
+        moe_balancing=moe_balancing,
     )
 
 

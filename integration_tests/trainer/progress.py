@@ -54,11 +54,14 @@ class Progress:
         expert_imbalance: float | None = None,
         aux_loss: float | None = None,
         skipped: int | None = None,
+        moe_terms: dict[str, float] | None = None,
     ) -> None:
         """One optimizer step done; `val_loss` when this step validated (the bar keeps showing the latest);
         `expert_imbalance` for MoE models (max / mean tokens per expert, shown next to the loss); `aux_loss`: a
         transformers MoE model's router load-balancing loss (unscaled; `loss` includes its coef x it); `skipped`: the
-        steps dropped so far for a non-finite loss or gradient norm (with `--skip-nonfinite-steps`; None: not shown)."""
+        steps dropped so far for a non-finite loss or gradient norm (with `--skip-nonfinite-steps`; None: not shown);
+        `moe_terms`: the am-moe balancing terms of the step (`moe_aux_loss`, `moe_seq_aux_loss`, `moe_z_loss`,
+        coefficient-weighted; trainer/moe_balance.py), shown apart from `loss`."""
         self.steps_done += 1
         if val_loss is not None:
             self._val_loss = val_loss
@@ -69,6 +72,8 @@ class Progress:
         fields = {"loss": f"{loss:.4f}"}
         if aux_loss is not None:
             fields["aux_loss"] = f"{aux_loss:.4f}"
+        for name, value in (moe_terms or {}).items():
+            fields[name] = f"{value:.3g}"
         if expert_imbalance is not None:
             fields["experts max/mean"] = f"{expert_imbalance:.2f}"
         if self._val_loss is not None:
@@ -128,10 +133,13 @@ def run_summary(
     """summary.json's content (rank 0, after the last step): the model, the plan and its layout, the losses and
     histories, the feature options, throughput and the last checkpoint (the loss curve's path is added by the
     caller)."""
+    from trainer.moe_balance import balancing_json
     from trainer.tb_logging import tensorboard_dir
 
     router = plan.router_aux
     losses, val_losses, aux = history.losses, history.val_losses, history.aux_losses
+    balancing = plan.moe_balancing
+    moe_terms = history.moe_terms if balancing is not None and balancing.has_loss_terms else None
     steps_run = cfg.steps - history.start_step
     return {
         "model": family,
@@ -153,6 +161,13 @@ def run_summary(
         "aux_losses": aux if router else None,
         "final_aux_loss": aux[-1] if router and aux else None,
         "aux_loss_coef": router.coef if router else None,
+        # am-moe routers (Nemotron-H, Gemma 4 MoE): the balancing the run applied (the model's recipe under the
+        # --moe-* options) and its loss terms per applied step, coefficient-weighted, token-mean over the global
+        # batch, apart from `losses` (whose gradient they add to)
+        "moe_balancing": balancing_json(balancing),
+        "moe_aux_losses": (
+            {name: [terms[name] for terms in moe_terms] for name in moe_terms[0]} if moe_terms else None
+        ),
         "first_loss": losses[0][1] if losses else None,
         "final_loss": losses[-1][1] if losses else None,
         "val_losses": [list(entry) for entry in val_losses],  # [step, validation loss]

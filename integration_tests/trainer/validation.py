@@ -39,6 +39,7 @@ from trainer.config import (
 from trainer.data import Corpus, load_tokens
 from trainer.guards import model_path_nonfinite_problems, nonfinite_parameters
 from trainer.models import ModelSpec, build_meta_model, build_model, folder_spec, preset_spec
+from trainer.moe_balance import balancing_plan, balancing_problems
 from trainer.parallel import cp_layout_name, cp_pad_multiple, decoder_layers, layer_feature_problems
 from trainer.plan import ValidatedRun, make_plan
 from trainer.tensor_parallel import tensor_parallel_plan, tensor_parallel_problems
@@ -230,6 +231,7 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
     problems += vocab_problems(cfg, tokenizer=tokenizer, spec=spec)
     router_aux = router_aux_spec(model) if model is not None else None
     problems += _feature_model_problems(cfg, model=model, plan=pipeline, router_aux=router_aux)
+    problems += balancing_problems(cfg, model)  # the --moe-* options: numbers, and against the model's routers
     vocab = spec.vocab_size if spec is not None else (_tokenizer_vocab(tokenizer) or 256)
     tokens, found = data_problems(cfg, vocab_size=vocab, tokenizer=tokenizer)
     problems += found
@@ -259,6 +261,7 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
         num_layers=num_layers,
         router_aux=router_aux,
         tensor_parallel=tensor_parallel_plan(cfg, model),
+        moe_balancing=balancing_plan(cfg, model),
     )
     return ValidatedRun(plan=plan, spec=spec, model=model, corpus=tokens, resume_dir=resume_dir)
 
@@ -271,7 +274,8 @@ _MUST_MATCH_ON_RESUME = (
 # written before these options existed hold none of them, which reads as their defaults).
 _FEATURES_MUST_MATCH_ON_RESUME = {
     "ep": 1, "tp": 1, "tokenizer": None, "data_field": None, "data_split": None, "val_fraction": None,
-    "optimizer": "adamw", "lr_schedule": "cosine",
+    "optimizer": "adamw", "lr_schedule": "cosine", "moe_bias_update_rate": None, "moe_aux_loss_coeff": None,
+    "moe_seq_aux_loss_coeff": None, "moe_z_loss_coeff": None,
 }  # fmt: skip
 
 
@@ -333,25 +337,13 @@ def router_aux_model_problems(
     cfg: RunConfig, model: nn.Module | None, *, router_aux: tuple[int, int, float, bool] | None
 ) -> list[str]:
     """A transformers MoE model whose training objective includes a router loss the trainer cannot reproduce
-    (`router_aux_problems`), or includes its load-balancing loss at `--pp > 1`: refused rather than dropping the
-    term. The load-balancing loss needs the top-k counts of every layer over the whole global batch before any
-    backward, which a pipeline schedule (a stage's backward runs before the other microbatches' forwards, and each
-    stage holds only its own layers) does not provide. `router_aux`: step_parts' `router_aux_spec(model)`."""
+    (`router_aux_problems`): refused rather than dropping the term. (Transformers' own load-balancing loss runs in
+    every layout: step_parts.RouterAuxLoss at pp 1, trainer/router_aux_pipeline.py at pp > 1.)"""
     from trainer.step_parts import router_aux_problems
 
     if model is None:
         return []
-    problems = router_aux_problems(model)
-    spec = router_aux if cfg.pp > 1 else None
-    if spec is None or not spec[3]:
-        return problems
-    return [
-        *problems,
-        f"--pp {cfg.pp}: {type(model).__name__} trains with its router load-balancing loss "
-        f"(config output_router_logits=true, router_aux_loss_coef={spec[2]}), which the pipeline cannot compute "
-        "over the global batch; run with --pp 1 (dp, cp and FSDP2 compute it exactly), or set "
-        '"output_router_logits": false in the config.json of --model-path to train on cross-entropy alone',
-    ]
+    return router_aux_problems(model)
 
 
 def _resume_mismatches(cfg: RunConfig, state: dict[str, Any]) -> list[str]:
