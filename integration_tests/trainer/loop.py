@@ -7,11 +7,13 @@ What it is for: `run(cfg)` is the whole job, in the order a reader expects (torc
        (trainer/plan.py: mesh, pipeline plan, EP plan, CP layout, precision, FSDP2, microbatches): the only layout
        the phases below read
     2. `setup_mesh`: process group (gloo on the CPU, NCCL on GPUs) and one DeviceMesh ("pp", "dp", "cp")
-    3. `build`: the model, built once: fp32, seeded, identical on every rank
+    3. `build`: the model validation built on the meta device (no weights anywhere yet)
        -> storage dtype (fp32; bf16 only for --dtype bf16-pure, fp32-pinned tensors kept) -> pipeline stages
        (pp > 1) -> experts sharded over ep (ep > 1, carved out of dp x cp; trainer/expert_parallel.py) -> per-layer
        activation checkpointing / torch.compile (trainer/layer_wrappers.py) -> FSDP2 over dp x cp (also over one
        rank for mixed precision: bf16 compute, fp32 master weights; experts over the ranks left after ep)
+       -> each rank materializes its own blocks only (trainer/build.py: seeded per-unit init, or the folder's
+       slices), with the single process's values whatever the layout
     4. (`build`, too) optimizer per model part and LR schedule (trainer/optim.py; default AdamW, warm-up + cosine),
        global gradient-norm clipping across stages and shards (trainer/step_parts.py, with the loss and the HF export)
     5. `restore`: the checkpoint to resume, if any (exact: weights, optimizer, data position, histories)
@@ -62,7 +64,7 @@ from trainer.evaluation import evaluate, validation_batches
 from trainer.expert_parallel import apply_expert_parallel, build_ep_meshes, reset_expert_counts, step_expert_imbalance
 from trainer.guards import EXIT_RUN_STOPPED, RunStopped, StepGuard
 from trainer.layer_wrappers import apply_activation_checkpointing, apply_compile
-from trainer.models import build_model, is_meta_model
+from trainer.build import materialize_parts
 from trainer.optim import build_optimizers, lr_at, set_lr
 from trainer.parallel import (
     CPPipelineTargets,
@@ -163,13 +165,12 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
     from am_pipelining import PipelineCausalLMLoss, build_schedule
 
     plan, device = validated.plan, meshes.device
-    # Built once: validation checked a preset on the meta device (no weights), so its seeded fp32 init happens here;
-    # a --model-path folder was loaded by validation (its loader checks every tensor name while it loads).
-    model = build_model(validated.spec, seed=cfg.seed) if is_meta_model(validated.model) else validated.model
+    # Built once, on the meta device, by validation (a folder's names and shapes checked on its headers): no rank
+    # holds a weight until the plan's layout is applied; then each rank materializes only its own blocks.
+    model = validated.model
     # A transformers MoE model (router logits): its load-balancing loss (when its config adds it to the objective)
     # and its expert imbalance, over the global batch (dp x cp); the plan has it at pp = 1 only.
     router = RouterAuxLoss.from_plan(plan.router_aux, group=meshes.dp_cp.get_group()) if plan.router_aux else None
-    model.to(device)
     apply_precision(model, precision=plan.precision)
     stages: list[Any] = []
     parts = [model]
@@ -187,6 +188,9 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
             apply_fsdp(part, shard_mesh=meshes.dp_cp, precision=plan.precision, expert_mesh=meshes.expert_dp)
             for part in parts
         ]
+    # This rank's blocks only: the seeded per-unit init of a preset, the folder's slices of a --model-path
+    # (trainer/build.py); values do not depend on the layout, so every layout equals the single process.
+    materialize_parts(parts, materialize=validated.spec.materialize, seed=cfg.seed, device=device)
     if os.environ.get("AM_TRAIN_FP32_REPORT"):
         dump_fp32_tensors(parts, os.environ["AM_TRAIN_FP32_REPORT"], meshes.rank, storage_dtype=plan.precision.storage)
     loss_fn = TokenSumLoss()
