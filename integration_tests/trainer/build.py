@@ -165,7 +165,7 @@ def materialize_seeded(part: nn.Module, *, init: SeededInit, seed: int, device: 
 def materialize_parts(
     parts: list[nn.Module],
     *,
-    materialize: Callable[[nn.Module, int, torch.device], None],
+    materialize: Callable[[nn.Module, int, torch.device], None] | None,
     seed: int,
     device: torch.device,
 ) -> None:
@@ -174,6 +174,8 @@ def materialize_parts(
     it, ranks without a copy do nothing)."""
     from am_pipelining import sync_tied_embedding_weights
 
+    if materialize is None:
+        raise ValueError("the model spec has no materialize: it cannot be built piecewise")
     for part in parts:
         materialize(part, seed, device)
     sync_tied_embedding_weights(parts)

@@ -59,7 +59,7 @@ from trainer import checkpoint as ckpt
 from trainer.batch_step import BatchStep
 from trainer.config import RunConfig
 from trainer.data import BatchStream, Corpus
-from trainer.debug_hooks import dump_fp32_tensors, maybe_inject_fault
+from trainer.debug_hooks import BuildMemory, dump_fp32_tensors, maybe_inject_fault
 from trainer.evaluation import evaluate, validation_batches
 from trainer.expert_parallel import apply_expert_parallel, build_ep_meshes, reset_expert_counts, step_expert_imbalance
 from trainer.guards import EXIT_RUN_STOPPED, RunStopped, StepGuard
@@ -165,6 +165,8 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
     from am_pipelining import PipelineCausalLMLoss, build_schedule
 
     plan, device = validated.plan, meshes.device
+    memory = BuildMemory()  # test-only (AM_TRAIN_MEMORY_REPORT): this rank's peak host memory while building
+    memory.start()
     # Built once, on the meta device, by validation (a folder's names and shapes checked on its headers): no rank
     # holds a weight until the plan's layout is applied; then each rank materializes only its own blocks.
     model = validated.model
@@ -191,6 +193,7 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
     # This rank's blocks only: the seeded per-unit init of a preset, the folder's slices of a --model-path
     # (trainer/build.py); values do not depend on the layout, so every layout equals the single process.
     materialize_parts(parts, materialize=validated.spec.materialize, seed=cfg.seed, device=device)
+    memory.finish(parts, meshes.rank)
     if os.environ.get("AM_TRAIN_FP32_REPORT"):
         dump_fp32_tensors(parts, os.environ["AM_TRAIN_FP32_REPORT"], meshes.rank, storage_dtype=plan.precision.storage)
     loss_fn = TokenSumLoss()

@@ -389,9 +389,10 @@ def build_meta_model(spec: ModelSpec) -> nn.Module:
 def build_model(spec: ModelSpec, *, seed: int, device: torch.device | str = "cpu") -> nn.Module:
     """The whole model with real weights in ONE process (the single-process reference, tests and export): the same
     meta build and the same `materialize` a sharded run uses, so every layout holds exactly these values."""
+    from trainer.build import materialize_parts
+
     model = build_meta_model(spec)
-    assert spec.materialize is not None, f"{spec.family}: the spec has no materialize"
-    spec.materialize(model, seed, torch.device(device))
+    materialize_parts([model], materialize=spec.materialize, seed=seed, device=torch.device(device))
     return model
 
 
