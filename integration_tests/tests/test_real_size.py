@@ -28,7 +28,7 @@ def _full_model_bytes() -> int:
 
 def test_each_rank_builds_only_its_share_at_dp4(tmp_path) -> None:
     report = tmp_path / "memory"
-    launch(RUN + ["--dp", "4"], nproc=4, out=tmp_path / "run", env={"AM_TRAIN_MEMORY_REPORT": str(report)}).check()
+    launch([*RUN, "--dp", "4"], nproc=4, out=tmp_path / "run", env={"AM_TRAIN_MEMORY_REPORT": str(report)}).check()
     full = _full_model_bytes()
     assert full > 140e6, full
     for rank in range(4):

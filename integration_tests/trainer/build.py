@@ -37,6 +37,7 @@ from torch import nn
 
 from am_precision import InitUnit, materialize_sharded_
 
+
 @dataclass(frozen=True)
 class SeededInit:
     """How a model family is initialized piecewise: `meta_twin(part)` is the whole unsharded model `part` was cut
@@ -218,7 +219,11 @@ def header_sources(folder: Path, model: nn.Module) -> tuple[dict[str, list[str]]
         for name, keys in sources.items()
         if stored[keys[0]] != expected[name]
     ]
-    info = {"missing_keys": sorted(missing), "unexpected_keys": sorted(unexpected), "mismatched_keys": mismatched}
+    info: dict[str, list[Any]] = {
+        "missing_keys": sorted(missing),
+        "unexpected_keys": sorted(unexpected),
+        "mismatched_keys": mismatched,
+    }
     return sources, info
 
 
@@ -233,7 +238,7 @@ def _model_names(
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-        transforms = get_model_conversion_mapping(model)
+        transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]
     except (ImportError, AttributeError, TypeError):  # not a transformers model, or another transformers version
         return {key: key for key in stored}
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]

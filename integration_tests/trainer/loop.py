@@ -57,6 +57,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from trainer import checkpoint as ckpt
 from trainer.batch_step import BatchStep
+from trainer.build import materialize_parts
 from trainer.config import RunConfig
 from trainer.data import BatchStream, Corpus
 from trainer.debug_hooks import BuildMemory, dump_fp32_tensors, maybe_inject_fault
@@ -64,7 +65,6 @@ from trainer.evaluation import evaluate, validation_batches
 from trainer.expert_parallel import apply_expert_parallel, build_ep_meshes, reset_expert_counts, step_expert_imbalance
 from trainer.guards import EXIT_RUN_STOPPED, RunStopped, StepGuard
 from trainer.layer_wrappers import apply_activation_checkpointing, apply_compile
-from trainer.build import materialize_parts
 from trainer.optim import build_optimizers, lr_at, set_lr
 from trainer.parallel import (
     CPPipelineTargets,
