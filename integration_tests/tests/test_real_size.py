@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import launch
 
 # A llama preset of ~38M parameters (151 MB in fp32): 16 layers of 2.4M parameters (9.4 MB each).
@@ -38,3 +40,45 @@ def test_each_rank_builds_only_its_share_at_dp4(tmp_path) -> None:
         assert abs(facts["local_tensor_bytes"] - full / 4) < 0.02 * full, (rank, facts, full)
         # its shards plus one unit in full (~9 MB) and the code the build imports: well below the whole model
         assert grown < 0.5 * full, f"rank {rank} grew by {grown / 1e6:.0f} MB building a {full / 1e6:.0f} MB model"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# §2: the published configurations as --model names (validated on the meta device; never materialized here)
+# ------------------------------------------------------------------------------------------------------------------
+
+REAL = ["--seq-len", "16", "--global-batch", "8", "--steps", "1", "--no-progress"]
+# name -> (layout, parameters counted on the meta device, the published total it must match within 1 %)
+PUBLISHED = {
+    "nemotron-3-nano-30b-a3b": (["--dp", "8", "--ep", "8"], 31.6e9),
+    "gemma4-26b-a4b": (["--dp", "8", "--ep", "8"], 25.2e9),
+    "gemma4-31b": (["--dp", "8"], 30.7e9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_configurations_validate_on_the_meta_device(tmp_path, name: str) -> None:
+    from am_models_gemma4.presets import PRESET_NAMES as GEMMA4
+    from am_models_nemotron.presets import PRESET_NAMES as NEMOTRON
+    from trainer.config import REAL_SIZE_MODELS, parse_args
+    from trainer.validation import validate
+
+    assert set(REAL_SIZE_MODELS) == set(NEMOTRON) | set(GEMMA4), "the trainer names every package preset"
+    layout, published = PUBLISHED[name]
+    validated = validate(parse_args(["--model", name, *layout, *REAL, "--out", str(tmp_path)]), world_size=8)
+    model = validated.model
+    assert all(p.is_meta for p in model.parameters()), "validation holds no weights"
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count - published) < 0.01 * published, (name, count)
+    assert validated.plan.ep == int(layout[layout.index("--ep") + 1]) if "--ep" in layout else validated.plan.ep == 1
+
+
+def test_published_configurations_refuse_tiny_sizes_and_a_layout_that_does_not_divide_them(tmp_path) -> None:
+    from trainer.config import parse_args
+    from trainer.validation import BadInput, validate
+
+    args = ["--model", "nemotron-3-nano-30b-a3b", "--hidden-size", "64", "--dp", "6", "--ep", "3", *REAL]
+    with pytest.raises(BadInput) as info:
+        validate(parse_args([*args, "--global-batch", "6", "--out", str(tmp_path)]), world_size=6)
+    message = str(info.value)
+    assert "--hidden-size 64: --model nemotron-3-nano-30b-a3b is the published configuration" in message, message
+    assert "128" in message and "ep" in message, message  # 128 routed experts do not split over ep 3

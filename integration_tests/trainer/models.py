@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.config import MODELS
+from trainer.config import MODELS, REAL_SIZE_MODELS
 from trainer.data import ByteTokenizer
 
 
@@ -228,6 +228,8 @@ def preset_spec(
         return ModelSpec(
             name, _on_meta(lambda: _build_gemma4(config)), _save_own, vocab, materialize=_seeded(_gemma4_init())
         )
+    if name in REAL_SIZE_MODELS:
+        return real_size_spec(name)
     if name == "llama":
         config = llama_config(
             hidden_size=hidden_size, num_layers=num_layers, tie_embeddings=tie_embeddings, vocab_size=vocab
@@ -236,6 +238,29 @@ def preset_spec(
             name, _on_meta(lambda: _build_llama(config)), _save_hf, vocab, materialize=_seeded(_transformers_init())
         )
     raise ValueError(f"--model {name!r} is unknown; choose one of {', '.join(MODELS)}")
+
+
+def real_size_spec(name: str) -> ModelSpec:
+    """The spec of a published configuration (the model packages' presets: Nemotron 3 Nano 30B-A3B, Gemma 4 26B-A4B
+    and 31B, config only): built on the meta device like every model, then each rank materializes its own blocks with
+    the seeded init. Its vocabulary is the published one (the byte tokenizer's ids fit in it)."""
+    if name.startswith("nemotron"):
+        from am_models_nemotron.presets import preset_config
+
+        config = preset_config(name)
+        return ModelSpec(
+            name,
+            _on_meta(lambda: _build_nemotron(config)),
+            _save_own,
+            int(config.vocab_size),
+            materialize=_seeded(_nemotron_init()),
+        )
+    from am_models_gemma4.presets import preset_config as gemma4_preset
+
+    text = gemma4_preset(name, text_only=True)  # the text model: what Gemma4ForCausalLM trains
+    return ModelSpec(
+        name, _on_meta(lambda: _build_gemma4(text)), _save_own, int(text.vocab_size), materialize=_seeded(_gemma4_init())
+    )
 
 
 def hf_attention_implementation(folder: str | Path) -> str:
