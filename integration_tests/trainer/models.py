@@ -258,9 +258,8 @@ def real_size_spec(name: str) -> ModelSpec:
     from am_models_gemma4.presets import preset_config as gemma4_preset
 
     text = gemma4_preset(name, text_only=True)  # the text model: what Gemma4ForCausalLM trains
-    return ModelSpec(
-        name, _on_meta(lambda: _build_gemma4(text)), _save_own, int(text.vocab_size), materialize=_seeded(_gemma4_init())
-    )
+    build = _on_meta(lambda: _build_gemma4(text))
+    return ModelSpec(name, build, _save_own, int(text.vocab_size), materialize=_seeded(_gemma4_init()))
 
 
 def hf_attention_implementation(folder: str | Path) -> str:
