@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import launch
 
 # A llama preset of ~38M parameters (151 MB in fp32): 16 layers of 2.4M parameters (9.4 MB each).
@@ -82,3 +83,21 @@ def test_published_configurations_refuse_tiny_sizes_and_a_layout_that_does_not_d
     message = str(info.value)
     assert "--hidden-size 64: --model nemotron-3-nano-30b-a3b is the published configuration" in message, message
     assert "n_routed_experts=128 not divisible by 3" in message, message
+
+
+def test_a_tied_model_path_split_over_two_stages_equals_one_process(tmp_path) -> None:
+    """A Gemma 4 folder (tied embedding, no lm_head tensor) at pp 2: the first stage reads the embedding, the last
+    stage's head copy gets its values (am-pipelining's sync), and the run equals the single process's."""
+    from conftest import PARITY, without_preset_sizes
+    from trainer.models import build_model, preset_spec
+
+    spec = preset_spec("gemma4", hidden_size=32, num_layers=4, mtp_depths=0, tie_embeddings=False, vocab_size=None)
+    spec.save(build_model(spec, seed=5), tmp_path / "gemma4")
+    args = ["--model-path", str(tmp_path / "gemma4"), *without_preset_sizes(PARITY)]
+    one = launch(args, nproc=1, out=tmp_path / "pp1").check()
+    two = launch([*args, "--pp", "2"], nproc=2, out=tmp_path / "pp2").check()
+    assert two.summary["losses"] == pytest.approx(one.summary["losses"], rel=1e-5)
+    expected, actual = one.final_weights(), two.final_weights()
+    assert sorted(actual) == sorted(expected)
+    for key, tensor in expected.items():
+        torch.testing.assert_close(actual[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
