@@ -220,6 +220,7 @@ def header_sources(folder: Path, model: nn.Module) -> tuple[dict[str, list[str]]
         if stored[keys[0]] != expected[name]
     ]
     info: dict[str, list[Any]] = {
+        "converted_keys": sorted(key for key, name in renamed.items() if name is None),
         "missing_keys": sorted(missing),
         "unexpected_keys": sorted(unexpected),
         "mismatched_keys": mismatched,

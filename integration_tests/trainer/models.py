@@ -322,6 +322,8 @@ def folder_spec(folder: str | Path) -> ModelSpec:
         from trainer.build import header_sources
 
         config = AutoConfig.from_pretrained(str(folder))
+        if header_sources_needs_converter(folder, config):
+            return _load_hf_whole(folder)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
                 config, dtype=torch.float32, attn_implementation=hf_attention_implementation(folder)
@@ -332,9 +334,41 @@ def folder_spec(folder: str | Path) -> ModelSpec:
     def load_hf(part: nn.Module, seed: int, device: torch.device) -> None:
         from trainer.build import load_transformers_blocks
 
+        if not any(p.is_meta for p in part.parameters()):  # loaded whole by `build` (files transformers converts)
+            return
+
         load_transformers_blocks(part, folder, seed=seed, device=device)
 
     return ModelSpec(model_type or "hf", build_hf, _save_hf, vocab_size, loads_weights=True, materialize=load_hf)
+
+
+def header_sources_needs_converter(folder: Path, config: Any) -> bool:
+    """Whether transformers fuses or splits some of the folder's tensors on load (a `WeightConverter`, e.g. Mixtral's
+    per-expert files stacked into one tensor): such a folder cannot be read block by block and is loaded whole."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.build import header_sources
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return bool(header_sources(folder, model)[1]["converted_keys"])
+
+
+def _load_hf_whole(folder: Path) -> nn.Module:
+    """The whole model, every weight read by transformers (strict check through its loading info). Still whole on
+    every rank: only for folders whose tensors transformers converts on load."""
+    from transformers import AutoModelForCausalLM
+
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
+        str(folder),
+        dtype=torch.float32,
+        attn_implementation=hf_attention_implementation(folder),
+        output_loading_info=True,
+        ignore_mismatched_sizes=True,
+    )
+    model, info = loaded
+    check_loaded_keys(folder, info)
+    return model
 
 
 def _package_loader(model_class: Any) -> Callable[[nn.Module, Path], Any]:
