@@ -38,8 +38,9 @@ def test_each_rank_builds_only_its_share_at_dp4(tmp_path) -> None:
         grown = (facts["hwm_kib"] - facts["rss_start_kib"]) * 1024
         # this rank's FSDP2 shards: a quarter of the model (layers split row-wise over 4 ranks)
         assert abs(facts["local_tensor_bytes"] - full / 4) < 0.02 * full, (rank, facts, full)
-        # its shards plus one unit in full (~9 MB) and the code the build imports: well below the whole model
-        assert grown < 0.5 * full, f"rank {rank} grew by {grown / 1e6:.0f} MB building a {full / 1e6:.0f} MB model"
+        # its shards (38 MB) plus one unit in full (~9 MB) and what the build imports and the allocator keeps
+        # (measured 58-85 MB under load); a whole-model build would grow by at least the model (152 MB)
+        assert grown < 0.7 * full, f"rank {rank} grew by {grown / 1e6:.0f} MB building a {full / 1e6:.0f} MB model"
 
 
 # ------------------------------------------------------------------------------------------------------------------
