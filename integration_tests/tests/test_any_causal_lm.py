@@ -106,7 +106,21 @@ def test_any_causal_lm_is_accepted_at_pp1_with_the_attention_it_supports(folders
     assert (decoder_layers(model) is not None) == layers_found
     # FSDP2 groups: the decoder layers where found, else transformers' own layer classes
     assert fsdp_grouping(model) == ("decoder layers" if layers_found else "_no_split_modules")
+    # validation built it on the meta device; the run gives it the folder's weights (each rank its own blocks)
+    assert all(p.is_meta for p in model.parameters())
+    assert validated.spec.materialize is not None
+    validated.spec.materialize(model, 0, torch.device("cpu"))
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(folders / name), dtype=torch.float32)
+    expected = reference.state_dict()
+    actual = model.state_dict()
+    assert sorted(actual) == sorted(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(actual[key], tensor), f"{name}: {key} differs from transformers' own load"
     ids = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(model.eval()(input_ids=ids).logits, reference.eval()(input_ids=ids).logits)
+    model.train()
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     assert torch.isfinite(loss)

@@ -54,13 +54,13 @@ def test_folder_is_built_by_the_registered_class_with_its_weights(
 class _StandIn(torch.nn.Module):
     """A class the trainer has never heard of; registering it is all it takes to be used for a folder."""
 
-    def __init__(self, folder: Path, dtype: torch.dtype) -> None:
+    def __init__(self, folder: Path, dtype: torch.dtype, device_map: str) -> None:
         super().__init__()
-        self.folder, self.dtype = folder, dtype
+        self.folder, self.dtype, self.device_map = folder, dtype, device_map
 
     @classmethod
-    def from_pretrained(cls, folder: Path, *, dtype: torch.dtype) -> _StandIn:
-        return cls(folder, dtype)
+    def from_pretrained(cls, folder: Path, *, dtype: torch.dtype, device_map: str) -> _StandIn:
+        return cls(folder, dtype, device_map)
 
 
 def test_folder_logic_names_no_model(tmp_path: Path) -> None:
@@ -76,4 +76,5 @@ def test_folder_logic_names_no_model(tmp_path: Path) -> None:
         unregister_model("StandInForCausalLM")
     assert isinstance(model, _StandIn)
     assert (model.folder, model.dtype) == (tmp_path, torch.float32)
+    assert model.device_map == "meta", "validation builds a folder's model without reading its weights"
     assert (spec.family, spec.vocab_size) == ("stand_in", 7)

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MODELS = ("nemotron", "gemma4", "gemma4-moe", "llama")
+# The published configurations (the model packages' presets, config only): built on the meta device, for the dry
+# run and for GPU machines; never materialized by a test on the CPU.
+REAL_SIZE_MODELS = ("nemotron-3-nano-30b-a3b", "gemma4-26b-a4b", "gemma4-31b")
+MODELS = ("nemotron", "gemma4", "gemma4-moe", "llama", *REAL_SIZE_MODELS)
 DTYPE_CHOICES = ("bf16", "bf16-pure", "fp32")  # their meaning: plan.PRECISIONS
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "runs" / "default"  # integration_tests/runs/ is git-ignored
 # The presets' size when --hidden-size / --layers are not given (the options are None then, so that a --model-path
@@ -377,6 +380,16 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
         )
     if cfg.model_path is not None and not (Path(cfg.model_path) / "config.json").is_file():
         problems.append(f"--model-path {cfg.model_path}: no config.json there (expected an HF-format folder)")
+    if cfg.model_path is None and cfg.model in REAL_SIZE_MODELS:
+        sized = [f"{flag} {value}" for flag, value in (("--hidden-size", cfg.hidden_size), ("--layers", cfg.layers))]
+        sized = [text for text, value in zip(sized, (cfg.hidden_size, cfg.layers), strict=True) if value is not None]
+        if cfg.model.startswith("nemotron") and cfg.mtp_depths != 1:
+            sized.append(f"--mtp-depths {cfg.mtp_depths}")
+        if sized:
+            problems.append(
+                f"{', '.join(sized)}: --model {cfg.model} is the published configuration at its published size; "
+                "these options size the tiny presets only: drop them"
+            )
     if cfg.tie_embeddings and cfg.model != "llama":
         problems.append(f"--tie-embeddings applies to --model llama only, not {cfg.model}")
     problems += feature_problems(cfg)

@@ -3,7 +3,8 @@
 What it is for: `AM_TRAIN_FAIL_AT_STEP=<step> AM_TRAIN_FAIL_RANK=<rank> AM_TRAIN_FAIL_MODE=raise|sigkill` makes that
 rank raise (or SIGKILL itself) when the step starts (`maybe_inject_fault`: the fault tests); `AM_TRAIN_FP32_REPORT=
 <folder>` makes every rank write its fp32-pinned tensors after the FSDP2 wrap (`dump_fp32_tensors`: the fp32
-contract's test).
+contract's test); `AM_TRAIN_MEMORY_REPORT=<folder>` makes every rank write the kernel's count of its peak resident
+memory while the model was built and materialized (`BuildMemory`: the real-size test of issue 23).
 What it must not do: change a run in which these variables are unset.
 """
 
@@ -55,4 +56,42 @@ def dump_fp32_tensors(parts: list[nn.Module], folder: str, rank: int, *, storage
     torch.save(facts, Path(folder) / f"fp32_rank{rank}.pt")
 
 
-__all__ = ["dump_fp32_tensors", "maybe_inject_fault"]
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+class BuildMemory:
+    """With `AM_TRAIN_MEMORY_REPORT=<folder>`: `start()` resets the kernel's peak resident set (VmHWM, via
+    /proc/self/clear_refs) to the current one before the build; `finish(parts, rank)` writes
+    `memory_rank{rank}.json`: the resident KiB at the start, the peak KiB since (the kernel counts every page:
+    Python, torch and the allocator alike) and this rank's local tensor bytes. Linux only; a no-op otherwise."""
+
+    def __init__(self) -> None:
+        self.folder = os.environ.get("AM_TRAIN_MEMORY_REPORT")
+        self.start_kib = 0
+
+    def start(self) -> None:
+        if self.folder:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.start_kib = _status_kib("VmRSS")
+
+    def finish(self, parts: list[nn.Module], rank: int) -> None:
+        if not self.folder:
+            return
+        import json
+
+        local = 0
+        for part in parts:
+            for tensor in [*part.parameters(), *part.buffers()]:
+                to_local = getattr(tensor, "to_local", None)
+                piece = to_local() if callable(to_local) else tensor
+                local += piece.numel() * piece.element_size()
+        facts = {"rss_start_kib": self.start_kib, "hwm_kib": _status_kib("VmHWM"), "local_tensor_bytes": local}
+        Path(self.folder).mkdir(parents=True, exist_ok=True)
+        (Path(self.folder) / f"memory_rank{rank}.json").write_text(json.dumps(facts))
+
+
+__all__ = ["BuildMemory", "dump_fp32_tensors", "maybe_inject_fault"]

@@ -8,12 +8,14 @@ What it is for: `run(cfg)` is the whole job, in the order a reader expects (torc
        the phases below read
     2. `setup_mesh`: process group (gloo on the CPU, NCCL on GPUs) and one DeviceMesh ("pp", "dp", "cp"), with
        "tp" innermost at --tp > 1
-    3. `build`: the model, built once: fp32, seeded, identical on every rank
+    3. `build`: the model validation built on the meta device (no weights anywhere yet)
        -> storage dtype (fp32; bf16 only for --dtype bf16-pure, fp32-pinned tensors kept) -> pipeline stages
        (pp > 1) -> tensor parallelism (tp > 1: the plan's modules of each part over tp; trainer/tensor_parallel.py)
        -> experts sharded over ep (ep > 1, carved out of dp x cp; trainer/expert_parallel.py) -> per-layer
        activation checkpointing / torch.compile (trainer/layer_wrappers.py) -> FSDP2 over dp x cp (also over one
        rank for mixed precision: bf16 compute, fp32 master weights; experts over the ranks left after ep)
+       -> each rank materializes its own blocks only (trainer/build.py: seeded per-unit init, or the folder's
+       slices), with the single process's values whatever the layout
     4. (`build`, too) optimizer per model part and LR schedule (trainer/optim.py; default AdamW, warm-up + cosine),
        global gradient-norm clipping across stages and shards (trainer/step_parts.py, with the loss and the HF export)
     5. `restore`: the checkpoint to resume, if any (exact: weights, optimizer, data position, histories)
@@ -57,14 +59,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from trainer import checkpoint as ckpt
 from trainer.batch_step import BatchStep
+from trainer.build import materialize_parts
 from trainer.config import RunConfig
 from trainer.data import BatchStream, Corpus
-from trainer.debug_hooks import dump_fp32_tensors, maybe_inject_fault
+from trainer.debug_hooks import BuildMemory, dump_fp32_tensors, maybe_inject_fault
 from trainer.evaluation import evaluate, validation_batches
 from trainer.expert_parallel import apply_expert_parallel, build_ep_meshes, reset_expert_counts, step_expert_imbalance
 from trainer.guards import EXIT_RUN_STOPPED, RunStopped, StepGuard
 from trainer.layer_wrappers import apply_activation_checkpointing, apply_compile
-from trainer.models import build_model, is_meta_model
 from trainer.moe_balance import MoEBalance
 from trainer.optim import build_optimizers, lr_at, set_lr
 from trainer.parallel import (
@@ -171,13 +173,14 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
     from am_pipelining import PipelineCausalLMLoss, build_schedule
 
     plan, device = validated.plan, meshes.device
-    # Built once: validation checked a preset on the meta device (no weights), so its seeded fp32 init happens here;
-    # a --model-path folder was loaded by validation (its loader checks every tensor name while it loads).
-    model = build_model(validated.spec, seed=cfg.seed) if is_meta_model(validated.model) else validated.model
+    memory = BuildMemory()  # test-only (AM_TRAIN_MEMORY_REPORT): this rank's peak host memory while building
+    memory.start()
+    # Built once, on the meta device, by validation (a folder's names and shapes checked on its headers): no rank
+    # holds a weight until the plan's layout is applied; then each rank materializes only its own blocks.
+    model = validated.model
     # A transformers MoE model (router logits): its load-balancing loss (when its config adds it to the objective)
     # and its expert imbalance, over the global batch (dp x cp); the plan has it at pp = 1 only.
     router = RouterAuxLoss.from_plan(plan.router_aux, group=meshes.dp_cp.get_group()) if plan.router_aux else None
-    model.to(device)
     apply_precision(model, precision=plan.precision)
     stages: list[Any] = []
     parts = [model]
@@ -188,6 +191,10 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
             assert plan.num_layers is not None  # a pipeline needs the layers (validated)
             pipeline_router = PipelineRouterAux(parts, router, num_layers=plan.num_layers, device=device)
     if meshes.tp is not None:  # after the split (each stage shards what it holds), before EP and FSDP2
+        # TP's plain-tensor shards (Mamba2 heads and groups) have no per-unit init region of their own, so under tp
+        # each rank materializes its own pipeline stages whole first (a stage, never the whole model, when pp > 1)
+        # and TP / EP / FSDP2 then split real tensors.
+        materialize_parts(parts, materialize=validated.spec.materialize, seed=cfg.seed, device=device)
         apply_tensor_parallel_to_parts(parts, plan=plan.tensor_parallel, tp_mesh=meshes.tp)
     if meshes.ep is not None:
         apply_expert_parallel(parts, ep_mesh=meshes.ep)
@@ -205,6 +212,11 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
             apply_fsdp(part, shard_mesh=meshes.dp_cp, precision=plan.precision, expert_mesh=meshes.expert_dp)
             for part in parts
         ]
+    # This rank's blocks only: the seeded per-unit init of a preset, the folder's slices of a --model-path
+    # (trainer/build.py); values do not depend on the layout, so every layout equals the single process.
+    if meshes.tp is None:
+        materialize_parts(parts, materialize=validated.spec.materialize, seed=cfg.seed, device=device)
+    memory.finish(parts, meshes.rank)
     if os.environ.get("AM_TRAIN_FP32_REPORT"):
         dump_fp32_tensors(parts, os.environ["AM_TRAIN_FP32_REPORT"], meshes.rank, storage_dtype=plan.precision.storage)
     loss_fn = TokenSumLoss()

@@ -20,18 +20,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.config import MODELS
+from trainer.config import MODELS, REAL_SIZE_MODELS
 from trainer.data import ByteTokenizer
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """How to build one model and save it in HF format.
+    """How to build one model, give a rank its blocks, and save it in HF format.
 
-    `build()` returns a fresh fp32 model with this spec's random init (seeded by the caller), or the folder's
-    weights; `save(model, folder)` writes config.json + safetensors; `family` names the preset (or the folder's
-    architecture). `loads_weights`: `build()` reads a folder's weights (its loader checks the tensors' names
-    strictly while it loads), so a structure-only build on the meta device would skip that check.
+    `build()` returns the model's structure on the meta device (no storage: a preset from its config, a folder from
+    its config.json, whose names and shapes are checked against the files' headers); `materialize(part, seed,
+    device)` gives one part of it (the whole model, or a pipeline stage, possibly ep-sharded and FSDP2-wrapped) this
+    rank's blocks on `device`: the seeded per-unit init of a preset, the folder's weights of a `--model-path`
+    (trainer/build.py); `save(model, folder)` writes config.json + safetensors; `family` names the preset (or the
+    folder's architecture). `loads_weights`: `materialize` reads a folder's weights.
     """
 
     family: str
@@ -39,6 +41,7 @@ class ModelSpec:
     save: Callable[[nn.Module, Path], None]
     vocab_size: int
     loads_weights: bool = False
+    materialize: Callable[[nn.Module, int, torch.device], None] | None = None
 
 
 def _nemotron_pattern(num_layers: int) -> str:
@@ -159,6 +162,45 @@ def _build_llama(config: Any) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+def _seeded(init: Any) -> Callable[[nn.Module, int, torch.device], None]:
+    """The seeded per-unit init of a model family (`init`: trainer/build.py's `SeededInit`) as a spec's
+    `materialize`."""
+    from trainer.build import materialize_seeded
+
+    def materialize(part: nn.Module, seed: int, device: torch.device) -> None:
+        materialize_seeded(part, init=init, seed=seed, device=device)
+
+    return materialize
+
+
+def _nemotron_init() -> Any:
+    from am_models_nemotron import init_units, meta_twin
+    from trainer.build import SeededInit
+
+    return SeededInit(meta_twin=meta_twin, init_units=init_units)  # type: ignore[arg-type]
+
+
+def _gemma4_init() -> Any:
+    from am_models_gemma4 import init_units, meta_twin
+    from trainer.build import SeededInit
+
+    return SeededInit(meta_twin=meta_twin, init_units=init_units)
+
+
+def _transformers_init() -> Any:
+    from trainer.build import TRANSFORMERS_INIT
+
+    return TRANSFORMERS_INIT
+
+
+def _on_meta(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def build_meta() -> nn.Module:
+        with torch.device("meta"):
+            return build()
+
+    return build_meta
+
+
 def _save_own(model: nn.Module, folder: Path) -> None:
     model.save_pretrained(folder)  # type: ignore[operator]
 
@@ -176,18 +218,48 @@ def preset_spec(
         config = nemotron_config(
             hidden_size=hidden_size, num_layers=num_layers, mtp_depths=mtp_depths, vocab_size=vocab
         )
-        return ModelSpec(name, lambda: _build_nemotron(config), _save_own, vocab)
+        return ModelSpec(
+            name, _on_meta(lambda: _build_nemotron(config)), _save_own, vocab, materialize=_seeded(_nemotron_init())
+        )
     if name in ("gemma4", "gemma4-moe"):
         config = gemma4_config(
             hidden_size=hidden_size, num_layers=num_layers, moe=name == "gemma4-moe", vocab_size=vocab
         )
-        return ModelSpec(name, lambda: _build_gemma4(config), _save_own, vocab)
+        return ModelSpec(
+            name, _on_meta(lambda: _build_gemma4(config)), _save_own, vocab, materialize=_seeded(_gemma4_init())
+        )
+    if name in REAL_SIZE_MODELS:
+        return real_size_spec(name)
     if name == "llama":
         config = llama_config(
             hidden_size=hidden_size, num_layers=num_layers, tie_embeddings=tie_embeddings, vocab_size=vocab
         )
-        return ModelSpec(name, lambda: _build_llama(config), _save_hf, vocab)
+        return ModelSpec(
+            name, _on_meta(lambda: _build_llama(config)), _save_hf, vocab, materialize=_seeded(_transformers_init())
+        )
     raise ValueError(f"--model {name!r} is unknown; choose one of {', '.join(MODELS)}")
+
+
+def real_size_spec(name: str) -> ModelSpec:
+    """The spec of a published configuration (the model packages' presets: Nemotron 3 Nano 30B-A3B, Gemma 4 26B-A4B
+    and 31B, config only): built on the meta device like every model, then each rank materializes its own blocks with
+    the seeded init. Its vocabulary is the published one (the byte tokenizer's ids fit in it)."""
+    if name.startswith("nemotron"):
+        from am_models_nemotron.presets import preset_config
+
+        config = preset_config(name)
+        return ModelSpec(
+            name,
+            _on_meta(lambda: _build_nemotron(config)),
+            _save_own,
+            int(config.vocab_size),
+            materialize=_seeded(_nemotron_init()),
+        )
+    from am_models_gemma4.presets import preset_config as gemma4_preset
+
+    text = gemma4_preset(name, text_only=True)  # the text model: what Gemma4ForCausalLM trains
+    build = _on_meta(lambda: _build_gemma4(text))
+    return ModelSpec(name, build, _save_own, int(text.vocab_size), materialize=_seeded(_gemma4_init()))
 
 
 def hf_attention_implementation(folder: str | Path) -> str:
@@ -230,27 +302,91 @@ def folder_spec(folder: str | Path) -> ModelSpec:
         model_class: Any = registered
 
         def build_registered() -> nn.Module:
-            return model_class.from_pretrained(folder, dtype=torch.float32)
+            # names and shapes checked against the files' headers by the class's own loader; no data is read
+            return model_class.from_pretrained(folder, dtype=torch.float32, device_map="meta")
 
-        return ModelSpec(model_type or registered.__name__, build_registered, _save_own, vocab_size, loads_weights=True)
+        def load_registered(part: nn.Module, seed: int, device: torch.device) -> None:
+            del seed  # every value comes from the folder
+            part.to_empty(device=device)
+            _package_loader(model_class)(part, folder)
+
+        return ModelSpec(
+            model_type or registered.__name__,
+            build_registered,
+            _save_own,
+            vocab_size,
+            loads_weights=True,
+            materialize=load_registered,
+        )
 
     def build_hf() -> nn.Module:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        loaded: Any = AutoModelForCausalLM.from_pretrained(
-            str(folder),
-            dtype=torch.float32,
-            attn_implementation=hf_attention_implementation(folder),
-            output_loading_info=True,
-            # report a tensor of the wrong shape in the loading info (refused below, named with both shapes) instead
-            # of raising "look at the above report" from inside transformers
-            ignore_mismatched_sizes=True,
-        )
-        model, info = loaded  # (model, loading info) with output_loading_info=True
-        check_loaded_keys(folder, info)
+        from trainer.build import header_sources
+
+        config = AutoConfig.from_pretrained(str(folder))
+        if header_sources_needs_converter(folder, config):
+            return _load_hf_whole(folder)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, attn_implementation=hf_attention_implementation(folder)
+            )
+        check_loaded_keys(folder, header_sources(folder, model)[1])  # the headers only: no data is read
         return model
 
-    return ModelSpec(model_type or "hf", build_hf, _save_hf, vocab_size, loads_weights=True)
+    def load_hf(part: nn.Module, seed: int, device: torch.device) -> None:
+        from trainer.build import load_transformers_blocks
+
+        if not any(p.is_meta for p in part.parameters()):  # loaded whole by `build` (files transformers converts)
+            return
+
+        load_transformers_blocks(part, folder, seed=seed, device=device)
+
+    return ModelSpec(model_type or "hf", build_hf, _save_hf, vocab_size, loads_weights=True, materialize=load_hf)
+
+
+def header_sources_needs_converter(folder: Path, config: Any) -> bool:
+    """Whether transformers fuses or splits some of the folder's tensors on load (a `WeightConverter`, e.g. Mixtral's
+    per-expert files stacked into one tensor): such a folder cannot be read block by block and is loaded whole."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.build import header_sources
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return bool(header_sources(folder, model)[1]["converted_keys"])
+
+
+def _load_hf_whole(folder: Path) -> nn.Module:
+    """The whole model, every weight read by transformers (strict check through its loading info). Still whole on
+    every rank: only for folders whose tensors transformers converts on load."""
+    from transformers import AutoModelForCausalLM
+
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
+        str(folder),
+        dtype=torch.float32,
+        attn_implementation=hf_attention_implementation(folder),
+        output_loading_info=True,
+        ignore_mismatched_sizes=True,
+    )
+    model, info = loaded
+    check_loaded_keys(folder, info)
+    return model
+
+
+def _package_loader(model_class: Any) -> Callable[[nn.Module, Path], Any]:
+    """The `load_sharded_checkpoint(model, folder)` of the package that defines `model_class` (our model packages
+    export one: each rank reads only the blocks it holds)."""
+    import importlib
+
+    package = importlib.import_module(model_class.__module__.split(".")[0])
+    loader = getattr(package, "load_sharded_checkpoint", None)
+    if not callable(loader):
+        raise ValueError(
+            f"{model_class.__name__} is registered for --model-path, but its package {package.__name__} exports no "
+            "load_sharded_checkpoint(model, folder) to load a sharded model; register a class whose package does"
+        )
+    return loader
 
 
 # Keys a folder may lack, or hold in excess, without being refused (regular expressions on the file's key names).
@@ -301,26 +437,23 @@ def _mismatch_text(entry: Any) -> str:
     return str(entry)
 
 
-def build_model(spec: ModelSpec, *, seed: int) -> nn.Module:
-    """A fresh fp32 model in training mode, identical on every rank (seeded init)."""
-    torch.manual_seed(seed)
+def build_meta_model(spec: ModelSpec) -> nn.Module:
+    """The model's structure on the meta device, fp32, in training mode: every parameter and buffer with its shape
+    and dtype and no storage, so validation reads the model's declarations (layers, CP layout, capabilities, router)
+    and the run shards it before any rank holds a weight (a folder's names and shapes are checked on its headers)."""
     model = spec.build()
     model.float()
     model.train()
     return model
 
 
-def build_meta_model(spec: ModelSpec) -> nn.Module:
-    """The model's structure on the meta device, in training mode: every parameter and buffer with its shape and
-    dtype (fp32) and no storage, so validation reads the model's declarations (layers, CP layout, capabilities,
-    router) without a rank ever holding its weights. For a spec that builds without a weight folder (the presets);
-    a `loads_weights` spec is built by its loader, whose strict key check needs the load."""
-    if spec.loads_weights:
-        raise ValueError(f"{spec.family}: a model loaded from a folder is built by its loader, not on the meta device")
-    with torch.device("meta"):
-        model = spec.build()
-    model.float()
-    model.train()
+def build_model(spec: ModelSpec, *, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+    """The whole model with real weights in ONE process (the single-process reference, tests and export): the same
+    meta build and the same `materialize` a sharded run uses, so every layout holds exactly these values."""
+    from trainer.build import materialize_parts
+
+    model = build_meta_model(spec)
+    materialize_parts([model], materialize=spec.materialize, seed=seed, device=torch.device(device))
     return model
 
 

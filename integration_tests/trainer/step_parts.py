@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from am_moe import quiet_expert_gathers
-from trainer.models import ModelSpec
+from trainer.models import ModelSpec, build_model
 from trainer.parallel import apply_precision
 from trainer.plan import Precision, RouterAuxPlan
 
@@ -286,7 +286,7 @@ def make_hf_exporter(
         merged: dict[str, torch.Tensor] = {}
         for piece in gathered:
             merged.update(piece)
-        fresh = spec.build()
+        fresh = build_model(spec, seed=0)  # real storage for the whole model: every value is overwritten below
         apply_precision(fresh, precision=precision)
         fresh.load_state_dict(merged, strict=True)
         spec.save(fresh, folder)

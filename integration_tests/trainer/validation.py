@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,8 +36,8 @@ from trainer.config import (
     pipeline_plan,
 )
 from trainer.data import Corpus, load_tokens
-from trainer.guards import model_path_nonfinite_problems, nonfinite_parameters
-from trainer.models import ModelSpec, build_meta_model, build_model, folder_spec, preset_spec
+from trainer.guards import model_path_nonfinite_problems
+from trainer.models import ModelSpec, build_meta_model, folder_spec, preset_spec
 from trainer.moe_balance import balancing_plan, balancing_problems
 from trainer.parallel import cp_layout_name, cp_pad_multiple, decoder_layers, layer_feature_problems
 from trainer.plan import ValidatedRun, make_plan
@@ -194,13 +193,13 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
     spec = model = None
     try:
         spec = model_spec(cfg, vocab_size=_tokenizer_vocab(tokenizer))
-        # A preset is checked on the meta device (no weights: a rank never holds a whole model here); a folder is
-        # loaded, because its loader's strict key check (every tensor present, none unexpected) is the load.
-        model = build_model(spec, seed=cfg.seed) if spec.loads_weights else build_meta_model(spec)
+        # On the meta device (no weights: a rank never holds a whole model); a folder's names and shapes are
+        # checked strictly on its safetensors headers (every tensor present, none unexpected), no data read.
+        model = build_meta_model(spec)
     except Exception as exc:  # a broken --model-path folder or preset: report it with the rest
         problems.append(f"cannot build the model: {type(exc).__name__}: {exc}")
     if model is not None and cfg.model_path is not None:
-        problems += _model_path_value_problems(cfg.model_path, model)
+        problems += _model_path_value_problems(cfg.model_path)
     num_layers = None
     if model is not None:  # only the per-layer features need the layers (pp > 1, checkpointing, compile)
         layers = decoder_layers(model)
@@ -289,16 +288,9 @@ _MAY_CHANGE_ON_RESUME = (
 _SIZE_DEFAULTS = {"hidden_size": PRESET_HIDDEN_SIZE, "layers": PRESET_LAYERS}
 
 
-def _model_path_value_problems(folder: str, model: nn.Module) -> list[str]:
-    """NaN / inf in a `--model-path` folder: per tensor and file (safetensors), else per loaded tensor."""
-    problems = model_path_nonfinite_problems(folder)
-    if not problems and not any(Path(folder).glob("*.safetensors")):
-        problems = [
-            f"--model-path {folder}: tensor {name!r} holds NaN or infinite values after loading the folder's weight "
-            "files; training from it gives NaN losses: repair or re-export the weights"
-            for name in nonfinite_parameters([model])
-        ]
-    return problems
+def _model_path_value_problems(folder: str) -> list[str]:
+    """NaN / inf in a `--model-path` folder's safetensors files, per tensor and file (read one tensor at a time)."""
+    return model_path_nonfinite_problems(folder)
 
 
 def resume_changes(cfg: RunConfig, state: dict[str, Any]) -> list[str]:

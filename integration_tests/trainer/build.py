@@ -1,0 +1,281 @@
+"""Building a model of any size: on the meta device first, then each rank materializes only the blocks it holds.
+
+What it is for (issue 23 §1; torchtitan's order): no rank ever holds a whole model.
+    1. validation builds the model's structure on the meta device (`meta_model`): a preset from its config, a
+       `--model-path` folder from its config.json, with the strict key check done on the safetensors headers (our
+       registered classes: their `from_pretrained(folder, device_map="meta")`; any other transformers causal LM:
+       `header_key_problems`, named as the files name them). No tensor data is read.
+    2. the run splits that meta model into pipeline stages, shards the experts over ep and wraps FSDP2 (DTensor
+       parameters with their full logical shape, still without storage);
+    3. `materialize_parts` gives each rank storage for its own blocks only, then values:
+       - a preset: the seeded per-unit init (`am_precision.materialize_sharded_` with the model package's
+         `meta_twin` / `init_units`; for a transformers preset, one unit per decoder layer / `_no_split_modules` block
+         and per other tensor-owning module, initialized by the model's own `_init_weights`). A tensor's value is a
+         function of (seed, unit name) only, so every layout holds exactly the single process's values, and the
+         single-process reference (`build_model`) runs the same function;
+       - a folder: our registered classes' `load_sharded_checkpoint` (each rank reads its own slices, per-expert keys
+         of its own experts only); any other transformers causal LM whose files name its tensors as its modules do
+         (what transformers' `save_pretrained` writes): the seeded init (for the buffers no file holds), then
+         `am_precision.hf_io.load_sharded_tensors_` (each rank reads its own blocks with `get_slice`);
+       - a tied embedding whose two ends landed on different pipeline stages: the output copy takes the input's
+         values (am-pipelining's `sync_tied_embedding_weights`, over the two ranks' pair group).
+Peak host memory per rank: its own blocks plus one init unit (one decoder layer) in fp32, or one tensor block read.
+What it must not do: allocate a whole model (outside `build_model`'s single process, which is the reference), name a
+model class (the model packages' functions come through the `ModelSpec`), or issue a collective other than the tied
+copy's broadcast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from am_precision import InitUnit, materialize_sharded_
+
+
+@dataclass(frozen=True)
+class SeededInit:
+    """How a model family is initialized piecewise: `meta_twin(part)` is the whole unsharded model `part` was cut
+    from, on the meta device; `init_units(twin)` its init units (am-precision's `InitUnit`)."""
+
+    meta_twin: Callable[[nn.Module], nn.Module]
+    init_units: Callable[[nn.Module], list[InitUnit]]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# transformers models: their own `_init_weights`, one unit per block
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def transformers_meta_twin(model: nn.Module) -> nn.Module:
+    """The whole transformers model `model` (or a pipeline stage cut from it) was built as, on the meta device."""
+    with torch.device("meta"):
+        twin = type(model)(model.config)
+    return twin.float()
+
+
+def _block_names(model: nn.Module) -> list[str]:
+    """The model's blocks, each one init unit: the decoder layers (am-pipelining's `find_layers`), else the blocks of
+    transformers' `_no_split_modules` classes (outermost), else none."""
+    from trainer.parallel import _layer_modules
+
+    ids = {id(module) for module in _layer_modules(model)}
+    return [name for name, module in model.named_modules() if id(module) in ids]
+
+
+def transformers_init_units(twin: nn.Module) -> list[InitUnit]:
+    """Init units of a transformers model: each block (see `_block_names`), then every other module that owns a
+    parameter or buffer directly, each initialized by the model's own `_init_weights` applied children first (as
+    transformers' `initialize_weights` does) — so norms start at one, RoPE buffers are recomputed, embeddings'
+    padding rows are zero."""
+    init_weights: Any = getattr(twin, "_init_weights", None)
+    if not callable(init_weights):
+        raise ValueError(f"{type(twin).__name__} has no _init_weights: it cannot be initialized piecewise")
+
+    def init(module: nn.Module) -> None:
+        module.apply(init_weights)
+
+    blocks = _block_names(twin)
+    inside = tuple(f"{name}." for name in blocks)
+    units = [InitUnit(name, init) for name in blocks]
+    for name, module in twin.named_modules():
+        if name in blocks or name.startswith(inside):
+            continue
+        owns = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+        if owns:
+            units.append(InitUnit(name, init))
+    return units
+
+
+TRANSFORMERS_INIT = SeededInit(meta_twin=transformers_meta_twin, init_units=transformers_init_units)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Materializing the parts a rank holds
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """Names of parameters that are one tensor (`lm_head.weight is embed_tokens.weight`), in module order."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _module_of(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _has_module(model: nn.Module, name: str) -> bool:
+    try:
+        return model.get_submodule(name) is not None
+    except AttributeError:
+        return False
+
+
+def _retie(part: nn.Module, groups: list[list[str]]) -> None:
+    """Tie again, by identity, the tied tensors (`groups`: `tied_groups` of the whole model) `part` holds both ends
+    of (`to_empty` makes each a tensor of its own); the first name's tensor is the one the units initialized."""
+    params = dict(part.named_parameters(remove_duplicate=False))
+    for names in groups:
+        present = [name for name in names if name in params]
+        for name in present[1:]:
+            if params[name] is not params[present[0]]:
+                setattr(part.get_submodule(_module_of(name)), name.rsplit(".", 1)[-1], params[present[0]])
+
+
+def _tied_copy_units(part: nn.Module, groups: list[list[str]], units: list[InitUnit]) -> list[InitUnit]:
+    """Units for the output copy of a tied embedding held by a stage without the input (the model's units cover the
+    tensor through the embedding): zeros here, the embedding's values after `sync_tied_embedding_weights`."""
+    names = {unit.name for unit in units}
+
+    def zero(module: nn.Module) -> None:
+        for tensor in module.parameters():
+            tensor.zero_()
+
+    extra = []
+    for group in groups:
+        params = dict(part.named_parameters(remove_duplicate=False))
+        held = [name for name in group if name in params]
+        owner = _module_of(group[0])
+        if held and not _has_module(part, owner):
+            module = _module_of(held[0])
+            if module not in names:
+                extra.append(InitUnit(module, zero))
+    return extra
+
+
+def materialize_seeded(part: nn.Module, *, init: SeededInit, seed: int, device: torch.device | str) -> nn.Module:
+    """Storage for `part`'s own blocks on `device` and the seeded per-unit init of its family (see the module
+    docstring); a tied pair `part` holds both ends of is tied again."""
+    twin = init.meta_twin(part)
+    groups = tied_groups(twin)  # before the per-unit init, which unties the twin too
+    units = init.init_units(twin)
+    units = units + _tied_copy_units(part, groups, units)
+    materialize_sharded_(part, template=twin, units=units, seed=seed, device=device)
+    _retie(part, groups)
+    return part
+
+
+def materialize_parts(
+    parts: list[nn.Module],
+    *,
+    materialize: Callable[[nn.Module, int, torch.device], None] | None,
+    seed: int,
+    device: torch.device,
+) -> None:
+    """Materialize every part this rank holds (`materialize`: the spec's), then give the output copy of a tied
+    embedding split over two stages the input's values (collective over the two ranks' pair group; every rank calls
+    it, ranks without a copy do nothing)."""
+    from am_pipelining import sync_tied_embedding_weights
+
+    if materialize is None:
+        raise ValueError("the model spec has no materialize: it cannot be built piecewise")
+    for part in parts:
+        materialize(part, seed, device)
+    sync_tied_embedding_weights(parts)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# transformers folders: the strict check on the headers, each rank's blocks read on their own
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def header_sources(folder: Path, model: nn.Module) -> tuple[dict[str, list[str]], dict[str, list[Any]]]:
+    """(the model's name -> the file key it is read from, loading info) for a transformers model whose files name
+    its tensors as its modules do, from the safetensors headers only (no tensor data is read).
+
+    The loading info has transformers' form (`missing_keys`, `unexpected_keys`, `mismatched_keys` as `(key, file
+    shape, model shape)`), for trainer/models.py's strict `check_loaded_keys`: every parameter and persistent buffer
+    must be in the files (a tied group needs one of its names), nothing else may be (models.py's
+    `ALLOWED_UNEXPECTED` aside: that check filters).
+    """
+    from am_precision.hf_io import LazyCheckpoint
+
+    expected = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    with LazyCheckpoint(folder) as checkpoint:
+        stored = {key: tuple(t.shape) for key, t in checkpoint.meta_state_dict().items()}
+    renamed = _model_names(model, stored, expected)
+    by_name = {name: key for key, name in renamed.items() if name is not None}
+    tied = {name: group for group in tied_groups(model) for name in group}
+    sources: dict[str, list[str]] = {}
+    missing = []
+    for name in expected:
+        group = tied.get(name, [name])
+        found = next((by_name[n] for n in [name, *group] if n in by_name), None)
+        if found is not None:
+            sources[name] = [found]
+        elif name == next(n for n in group if n in expected):  # a tied group missing entirely is named once
+            missing.append(name)
+    unexpected = [key for key, name in renamed.items() if name not in expected]
+    mismatched = [
+        (keys[0], stored[keys[0]], expected[name])
+        for name, keys in sources.items()
+        if stored[keys[0]] != expected[name]
+    ]
+    info: dict[str, list[Any]] = {
+        "converted_keys": sorted(key for key, name in renamed.items() if name is None),
+        "missing_keys": sorted(missing),
+        "unexpected_keys": sorted(unexpected),
+        "mismatched_keys": mismatched,
+    }
+    return sources, info
+
+
+def _model_names(
+    model: nn.Module, stored: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]
+) -> dict[str, str | None]:
+    """File key -> the model's name for it, by transformers' own renaming rules for the architecture (e.g. GPT-NeoX's
+    `embed_out` is `lm_head`; the base-model prefix added or dropped). None for a key only a transformers
+    `WeightConverter` can load (tensors merged or split on load, e.g. per-expert files fused into one stack):
+    such a key cannot be read block by block, so it is reported as unexpected."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]
+    except (ImportError, AttributeError, TypeError):  # not a transformers model, or another transformers version
+        return {key: key for key in stored}
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    prefix = getattr(model, "base_model_prefix", None) or None
+    names: dict[str, str | None] = {}
+    for key in stored:
+        name, converter = rename_source_key(
+            key, renamings, converters, base_model_prefix=prefix, meta_state_dict=expected
+        )
+        names[key] = None if converter is not None else name
+    return names
+
+
+def load_transformers_blocks(part: nn.Module, folder: Path, *, seed: int, device: torch.device) -> None:
+    """A transformers part: the seeded init (buffers no file holds, e.g. RoPE frequencies), then every tensor the
+    files hold read into this rank's blocks (`load_sharded_tensors_`: a DTensor reads its own block only)."""
+    from am_precision.hf_io import LazyCheckpoint, load_sharded_tensors_
+
+    materialize_seeded(part, init=TRANSFORMERS_INIT, seed=seed, device=device)
+    sources, info = header_sources(folder, transformers_meta_twin(part))
+    if any(info.values()):  # validation refused these already: the folder changed since then
+        raise ValueError(f"--model-path {folder} changed after validation: {info}")
+    names = set(part.state_dict(keep_vars=True))
+    with LazyCheckpoint(folder) as checkpoint:
+        load_sharded_tensors_(part, checkpoint, {name: keys for name, keys in sources.items() if name in names})
+
+
+__all__ = [
+    "TRANSFORMERS_INIT",
+    "SeededInit",
+    "header_sources",
+    "load_transformers_blocks",
+    "materialize_parts",
+    "materialize_seeded",
+    "tied_groups",
+    "transformers_init_units",
+    "transformers_meta_twin",
+]
