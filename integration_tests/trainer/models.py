@@ -143,7 +143,9 @@ def llama_config(*, hidden_size: int, num_layers: int, tie_embeddings: bool, voc
 def _build_nemotron(config: Any) -> nn.Module:
     from am_models_nemotron import NemotronHForCausalLM
 
-    return NemotronHForCausalLM(config)
+    # fp32 master weights whatever the config's torch_dtype says (the published configs say bfloat16, which the
+    # model would otherwise be built in); the precision policy decides the storage dtype later (apply_precision).
+    return NemotronHForCausalLM(config, dtype=torch.float32)
 
 
 def _build_gemma4(config: Any) -> nn.Module:
