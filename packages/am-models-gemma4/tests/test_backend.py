@@ -198,3 +198,19 @@ def test_fsdp_optimizations_drive_the_fsdp_hooks_only_when_asked(monkeypatch) ->
     model.prepare_for_grad_accumulation(pp_enabled=True)
     model.prepare_for_final_backward()
     assert seen == [("acc", True), ("final", False)]
+
+
+def test_rotary_tables_survive_torch_rebuilding_them_from_an_iterable() -> None:
+    """FSDP2 casts a layer's forward inputs by rebuilding every tuple as `type(x)(generator)`
+    (torch.distributed.utils._apply_to_tensors); the rotary tables must come back as the same (cos, sin)."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    from am_models_gemma4.layers import RotaryTables
+
+    cos, sin = torch.randn(1, 4, 8), torch.randn(1, 4, 8)
+    rebuilt = _apply_to_tensors(lambda t: t.double(), {"position_embeddings": RotaryTables(cos, sin, cos * 0)})
+    tables = rebuilt["position_embeddings"]
+    assert isinstance(tables, RotaryTables)
+    torch.testing.assert_close(tables[0], cos.double(), rtol=0, atol=0)
+    torch.testing.assert_close(tables[1], sin.double(), rtol=0, atol=0)
+    assert tables.angles is None  # dropped by the rebuild: the fused RoPE refuses without them, never guesses

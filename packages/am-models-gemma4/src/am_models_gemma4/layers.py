@@ -16,6 +16,7 @@ import transformer_engine / quack unless a backend asks for them (am-precision i
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -131,7 +132,16 @@ class RotaryTables(tuple):
 
     angles: torch.Tensor | None
 
-    def __new__(cls, cos: torch.Tensor, sin: torch.Tensor, angles: torch.Tensor | None = None) -> RotaryTables:
+    def __new__(
+        cls,
+        cos: torch.Tensor | Iterable[torch.Tensor],
+        sin: torch.Tensor | None = None,
+        angles: torch.Tensor | None = None,
+    ) -> RotaryTables:
+        if sin is None:
+            # Rebuilt from one iterable, as torch rebuilds tuples it maps over (FSDP2 casting a layer's forward
+            # inputs): the angles do not survive that, and the fused RoPE then refuses loudly for want of them.
+            cos, sin = cos
         tables = super().__new__(cls, (cos, sin))
         tables.angles = angles
         return tables
