@@ -1,5 +1,8 @@
 """Launch the reference trainer as real processes (torchrun, gloo) and share the runs between tests.
 
+Every launch goes through am-testing (`run_process`, the harness of every multi-rank test in the repository) with a
+deadline: a hung run is stopped whole and fails its test with an error naming the run.
+
 Each launch costs ~10-30 s on 2 cores (process start, imports, process groups), so a run is started at most once
 per pytest session: `runs.get(name)` launches the named configuration the first time and returns the cached
 result afterwards (the single-process references are shared by every parity test that needs them).
@@ -10,15 +13,14 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
+from am_testing import DeadlineExceeded, run_process
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "train.py"
@@ -61,9 +63,12 @@ class Run:
     output: str
     wall_s: float
     summary: dict[str, Any] = field(default_factory=dict)
+    name: str = ""  # how errors name the run (a RunCache configuration, or the out folder and arguments)
 
     def check(self) -> Run:
-        assert self.returncode == 0, f"trainer failed ({self.returncode}): {' '.join(self.args)}\n{self.output[-6000:]}"
+        assert self.returncode == 0, (
+            f"trainer run {self.name!r} failed ({self.returncode}): {' '.join(self.args)}\n{self.output[-6000:]}"
+        )
         return self
 
     def final_weights(self) -> dict[str, torch.Tensor]:
@@ -87,9 +92,15 @@ def launch(
     env: dict[str, str] | None = None,
     timeout: float = LAUNCH_TIMEOUT_S,
     script: Path = TRAIN,
+    name: str | None = None,
 ) -> Run:
     """Run train.py (or another entry `script` that calls `trainer.loop.main`) with `nproc` processes (torchrun for
-    > 1, plain python for 1) and wait for it."""
+    > 1, plain python for 1) and wait for it, at most `timeout` seconds.
+
+    The launch goes through am-testing's `run_process`: a run still going at `timeout` is stopped with every process
+    it started, and `am_testing.DeadlineExceeded` names it (`name`, default the `out` folder and the arguments) with
+    each process's stack; a run that fails by itself returns its exit code and output for the test to judge.
+    """
     full_args = [*args, "--out", str(out)]
     if nproc == 1:
         command = [sys.executable, str(script), *full_args]
@@ -99,17 +110,11 @@ def launch(
             str(script), *full_args,
         ]  # fmt: skip
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout, env=environment, cwd=ROOT, check=False
-        )
-        code, output = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as exc:
-        code, output = -1, f"TIMED OUT after {timeout} s\n{exc.stdout or ''}{exc.stderr or ''}"
-    run = Run(command, nproc, out, code, output, time.perf_counter() - started)
+    label = name or f"{out.name} ({nproc} process{'es' if nproc > 1 else ''}: {' '.join(args)})"
+    done = run_process(command, name=label, deadline_s=timeout, env=environment, cwd=ROOT)
+    run = Run(command, nproc, out, done.returncode, done.output, done.wall_s, name=label)
     summary = out / "summary.json"
-    if code == 0 and summary.is_file():
+    if done.returncode == 0 and summary.is_file():
         run.summary = json.loads(summary.read_text())
     return run
 
@@ -154,11 +159,19 @@ class RunCache:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.runs: dict[str, Run] = {}
+        self.late: dict[str, DeadlineExceeded] = {}  # a hung configuration fails every test that needs it, once
+
 
     def get(self, name: str) -> Run:
+        if name in self.late:
+            raise self.late[name]
         if name not in self.runs:
             nproc, args = self.CONFIGS[name]
-            self.runs[name] = launch(args, nproc=nproc, out=self.root / name)
+            try:
+                self.runs[name] = launch(args, nproc=nproc, out=self.root / name, name=name)
+            except DeadlineExceeded as late:
+                self.late[name] = late
+                raise
         return self.runs[name]
 
 

@@ -12,10 +12,10 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 
 import torch
+from am_testing import run_processes
 from conftest import PARITY, TRAIN, launch, without_preset_sizes
 from safetensors.torch import load_file, save_file
 
@@ -23,36 +23,28 @@ EXIT_BAD_INPUT = 2
 
 
 def _launch_ranks_by_hand(args: list[str], *, world_size: int, timeout: float = 240) -> list[tuple[int, str]]:
-    """(exit code, output) of each rank; fails if any rank tried to join the rendezvous."""
+    """(exit code, output) of each rank, started together through am-testing (`run_processes`, with a deadline);
+    fails if any rank tried to join the rendezvous."""
     rendezvous = socket.socket()
     rendezvous.bind(("", 0))  # every address: rank 0 cannot bind this port as the store server
     rendezvous.listen(8)
     port = str(rendezvous.getsockname()[1])
-    procs = []
     try:
-        for rank in range(world_size):
-            env = {
+        envs = [
+            {
                 **os.environ,
                 "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                 "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
             }  # fmt: skip
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(TRAIN), *args],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-            )
-        results = []
-        for proc in procs:
-            try:
-                output, _ = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                output, _ = proc.communicate()
-            results.append((proc.returncode, output))
+            for rank in range(world_size)
+        ]
+        done = run_processes(
+            [[sys.executable, str(TRAIN), *args]] * world_size,
+            name=f"{world_size} ranks by hand: {' '.join(args)}",
+            deadline_s=timeout,
+            env=envs,
+        )
+        results = [(rank.returncode, rank.output) for rank in done]
         rendezvous.setblocking(False)
         try:
             peer, _ = rendezvous.accept()

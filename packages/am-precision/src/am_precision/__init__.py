@@ -1,7 +1,7 @@
 """am-precision: the dtype policy for LLM training.
 
 fp32-pinned modules (`_keep_in_fp32_modules[_strict]`), bf16 casts that never round pinned tensors (also under
-FSDP2), an fp32 RMSNorm, backend selection (`BackendConfig`), Transformer Engine FP8 recipes and module patching,
+FSDP2), an fp32 RMSNorm, backend selection (`BackendConfig`), Transformer Engine FP8 recipes and TE module subclasses,
 the lm-head projection, and a report to check the fp32 contract.
 
 Importing this package never imports transformer_engine or transformers; both are optional extras (`te`, `hf`)
@@ -50,12 +50,7 @@ from .modules import Float32RMSNorm, initialize_linear_module, initialize_rms_no
 from .report import Fp32Report, TensorPrecision, assert_fp32_contract, fp32_report
 from .rope import fused_rope, get_rope_config, quack_rope
 from .runtime import backend_runtime_problems
-from .te_patch import (
-    apply_te_patches,
-    patch_first_microbatch_injection,
-    patch_te_modules,
-    patch_unallocated_short_circuit,
-)
+from .te_modules import TEModuleClasses, te_module_classes, with_te_behaviours
 
 __all__ = [
     # backend selection
@@ -121,10 +116,9 @@ __all__ = [
     "prepare_for_final_backward",
     "prepare_for_grad_accumulation",
     "get_rope_config",
-    # Transformer Engine patching
-    "patch_te_modules",
-    "apply_te_patches",
-    "patch_unallocated_short_circuit",
-    "patch_first_microbatch_injection",
+    # Transformer Engine modules with the short-circuit and is_first_microbatch behaviours (subclasses; no patching)
+    "te_module_classes",
+    "TEModuleClasses",
+    "with_te_behaviours",
     "__version__",
 ]

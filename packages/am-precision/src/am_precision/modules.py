@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .backend import LINEAR_BACKENDS, RMS_NORM_BACKENDS
+from .te_modules import TEModuleClasses, te_module_classes
 
 __all__ = ["Float32RMSNorm", "initialize_linear_module", "initialize_rms_norm_module"]
 
@@ -87,18 +88,14 @@ def _import_quack(option: str, module_name: str) -> Any:
         ) from err
 
 
-def _import_te_pytorch(option: str) -> Any:
+def _te_classes(option: str) -> TEModuleClasses:
     try:
-        import transformer_engine.pytorch as te
+        return te_module_classes()
     except ImportError as err:
         raise ImportError(
             f"{option}='te' requires Transformer Engine with CUDA: `pip install am-precision[te]` on a machine "
             f"with a GPU, or choose another {option} implementation. Import failed: {err}"
         ) from err
-    from .te_patch import patch_te_modules
-
-    patch_te_modules()
-    return te
 
 
 def initialize_rms_norm_module(
@@ -114,7 +111,7 @@ def initialize_rms_norm_module(
 
     Args:
         rms_norm_impl: "torch" (`nn.RMSNorm`, computes in the input dtype), "torch_fp32" (`Float32RMSNorm`), "te"
-            (Transformer Engine, patched by `patch_te_modules`) or "quack" (QuACK kernel).
+            (Transformer Engine's, with `te_module_classes`' behaviours) or "quack" (QuACK kernel).
         dim: normalized size.
         eps: numerical epsilon.
         device: device for the weight; "meta" defers allocation (then `to_empty()` + `reset_parameters()`).
@@ -130,8 +127,7 @@ def initialize_rms_norm_module(
     if impl == "torch_fp32":
         return Float32RMSNorm(dim, eps, device=device, dtype=dtype)
     if impl == "te":
-        te = _import_te_pytorch("rms_norm")
-        return te.RMSNorm(normalized_shape=dim, eps=eps, device=device, params_dtype=dtype)
+        return _te_classes("rms_norm").rms_norm(normalized_shape=dim, eps=eps, device=device, params_dtype=dtype)
     if impl == "quack":
         return _QuackRMSNorm(dim, eps, device=device, dtype=dtype)
     allowed = ", ".join(repr(a) for a in RMS_NORM_BACKENDS)
@@ -152,7 +148,7 @@ def initialize_linear_module(
     `initialize_linear_module(linear_impl, in_features, out_features, bias, device, dtype)`.
 
     Args:
-        linear_impl: "torch" (`nn.Linear`), "te" (Transformer Engine `Linear`, patched by `patch_te_modules`) or
+        linear_impl: "torch" (`nn.Linear`), "te" (Transformer Engine `Linear` with `te_module_classes`' behaviours) or
             "quack" (`quack.linear.Linear`).
         in_features: input size.
         out_features: output size.
@@ -168,8 +164,7 @@ def initialize_linear_module(
     if impl == "torch":
         return nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
     if impl == "te":
-        te = _import_te_pytorch("linear")
-        return te.Linear(in_features, out_features, bias=bias, device=device, params_dtype=dtype)
+        return _te_classes("linear").linear(in_features, out_features, bias=bias, device=device, params_dtype=dtype)
     if impl == "quack":
         quack_linear = _import_quack("linear", "quack.linear")
         return quack_linear.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)

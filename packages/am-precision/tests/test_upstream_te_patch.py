@@ -1,4 +1,5 @@
-"""TE forward patches, exercised on plain torch classes shaped like TE's (the real TE needs CUDA).
+"""Upstream's TE class patching (`am_precision.upstream`), exercised on plain torch classes shaped like TE's (the
+real TE needs CUDA). The core builds subclasses instead (test_te_modules.py).
 
 Contract: unallocated inputs short-circuit to an empty output of the right shape unless torch.compile is tracing;
 `is_first_microbatch=None` (positional, keyword or omitted) is replaced by the global flag; explicit values win;
@@ -11,15 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from am_precision import (
+from am_precision import flags, set_is_first_microbatch
+from am_precision.te_modules import empty_like_input
+from am_precision.upstream import (
     apply_te_patches,
-    flags,
     patch_first_microbatch_injection,
     patch_te_modules,
     patch_unallocated_short_circuit,
-    set_is_first_microbatch,
 )
-from am_precision.te_patch import empty_like_input
 
 
 @pytest.fixture(autouse=True)
