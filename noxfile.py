@@ -204,6 +204,8 @@ def integration(session: nox.Session) -> None:
         "tools/test_readme_examples.py",
         "tools/test_vendoring.py",
         "tools/test_one_pytest_run.py",
+        "tools/test_readme_dependencies.py",
+        "tools/am-testing/tests",  # the shared harness itself (deadlines, stopped process trees)
         f"--junitxml={junit}",
         "-p",
         "no:cacheprovider",
