@@ -52,7 +52,7 @@ class BatchStep:
         plan = self.plan
         rows = slice(self.dp_rank * plan.local_batch, (self.dp_rank + 1) * plan.local_batch)
         input_ids, labels = input_ids[rows].to(self.device), labels[rows].to(self.device)
-        if self.schedule is None:
+        if not plan.is_pipeline:
             return forward_backward(
                 self.parts[0], self.loss_module, input_ids, labels,
                 microbatch_size=plan.microbatch_size, cp_mesh=self.mesh if plan.cp > 1 else None, backward=train,

@@ -68,7 +68,7 @@ def test_the_core_never_imports_upstream():
         "import sys, am_models_nemotron, am_models_nemotron.model, am_models_nemotron.checkpoint; "
         "print('am_models_nemotron.upstream' in sys.modules)"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     assert result.stdout.strip() == "False"
 
 
