@@ -52,7 +52,7 @@ def readme_dependency_problems(readme: str) -> list[str]:
                 f"{ {k: sorted(v) for k, v in stated[1].items()} }; pyproject.toml declares {sorted(declared[0])}, "
                 f"extras { {k: sorted(v) for k, v in declared[1].items()} }"
             )
-    problems += [f"{package}: a README row for a package not under packages/" for package in rows if package not in packages]
+    problems += [f"{name}: a README row for a package not under packages/" for name in rows if name not in packages]
     return problems
 
 
@@ -64,4 +64,5 @@ def test_the_readme_dependency_column_matches_the_pyproject_files() -> None:
 def test_a_wrong_row_is_named() -> None:
     readme = (_ROOT / "README.md").read_text().replace("`am-model-contract>=0.1,<0.2`", "`am-model-contract>=9`", 1)
     problems = readme_dependency_problems(readme)
-    assert len(problems) == 1 and "am-model-contract>=9" in problems[0], problems
+    assert len(problems) == 1, problems
+    assert "am-model-contract>=9" in problems[0], problems

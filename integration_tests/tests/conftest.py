@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+
 from am_testing import DeadlineExceeded, run_process
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +161,6 @@ class RunCache:
         self.root = root
         self.runs: dict[str, Run] = {}
         self.late: dict[str, DeadlineExceeded] = {}  # a hung configuration fails every test that needs it, once
-
 
     def get(self, name: str) -> Run:
         if name in self.late:

@@ -15,9 +15,10 @@ import socket
 import sys
 
 import torch
-from am_testing import run_processes
 from conftest import PARITY, TRAIN, launch, without_preset_sizes
 from safetensors.torch import load_file, save_file
+
+from am_testing import run_processes
 
 EXIT_BAD_INPUT = 2
 
@@ -30,13 +31,10 @@ def _launch_ranks_by_hand(args: list[str], *, world_size: int, timeout: float = 
     rendezvous.listen(8)
     port = str(rendezvous.getsockname()[1])
     try:
+        rendezvous_env = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
+        rendezvous_env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         envs = [
-            {
-                **os.environ,
-                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-            }  # fmt: skip
-            for rank in range(world_size)
+            {**os.environ, **rendezvous_env, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world_size)
         ]
         done = run_processes(
             [[sys.executable, str(TRAIN), *args]] * world_size,

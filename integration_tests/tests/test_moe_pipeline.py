@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 import torch
-from am_testing import case_result, run_cases, run_group
 from torch import nn
+
+from am_testing import case_result, run_cases, run_group
 
 # fp64 (the routers still compute in fp32): the pipeline and the reference run the same micro-batch shapes, but the
 # VLM's pipeline forward scatters the image features in another order than the model's, and the vision tower's tiny

@@ -33,7 +33,8 @@ def test_the_base_class_is_untouched_and_the_subclass_is_a_drop_in() -> None:
     sub = _te_linear(base)
     assert base.forward is forward
     assert sub is _te_linear(base), "one class per arguments"
-    assert issubclass(sub, base) and sub.__name__ == base.__name__
+    assert issubclass(sub, base)
+    assert sub.__name__ == base.__name__
     torch.manual_seed(0)
     layer = sub(6, 4)
     torch.manual_seed(0)
@@ -106,5 +107,6 @@ def test_te_module_classes_subclass_te_and_leave_it_unpatched() -> None:
     forward = te.Linear.forward
     classes = te_module_classes()
     assert te.Linear.forward is forward
-    assert issubclass(classes.linear, te.Linear) and issubclass(classes.rms_norm, te.RMSNorm)
+    assert issubclass(classes.linear, te.Linear)
+    assert issubclass(classes.rms_norm, te.RMSNorm)
     assert issubclass(classes.grouped_linear, te.GroupedLinear)

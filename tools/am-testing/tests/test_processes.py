@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+
 from am_testing import DeadlineExceeded, run_process, run_processes
 
 # A child that starts a grandchild in its own session (torchrun's workers), prints its pid, and both sleep.

@@ -12,6 +12,7 @@ Output goes to files, not pipes, so a chatty process can never block on a full p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -75,10 +76,8 @@ def _tree(pid: int) -> list[int]:
 
 def _signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
