@@ -214,3 +214,58 @@ def test_rotary_tables_survive_torch_rebuilding_them_from_an_iterable() -> None:
     torch.testing.assert_close(tables[0], cos.double(), rtol=0, atol=0)
     torch.testing.assert_close(tables[1], sin.double(), rtol=0, atol=0)
     assert tables.angles is None  # dropped by the rebuild: the fused RoPE refuses without them, never guesses
+
+
+@pytest.mark.skipif(
+    flags.HAVE_TE or flags.HAVE_GMM or flags.HAVE_DEEP_EP or flags.HAVE_UCCL_EP or torch.cuda.is_available(),
+    reason="a library or CUDA is present here",
+)
+@pytest.mark.parametrize(
+    ("fields", "missing"),
+    [
+        ({"experts": "te", "dispatcher": "deepep"}, ("experts='te' (TE GroupedLinear) needs", "`deep_ep` package")),
+        ({"experts": "gmm", "dispatcher": "uccl_ep"}, ("`grouped_gemm` package", "`uccl_ep` package")),
+        ({"experts": "torch_mm", "dispatcher": "hybridep"}, ("dispatcher='hybridep' needs the `deep_ep` package",)),
+    ],
+    ids=["te_deepep", "gmm_uccl_ep", "hybridep"],
+)
+def test_library_experts_and_dispatchers_are_refused_here_naming_the_library_and_cuda(fields, missing) -> None:
+    """experts te / gmm and the dispatchers deepep / hybridep / uccl_ep are Gemma 4's (SUPPORTED_BACKENDS); without
+    the library and CUDA they are refused naming both, never as "not implemented"."""
+    from am_models_gemma4.backend import SUPPORTED_BACKENDS
+
+    assert fields["experts"] in SUPPORTED_BACKENDS["experts"]
+    assert fields["dispatcher"] in SUPPORTED_BACKENDS["dispatcher"]
+    with pytest.raises(ValueError, match="cannot run as asked") as err:
+        Gemma4ForCausalLM(C.text_config(moe=True), backend=_backend(**fields))
+    message = str(err.value)
+    for what in missing:
+        assert what in message
+    assert "torch.cuda.is_available() is False" in message
+    assert "not implemented" not in message
+
+
+def test_library_backends_build_the_library_experts_and_refuse_a_forward_without_ep(monkeypatch) -> None:
+    """Where the libraries and CUDA exist (faked: `backend_runtime_problems` finds nothing missing), experts 'te' /
+    'gmm' build am-moe's TE / grouped_gemm experts, apply_expert_parallel gets the backend's dispatcher fields, and
+    a library dispatcher refuses to run before the experts are sharded over ep > 1."""
+    import am_models_gemma4.backend as backend_module
+    from am_models_gemma4.backend import expert_parallel_options
+
+    monkeypatch.setattr(backend_module, "backend_runtime_problems", lambda backend, *, fields: [])
+    for experts, dispatcher in (("te", "deepep"), ("gmm", "hybridep"), ("torch", "uccl_ep")):
+        backend = _backend(experts=experts, dispatcher=dispatcher, dispatcher_num_sms=24)
+        model = Gemma4ForCausalLM(C.text_config(moe=True), backend=backend)
+        grouped = {layer.moe.experts.grouped_mm for layer in model.model.layers.values()}
+        assert grouped == {{"te": "te", "gmm": "gmm", "torch": "loop"}[experts]}
+        with pytest.raises(ValueError, match=f"dispatcher='{dispatcher}' moves tokens between expert-parallel"):
+            model(input_ids=torch.randint(1, C.VOCAB, (1, 6)))
+    options = expert_parallel_options(backend)
+    assert options == {
+        "dispatcher": "uccl_ep",
+        "dispatcher_num_sms": 24,
+        "dispatcher_async_dispatch": False,
+        "dispatcher_share_token_dispatcher": True,
+    }
+    assert expert_parallel_options(None) == {"dispatcher": "torch"}
+    assert expert_parallel_options(None, dispatcher="torch_token") == {"dispatcher": "torch_token"}
