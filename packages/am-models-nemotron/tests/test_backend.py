@@ -233,7 +233,7 @@ def test_without_the_hf_adapter_checkpoints_hold_the_native_keys(tmp_path) -> No
 
 
 LIBRARY_VALUES = [
-    ({"experts": "te", "dispatcher": "deepep"}, ("experts='te' (TE GroupedLinear) needs Transformer Engine", "`deep_ep` package")),
+    ({"experts": "te", "dispatcher": "deepep"}, ("experts='te' (TE GroupedLinear) needs", "`deep_ep` package")),
     ({"experts": "gmm", "dispatcher": "uccl_ep"}, ("experts='gmm' needs the `grouped_gemm` package", "`uccl_ep`")),
     ({"experts": "torch_mm", "dispatcher": "hybridep"}, ("dispatcher='hybridep' needs the `deep_ep` package",)),
 ]

@@ -35,7 +35,6 @@ from .tp_plan import MLP_TP_PLAN
 __all__ = ["GroupedExperts", "NemotronMLP", "NemotronMoE", "NemotronRouter", "relu2"]
 
 
-
 def relu2(x: torch.Tensor) -> torch.Tensor:
     """Squared ReLU."""
     return torch.square(F.relu(x))
@@ -215,9 +214,10 @@ class NemotronMoE(nn.Module):
         """padding_mask: [B, S] bool, True for padding tokens (removed before routing: no expert, no load)."""
         if self.dispatcher_backend in LIBRARY_DISPATCHERS and self.experts.ep_size == 1:
             raise ValueError(
-                f"NemotronMoE: BackendConfig.dispatcher={self.dispatcher_backend!r} moves tokens between expert-parallel "
-                "ranks, but these experts are not expert parallel (call model.apply_expert_parallel(ep_mesh) with "
-                "ep > 1 first); without expert parallelism use dispatcher='torch'"
+                f"NemotronMoE: BackendConfig.dispatcher={self.dispatcher_backend!r} moves tokens between "
+                "expert-parallel ranks, but these experts are not expert parallel (call "
+                "model.apply_expert_parallel(ep_mesh) with ep > 1 first); without expert parallelism use "
+                "dispatcher='torch'"
             )
         shape = hidden_states.shape
         flat = hidden_states.reshape(-1, shape[-1])
