@@ -202,18 +202,38 @@ def test_fsdp_optimizations_drive_the_fsdp_hooks_only_when_asked(monkeypatch) ->
 
 def test_rotary_tables_survive_torch_rebuilding_them_from_an_iterable() -> None:
     """FSDP2 casts a layer's forward inputs by rebuilding every tuple as `type(x)(generator)`
-    (torch.distributed.utils._apply_to_tensors); the rotary tables must come back as the same (cos, sin)."""
+    (torch.distributed.utils._apply_to_tensors with FSDP2's own `_cast_fp_tensor`); the rotary tables come back as
+    the same (cos, sin), and with the fp32 angles (never cast) when cos already has the compute dtype — the case of
+    every mixed-precision run, where the rotary embedding computes cos in the activations' dtype (FSDP2's
+    param_dtype). A cast that makes a new cos drops the angles: the fused RoPE then refuses, it never guesses."""
+    import functools
+
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _cast_fp_tensor
     from torch.distributed.utils import _apply_to_tensors
 
-    from am_models_gemma4.layers import RotaryTables
+    from am_models_gemma4.layers import Gemma4RotaryEmbedding, RotaryTables
+
+    config = C.text_config()
+    fused = Gemma4RotaryEmbedding(config, fused=True)
+    positions = torch.arange(6)[None]
+    cast_to_bf16 = functools.partial(_cast_fp_tensor, torch.bfloat16)
+    for layer_type in sorted(set(config.layer_types)):
+        original = fused(torch.randn(1, 6, 16, dtype=torch.bfloat16), positions, layer_type)  # bf16 activations
+        assert original[0].dtype == torch.bfloat16
+        tables = _apply_to_tensors(cast_to_bf16, {"position_embeddings": original})["position_embeddings"]
+        assert isinstance(tables, RotaryTables)
+        assert tables[0] is original[0]
+        assert tables[1] is original[1]
+        assert tables.angles is original.angles
+        assert tables.angles.dtype == torch.float32  # not cast: the angles are not an element of the tuple
 
     cos, sin = torch.randn(1, 4, 8), torch.randn(1, 4, 8)
-    rebuilt = _apply_to_tensors(lambda t: t.double(), {"position_embeddings": RotaryTables(cos, sin, cos * 0)})
+    rebuilt = _apply_to_tensors(cast_to_bf16, {"position_embeddings": RotaryTables(cos, sin, cos * 0)})
     tables = rebuilt["position_embeddings"]
     assert isinstance(tables, RotaryTables)
-    torch.testing.assert_close(tables[0], cos.double(), rtol=0, atol=0)
-    torch.testing.assert_close(tables[1], sin.double(), rtol=0, atol=0)
-    assert tables.angles is None  # dropped by the rebuild: the fused RoPE refuses without them, never guesses
+    torch.testing.assert_close(tables[0], cos.bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(tables[1], sin.bfloat16(), rtol=0, atol=0)
+    assert tables.angles is None  # cos was cast to a new tensor: dropped, and the fused RoPE refuses without them
 
 
 @pytest.mark.skipif(
