@@ -7,6 +7,10 @@ experts torch (per-expert loop) vs torch_mm (grouped GEMM), rms_norm torch, TE l
 (rope_fusion: Gemma 4; Nemotron-H has no RoPE and refuses it) and TE FP8 autocast when Transformer Engine is
 installed, plus TE's fused RoPE kernel against the torch rotation on the same angles (fp32 / bf16, shared and per-row
 positions), and am-moe's grouped-GEMM backends alone (loop, grouped_mm, gmm, te, auto with its measured pick).
+The library token dispatchers (deepep, uccl_ep, hybridep) and the library expert GEMMs behind them (experts te /
+gmm, which `BackendConfig` pairs with a library dispatcher) run at ep 2 on two GPUs (two NCCL processes) against the
+unsharded experts on the same tokens, when the library and two GPUs are there; otherwise each dispatcher is skipped
+with one line naming what is missing.
 Each run starts from the same weights and batch as the reference (`torch` / sdpa) run; its
 first loss must equal the reference's within bf16 tolerance. It also initialises NCCL on one rank (one all-reduce).
 Writes bench/results-gpu.json: per run step time (median), tokens/s, MFU against the GPU's dense bf16 peak (when
@@ -215,7 +219,7 @@ def _expert_backends() -> dict[str, Any]:
     """am-moe's grouped-GEMM backends on this GPU (bf16, 64 experts, top-8, 8192 tokens, H=I=1024, SwiGLU), forward +
     backward against the per-expert loop: max |diff| of the output and the input gradient, median time, or the
     refusal (a missing package or GPU is named); "auto" reports what its measurement picked. The token-level
-    dispatchers (deepep / uccl_ep / hybridep) need ep >= 2, i.e. two GPUs: not run by this one-GPU kit."""
+    dispatchers (deepep / uccl_ep / hybridep) need ep >= 2, i.e. two GPUs: `_library_dispatchers`."""
     from am_moe import GroupedExperts
 
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -254,6 +258,119 @@ def _expert_backends() -> dict[str, Any]:
         out[backend] = result
         print(f"gpu: am-moe experts grouped_mm={backend}: {json.dumps(result)}", flush=True)
     return out
+
+
+LIBRARY_DISPATCHERS = ("deepep", "uccl_ep", "hybridep")  # BackendConfig.dispatcher values am-moe runs with a library
+DISPATCH_EXPERTS = ("grouped_mm", "te", "gmm")  # expert GEMMs behind each dispatcher (te / gmm need a library one)
+EP_TOKENS, EP_EXPERTS, EP_TOP_K, EP_HIDDEN = 4096, 16, 4, 1024  # per rank; SwiGLU experts, H = I
+
+
+def _library_dispatchers() -> dict[str, Any]:
+    """Each library dispatcher at ep 2 (two NCCL processes, one GPU each), with each expert GEMM of
+    `DISPATCH_EXPERTS`, against the unsharded experts (torch._grouped_mm) on the same tokens; or one skip line per
+    dispatcher naming what is missing (the package, CUDA, a second GPU: `am_moe.dispatcher_problems`)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from am_moe import dispatcher_problems
+
+    out: dict[str, Any] = {}
+    runnable = []
+    gpus = torch.cuda.device_count()
+    for name in LIBRARY_DISPATCHERS:
+        problems = dispatcher_problems(name, ep=2, device_type="cuda")
+        if gpus < 2:
+            problems.append(f"dispatcher={name!r} at ep 2 needs two CUDA GPUs; this machine has {gpus}")
+        if problems:
+            out[name] = {"skipped": problems}
+            print(f"gpu: dispatcher {name}: skipped: {'; '.join(problems)}", flush=True)
+        else:
+            runnable.append(name)
+    if not runnable:
+        return out
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_ep2_worker, args=(port, runnable, folder), nprocs=2, join=True)
+        for rank in range(2):
+            for key, result in json.loads((Path(folder) / f"rank{rank}.json").read_text()).items():
+                out.setdefault(key, {})[f"rank{rank}"] = result
+                print(f"gpu: dispatcher {key} rank {rank}: {json.dumps(result)}", flush=True)
+    return out
+
+
+def _ep2_worker(rank: int, port: int, names: list[str], folder: str) -> None:
+    """One of the two ep ranks: this rank's half of the tokens through experts sharded over ep 2 with each
+    dispatcher, against the unsharded experts on the same rows (output and input gradient per token; the expert
+    weight gradient of this rank's experts after summing the reference's over both ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from am_moe import GroupedExperts, apply_expert_parallel
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cuda", (2,), mesh_dim_names=("ep",))
+    gen = torch.Generator(device="cpu").manual_seed(0)  # the same batch on both ranks; each takes its half
+    x = torch.randn(2 * EP_TOKENS, EP_HIDDEN, generator=gen)
+    weights, index = torch.rand(2 * EP_TOKENS, EP_EXPERTS, generator=gen).softmax(-1).topk(EP_TOP_K, -1)
+    mine = slice(rank * EP_TOKENS, (rank + 1) * EP_TOKENS)
+    x, weights, index = x[mine].to("cuda", torch.bfloat16), weights[mine].cuda(), index[mine].cuda()
+    local = slice(rank * EP_EXPERTS // 2, (rank + 1) * EP_EXPERTS // 2)
+    results: dict[str, Any] = {}
+
+    def experts(grouped_mm: str) -> GroupedExperts:
+        torch.manual_seed(0)
+        module = GroupedExperts(EP_EXPERTS, EP_HIDDEN, EP_HIDDEN, gated=True, activation="silu", grouped_mm=grouped_mm)
+        module.init_weights(std=0.02)
+        return module.to("cuda", torch.bfloat16)
+
+    reference = experts("grouped_mm")
+    ref_in = x.clone().requires_grad_()
+    ref_out = reference(ref_in, index, weights)
+    ref_out.backward(torch.ones_like(ref_out))
+    assert reference.down_proj.grad is not None
+    assert ref_in.grad is not None
+    ref_x_grad, ref_down = ref_in.grad.float(), reference.down_proj.grad.float()
+    dist.all_reduce(ref_down)  # the experts' gradient over both ranks' tokens, as expert parallelism sums it
+    for name in names:
+        for grouped_mm in DISPATCH_EXPERTS:
+            key = f"{name}/experts={grouped_mm}"
+            try:
+                module = experts(grouped_mm)
+                apply_expert_parallel(module, mesh, dispatcher=name)
+                times = []
+                for _ in range(4):
+                    inp = x.clone().requires_grad_()
+                    module.zero_grad(set_to_none=True)
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    out = module(inp, index, weights)
+                    out.backward(torch.ones_like(out))
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+            except (ValueError, RuntimeError, ImportError) as err:
+                results[key] = {"failed": f"{type(err).__name__}: {err}"}
+                continue
+            x_grad: Any = inp.grad
+            down_grad: Any = module.down_proj.grad  # a DTensor: this rank's experts
+            diffs = {
+                "out": float((out.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()),
+                "x_grad": float((x_grad.float() - ref_x_grad).abs().max() / ref_x_grad.abs().max()),
+                "down_grad": float(
+                    (down_grad.to_local().float() - ref_down[local]).abs().max() / ref_down[local].abs().max()
+                ),
+            }
+            results[key] = {
+                "fwd_bwd_s": statistics.median(times[1:]),
+                "max_rel_diff": diffs,
+                "matches_reference": max(diffs.values()) <= BF16_LOSS_TOL,
+            }
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _fused_rope_check() -> dict[str, Any]:
@@ -323,6 +440,7 @@ def main() -> int:
         "steps": STEPS,
         "nccl": _nccl_one_rank(),
         "am_moe_expert_backends": _expert_backends(),
+        "library_dispatchers": _library_dispatchers(),
         "fused_rope": _fused_rope_check(),
     }
     for model_name in MODELS:
@@ -333,6 +451,12 @@ def main() -> int:
         f"{m}/{run}"
         for m in (*MODELS, "fused_rope")
         for run, r in results.get(m, {}).items()
+        if isinstance(r, dict) and r.get("matches_reference") is False
+    ]
+    mismatched += [
+        f"library_dispatchers/{key}/{rank}"
+        for key, ranks in results["library_dispatchers"].items()
+        for rank, r in ranks.items()
         if isinstance(r, dict) and r.get("matches_reference") is False
     ]
     print(f"gpu: wrote {RESULTS}; runs that differ from the torch backend: {mismatched or 'none'}")

@@ -155,6 +155,11 @@ class RunCache:
         "nemotron-dp2-ep2": (2, ["--model", "nemotron", "--dp", "2", "--ep", "2", *PARITY]),
         "gemma4-moe-aux": (1, ["--model", "gemma4-moe", *PARITY, *GEMMA_AUX_TERMS]),
         "gemma4-moe-aux-dp2-ep2": (2, ["--model", "gemma4-moe", "--dp", "2", "--ep", "2", *PARITY, *GEMMA_AUX_TERMS]),
+        # BackendConfig.enable_fsdp_optimizations (issue 26): the model's FSDP hooks, equal to "nemotron-dp2-ep2"
+        "nemotron-dp2-ep2-fsdp-opt": (
+            2,
+            ["--model", "nemotron", "--dp", "2", "--ep", "2", "--fsdp-optimizations", *PARITY],
+        ),
     }
 
     def __init__(self, root: Path) -> None:

@@ -57,6 +57,7 @@ class BatchStep:
                 self.parts[0], self.loss_module, input_ids, labels,
                 microbatch_size=plan.microbatch_size, cp_mesh=self.mesh if plan.cp > 1 else None, backward=train,
                 router=self.router if train else None,  # validation: the held-out cross-entropy alone
+                fsdp_hooks=plan.fsdp_optimizations,
             )  # fmt: skip
         router = self.pipeline_router if train else None  # validation: the held-out cross-entropy alone
         if router is None:
@@ -98,6 +99,7 @@ def forward_backward(
     cp_mesh: Any = None,
     backward: bool = True,
     router: RouterAuxLoss | None = None,
+    fsdp_hooks: bool = False,
 ) -> torch.Tensor:
     """pp = 1: forward and backward (forward only without `backward`: validation) over the microbatches of
     `microbatch_size` rows of this rank's batch (input_ids, labels: [B, S]), each CP-sharded over `cp_mesh` (the
@@ -109,10 +111,26 @@ def forward_backward(
     aux share (see RouterAuxLoss: the global counts must be known before any backward). NOTE: this holds the
     activations of all of the rank's microbatches at once, as a run with one microbatch per rank does. A model whose
     config leaves the term out (coef 0) runs each backward right after its forward, counting only (imbalance, aux).
-    `router.last_aux_share` is then this rank's share of the step's aux (the returned loss includes coef x it)."""
+    `router.last_aux_share` is then this rank's share of the step's aux (the returned loss includes coef x it).
+
+    `fsdp_hooks` (the plan's `fsdp_optimizations`): the model's own hooks drive FSDP2's sync, as upstream's training
+    loop calls them: `prepare_for_grad_accumulation` before the first microbatch's backward (no reduce-scatter, no
+    resharding), `prepare_for_final_backward` before the last (one reduce-scatter of the accumulated gradients).
+    Without it the root's `set_requires_gradient_sync` reduces once, after the last microbatch, as well."""
     n_micro = input_ids.shape[0] // microbatch_size
     total = torch.zeros((), device=input_ids.device)
-    sync = getattr(model, "set_requires_gradient_sync", None)
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
+
+    def sync(i: int) -> None:
+        """Before microbatch i's backward."""
+        if fsdp_hooks:
+            if i == 0:
+                model.prepare_for_grad_accumulation(pp_enabled=False)  # type: ignore[operator]
+            if i == n_micro - 1:
+                model.prepare_for_final_backward(pp_enabled=False)  # type: ignore[operator]
+        elif callable(set_sync):
+            set_sync(i == n_micro - 1)  # FSDP2: reduce gradients once, after the last microbatch
+
     pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # router: (ring context, CE loss, router prob sums)
     counts: torch.Tensor | None = None
     deferred = router is not None and router.coef != 0.0  # the aux term is in the objective: backward after counts
@@ -126,8 +144,8 @@ def forward_backward(
             mb_labels, mtp_targets = split_cp_targets(batch)
         else:
             mb_labels = batch.pop("labels")
-        if callable(sync) and backward and not deferred:
-            sync(i == n_micro - 1)  # FSDP2: reduce gradients once, after the last microbatch
+        if backward and not deferred:
+            sync(i)
         with ctx():
             output = model(**batch, **({"output_router_logits": True} if router is not None else {}))
             # The pipeline's loss module, as at pp > 1: a model that owns its training loss (Nemotron-H: next-token
@@ -148,8 +166,7 @@ def forward_backward(
         share = router.share(global_counts, prob_sum)
         aux_share += share.detach().float()
         if backward and deferred:
-            if callable(sync):
-                sync(i == n_micro - 1)
+            sync(i)
             with ctx():  # the ring context again: CP attention's backward runs in it, as its forward did
                 (loss + router.coef * share).backward()
     router.last_aux_share = aux_share

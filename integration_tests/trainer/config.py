@@ -84,6 +84,8 @@ class RunConfig:
     moe_aux_loss_coeff: float | None = None
     moe_seq_aux_loss_coeff: float | None = None
     moe_z_loss_coeff: float | None = None
+    # issue 26: BackendConfig.enable_fsdp_optimizations of the preset (the model's FSDP hooks; trainer/batch_step.py)
+    fsdp_optimizations: bool = False
 
     @property
     def world_size(self) -> int:
@@ -277,6 +279,13 @@ def _add_feature_options(p: argparse.ArgumentParser) -> None:
         help="recompute each decoder layer's activations in backward (torch.utils.checkpoint): less memory, more time",
     )
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    p.add_argument(
+        "--fsdp-optimizations",
+        action="store_true",
+        help="build the am-models preset with BackendConfig(enable_fsdp_optimizations=True): its "
+        "prepare_for_grad_accumulation / prepare_for_final_backward hooks defer FSDP2's reduce-scatter and "
+        "resharding to the last microbatch of each step (pp 1 with FSDP2)",
+    )
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     p.add_argument("--momentum", type=float, default=None, help="SGD momentum [0.9]")
     p.add_argument(

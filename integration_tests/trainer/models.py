@@ -140,18 +140,41 @@ def llama_config(*, hidden_size: int, num_layers: int, tie_embeddings: bool, voc
     return config
 
 
-def _build_nemotron(config: Any) -> nn.Module:
+def preset_backend(name: str, *, fsdp_optimizations: bool) -> Any:
+    """The `am_precision.BackendConfig` an am-models preset is built with: None (the model's own defaults) unless an
+    option asks for a field, i.e. `--fsdp-optimizations` (`enable_fsdp_optimizations=True`, on the plain-PyTorch
+    kernels: Nemotron-H's `default_backend()`; Gemma 4's SDPA / torch / fp32-norm defaults with am-moe's grouped
+    GEMM experts, `experts="torch_mm"`, where its default is the measured "auto")."""
+    if not fsdp_optimizations:
+        return None
+    if name.startswith("nemotron"):
+        from am_models_nemotron import default_backend
+
+        return default_backend().replace(enable_fsdp_optimizations=True)
+    from am_precision import BackendConfig
+
+    return BackendConfig(
+        attn="sdpa",
+        linear="torch",
+        rms_norm="torch_fp32",
+        experts="torch_mm",
+        dispatcher="torch",
+        enable_fsdp_optimizations=True,
+    )
+
+
+def _build_nemotron(config: Any, backend: Any = None) -> nn.Module:
     from am_models_nemotron import NemotronHForCausalLM
 
     # fp32 master weights whatever the config's torch_dtype says (the published configs say bfloat16, which the
     # model would otherwise be built in); the precision policy decides the storage dtype later (apply_precision).
-    return NemotronHForCausalLM(config, dtype=torch.float32)
+    return NemotronHForCausalLM(config, backend, dtype=torch.float32)
 
 
-def _build_gemma4(config: Any) -> nn.Module:
+def _build_gemma4(config: Any, backend: Any = None) -> nn.Module:
     from am_models_gemma4 import Gemma4ForCausalLM
 
-    model = Gemma4ForCausalLM(config)
+    model = Gemma4ForCausalLM(config, backend=backend)
     init = getattr(model.model, "init_weights", None)
     if callable(init):
         init()
@@ -212,26 +235,43 @@ def _save_hf(model: nn.Module, folder: Path) -> None:
 
 
 def preset_spec(
-    name: str, *, hidden_size: int, num_layers: int, mtp_depths: int, tie_embeddings: bool, vocab_size: int | None
+    name: str,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    mtp_depths: int,
+    tie_embeddings: bool,
+    vocab_size: int | None,
+    fsdp_optimizations: bool = False,
 ) -> ModelSpec:
-    """The spec of a tiny preset (random init). `vocab_size` defaults to the byte tokenizer's 256."""
+    """The spec of a tiny preset (random init). `vocab_size` defaults to the byte tokenizer's 256;
+    `fsdp_optimizations`: an am-models preset's `BackendConfig.enable_fsdp_optimizations` (`preset_backend`)."""
     vocab = vocab_size or ByteTokenizer.vocab_size
+    backend = preset_backend(name, fsdp_optimizations=fsdp_optimizations) if name != "llama" else None
     if name == "nemotron":
         config = nemotron_config(
             hidden_size=hidden_size, num_layers=num_layers, mtp_depths=mtp_depths, vocab_size=vocab
         )
         return ModelSpec(
-            name, _on_meta(lambda: _build_nemotron(config)), _save_own, vocab, materialize=_seeded(_nemotron_init())
+            name,
+            _on_meta(lambda: _build_nemotron(config, backend)),
+            _save_own,
+            vocab,
+            materialize=_seeded(_nemotron_init()),
         )
     if name in ("gemma4", "gemma4-moe"):
         config = gemma4_config(
             hidden_size=hidden_size, num_layers=num_layers, moe=name == "gemma4-moe", vocab_size=vocab
         )
         return ModelSpec(
-            name, _on_meta(lambda: _build_gemma4(config)), _save_own, vocab, materialize=_seeded(_gemma4_init())
+            name,
+            _on_meta(lambda: _build_gemma4(config, backend)),
+            _save_own,
+            vocab,
+            materialize=_seeded(_gemma4_init()),
         )
     if name in REAL_SIZE_MODELS:
-        return real_size_spec(name)
+        return real_size_spec(name, backend=backend)
     if name == "llama":
         config = llama_config(
             hidden_size=hidden_size, num_layers=num_layers, tie_embeddings=tie_embeddings, vocab_size=vocab
@@ -242,7 +282,7 @@ def preset_spec(
     raise ValueError(f"--model {name!r} is unknown; choose one of {', '.join(MODELS)}")
 
 
-def real_size_spec(name: str) -> ModelSpec:
+def real_size_spec(name: str, *, backend: Any = None) -> ModelSpec:
     """The spec of a published configuration (the model packages' presets: Nemotron 3 Nano 30B-A3B, Gemma 4 26B-A4B
     and 31B, config only): built on the meta device like every model, then each rank materializes its own blocks with
     the seeded init. Its vocabulary is the published one (the byte tokenizer's ids fit in it)."""
@@ -252,7 +292,7 @@ def real_size_spec(name: str) -> ModelSpec:
         config = preset_config(name)
         return ModelSpec(
             name,
-            _on_meta(lambda: _build_nemotron(config)),
+            _on_meta(lambda: _build_nemotron(config, backend)),
             _save_own,
             int(config.vocab_size),
             materialize=_seeded(_nemotron_init()),
@@ -260,7 +300,7 @@ def real_size_spec(name: str) -> ModelSpec:
     from am_models_gemma4.presets import preset_config as gemma4_preset
 
     text = gemma4_preset(name, text_only=True)  # the text model: what Gemma4ForCausalLM trains
-    build = _on_meta(lambda: _build_gemma4(text))
+    build = _on_meta(lambda: _build_gemma4(text, backend))
     return ModelSpec(name, build, _save_own, int(text.vocab_size), materialize=_seeded(_gemma4_init()))
 
 

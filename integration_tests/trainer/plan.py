@@ -106,6 +106,9 @@ class RunPlan:
     # am_moe.LoadBalancing of the model's am-moe routers: its recipe under the --moe-* options (trainer/moe_balance.py);
     # None for a model without them
     moe_balancing: Any = None
+    # --fsdp-optimizations (BackendConfig.enable_fsdp_optimizations, pp 1 with FSDP2): the model's
+    # prepare_for_grad_accumulation / prepare_for_final_backward hooks drive FSDP2's sync (trainer/batch_step.py)
+    fsdp_optimizations: bool = False
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
@@ -165,6 +168,7 @@ class RunPlan:
             },
             "fsdp": self.fsdp,
             "fsdp_grouping": self.fsdp_grouping if self.fsdp else None,
+            "fsdp_optimizations": self.fsdp_optimizations,
             "batch": {
                 "global_batch": self.global_batch,
                 "local_batch": self.local_batch,
@@ -258,6 +262,7 @@ def make_plan(
         router_aux=router,
         tensor_parallel=tensor_parallel,
         moe_balancing=moe_balancing,
+        fsdp_optimizations=cfg.fsdp_optimizations,
     )
 
 

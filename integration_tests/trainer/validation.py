@@ -28,6 +28,7 @@ from trainer import checkpoint as ckpt
 from trainer.config import (
     PRESET_HIDDEN_SIZE,
     PRESET_LAYERS,
+    REAL_SIZE_MODELS,
     RunConfig,
     cp_problems,
     expert_parallel_plan,
@@ -60,6 +61,7 @@ def model_spec(cfg: RunConfig, *, vocab_size: int | None = None) -> ModelSpec:
         mtp_depths=cfg.mtp_depths,
         tie_embeddings=cfg.tie_embeddings,
         vocab_size=vocab_size,
+        fsdp_optimizations=cfg.fsdp_optimizations,
     )
 
 
@@ -231,6 +233,7 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
     router_aux = router_aux_spec(model) if model is not None else None
     problems += _feature_model_problems(cfg, model=model, plan=pipeline, router_aux=router_aux)
     problems += balancing_problems(cfg, model)  # the --moe-* options: numbers, and against the model's routers
+    problems += fsdp_optimization_problems(cfg, model)
     vocab = spec.vocab_size if spec is not None else (_tokenizer_vocab(tokenizer) or 256)
     tokens, found = data_problems(cfg, vocab_size=vocab, tokenizer=tokenizer)
     problems += found
@@ -286,6 +289,35 @@ _MAY_CHANGE_ON_RESUME = (
 )  # fmt: skip
 # Saved before --hidden-size / --layers defaulted to None: the presets' sizes.
 _SIZE_DEFAULTS = {"hidden_size": PRESET_HIDDEN_SIZE, "layers": PRESET_LAYERS}
+
+
+def fsdp_optimization_problems(cfg: RunConfig, model: nn.Module | None) -> list[str]:
+    """`--fsdp-optimizations` (BackendConfig.enable_fsdp_optimizations) where it has something to do: an am-models
+    preset (its backend carries the field; its hooks defer the sync), pp 1 (the pipeline schedules already reduce
+    once per step, and the hooks are no-ops there) and FSDP2 (dp x cp > 1, or mixed precision)."""
+    from trainer.plan import PRECISIONS, uses_fsdp
+
+    if not cfg.fsdp_optimizations:
+        return []
+    problems = []
+    if cfg.model_path is not None or cfg.model not in ("nemotron", "gemma4", "gemma4-moe", *REAL_SIZE_MODELS):
+        problems.append(
+            "--fsdp-optimizations sets BackendConfig.enable_fsdp_optimizations of an am-models preset (nemotron, "
+            f"gemma4, gemma4-moe, the published configurations), not of {cfg.model_path or cfg.model!r}; drop it"
+        )
+    elif model is not None and not callable(getattr(model, "prepare_for_grad_accumulation", None)):
+        problems.append(f"--fsdp-optimizations: {type(model).__name__} has no prepare_for_grad_accumulation hook")
+    if cfg.pp > 1:
+        problems.append(
+            "--fsdp-optimizations defers FSDP2's reduce-scatter to the last microbatch, which the pipeline schedules "
+            f"already do at --pp {cfg.pp} (upstream's hooks are no-ops there); drop it or use --pp 1"
+        )
+    if cfg.dtype in PRECISIONS and not uses_fsdp(PRECISIONS[cfg.dtype], dp=cfg.dp, cp=cfg.cp):
+        problems.append(
+            f"--fsdp-optimizations defers FSDP2's reduce-scatter, but this run has no FSDP2 (dp x cp = "
+            f"{cfg.dp * cfg.cp}, --dtype {cfg.dtype}); drop it or shard over --dp / --cp"
+        )
+    return problems
 
 
 def _model_path_value_problems(folder: str) -> list[str]:

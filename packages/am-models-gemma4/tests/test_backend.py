@@ -202,15 +202,90 @@ def test_fsdp_optimizations_drive_the_fsdp_hooks_only_when_asked(monkeypatch) ->
 
 def test_rotary_tables_survive_torch_rebuilding_them_from_an_iterable() -> None:
     """FSDP2 casts a layer's forward inputs by rebuilding every tuple as `type(x)(generator)`
-    (torch.distributed.utils._apply_to_tensors); the rotary tables must come back as the same (cos, sin)."""
+    (torch.distributed.utils._apply_to_tensors with FSDP2's own `_cast_fp_tensor`); the rotary tables come back as
+    the same (cos, sin), and with the fp32 angles (never cast) when cos already has the compute dtype — the case of
+    every mixed-precision run, where the rotary embedding computes cos in the activations' dtype (FSDP2's
+    param_dtype). A cast that makes a new cos drops the angles: the fused RoPE then refuses, it never guesses."""
+    import functools
+
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _cast_fp_tensor
     from torch.distributed.utils import _apply_to_tensors
 
-    from am_models_gemma4.layers import RotaryTables
+    from am_models_gemma4.layers import Gemma4RotaryEmbedding, RotaryTables
+
+    config = C.text_config()
+    fused = Gemma4RotaryEmbedding(config, fused=True)
+    positions = torch.arange(6)[None]
+    cast_to_bf16 = functools.partial(_cast_fp_tensor, torch.bfloat16)
+    for layer_type in sorted(set(config.layer_types)):
+        original = fused(torch.randn(1, 6, 16, dtype=torch.bfloat16), positions, layer_type)  # bf16 activations
+        assert original[0].dtype == torch.bfloat16
+        tables = _apply_to_tensors(cast_to_bf16, {"position_embeddings": original})["position_embeddings"]
+        assert isinstance(tables, RotaryTables)
+        assert tables[0] is original[0]
+        assert tables[1] is original[1]
+        assert tables.angles is original.angles
+        assert tables.angles.dtype == torch.float32  # not cast: the angles are not an element of the tuple
 
     cos, sin = torch.randn(1, 4, 8), torch.randn(1, 4, 8)
-    rebuilt = _apply_to_tensors(lambda t: t.double(), {"position_embeddings": RotaryTables(cos, sin, cos * 0)})
+    rebuilt = _apply_to_tensors(cast_to_bf16, {"position_embeddings": RotaryTables(cos, sin, cos * 0)})
     tables = rebuilt["position_embeddings"]
     assert isinstance(tables, RotaryTables)
-    torch.testing.assert_close(tables[0], cos.double(), rtol=0, atol=0)
-    torch.testing.assert_close(tables[1], sin.double(), rtol=0, atol=0)
-    assert tables.angles is None  # dropped by the rebuild: the fused RoPE refuses without them, never guesses
+    torch.testing.assert_close(tables[0], cos.bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(tables[1], sin.bfloat16(), rtol=0, atol=0)
+    assert tables.angles is None  # cos was cast to a new tensor: dropped, and the fused RoPE refuses without them
+
+
+@pytest.mark.skipif(
+    flags.HAVE_TE or flags.HAVE_GMM or flags.HAVE_DEEP_EP or flags.HAVE_UCCL_EP or torch.cuda.is_available(),
+    reason="a library or CUDA is present here",
+)
+@pytest.mark.parametrize(
+    ("fields", "missing"),
+    [
+        ({"experts": "te", "dispatcher": "deepep"}, ("experts='te' (TE GroupedLinear) needs", "`deep_ep` package")),
+        ({"experts": "gmm", "dispatcher": "uccl_ep"}, ("`grouped_gemm` package", "`uccl_ep` package")),
+        ({"experts": "torch_mm", "dispatcher": "hybridep"}, ("dispatcher='hybridep' needs the `deep_ep` package",)),
+    ],
+    ids=["te_deepep", "gmm_uccl_ep", "hybridep"],
+)
+def test_library_experts_and_dispatchers_are_refused_here_naming_the_library_and_cuda(fields, missing) -> None:
+    """experts te / gmm and the dispatchers deepep / hybridep / uccl_ep are Gemma 4's (SUPPORTED_BACKENDS); without
+    the library and CUDA they are refused naming both, never as "not implemented"."""
+    from am_models_gemma4.backend import SUPPORTED_BACKENDS
+
+    assert fields["experts"] in SUPPORTED_BACKENDS["experts"]
+    assert fields["dispatcher"] in SUPPORTED_BACKENDS["dispatcher"]
+    with pytest.raises(ValueError, match="cannot run as asked") as err:
+        Gemma4ForCausalLM(C.text_config(moe=True), backend=_backend(**fields))
+    message = str(err.value)
+    for what in missing:
+        assert what in message
+    assert "torch.cuda.is_available() is False" in message
+    assert "not implemented" not in message
+
+
+def test_library_backends_build_the_library_experts_and_refuse_a_forward_without_ep(monkeypatch) -> None:
+    """Where the libraries and CUDA exist (faked: `backend_runtime_problems` finds nothing missing), experts 'te' /
+    'gmm' build am-moe's TE / grouped_gemm experts, apply_expert_parallel gets the backend's dispatcher fields, and
+    a library dispatcher refuses to run before the experts are sharded over ep > 1."""
+    import am_models_gemma4.backend as backend_module
+    from am_models_gemma4.backend import expert_parallel_options
+
+    monkeypatch.setattr(backend_module, "backend_runtime_problems", lambda backend, *, fields: [])
+    for experts, dispatcher in (("te", "deepep"), ("gmm", "hybridep"), ("torch", "uccl_ep")):
+        backend = _backend(experts=experts, dispatcher=dispatcher, dispatcher_num_sms=24)
+        model = Gemma4ForCausalLM(C.text_config(moe=True), backend=backend)
+        grouped = {layer.moe.experts.grouped_mm for layer in model.model.layers.values()}
+        assert grouped == {{"te": "te", "gmm": "gmm", "torch": "loop"}[experts]}
+        with pytest.raises(ValueError, match=f"dispatcher='{dispatcher}' moves tokens between expert-parallel"):
+            model(input_ids=torch.randint(1, C.VOCAB, (1, 6)))
+    options = expert_parallel_options(backend)
+    assert options == {
+        "dispatcher": "uccl_ep",
+        "dispatcher_num_sms": 24,
+        "dispatcher_async_dispatch": False,
+        "dispatcher_share_token_dispatcher": True,
+    }
+    assert expert_parallel_options(None) == {"dispatcher": "torch"}
+    assert expert_parallel_options(None, dispatcher="torch_token") == {"dispatcher": "torch_token"}

@@ -37,6 +37,9 @@ class Case:
     seq: int = 12
     padding: str = "none"  # "none", "mixed" (left and right padding), "rank1_mostly_padding"
     overrides: dict[str, Any] = field(default_factory=dict)
+    # apply_expert_parallel(dispatcher=...): None = the backend's ("torch": (token, k) pairs over all-to-all);
+    # "torch_token" = DeepEP's token-level protocol in plain torch, the logic deepep / hybridep / uccl_ep share
+    dispatcher: str | None = None
 
 
 CASES = [
@@ -44,6 +47,7 @@ CASES = [
     Case("padding", padding="mixed"),
     Case("top_k_all_experts", overrides={"top_k_experts": 4}),
     Case("rank_with_one_token_per_row", padding="rank1_mostly_padding", overrides={"num_experts": 8}),
+    Case("token_dispatch_with_padding", padding="mixed", dispatcher="torch_token"),
 ]
 EXPORT_CASE = CASES[1]
 
@@ -124,7 +128,10 @@ def _ep_case(case: Case, rank: int, mesh: Any) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     model = _build(case)
-    sharded = model.apply_expert_parallel(mesh)
+    sharded = model.apply_expert_parallel(mesh, dispatcher=case.dispatcher)
+    if case.dispatcher is not None:  # the layers share one token dispatcher (dispatcher_share_token_dispatcher)
+        assert {type(e.dispatcher).__name__ for e in sharded} == {"TokenDispatcher"}
+        assert len({id(e.dispatcher) for e in sharded}) == 1
     ids, mask, labels = _batch(case)
     rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     logits, loss = _run(model, ids[rows], mask[rows], labels[rows], _target_count(labels))

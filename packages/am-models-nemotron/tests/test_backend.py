@@ -230,3 +230,65 @@ def test_without_the_hf_adapter_checkpoints_hold_the_native_keys(tmp_path) -> No
     model_hf = NemotronHForCausalLM(tiny_hf_config("M*E"), default_backend())
     model_hf.save_pretrained(tmp_path / "hf")
     assert "backbone.embeddings.weight" in read_safetensors_folder(tmp_path / "hf")
+
+
+LIBRARY_VALUES = [
+    ({"experts": "te", "dispatcher": "deepep"}, ("experts='te' (TE GroupedLinear) needs", "`deep_ep` package")),
+    ({"experts": "gmm", "dispatcher": "uccl_ep"}, ("experts='gmm' needs the `grouped_gemm` package", "`uccl_ep`")),
+    ({"experts": "torch_mm", "dispatcher": "hybridep"}, ("dispatcher='hybridep' needs the `deep_ep` package",)),
+]
+
+
+@pytest.mark.parametrize(("fields", "missing"), LIBRARY_VALUES, ids=lambda v: str(v))
+def test_library_experts_and_dispatchers_are_refused_here_naming_the_library_and_cuda(fields, missing) -> None:
+    """experts te / gmm and the dispatchers deepep / hybridep / uccl_ep are the model's (SUPPORTED_BACKENDS); on a
+    machine without the library and CUDA they are refused naming both, never as "not implemented"."""
+    if flags.HAVE_TE or flags.HAVE_GMM or flags.HAVE_DEEP_EP or flags.HAVE_UCCL_EP or torch.cuda.is_available():
+        pytest.skip("a library or CUDA is present here")
+    assert fields["experts"] in SUPPORTED_BACKENDS["experts"]
+    assert fields["dispatcher"] in SUPPORTED_BACKENDS["dispatcher"]
+    with pytest.raises(ValueError, match="cannot run as asked") as err:
+        NemotronHForCausalLM(tiny_hf_config("*E"), default_backend().replace(**fields))
+    message = str(err.value)
+    for what in missing:
+        assert what in message
+    assert "torch.cuda.is_available() is False" in message
+    assert "not implemented" not in message
+
+
+def test_library_backends_build_the_library_experts_and_refuse_a_forward_without_ep(monkeypatch) -> None:
+    """Where the libraries and CUDA exist (faked: `backend_runtime_problems` finds nothing missing), experts='te' /
+    'gmm' build am-moe's TE / grouped_gemm experts, and a library dispatcher refuses to run before
+    apply_expert_parallel shards the experts (it moves tokens between ep ranks)."""
+    import am_models_nemotron.backend as backend_module
+
+    monkeypatch.setattr(backend_module, "backend_runtime_problems", lambda backend, *, fields: [])
+    for experts, dispatcher in (("te", "deepep"), ("gmm", "hybridep"), ("torch", "uccl_ep")):
+        backend = default_backend().replace(experts=experts, dispatcher=dispatcher)
+        model = NemotronHForCausalLM(tiny_hf_config("E"), backend)
+        moe = model.model.layers["0"].mixer
+        assert moe.experts.grouped_mm == {"te": "te", "gmm": "gmm", "torch": "loop"}[experts]
+        with pytest.raises(ValueError, match=f"dispatcher='{dispatcher}' moves tokens between expert-parallel"):
+            model(input_ids=tokens(1, 4))
+
+
+def test_expert_parallel_options_pass_the_dispatcher_fields_as_upstream_names_them() -> None:
+    from am_models_nemotron.backend import expert_parallel_options
+
+    backend = BackendConfig(
+        attn="sdpa",
+        linear="torch",
+        experts="torch_mm",
+        dispatcher="deepep",
+        dispatcher_num_sms=24,
+        dispatcher_async_dispatch=True,
+        dispatcher_share_token_dispatcher=False,
+    )
+    expected = {
+        "dispatcher": "deepep",
+        "dispatcher_num_sms": 24,
+        "dispatcher_async_dispatch": True,
+        "dispatcher_share_token_dispatcher": False,
+    }
+    assert expert_parallel_options(backend) == expected
+    assert expert_parallel_options(backend, dispatcher="torch_token") == expected | {"dispatcher": "torch_token"}

@@ -39,6 +39,9 @@ class Case:
     seq: int = 10
     padding: str = "none"  # "none", "mixed" (left and right padding), "rank1_only_padding"
     overrides: dict[str, Any] = field(default_factory=dict)
+    # apply_expert_parallel(dispatcher=...): None = the backend's ("torch": (token, k) pairs over all-to-all);
+    # "torch_token" = DeepEP's token-level protocol in plain torch, the logic deepep / hybridep / uccl_ep share
+    dispatcher: str | None = None
 
 
 CASES = [
@@ -46,6 +49,7 @@ CASES = [
     Case("grouped_mm_with_padding", "ME*E", experts="torch_mm", padding="mixed"),
     Case("latent_moe", "*E", overrides={"moe_latent_size": 16}),
     Case("rank_with_only_padding", "ME-E", padding="rank1_only_padding"),
+    Case("token_dispatch_with_padding", "ME*E", experts="torch_mm", padding="mixed", dispatcher="torch_token"),
 ]
 EXPORT_CASE = CASES[1]
 
@@ -115,7 +119,10 @@ def _ep_case(case: Case, rank: int, mesh: Any) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     model = _build(case)
-    sharded = model.apply_expert_parallel(mesh)
+    sharded = model.apply_expert_parallel(mesh, dispatcher=case.dispatcher)
+    if case.dispatcher is not None:  # the layers share one token dispatcher (dispatcher_share_token_dispatcher)
+        assert {type(e.dispatcher).__name__ for e in sharded} == {"TokenDispatcher"}
+        assert len({id(e.dispatcher) for e in sharded}) == 1
     ids, mask, labels = _batch(case)
     rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     logits, loss = _run(model, ids[rows], mask[rows], labels[rows], _target_count(labels))

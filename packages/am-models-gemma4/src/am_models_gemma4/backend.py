@@ -5,14 +5,20 @@ What it is for: Gemma 4 takes upstream's `backend=` like Nemotron-H. It honours 
 and per-layer-input projections), `rms_norm` (torch_fp32, torch, te, quack: every scaled norm), `rope` (torch,
 quack: QuACK's rotary kernel), `rope_fusion` (Transformer Engine's fused RoPE), `te_fp8` (TE autocast around each
 decoder layer), `enable_fsdp_optimizations` (the model's `prepare_for_grad_accumulation` /
-`prepare_for_final_backward`) and `experts` ("torch": one matmul per expert, "torch_mm": am-moe's grouped GEMM).
+`prepare_for_final_backward`), `experts` ("torch": one matmul per expert, "torch_mm": am-moe's grouped GEMM, "te":
+Transformer Engine's GroupedLinear, "gmm": the grouped_gemm package) and `dispatcher` ("torch", or the libraries
+"deepep" / "hybridep" / "uccl_ep" with their `dispatcher_*` knobs, passed to `am_moe.apply_expert_parallel` by
+`expert_parallel_options`).
 Every other value either is the one Gemma 4 runs or is refused, all problems in one `ValueError` naming what is
-missing (`backend_runtime_problems`: CUDA, Transformer Engine, QuACK). `backend=None` keeps the model's own
+missing (`backend_runtime_problems`: CUDA, Transformer Engine, QuACK, grouped_gemm, DeepEP, UCCL-EP). `backend=None`
+keeps the model's own
 defaults (SDPA; the experts' grouped GEMM chosen by am-moe).
 What it must not do: rewrite a field to another value, import transformer_engine, or mutate the config it is given.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from am_precision import (
     LINEAR_BACKENDS,
@@ -22,33 +28,46 @@ from am_precision import (
     backend_runtime_problems,
 )
 
-__all__ = ["SUPPORTED_BACKENDS", "backend_problems", "experts_grouped_mm", "resolve_backend"]
+__all__ = [
+    "LIBRARY_DISPATCHERS",
+    "SUPPORTED_BACKENDS",
+    "backend_problems",
+    "expert_parallel_options",
+    "experts_grouped_mm",
+    "resolve_backend",
+]
+
+# BackendConfig.experts -> am-moe's grouped-GEMM backend (am_moe.GroupedExperts(grouped_mm=...)).
+_EXPERTS_GROUPED_MM = {"torch": "loop", "torch_mm": "grouped_mm", "te": "te", "gmm": "gmm"}
+# Dispatchers that move tokens between expert-parallel ranks with a library (am_moe.apply_expert_parallel); they run
+# only once the experts are sharded over ep > 1 (the MoE block refuses a forward without).
+LIBRARY_DISPATCHERS: tuple[str, ...] = ("deepep", "hybridep", "uccl_ep")
 
 # Values Gemma 4 has code for (a value may still need CUDA / a library: `backend_problems` says which).
 SUPPORTED_BACKENDS: dict[str, tuple[object, ...]] = {
     "attn": RUNNABLE_ATTN_BACKENDS,
     "linear": LINEAR_BACKENDS,
     "rms_norm": RMS_NORM_BACKENDS,
-    "experts": ("torch", "torch_mm"),
-    "dispatcher": ("torch",),
+    "experts": tuple(_EXPERTS_GROUPED_MM),
+    "dispatcher": ("torch", *LIBRARY_DISPATCHERS),
 }
 
 _WHY = {
-    "experts": "Gemma 4's experts run am-moe's per-expert loop ('torch') or grouped GEMM ('torch_mm'); 'te' / 'gmm' "
-    "consume tokens permuted by an all-to-all dispatcher this model does not run, and 'torch_mm_mxfp8' needs a "
-    "Blackwell GPU",
-    "dispatcher": "Gemma 4 dispatches tokens with am-moe's torch all-to-all; use dispatcher='torch'",
+    "experts": "Gemma 4's experts run am-moe's per-expert loop ('torch'), grouped GEMM ('torch_mm'), Transformer "
+    "Engine's GroupedLinear ('te') or grouped_gemm ('gmm'); 'torch_mm_mxfp8' needs MXFP8 grouped GEMMs (NVIDIA "
+    "Blackwell), which am-moe does not run yet: use experts='torch_mm'",
+    "dispatcher": "Gemma 4 dispatches tokens with am-moe ('torch', 'deepep', 'hybridep', 'uccl_ep'); the "
+    "Mixture-of-Kittens dispatcher is not run by am-moe: choose one of those",
 }
-
-# BackendConfig.experts -> am-moe's grouped-GEMM backend (am_moe.GroupedExperts(grouped_mm=...)).
-_EXPERTS_GROUPED_MM = {"torch": "loop", "torch_mm": "grouped_mm"}
 
 
 def backend_problems(backend: BackendConfig) -> list[str]:
     """Every reason `backend` cannot run in Gemma 4 on this machine (empty: it runs as asked)."""
     # What this machine lacks for the fields built as asked (TE / QuACK linears and norms, TE attention, fused RoPE,
     # FP8).
-    problems = backend_runtime_problems(backend, fields=("attn", "linear", "rms_norm", "rope", "rope_fusion", "te_fp8"))
+    problems = backend_runtime_problems(
+        backend, fields=("attn", "linear", "rms_norm", "rope", "rope_fusion", "experts", "dispatcher", "te_fp8")
+    )
     for name in ("experts", "dispatcher"):
         value = getattr(backend, name)
         if value not in SUPPORTED_BACKENDS[name]:
@@ -81,3 +100,21 @@ def resolve_backend(backend: BackendConfig | None, *, owner: str = "am-models-ge
 def experts_grouped_mm(backend: BackendConfig | None) -> str:
     """am-moe's `grouped_mm=` for `backend.experts` ("auto" without a backend)."""
     return "auto" if backend is None else _EXPERTS_GROUPED_MM[backend.experts]
+
+
+def expert_parallel_options(backend: BackendConfig | None, *, dispatcher: str | None = None) -> dict[str, Any]:
+    """`am_moe.apply_expert_parallel`'s dispatcher keywords from `backend` (upstream's names and meaning; None: the
+    defaults, dispatcher "torch"): `dispatcher` (`dispatcher=` overrides it with any am-moe dispatcher, e.g.
+    "torch_token": DeepEP's token-level protocol in plain torch), `dispatcher_num_sms`, `dispatcher_async_dispatch`,
+    `dispatcher_share_token_dispatcher`."""
+    options: dict[str, Any] = {"dispatcher": "torch"}
+    if backend is not None:
+        options = {
+            "dispatcher": backend.dispatcher,
+            "dispatcher_num_sms": backend.dispatcher_num_sms,
+            "dispatcher_async_dispatch": backend.dispatcher_async_dispatch,
+            "dispatcher_share_token_dispatcher": backend.dispatcher_share_token_dispatcher,
+        }
+    if dispatcher is not None:
+        options["dispatcher"] = dispatcher
+    return options

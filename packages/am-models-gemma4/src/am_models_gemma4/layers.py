@@ -126,9 +126,21 @@ def is_backend_norm(module: nn.Module) -> bool:
     )
 
 
+# The attribute of a fused `cos` tensor that holds its fp32 angles (see RotaryTables).
+_ANGLES_ATTR = "_am_rope_angles"
+
+
 class RotaryTables(tuple):
     """`(cos, sin)` `[B or 1, S, d]` in the activation dtype, plus `angles` `[B or 1, S, d]` fp32 radians (the
-    `cat(freqs, freqs)` cos/sin were computed from) when the rotary embedding was built `fused`, else None."""
+    `cat(freqs, freqs)` cos/sin were computed from) when the rotary embedding was built `fused`, else None.
+
+    The angles survive torch rebuilding the tables from their elements (`type(x)(generator)`), which FSDP2 does when
+    it casts a layer's forward inputs to its compute dtype (`MixedPrecisionPolicy.cast_forward_inputs`): they ride
+    on `cos` itself (a Python attribute), and that cast returns `cos` unchanged when it already has the compute dtype
+    — always so in a mixed-precision run, where the rotary embedding computes cos in the activations' dtype, which
+    is FSDP2's `param_dtype`. The angles are never cast (they stay fp32: they are not an element of the tuple). A
+    cast that makes a new `cos` drops them, and the fused RoPE then refuses loudly rather than guess.
+    """
 
     angles: torch.Tensor | None
 
@@ -138,10 +150,11 @@ class RotaryTables(tuple):
         sin: torch.Tensor | None = None,
         angles: torch.Tensor | None = None,
     ) -> RotaryTables:
-        if sin is None:
-            # Rebuilt from one iterable, as torch rebuilds tuples it maps over (FSDP2 casting a layer's forward
-            # inputs): the angles do not survive that, and the fused RoPE then refuses loudly for want of them.
+        if sin is None:  # rebuilt from one iterable (see above): the angles come with cos, if it is the same tensor
             cos, sin = cos
+            angles = getattr(cos, _ANGLES_ATTR, None)
+        elif angles is not None:
+            setattr(cos, _ANGLES_ATTR, angles)  # cos is this forward's own tensor (Gemma4RotaryEmbedding makes it)
         tables = super().__new__(cls, (cos, sin))
         tables.angles = angles
         return tables

@@ -26,7 +26,7 @@ from torch import nn
 from am_moe import GroupedExperts, RouterBalancer, balanced_routing
 from am_precision import BackendConfig
 
-from .backend import experts_grouped_mm
+from .backend import LIBRARY_DISPATCHERS, experts_grouped_mm
 from .config import moe_intermediate_size
 from .layers import Gemma4RMSNorm, rms_norm
 
@@ -116,8 +116,11 @@ class Gemma4MoE(nn.Module):
     def __init__(self, config: Any, *, backend: BackendConfig | None = None) -> None:
         super().__init__()
         self.router = Gemma4Router(config)
-        # BackendConfig.experts: "torch" = am-moe's per-expert loop, "torch_mm" = its grouped GEMM (None: "auto").
+        # BackendConfig.experts: "torch" = am-moe's per-expert loop, "torch_mm" = its grouped GEMM, "te" / "gmm" the
+        # libraries' grouped GEMMs (None: "auto").
         self.experts = Gemma4Experts(config, grouped_mm=experts_grouped_mm(backend))
+        # The dispatcher fields are applied by apply_expert_parallel (Gemma4PreTrainedModel reads them here).
+        self.backend = backend
         # Balancing terms (all off until am_moe.configure_load_balancing). No selection bias: the softmax router
         # has none, so only the aux losses and the z-loss apply.
         self.balancer = RouterBalancer(bias_name=None, experts_name="experts")
@@ -135,6 +138,13 @@ class Gemma4MoE(nn.Module):
 
         padding_mask: `[B, S]`, True = padding; those tokens are not dispatched and get 0.
         """
+        dispatcher = self.backend.dispatcher if self.backend is not None else "torch"
+        if dispatcher in LIBRARY_DISPATCHERS and self.experts.ep_size == 1:
+            raise ValueError(
+                f"Gemma4MoE: BackendConfig.dispatcher={dispatcher!r} moves tokens between expert-parallel ranks, but "
+                "these experts are not expert parallel (call model.apply_expert_parallel(ep_mesh) with ep > 1 "
+                "first); without expert parallelism use dispatcher='torch'"
+            )
         shape = hidden_states.shape
         weights, indices, logits, probabilities = self.router(router_input.reshape(-1, shape[-1]), return_scores=True)
         token_mask = None if padding_mask is None else ~padding_mask.reshape(-1).bool()

@@ -38,10 +38,12 @@ from am_precision import compute_lm_head_logits
 
 from . import checkpoint
 from .attention import Gemma4Attention
+from .backend import expert_parallel_options
 from .config import is_moe_config, text_config_of
 from .cp import active_ring_context
 from .generation import Gemma4GenerationMixin
 from .kernels import default_ring_kernel
+from .moe import Gemma4MoE
 
 __all__ = ["Gemma4PreTrainedModel", "causal_lm_loss", "gemma4_capabilities", "softcap_logits"]
 
@@ -130,11 +132,16 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
                 where.setdefault(problem, []).append(name)
         return [f"{problem} (in {', '.join(names)})" for problem, names in where.items()]
 
-    def apply_expert_parallel(self, ep_mesh: Any) -> list[GroupedExperts]:
+    def apply_expert_parallel(self, ep_mesh: Any, *, dispatcher: str | None = None) -> list[GroupedExperts]:
         """Shard every layer's experts over the 1-D `ep_mesh` (rank r owns experts [r*E/ep, (r+1)*E/ep)) and switch
         them to all-to-all dispatch; returns the sharded `GroupedExperts` (none on a pipeline stage without MoE
         layers). Routers and the dense MLP stay replicated. Collective over `ep_mesh` (the weights are scattered from
         its first rank). A trainer calls it; am-capabilities refuses ep_size > 1 to a model without it.
+
+        The dispatcher and its knobs are the backend's (`BackendConfig.dispatcher`, `dispatcher_num_sms`,
+        `dispatcher_async_dispatch`, `dispatcher_share_token_dispatcher`; "torch" without a backend);
+        `dispatcher` overrides the name with any am-moe dispatcher (e.g. "torch_token", DeepEP's token-level protocol
+        in plain torch).
 
         NOTE: apply after pipeline splitting and before FSDP2 (`am_moe.fully_shard_experts`, then `fully_shard`).
 
@@ -147,7 +154,9 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
                 f"{type(self).__name__}: expert parallelism needs the MoE block, but this config has "
                 "enable_moe_block=False (a dense Gemma 4); use ep=1"
             )
-        return am_moe.apply_expert_parallel(self, ep_mesh)
+        backends = [m.backend for m in self.modules() if isinstance(m, Gemma4MoE)]  # one backend for every layer
+        options = expert_parallel_options(backends[0] if backends else None, dispatcher=dispatcher)
+        return am_moe.apply_expert_parallel(self, ep_mesh, **options)
 
     def logits_and_loss(
         self, hidden: torch.Tensor, labels: torch.Tensor | None, *, logits_to_keep: int = 0

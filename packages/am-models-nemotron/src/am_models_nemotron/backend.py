@@ -1,36 +1,55 @@
 """Which `BackendConfig` choices Nemotron-H runs, and the one check every class calls before it builds anything.
 
 What it is for: a `BackendConfig` value either runs as asked or is refused, with every problem listed in one
-`ValueError` that names what is missing (CUDA, Transformer Engine, an all-to-all dispatcher package, ...).
+`ValueError` that names what is missing (CUDA, Transformer Engine, grouped_gemm, DeepEP, UCCL-EP, ...).
 `resolve_backend(None)` is the plain-PyTorch `default_backend()`; any other config is returned unchanged once it
-passed the check.
+passed the check. `expert_parallel_options` turns the dispatcher fields into `am_moe.apply_expert_parallel`'s
+keywords (the model's `apply_expert_parallel` passes them on).
 What it must not do: rewrite a field the user set to another value (earlier releases mapped e.g. attn='te' to 'sdpa'
-with a warning; that silently ran another kernel), import transformer_engine (am-precision builds TE modules lazily),
-or mutate the config it is given. The routing fields (`gate_precision`, `fake_balanced_gate`,
-`fake_gate_noise`) are read as they are by `NemotronMoE` (am_moe.balanced_routing).
+with a warning; that silently ran another kernel), import transformer_engine or a dispatcher library (am-precision
+builds TE modules lazily, am-moe imports the libraries on first use), or mutate the config it is given. The routing
+fields (`gate_precision`, `fake_balanced_gate`, `fake_gate_noise`) are read as they are by `NemotronMoE`
+(am_moe.balanced_routing).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from am_precision import RUNNABLE_ATTN_BACKENDS, BackendConfig, backend_runtime_problems
 
-__all__ = ["SUPPORTED_BACKENDS", "backend_problems", "default_backend", "resolve_backend"]
+__all__ = [
+    "EXPERTS_GROUPED_MM",
+    "LIBRARY_DISPATCHERS",
+    "SUPPORTED_BACKENDS",
+    "backend_problems",
+    "default_backend",
+    "expert_parallel_options",
+    "moe_backend_problems",
+    "resolve_backend",
+]
+
+# BackendConfig.experts -> am_moe.GroupedExperts(grouped_mm=...): "torch" one matmul per expert, "torch_mm"
+# torch._grouped_mm, "te" Transformer Engine's GroupedLinear, "gmm" the grouped_gemm package (CUDA; refused by
+# `backend_runtime_problems` where the library or CUDA is missing).
+EXPERTS_GROUPED_MM: dict[str, str] = {"torch": "loop", "torch_mm": "grouped_mm", "te": "te", "gmm": "gmm"}
+# Dispatchers that move tokens between expert-parallel ranks with a library (am_moe.apply_expert_parallel); they run
+# only once the experts are sharded over ep > 1 (the MoE block refuses a forward without).
+LIBRARY_DISPATCHERS: tuple[str, ...] = ("deepep", "hybridep", "uccl_ep")
 
 # Values of the fields the model reads that it has code for (a value may still need CUDA / a library: the check
 # says which). `linear` and `rms_norm` are built by am-precision for every value it accepts.
 SUPPORTED_BACKENDS: dict[str, tuple[object, ...]] = {
     "attn": RUNNABLE_ATTN_BACKENDS,
-    "experts": ("torch", "torch_mm"),
-    "dispatcher": ("torch",),
+    "experts": tuple(EXPERTS_GROUPED_MM),
+    "dispatcher": ("torch", *LIBRARY_DISPATCHERS),
 }
 
-_EXPERTS_WHY = {
-    "te": "experts='te' (Transformer Engine GroupedLinear) consumes tokens permuted by an all-to-all dispatcher "
-    "(deepep / hybridep / uccl_ep), which this model does not run; use experts='torch_mm' (grouped GEMM) or 'torch'",
-    "gmm": "experts='gmm' (the grouped_gemm package) consumes tokens permuted by an all-to-all dispatcher "
-    "(deepep / hybridep / uccl_ep), which this model does not run; use experts='torch_mm' (grouped GEMM) or 'torch'",
+_WHY = {
     "torch_mm_mxfp8": "experts='torch_mm_mxfp8' needs MXFP8 grouped GEMMs, which exist only on NVIDIA Blackwell GPUs "
-    "(compute capability 10.x); use experts='torch_mm'",
+    "(compute capability 10.x) and which am-moe does not run yet; use experts='torch_mm'",
+    "mok": "dispatcher='mok' (Mixture-of-Kittens) is not run by am-moe, whose expert parallelism dispatches with "
+    "'torch', 'deepep', 'hybridep' or 'uccl_ep'; choose one of those",
 }
 
 
@@ -39,14 +58,21 @@ def default_backend() -> BackendConfig:
     return BackendConfig(attn="sdpa", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
 
 
+def moe_backend_problems(backend: BackendConfig) -> list[str]:
+    """Every reason the MoE fields (`experts`, `dispatcher`) of `backend` cannot run here (empty: they run)."""
+    problems = backend_runtime_problems(backend, fields=("experts", "dispatcher"))
+    for name in ("experts", "dispatcher"):
+        value = getattr(backend, name)
+        if value not in SUPPORTED_BACKENDS[name]:
+            problems.append(_WHY.get(value, f"{name}={value!r}: supported {SUPPORTED_BACKENDS[name]}"))
+    return problems
+
+
 def backend_problems(backend: BackendConfig) -> list[str]:
     """Every reason `backend` cannot run in this model on this machine (empty: it runs as asked)."""
     # What this machine lacks for the fields built as asked (TE / QuACK linears and norms, TE attention, FP8).
     problems = backend_runtime_problems(backend, fields=("attn", "linear", "rms_norm", "te_fp8"))
-    if backend.experts not in SUPPORTED_BACKENDS["experts"]:
-        problems.append(
-            _EXPERTS_WHY.get(backend.experts, f"experts={backend.experts!r}: supported {SUPPORTED_BACKENDS['experts']}")
-        )
+    problems += moe_backend_problems(backend)
     if backend.rope != "torch":
         problems.append(
             f"rope={backend.rope!r} picks a rotary-embedding kernel, but Nemotron-H's attention has no positional "
@@ -57,12 +83,20 @@ def backend_problems(backend: BackendConfig) -> list[str]:
             "rope_fusion=True fuses the rotary embedding into Transformer Engine's kernel, but Nemotron-H's attention "
             "has no positional encoding (NoPE): there is no RoPE to fuse; leave rope_fusion False"
         )
-    if backend.dispatcher not in SUPPORTED_BACKENDS["dispatcher"]:
-        problems.append(
-            f"dispatcher={backend.dispatcher!r} is an expert-parallel all-to-all kernel package, which this model "
-            "does not call (its expert parallelism is am-moe's torch all-to-all); use dispatcher='torch'"
-        )
     return problems
+
+
+def expert_parallel_options(backend: BackendConfig, *, dispatcher: str | None = None) -> dict[str, Any]:
+    """`am_moe.apply_expert_parallel`'s dispatcher keywords from `backend` (upstream's names and meaning):
+    `dispatcher` (`dispatcher=` overrides it with any am-moe dispatcher, e.g. "torch_token": DeepEP's token-level
+    protocol in plain torch), `dispatcher_num_sms`, `dispatcher_async_dispatch`, `dispatcher_share_token_dispatcher`.
+    """
+    return {
+        "dispatcher": backend.dispatcher if dispatcher is None else dispatcher,
+        "dispatcher_num_sms": backend.dispatcher_num_sms,
+        "dispatcher_async_dispatch": backend.dispatcher_async_dispatch,
+        "dispatcher_share_token_dispatcher": backend.dispatcher_share_token_dispatcher,
+    }
 
 
 def resolve_backend(backend: BackendConfig | None, *, owner: str = "am-models-nemotron") -> BackendConfig:

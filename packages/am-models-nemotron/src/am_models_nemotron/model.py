@@ -46,7 +46,7 @@ from am_precision import (
 from . import pipeline_stage
 from ._init import weight_of
 from .backbone import NemotronV3Model, move_buffers_
-from .backend import resolve_backend
+from .backend import expert_parallel_options, resolve_backend
 from .cache import NemotronHybridCache
 from .config import NemotronConfig, as_hf_config, construction_dtype
 from .cp import block_cp_problems, nemotron_cp_options, prepare_batch_for_cp
@@ -349,10 +349,15 @@ class NemotronHForCausalLM(nn.Module, NemotronHGenerationMixin):
         blocks = [*self.model.layers.values(), *(self.mtp.layers if self.mtp is not None and mtp_runs else [])]
         return block_cp_problems(blocks, seqlen=local_seq_len, training=self.training)
 
-    def apply_expert_parallel(self, ep_mesh: Any) -> list[GroupedExperts]:
+    def apply_expert_parallel(self, ep_mesh: Any, *, dispatcher: str | None = None) -> list[GroupedExperts]:
         """Shard every routed expert (backbone and MTP) over the 1-D `ep_mesh` and switch the MoE layers to
         all-to-all dispatch (`am_moe.apply_expert_parallel`: routing and `e_score_correction_bias` stay replicated);
         returns the sharded `GroupedExperts`. NOTE: apply after pipeline splitting and before FSDP2.
+
+        The dispatcher and its knobs are the backend's (`BackendConfig.dispatcher`, `dispatcher_num_sms`,
+        `dispatcher_async_dispatch`, `dispatcher_share_token_dispatcher`; `backend.expert_parallel_options`);
+        `dispatcher` overrides the name with any am-moe dispatcher (e.g. "torch_token", DeepEP's token-level protocol
+        in plain torch).
 
         Raises:
             ValueError: before any collective: no MoE block, or am_moe's refusals (all listed).
@@ -362,7 +367,9 @@ class NemotronHForCausalLM(nn.Module, NemotronHGenerationMixin):
                 f"{type(self).__name__}: expert parallelism needs MoE blocks, but this config has none (block kinds "
                 f"{sorted(set(self.nemotron_config.layers_block_type))}); use ep=1"
             )
-        return am_moe.apply_expert_parallel(self, ep_mesh)
+        return am_moe.apply_expert_parallel(
+            self, ep_mesh, **expert_parallel_options(self.backend, dispatcher=dispatcher)
+        )
 
     def prepare_for_grad_accumulation(self, pp_enabled: bool = False) -> None:
         """With `backend.enable_fsdp_optimizations`: before the first backward of an optimizer step, defer every FSDP

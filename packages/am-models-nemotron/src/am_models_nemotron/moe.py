@@ -28,15 +28,11 @@ from am_moe import GroupedExperts, RouterBalancer, balanced_routing
 from am_precision import BackendConfig, initialize_linear_module
 
 from ._init import reset_linear_
+from .backend import EXPERTS_GROUPED_MM, LIBRARY_DISPATCHERS, moe_backend_problems
 from .config import NemotronConfig
 from .tp_plan import MLP_TP_PLAN
 
 __all__ = ["GroupedExperts", "NemotronMLP", "NemotronMoE", "NemotronRouter", "relu2"]
-
-# BackendConfig.experts -> am_moe's grouped-GEMM backend, as upstream names them: "torch" is one matmul per expert,
-# "torch_mm" is torch._grouped_mm (refused, with the reason, where it cannot run).
-EXPERTS_GROUPED_MM: dict[str, str] = {"torch": "loop", "torch_mm": "grouped_mm"}
-SUPPORTED_EXPERTS_BACKENDS: tuple[str, ...] = tuple(EXPERTS_GROUPED_MM)
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -161,18 +157,11 @@ class NemotronMoE(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        if backend.experts not in SUPPORTED_EXPERTS_BACKENDS:
-            raise ValueError(
-                f"BackendConfig.experts={backend.experts!r} is not implemented by am-models-nemotron; supported: "
-                f"{SUPPORTED_EXPERTS_BACKENDS} (grouped torch experts). Pass BackendConfig(experts='torch', "
-                "dispatcher='torch')."
-            )
-        if backend.dispatcher != "torch":
-            raise ValueError(
-                f"BackendConfig.dispatcher={backend.dispatcher!r} is not implemented by am-models-nemotron: tokens "
-                "are dispatched by am-moe (locally, or over torch.distributed all-to-all after "
-                "apply_expert_parallel); pass BackendConfig(dispatcher='torch')."
-            )
+        problems = moe_backend_problems(backend)  # experts / dispatcher: unsupported, or missing CUDA / a library
+        if problems:
+            raise ValueError("NemotronMoE: BackendConfig cannot run as asked:\n  - " + "\n  - ".join(problems))
+        # A library dispatcher moves tokens between ep ranks: forward refuses it until apply_expert_parallel ran.
+        self.dispatcher_backend = backend.dispatcher
         gate_precision = backend.gate_precision if backend.gate_precision is not None else torch.float32
         self.gate = NemotronRouter(config, gate_precision=gate_precision, device=device, dtype=dtype)
         # BackendConfig.fake_balanced_gate: am_moe.balanced_routing replaces the router (benchmarks; no router grad)
@@ -223,6 +212,13 @@ class NemotronMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """padding_mask: [B, S] bool, True for padding tokens (removed before routing: no expert, no load)."""
+        if self.dispatcher_backend in LIBRARY_DISPATCHERS and self.experts.ep_size == 1:
+            raise ValueError(
+                f"NemotronMoE: BackendConfig.dispatcher={self.dispatcher_backend!r} moves tokens between "
+                "expert-parallel ranks, but these experts are not expert parallel (call "
+                "model.apply_expert_parallel(ep_mesh) with ep > 1 first); without expert parallelism use "
+                "dispatcher='torch'"
+            )
         shape = hidden_states.shape
         flat = hidden_states.reshape(-1, shape[-1])
         real = None

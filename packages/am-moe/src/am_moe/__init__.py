@@ -23,6 +23,7 @@ from .balance import (
     switch_aux_loss,
     update_expert_bias,
 )
+from .deepep import DeepEPExchange
 from .dispatch import (
     AllToAllDispatcher,
     AllToAllStats,
@@ -38,6 +39,7 @@ from .grouped_mm import (
     grouped_linear,
     select_grouped_mm_backend,
 )
+from .hybridep import HybridEPDispatcher
 from .load import ExpertLoad, expert_load, reset_expert_load
 from .parallel import (
     ExpertParallelPlan,
@@ -51,15 +53,8 @@ from .parallel import (
     quiet_expert_gathers,
 )
 from .routing import RoutingError, balanced_routing, routing_problems
-from .token_dispatch import (
-    DISPATCHERS,
-    DeepEPExchange,
-    HybridEPDispatcher,
-    TokenDispatcher,
-    TokenExchange,
-    TorchTokenExchange,
-    dispatcher_problems,
-)
+from .token_dispatch import DISPATCHERS, TokenDispatcher, TokenExchange, dispatcher_problems
+from .torch_token import TorchTokenExchange
 from .tuning import grouped_mm_auto_choices
 
 __all__ = [

@@ -29,9 +29,13 @@ def _blackwell() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10
 
 
+_AND_NO_CUDA = "; it also needs a CUDA GPU, and torch.cuda.is_available() is False"
+
+
 def _needs_te(what: str, *, cuda: bool) -> str | None:
     if not flags.HAVE_TE:
-        return f"{what} needs Transformer Engine (transformer_engine.pytorch), which is not installed: {_TE_FIX}"
+        missing = f"{what} needs Transformer Engine (transformer_engine.pytorch), which is not installed: {_TE_FIX}"
+        return missing + ("" if cuda else _AND_NO_CUDA)  # everything that is missing, named at once
     if not cuda:
         return f"{what} needs a CUDA GPU (Transformer Engine runs only on CUDA; torch.cuda.is_available() is False)"
     return None
@@ -46,7 +50,8 @@ def _installed(module: str) -> bool:
 
 def _needs_package(what: str, module: str, install: str, *, cuda: bool) -> str | None:
     if not _installed(module):
-        return f"{what} needs the `{module}` package, which is not installed ({install})"
+        missing = f"{what} needs the `{module}` package, which is not installed ({install})"
+        return missing + ("" if cuda else _AND_NO_CUDA)
     if not cuda:
         return f"{what} needs a CUDA GPU (torch.cuda.is_available() is False)"
     return None
