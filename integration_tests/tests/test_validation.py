@@ -250,6 +250,31 @@ def test_the_nan_check_of_a_model_path_is_split_over_the_ranks(tmp_path: Path, o
     assert all(line in str(info.value) for line in whole), info.value
 
 
+def test_a_model_path_with_only_bin_weights_is_refused_up_front_with_the_conversion(tmp_path: Path) -> None:
+    """Issue 23: a folder of PyTorch `.bin` weights (no safetensors) is refused in one line that says so and how to
+    convert it, next to the other problems, before any process group (not a loader's FileNotFoundError)."""
+    import torch.distributed as dist
+
+    folder = _saved_folder("llama", tmp_path / "model")
+    (path,) = folder.glob("*.safetensors")
+    torch.save(load_file(path), folder / "pytorch_model.bin")
+    path.unlink()
+    message = _refusal([*FOLDER, "--model-path", str(folder), "--lr", "nan", "--out", str(tmp_path / "out")])
+    assert "refusing to start (2 problems)" in message, message
+    assert (
+        f"--model-path {folder} holds PyTorch .bin weights (pytorch_model.bin) and no safetensors (model.safetensors "
+        "or model.safetensors.index.json): the trainer reads safetensors only, each rank just its own slices; convert "
+        "it once, e.g. python -c"
+    ) in message, message
+    assert f"save_pretrained('{folder}-safetensors')" in message, message
+    assert "--lr nan: must be a finite number" in message
+    assert "cannot build the model" not in message
+    assert not dist.is_initialized()
+    (folder / "pytorch_model.bin").unlink()
+    message = _refusal([*FOLDER, "--model-path", str(folder), "--out", str(tmp_path / "out")])
+    assert f"--model-path {folder} holds no weights (no model.safetensors" in message, message
+
+
 def test_preset_sizes_with_a_model_path_are_refused(tmp_path: Path) -> None:
     folder = _saved_folder("llama", tmp_path / "model")
     base = ["--seq-len", "16", "--global-batch", "4", "--steps", "1", "--model-path", str(folder)]

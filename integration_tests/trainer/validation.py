@@ -38,7 +38,7 @@ from trainer.config import (
 )
 from trainer.data import Corpus, load_tokens
 from trainer.guards import model_path_nonfinite_problems
-from trainer.models import ModelSpec, build_meta_model, folder_spec, preset_spec
+from trainer.models import ModelSpec, build_meta_model, folder_spec, model_path_weight_problems, preset_spec
 from trainer.moe_balance import balancing_plan, balancing_problems
 from trainer.parallel import cp_layout_name, cp_pad_multiple, decoder_layers, layer_feature_problems
 from trainer.plan import ValidatedRun, make_plan
@@ -192,11 +192,15 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
     tokenizer, found = tokenizer_problems(cfg)
     problems += found
     spec = model = None
+    # a --model-path folder without safetensors weights: said once, in its own words, and nothing to build from
+    weights = model_path_weight_problems(cfg.model_path) if cfg.model_path is not None else []
+    problems += weights
     try:
-        spec = model_spec(cfg, vocab_size=_tokenizer_vocab(tokenizer))
-        # On the meta device (no weights: a rank never holds a whole model); a folder's names and shapes are
-        # checked strictly on its safetensors headers (every tensor present, none unexpected), no data read.
-        model = build_meta_model(spec)
+        if not weights:
+            spec = model_spec(cfg, vocab_size=_tokenizer_vocab(tokenizer))
+            # On the meta device (no weights: a rank never holds a whole model); a folder's names and shapes are
+            # checked strictly on its safetensors headers (every tensor present, none unexpected), no data read.
+            model = build_meta_model(spec)
     except Exception as exc:  # a broken --model-path folder or preset: report it with the rest
         problems.append(f"cannot build the model: {type(exc).__name__}: {exc}")
     if model is not None and world_size == 1:  # N ranks share this check after the process group: see below
