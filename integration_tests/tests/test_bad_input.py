@@ -210,7 +210,11 @@ def test_a_nan_in_a_model_path_is_refused_on_every_rank_each_reading_half_of_the
         }  # fmt: skip
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(TRAIN), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                [sys.executable, str(TRAIN), *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
         )
     (code0, out0), (code1, out1) = [(proc.wait(timeout=240), proc.communicate()[0]) for proc in procs]

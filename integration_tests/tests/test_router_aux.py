@@ -212,7 +212,8 @@ def test_mixtral_trains_on_its_own_objective_at_dp2_cp2_with_microbatches_as_in_
 
     single = SHARED.single("mixtral", tmp_path)
     dp2 = launch([*args, "--dp", "2", "--cp", "2", "--microbatch-size", "1"], nproc=4, out=tmp_path / "dp2cp2").check()
-    assert (dp2.summary["layout"]["dp"], dp2.summary["layout"]["cp"], dp2.summary["layout"]["microbatches"]) == (2, 2, 2)
+    layout = dp2.summary["layout"]
+    assert (layout["dp"], layout["cp"], layout["microbatches"]) == (2, 2, 2)
     for run in (single, dp2):
         summary = run.summary
         assert summary["aux_loss_coef"] == COEF

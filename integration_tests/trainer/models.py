@@ -297,7 +297,7 @@ def model_path_weight_problems(folder: str | Path) -> list[str]:
         return []
     bins = sorted(path.name for path in folder.glob("*.bin"))
     convert = (
-        "convert it once, e.g. python -c \"from transformers import AutoModelForCausalLM as M; "
+        'convert it once, e.g. python -c "from transformers import AutoModelForCausalLM as M; '
         f"M.from_pretrained('{folder}').save_pretrained('{folder}-safetensors')\", and pass that folder"
     )
     if bins:
