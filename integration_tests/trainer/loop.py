@@ -487,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
-        if dist.is_initialized():  # refused after the process group (the shared NaN / inf check of --model-path)
+        if dist.is_initialized():  # refused after the process group (the shared NaN / inf check of --model-path),
+            dist.barrier()  # on every rank at the same point; a bare destroy lets gloo abort at exit now and then
             dist.destroy_process_group()
         return EXIT_BAD_INPUT
     except RunStopped as exc:  # raised on every rank at the same point: each one says so and exits
