@@ -73,7 +73,8 @@ def _vision_units(model: nn.Module) -> list[InitUnit]:
     """The vision side of a VLM, initialized by transformers' own Gemma 4 rules (the vision tower's `_init_weights`,
     as its constructor does), one unit per encoder layer and per other module owning a tensor directly, and the
     multimodal embedder (`model.embed_vision`) as one unit."""
-    tower: Any = model.model.vision_tower
+    container: Any = model.model
+    tower: Any = container.vision_tower
     rules = tower._init_weights  # bound to the tower: its vision config's initializer_range
 
     def vision(module: nn.Module) -> None:
