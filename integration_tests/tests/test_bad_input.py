@@ -174,3 +174,44 @@ def test_a_corrupt_checkpoint_is_refused(runs, tmp_path) -> None:
     assert "model/model.safetensors is corrupt (its sha256 differs from the manifest)" in run.output
     assert "trainer_state.json is corrupt (its sha256 differs from the manifest)" in run.output
     assert "refusing to start (2 problems)" in run.output
+
+
+def test_a_nan_in_a_model_path_is_refused_on_every_rank_each_reading_half_of_the_files(tmp_path) -> None:
+    """Issue 22 item 3 / issue 23: a NaN / inf tensor in `--model-path` stops a 2-rank job before anything is built:
+    each rank reads only its half of the tensors (after the process group exists), and both exit with code 2 and
+    the same list, which names every bad tensor and its file, whichever rank read it."""
+    folder = tmp_path / "llama"
+    _save_llama(folder, layers=2)
+    (weights,) = folder.glob("*.safetensors")
+    tensors = load_file(weights)
+    bad = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+    for key in bad:
+        tensors[key].view(-1)[:2] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with socket.socket() as free:  # a port for the real rendezvous
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    args = [*without_preset_sizes(PARITY), "--model-path", str(folder), "--dp", "2", "--out", str(tmp_path / "out")]
+    envs = [
+        {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1",
+        }
+        for rank in range(2)
+    ]
+    done = run_processes(
+        [[sys.executable, str(TRAIN), *args]] * 2, name="2 ranks, a NaN --model-path", deadline_s=240, env=envs
+    )
+    (code0, out0), (code1, out1) = [(rank.returncode, rank.output) for rank in done]
+    assert (code0, code1) == (EXIT_BAD_INPUT, EXIT_BAD_INPUT), out0[-3000:] + out1[-3000:]
+    assert "refusing to start (3 problems)" in out0, out0
+    for key in bad:
+        assert f"tensor {key!r} in {weights.name} holds 2 NaN value(s)" in out0, out0
+    assert "Traceback" not in out0 + out1
+    assert not (tmp_path / "out" / "checkpoints").exists()

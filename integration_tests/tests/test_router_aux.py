@@ -1,8 +1,9 @@
 """The router load-balancing loss of transformers MoE models (issue 22, item 2): the trainer's objective is the
 model's own `loss` (cross-entropy + router_aux_loss_coef x aux), exactly, however the global batch is split.
 
-In-process oracles against transformers for Mixtral, Qwen2-MoE and OLMoE built tiny from config; one multi-process
-launch (Mixtral, dp 2 with two microbatches per rank vs the single process) for the trainer end to end."""
+In-process oracles against transformers for Mixtral, Qwen2-MoE and OLMoE built tiny from config; multi-process
+launches for the trainer end to end against the single process: Mixtral at dp 2 x cp 2 with two microbatches per
+rank, Mixtral at pp 2 compiled, Qwen2-MoE at pp 2 activation-checkpointed."""
 
 from __future__ import annotations
 
@@ -158,15 +159,17 @@ def test_router_loss_at_pp2_equals_the_single_process(tmp_path: Path, family: st
     of every layer come from a counting pass, each stage injects its routers' share of the gradient): every step's
     loss (incl. coef x aux), aux and expert imbalance, and the final weights, equal the single process's (fp32,
     1e-5). Qwen2-MoE's first stage holds only a dense layer, and its layers are activation-checkpointed (a
-    recomputation inside backward must neither count nor carry a share again)."""
+    recomputation inside backward must neither count nor carry a share again). Mixtral's layers are compiled
+    (`--compile`: the router and layer hooks that count and carry the shares run inside the compiled layer call)."""
     from conftest import PARITY, launch, without_preset_sizes
     from test_parity import RTOL, assert_weights_close
 
     single = SHARED.single(family, tmp_path)
     args = [*without_preset_sizes(PARITY), "--model-path", str(SHARED.folder(family, tmp_path)), "--pp", "2"]
-    args += ["--activation-checkpointing"] if family == "qwen2_moe" else []
+    args += ["--activation-checkpointing"] if family == "qwen2_moe" else ["--compile"]
     pp2 = launch(args, nproc=2, out=tmp_path / f"{family}-pp2").check()
     assert pp2.summary["plan"]["router_aux"] == {"num_experts": 4, "top_k": 2, "coef": COEF}
+    assert pp2.summary["compile"] is (family == "mixtral")
     assert pp2.summary["aux_loss_coef"] == COEF
     for key in ("losses", "aux_losses", "expert_imbalance"):
         assert len(pp2.summary[key]) == 3, key
@@ -186,12 +189,14 @@ def _save_mixtral(folder: Path) -> None:
     transformers.MixtralForCausalLM(config).save_pretrained(str(folder))
 
 
-def test_mixtral_trains_on_its_own_objective_at_dp2_with_microbatches_as_in_one_process(tmp_path: Path) -> None:
+def test_mixtral_trains_on_its_own_objective_at_dp2_cp2_with_microbatches_as_in_one_process(tmp_path: Path) -> None:
     """The trainer end to end on a Mixtral folder: step 1's loss is transformers' own `loss` (CE + 0.02 x aux) on
-    the first global batch; dp 2 with two microbatches of one row per rank trains like one process with one
-    microbatch of four (loss incl. aux and aux within 1e-5 each step); aux and the expert imbalance are reported
-    apart (summary.json, TensorBoard). (`--pp 2`: test_router_loss_at_pp2_equals_the_single_process.)"""
+    the first global batch; dp 2 x cp 2 (4 ranks: each holds half of its dp rows' tokens, load-balanced) with two
+    microbatches of one row per rank trains like one process with one microbatch of four (loss incl. aux, aux and
+    imbalance within 1e-5 each step, the final weights too); aux and the expert imbalance are reported apart
+    (summary.json, TensorBoard). (`--pp 2`: test_router_loss_at_pp2_equals_the_single_process.)"""
     from conftest import PARITY, launch, without_preset_sizes
+    from test_parity import RTOL, assert_weights_close
     from trainer.config import parse_args
     from trainer.data import BatchStream
     from trainer.validation import validate
@@ -206,7 +211,9 @@ def test_mixtral_trains_on_its_own_objective_at_dp2_with_microbatches_as_in_one_
         own = model.train()(input_ids=inputs, labels=labels, shift_labels=labels, output_router_logits=True)
 
     single = SHARED.single("mixtral", tmp_path)
-    dp2 = launch([*args, "--dp", "2", "--microbatch-size", "1"], nproc=2, out=tmp_path / "dp2").check()
+    dp2 = launch([*args, "--dp", "2", "--cp", "2", "--microbatch-size", "1"], nproc=4, out=tmp_path / "dp2cp2").check()
+    layout = dp2.summary["layout"]
+    assert (layout["dp"], layout["cp"], layout["microbatches"]) == (2, 2, 2)
     for run in (single, dp2):
         summary = run.summary
         assert summary["aux_loss_coef"] == COEF
@@ -219,6 +226,7 @@ def test_mixtral_trains_on_its_own_objective_at_dp2_with_microbatches_as_in_one_
         assert all(1.0 <= value <= 4.0 for value in imbalance)
     for key in ("losses", "aux_losses", "expert_imbalance"):
         assert dp2.summary[key] == pytest.approx(single.summary[key], rel=1e-5), key
+    assert_weights_close(dp2.final_weights(), single.final_weights(), rtol=RTOL)
     tb = single.summary["tensorboard"]
     if tb is not None:  # tensorboard installed: the aux loss is its own scalar
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

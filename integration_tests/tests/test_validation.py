@@ -211,6 +211,70 @@ def test_model_path_with_a_nan_or_inf_tensor_is_refused_naming_tensor_and_file(t
     assert not dist.is_initialized(), "refused before any process group"
 
 
+def test_the_nan_check_of_a_model_path_is_split_over_the_ranks(tmp_path: Path, one_rank_group: None) -> None:
+    """Issue 23: an N-rank job does not read every tensor on every rank to look for NaN / inf. Each of the N parts
+    reads only its share (disjoint, together every tensor once, each about 1 / N of the bytes), and the lines of all
+    parts are the one-process lines; validation at world size 2 leaves the check to the ranks, and the loop's
+    `refuse_nonfinite_weights` refuses with every rank's lines (BadInput: exit code 2 on every rank)."""
+    from trainer.guards import _value_check_share, model_path_nonfinite_problems
+    from trainer.loop import refuse_nonfinite_weights
+
+    folder = _saved_folder("llama", tmp_path / "model", layers=4)
+    (path,) = folder.glob("*.safetensors")
+    tensors = load_file(path)
+    bad = ["model.layers.0.self_attn.q_proj.weight", "model.layers.3.mlp.up_proj.weight", "model.norm.weight"]
+    for key in bad:
+        tensors[key].view(-1)[0] = float("nan")
+    save_file(tensors, path, metadata={"format": "pt"})
+    whole = model_path_nonfinite_problems(folder)
+    assert len(whole) == 3
+    sizes = [(path.name, key, t.numel() * t.element_size()) for key, t in tensors.items()]
+    shares = [_value_check_share(sizes, part=part, parts=2) for part in range(2)]
+    assert not shares[0] & shares[1]
+    assert shares[0] | shares[1] == {(path.name, key) for key in tensors}
+    total = sum(size for _, _, size in sizes)
+    biggest = max(size for _, _, size in sizes)
+    for share in shares:  # greedy by bytes: each part within one tensor of half the checkpoint
+        held = sum(size for file, key, size in sizes if (file, key) in share)
+        assert abs(held - total / 2) <= biggest, (held, total)
+    parts = [model_path_nonfinite_problems(folder, part=part, parts=2) for part in range(2)]
+    assert sorted(parts[0] + parts[1]) == sorted(whole)
+    assert all(parts), "these three tensors are not all in one share"
+
+    args = [*FOLDER, "--model-path", str(folder), "--out", str(tmp_path / "out")]
+    assert validate(parse_args([*args, "--dp", "2"]), world_size=2).plan.dp == 2, "N ranks: checked after the group"
+    cfg = parse_args(args)
+    with pytest.raises(BadInput) as info:  # on a one-rank group: its one part is the whole check
+        refuse_nonfinite_weights(cfg)
+    assert str(info.value).startswith("refusing to start (3 problems):"), info.value
+    assert all(line in str(info.value) for line in whole), info.value
+
+
+def test_a_model_path_with_only_bin_weights_is_refused_up_front_with_the_conversion(tmp_path: Path) -> None:
+    """Issue 23: a folder of PyTorch `.bin` weights (no safetensors) is refused in one line that says so and how to
+    convert it, next to the other problems, before any process group (not a loader's FileNotFoundError)."""
+    import torch.distributed as dist
+
+    folder = _saved_folder("llama", tmp_path / "model")
+    (path,) = folder.glob("*.safetensors")
+    torch.save(load_file(path), folder / "pytorch_model.bin")
+    path.unlink()
+    message = _refusal([*FOLDER, "--model-path", str(folder), "--lr", "nan", "--out", str(tmp_path / "out")])
+    assert "refusing to start (2 problems)" in message, message
+    assert (
+        f"--model-path {folder} holds PyTorch .bin weights (pytorch_model.bin) and no safetensors (model.safetensors "
+        "or model.safetensors.index.json): the trainer reads safetensors only, each rank just its own slices; convert "
+        "it once, e.g. python -c"
+    ) in message, message
+    assert f"save_pretrained('{folder}-safetensors')" in message, message
+    assert "--lr nan: must be a finite number" in message
+    assert "cannot build the model" not in message
+    assert not dist.is_initialized()
+    (folder / "pytorch_model.bin").unlink()
+    message = _refusal([*FOLDER, "--model-path", str(folder), "--out", str(tmp_path / "out")])
+    assert f"--model-path {folder} holds no weights (no model.safetensors" in message, message
+
+
 def test_preset_sizes_with_a_model_path_are_refused(tmp_path: Path) -> None:
     folder = _saved_folder("llama", tmp_path / "model")
     base = ["--seq-len", "16", "--global-batch", "4", "--steps", "1", "--model-path", str(folder)]

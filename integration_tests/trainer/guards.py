@@ -8,7 +8,7 @@ What it is for:
   - `nonfinite_parameters`: the names of a rank's parameters holding NaN or infinity; a checkpoint of such weights is
     never written (so `latest` never points at one).
   - `model_path_nonfinite_problems`: a NaN or infinity in a `--model-path` folder's safetensors files, named with the
-    tensor and the file, refused in validation before any process group.
+    tensor and the file, refused before the run builds; a rank of an N-rank job reads only its 1 / N share.
   - `checkpoint_bytes_estimate` / `no_space_message`: the bytes a checkpoint needs against the free bytes of its
     disk, said in plain words ("no space left on device") instead of torch's `unexpected pos`.
 What it must not do: run a collective itself (the loop and checkpoint.py decide which ranks take part), or change a
@@ -89,18 +89,45 @@ def nonfinite_parameters(parts: Iterable[nn.Module]) -> list[str]:
     return bad
 
 
-def model_path_nonfinite_problems(folder: str | Path) -> list[str]:
-    """A NaN or infinity in a `--model-path` folder's weights, one line per tensor (tensor and file named).
+def _value_check_share(keys: list[tuple[str, str, int]], *, part: int, parts: int) -> set[tuple[str, str]]:
+    """The (file, key) pairs part `part` of `parts` checks: every tensor of `keys` ((file, key, bytes), the same list on
+    every rank) goes to exactly one part, the biggest first to the part with the fewest bytes so far (ties: the lower
+    part), so each part reads about 1 / parts of the checkpoint."""
+    load = [0] * parts
+    mine: set[tuple[str, str]] = set()
+    for file, key, nbytes in sorted(keys, key=lambda entry: (-entry[2], entry[0], entry[1])):
+        owner = min(range(parts), key=lambda index: (load[index], index))
+        load[owner] += nbytes
+        if owner == part:
+            mine.add((file, key))
+    return mine
 
-    Reads the safetensors files tensor by tensor (no process group, no model); other weight formats are checked on
-    the loaded model by the caller.
+
+def model_path_nonfinite_problems(folder: str | Path, *, part: int = 0, parts: int = 1) -> list[str]:
+    """A NaN or infinity in a `--model-path` folder's weights, one line per tensor (tensor and file named), in file
+    and key order.
+
+    Reads the safetensors files tensor by tensor (no process group, no model). `part` of `parts`: only this part's
+    share of the tensors is read (`_value_check_share`: split by bytes, the same split for every caller), so `parts`
+    ranks together read the checkpoint once and their lines together are the lines of `parts=1`. Other weight
+    formats are not read here.
     """
     from safetensors import safe_open
 
-    problems = []
-    for path in sorted(Path(folder).glob("*.safetensors")):
+    files = sorted(Path(folder).glob("*.safetensors"))
+    sizes = []
+    for path in files:  # the headers only: names, shapes, dtypes
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                piece = f.get_slice(key)
+                sizes.append((path.name, key, math.prod(piece.get_shape()) * _dtype_bytes(piece.get_dtype())))
+    mine = _value_check_share(sizes, part=part, parts=parts)
+    problems = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                if (path.name, key) not in mine:
+                    continue
                 tensor = f.get_tensor(key)
                 if not tensor.is_floating_point():
                     continue
@@ -112,6 +139,12 @@ def model_path_nonfinite_problems(folder: str | Path) -> list[str]:
                         f"{tensor.numel()}; training from it gives NaN losses: repair or re-export the weights"
                     )
     return problems
+
+
+def _dtype_bytes(name: str) -> int:
+    """Bytes per element of a safetensors dtype name ("F32", "BF16", "F8_E4M3", "I64", "BOOL", ...)."""
+    digits = "".join(ch for ch in name.split("_")[0] if ch.isdigit())
+    return max(1, int(digits) // 8) if digits else 1
 
 
 # DCP writes every tensor as its own serialized record and lists it in its metadata: about 6 KiB each beyond the

@@ -7,7 +7,8 @@ What it is for: `run(cfg)` is the whole job, in the order a reader expects (torc
        (trainer/plan.py: mesh, pipeline plan, EP plan, CP layout, precision, FSDP2, microbatches): the only layout
        the phases below read
     2. `setup_mesh`: process group (gloo on the CPU, NCCL on GPUs) and one DeviceMesh ("pp", "dp", "cp"), with
-       "tp" innermost at --tp > 1
+       "tp" innermost at --tp > 1; with N ranks, the NaN / inf check of a --model-path folder, each rank reading 1 / N
+       of its tensors (`refuse_nonfinite_weights`: exit code 2 on every rank, the same message)
     3. `build`: the model validation built on the meta device (no weights anywhere yet)
        -> storage dtype (fp32; bf16 only for --dtype bf16-pure, fp32-pinned tensors kept) -> pipeline stages
        (pp > 1) -> tensor parallelism (tp > 1: the plan's modules of each part over tp; trainer/tensor_parallel.py)
@@ -84,7 +85,14 @@ from trainer.router_aux_pipeline import PipelineRouterAux
 from trainer.step_parts import RouterAuxLoss, TokenSumLoss, clip_grad_norm, make_hf_exporter
 from trainer.tb_logging import TensorBoardLog
 from trainer.tensor_parallel import apply_tensor_parallel_to_parts
-from trainer.validation import EXIT_BAD_INPUT, BadInput, resume_changes, validate
+from trainer.validation import (
+    EXIT_BAD_INPUT,
+    BadInput,
+    model_path_value_problems,
+    refusal,
+    resume_changes,
+    validate,
+)
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
@@ -97,6 +105,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     _print_warnings(cfg, validated)
     plan, family, corpus, resume_dir = validated.plan, validated.spec.family, validated.corpus, validated.resume_dir
     meshes = setup_mesh(cfg, plan)
+    if world_size > 1:  # the NaN / inf check of --model-path, split over the ranks: BadInput, exit code 2
+        refuse_nonfinite_weights(cfg)
     built = build(cfg, validated, meshes)
     # A --model-path model that validation loaded lives on only as this rank's parts from here (a pipeline stage is a
     # pruned copy of it), so nothing may keep the whole model referenced.
@@ -152,6 +162,22 @@ def setup_mesh(cfg: RunConfig, plan: RunPlan) -> Meshes:
     ep_mesh, expert_dp = build_ep_meshes(dp_cp, plan=plan.expert_parallel)  # (None, None) at ep = 1
     tp = mesh["tp"] if plan.tp > 1 else None
     return Meshes(device=device, rank=rank, mesh=mesh, dp_cp=dp_cp, ep=ep_mesh, expert_dp=expert_dp, tp=tp)
+
+
+def refuse_nonfinite_weights(cfg: RunConfig) -> None:
+    """Phase 2b (`--model-path`, N ranks; one process checks every tensor in `validate`): the NaN / inf check of the
+    folder's tensors, each rank reading its 1 / N share (validation's `model_path_value_problems`), the lines of
+    every rank gathered so that every rank refuses with the same message (BadInput, exit code 2) before anything is
+    built. Collective over the world."""
+    if cfg.model_path is None:
+        return
+    world_size = dist.get_world_size()
+    mine = model_path_value_problems(cfg, part=dist.get_rank(), parts=world_size)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    problems = sorted(line for lines in gathered for line in lines)  # the same order on every rank
+    if problems:
+        raise refusal(problems)
 
 
 @dataclass
@@ -461,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
+        if dist.is_initialized():  # refused after the process group (the shared NaN / inf check of --model-path),
+            dist.barrier()  # on every rank at the same point; a bare destroy lets gloo abort at exit now and then
+            dist.destroy_process_group()
         return EXIT_BAD_INPUT
     except RunStopped as exc:  # raised on every rank at the same point: each one says so and exits
         print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)

@@ -327,6 +327,31 @@ def attn_implementation(model: nn.Module) -> str | None:
     return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
+def model_path_weight_problems(folder: str | Path) -> list[str]:
+    """A `--model-path` folder without safetensors weights (`model.safetensors` or its index), said in plain words:
+    PyTorch `.bin` files are not read (each rank reads only its own slices, which safetensors' `get_slice` offers and
+    a pickled `.bin` does not without loading its whole file), so the way out is a one-time conversion. [] when the
+    folder has safetensors weights (or is not a folder: `folder_spec` names that)."""
+    folder = Path(folder)
+    if not folder.is_dir() or (folder / "model.safetensors").is_file() or (folder / INDEX_FILE).is_file():
+        return []
+    bins = sorted(path.name for path in folder.glob("*.bin"))
+    convert = (
+        'convert it once, e.g. python -c "from transformers import AutoModelForCausalLM as M; '
+        f"M.from_pretrained('{folder}').save_pretrained('{folder}-safetensors')\", and pass that folder"
+    )
+    if bins:
+        shown = ", ".join(bins[:3]) + (f" (+{len(bins) - 3} more)" if len(bins) > 3 else "")
+        return [
+            f"--model-path {folder} holds PyTorch .bin weights ({shown}) and no safetensors (model.safetensors or "
+            f"{INDEX_FILE}): the trainer reads safetensors only, each rank just its own slices; {convert}"
+        ]
+    return [f"--model-path {folder} holds no weights (no model.safetensors, no {INDEX_FILE}, no .bin files)"]
+
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
 def folder_spec(folder: str | Path) -> ModelSpec:
     """The spec of an HF-format folder: the model class registered for its `architectures` / `model_type` in the
     am-capabilities registry (our model packages register theirs through the `am_capabilities.models` entry

@@ -7,7 +7,8 @@ the meta device, without weights; an HF folder loaded, and it must supply every 
 its layers (am-pipelining; a model whose decoder layers cannot be found is refused only for the features that need
 them: --pp > 1, --activation-checkpointing, --compile), the expert-parallel plan (am-moe), the mesh against its
 capabilities (am-capabilities), what the model cannot honour under `--cp` (its `cp_problems` hook, through
-am-context-parallel), a NaN / inf tensor in a `--model-path` folder (tensor and file named), the data and the
+am-context-parallel), a NaN / inf tensor in a `--model-path` folder (tensor and file named; one process here, an
+N-rank job right after its process group, each rank reading 1 / N of the files), the data and the
 checkpoint to resume (sha256 manifest; the layout, model and data options must match, while the optimizer's numbers
 and `--steps` may change: `resume_changes` words the warnings the loop prints); and for the training features: the
 tokenizer against the model's vocabulary, the held-out data, activation checkpointing against the model's
@@ -38,7 +39,7 @@ from trainer.config import (
 )
 from trainer.data import Corpus, load_tokens
 from trainer.guards import model_path_nonfinite_problems
-from trainer.models import ModelSpec, build_meta_model, folder_spec, preset_spec
+from trainer.models import ModelSpec, build_meta_model, folder_spec, model_path_weight_problems, preset_spec
 from trainer.moe_balance import balancing_plan, balancing_problems
 from trainer.parallel import cp_layout_name, cp_pad_multiple, decoder_layers, layer_feature_problems
 from trainer.plan import ValidatedRun, make_plan
@@ -193,15 +194,19 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
     tokenizer, found = tokenizer_problems(cfg)
     problems += found
     spec = model = None
+    # a --model-path folder without safetensors weights: said once, in its own words, and nothing to build from
+    weights = model_path_weight_problems(cfg.model_path) if cfg.model_path is not None else []
+    problems += weights
     try:
-        spec = model_spec(cfg, vocab_size=_tokenizer_vocab(tokenizer))
-        # On the meta device (no weights: a rank never holds a whole model); a folder's names and shapes are
-        # checked strictly on its safetensors headers (every tensor present, none unexpected), no data read.
-        model = build_meta_model(spec)
+        if not weights:
+            spec = model_spec(cfg, vocab_size=_tokenizer_vocab(tokenizer))
+            # On the meta device (no weights: a rank never holds a whole model); a folder's names and shapes are
+            # checked strictly on its safetensors headers (every tensor present, none unexpected), no data read.
+            model = build_meta_model(spec)
     except Exception as exc:  # a broken --model-path folder or preset: report it with the rest
         problems.append(f"cannot build the model: {type(exc).__name__}: {exc}")
-    if model is not None and cfg.model_path is not None:
-        problems += _model_path_value_problems(cfg.model_path)
+    if model is not None and world_size == 1:  # N ranks share this check after the process group: see below
+        problems += model_path_value_problems(cfg, part=0, parts=1)
     num_layers = None
     if model is not None:  # only the per-layer features need the layers (pp > 1, checkpointing, compile)
         layers = decoder_layers(model)
@@ -248,8 +253,7 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
         except FileNotFoundError as exc:
             problems.append(str(exc))
     if problems:
-        listed = "\n".join(f"  - {p}" for p in problems)
-        raise BadInput(f"refusing to start ({len(problems)} problem{'s' * (len(problems) > 1)}):\n{listed}")
+        raise refusal(problems)
     assert spec is not None
     assert model is not None
     assert tokens is not None
@@ -320,9 +324,22 @@ def fsdp_optimization_problems(cfg: RunConfig, model: nn.Module | None) -> list[
     return problems
 
 
-def _model_path_value_problems(folder: str) -> list[str]:
-    """NaN / inf in a `--model-path` folder's safetensors files, per tensor and file (read one tensor at a time)."""
-    return model_path_nonfinite_problems(folder)
+def model_path_value_problems(cfg: RunConfig, *, part: int, parts: int) -> list[str]:
+    """NaN / inf in a `--model-path` folder's safetensors files, per tensor and file (read one tensor at a time), in
+    this rank's share (`part` of `parts`) of the tensors.
+
+    One process (`parts` 1) checks every tensor in `validate`, with the other problems. An N-rank job checks the
+    values after the process group exists and before anything is built (the loop's `refuse_nonfinite_weights`): each
+    rank reads 1 / N of the checkpoint instead of all of it, and every rank refuses with the lines of all of them."""
+    if cfg.model_path is None:
+        return []
+    return model_path_nonfinite_problems(cfg.model_path, part=part, parts=parts)
+
+
+def refusal(problems: list[str]) -> BadInput:
+    """The one message of a refused run: every problem, listed."""
+    listed = "\n".join(f"  - {p}" for p in problems)
+    return BadInput(f"refusing to start ({len(problems)} problem{'s' * (len(problems) > 1)}):\n{listed}")
 
 
 def resume_changes(cfg: RunConfig, state: dict[str, Any]) -> list[str]:

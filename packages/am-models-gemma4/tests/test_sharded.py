@@ -75,6 +75,19 @@ def _load_case(layout: str, mesh: Any, folder: str) -> dict[str, Any]:
     return {"state": _full_state(model), "bytes_read": report.bytes_read}
 
 
+def _vlm_meta(mesh: Any = None) -> Gemma4ForConditionalGeneration:
+    """The VLM (untied head: FSDP2 groups hold whole tensors) on the meta device; with `mesh`, FSDP2 over it per
+    text decoder layer, per vision encoder layer and the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = Gemma4ForConditionalGeneration.from_config(vlm_config(moe=True, tie_word_embeddings=False), device="meta")
+    if mesh is not None:
+        for layer in [*model.model.language_model.layers.values(), *model.model.vision_tower.encoder.layers]:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
 def _bad_keys_case(folder: str) -> str:
     model = Gemma4ForCausalLM.from_config(_config("ep"), device="meta")
     model.to_empty(device="cpu")
@@ -106,6 +119,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     torch.distributed.broadcast_object_list(shared, src=0)
     folders: dict[str, str] = shared[0]  # type: ignore[assignment]
     cases: dict[str, Any] = {"folders": lambda: folders, "bad_keys": lambda: _bad_keys_case(folders["bad"])}
+    cases["init_vlm"] = lambda: {"state": _full_state(materialize_sharded(_vlm_meta(meshes["fsdp2"]), seed=SEED))}
     for layout in TIED:
         cases[f"init_{layout}"] = lambda layout=layout: _init_case(layout, meshes[layout])
         cases[f"load_{layout}"] = lambda layout=layout: _load_case(layout, meshes[layout], folders[layout])
@@ -177,7 +191,7 @@ def test_meta_from_pretrained_reads_no_data_and_checks_names(ranks: list[dict[st
 
 def test_vision_language_model_loads_into_a_meta_built_model(tmp_path: Any) -> None:
     """The VLM (vision tower, tied head): a meta build + `to_empty` + `load_sharded_checkpoint` equals
-    `from_pretrained`, the recomputed RoPE buffers of both towers included; its seeded init is refused (named)."""
+    `from_pretrained`, the recomputed RoPE buffers of both towers included."""
     reference = Gemma4ForConditionalGeneration(vlm_config(moe=True))
     reference.save_pretrained(tmp_path)
     model = Gemma4ForConditionalGeneration.from_config(vlm_config(moe=True), device="meta")
@@ -185,5 +199,24 @@ def test_vision_language_model_loads_into_a_meta_built_model(tmp_path: Any) -> N
     load_sharded_checkpoint(model, tmp_path)
     _assert_equal({**dict(model.named_parameters()), **dict(model.named_buffers())}, reference)
     assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
-    with pytest.raises(NotImplementedError, match="covers the text model only"):
-        materialize_sharded(Gemma4ForConditionalGeneration.from_config(vlm_config(moe=True), device="meta"), seed=0)
+
+
+def test_vision_language_model_seeded_init_equals_the_single_process(ranks: list[dict[str, Any]]) -> None:
+    """Issue 23: the VLM's seeded init covers the vision tower too (transformers' Gemma 4 rules per vision encoder
+    layer and module, the multimodal embedder): FSDP2 over 2 ranks holds exactly the single process's values, the
+    vision tower is initialized (not left empty: its weights are finite and not all zero, its norms ones, its RoPE
+    frequencies those of a freshly constructed tower), and the tied VLM stays tied."""
+    single = materialize_sharded(_vlm_meta(), seed=SEED)
+    for rank in range(WORLD):
+        _assert_equal(case_result(ranks, "init_vlm", rank)["state"], single)
+    tower: Any = single.model.vision_tower
+    fresh: Any = Gemma4ForConditionalGeneration(vlm_config(moe=True, tie_word_embeddings=False)).model.vision_tower
+    for name, tensor in tower.named_parameters():
+        assert torch.isfinite(tensor).all(), name
+        if name.endswith("layernorm.weight"):
+            assert torch.equal(tensor, torch.ones_like(tensor)), name
+    assert tower.encoder.layers[0].mlp.gate_proj.linear.weight.abs().sum() > 0
+    for name, buffer in tower.named_buffers():
+        torch.testing.assert_close(buffer, dict(fresh.named_buffers())[name], msg=name)
+    tied = materialize_sharded(Gemma4ForConditionalGeneration.from_config(vlm_config(moe=True), device="meta"), seed=0)
+    assert tied.lm_head.weight is tied.model.language_model.embed_tokens.weight

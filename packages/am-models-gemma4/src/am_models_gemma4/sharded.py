@@ -42,18 +42,10 @@ def _text_prefix(model: nn.Module) -> str:
 
 
 def init_units(model: nn.Module) -> list[InitUnit]:
-    """The units of the seeded init of a `Gemma4ForCausalLM`: each decoder layer, every other child of the text
-    model (embeddings, norm, per-layer-input modules, RoPE), and the LM head when it is not tied.
-
-    Raises:
-        NotImplementedError: a vision-language model (its vision tower has no per-unit init here; load a checkpoint
-            with `load_sharded_checkpoint` instead).
-    """
-    if hasattr(model.model, "language_model"):
-        raise NotImplementedError(
-            f"{type(model).__name__}: seeded sharded initialization covers the text model only (the vision tower's "
-            "init is transformers'); load a checkpoint into the sharded model with load_sharded_checkpoint"
-        )
+    """The units of the seeded init of a `Gemma4ForCausalLM` or `Gemma4ForConditionalGeneration`: each decoder layer,
+    every other child of the text model (embeddings, norm, per-layer-input modules, RoPE), and the LM head when it is
+    not tied; for a vision-language model also each vision encoder layer, every other vision-tower module that owns a
+    tensor (patch embedder, RoPE, standardization), and the multimodal embedder (`_vision_units`)."""
     text = text_config_of(model.config)
     std = float(getattr(text, "initializer_range", 0.02))
 
@@ -62,15 +54,43 @@ def init_units(model: nn.Module) -> list[InitUnit]:
             init_module_weights(sub, std=std)
         restore_constructed_buffers_(module, config=text)
 
+    prefix = _text_prefix(model)
     units = []
-    text_model: Any = model.model
+    text_model: Any = model.get_submodule(prefix)
     for name, child in text_model.named_children():
         if name == "layers":
-            units += [InitUnit(f"model.layers.{key}", tree) for key in child]
+            units += [InitUnit(f"{prefix}.layers.{key}", tree) for key in child]
         else:
-            units.append(InitUnit(f"model.{name}", tree))
+            units.append(InitUnit(f"{prefix}.{name}", tree))
+    if getattr(model.model, "vision_tower", None) is not None:
+        units += _vision_units(model)
     if not _tied(model):
         units.append(InitUnit("lm_head", tree))
+    return units
+
+
+def _vision_units(model: nn.Module) -> list[InitUnit]:
+    """The vision side of a VLM, initialized by transformers' own Gemma 4 rules (the vision tower's `_init_weights`,
+    as its constructor does), one unit per encoder layer and per other module owning a tensor directly, and the
+    multimodal embedder (`model.embed_vision`) as one unit."""
+    container: Any = model.model
+    tower: Any = container.vision_tower
+    rules = tower._init_weights  # bound to the tower: its vision config's initializer_range
+
+    def vision(module: nn.Module) -> None:
+        module.apply(rules)
+        restore_constructed_buffers_(module)
+
+    layers = [f"model.vision_tower.encoder.layers.{i}" for i in range(len(tower.encoder.layers))]
+    inside = tuple(f"{name}." for name in layers)
+    units = [InitUnit(name, vision) for name in layers]
+    for name, module in tower.named_modules():
+        full = f"model.vision_tower.{name}" if name else "model.vision_tower"
+        if full in layers or full.startswith(inside):
+            continue
+        if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
+            units.append(InitUnit(full, vision))
+    units.append(InitUnit("model.embed_vision", vision))
     return units
 
 
@@ -106,7 +126,6 @@ def materialize_sharded(model: nn.Module, *, seed: int, device: torch.device | s
 
     Raises:
         ValueError: a tensor already materialized (build on the meta device), or one no unit covers (listed).
-        NotImplementedError: a vision-language model (see `init_units`).
     """
     twin = meta_twin(model)
     materialize_sharded_(model, template=twin, units=init_units(twin), seed=seed, device=device)
