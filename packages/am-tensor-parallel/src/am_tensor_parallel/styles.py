@@ -45,6 +45,8 @@ STYLES: dict[str, str] = {
     "sequence_parallel": "norm / dropout: runs on this rank's sequence shard, parameters replicated",
     "replicated_with_grad_allreduce": "norm on a sharded axis (per-head q/k norms): replicated, gradient summed",
     "replicate": "any module: every rank keeps the full module (no sharding, no collective)",
+    "sequence_gather": "token-wise module run whole (MoE router + experts): under sequence parallelism its input is "
+    "all-gathered from the sequence shards and its output sliced back to them; otherwise `replicate`",
     "module": "a module that shards itself: its `tensor_parallel_style(*, sequence_parallel)` gives the ParallelStyle",
 }
 
@@ -141,6 +143,8 @@ def translate_style(name: str, *, sequence_parallel: bool = False, role: str = "
         return SequenceParallel(sequence_dim=1, use_local_output=False)
     if style == "replicated_with_grad_allreduce":
         return _ReplicatedGradAllReduce()
+    if style == "sequence_gather" and sequence_parallel:
+        return _SequenceGather()
     return _Replicate()
 
 
@@ -148,6 +152,38 @@ class _Replicate(ParallelStyle):
     """`replicate`: the module is left as it is (full parameters, local tensors in and out)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return module
+
+
+class _SequenceGather(ParallelStyle):
+    """`sequence_gather` under sequence parallelism: the module (its parameters whole, plain tensors, the same on
+    every tp rank) runs on the whole sequence. Its `Shard(1)` DTensor inputs (positional or keyword) are all-gathered
+    to plain `[B, S, ...]` tensors, and its plain `[B, S, ...]` output leaves as this rank's `Shard(1)` slice (the
+    backward all-gathers the slices' gradients). Every tp rank computes the same thing on the same tokens (as without
+    sequence parallelism), so its parameters' gradients are identical on the tp ranks and need no reduction. Used
+    where a module needs whole sequences or whole-batch statistics (an MoE's routing, load and per-sequence terms,
+    all-to-alls over ep) or is a cheap projection outside any region (an MTP fusion)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(t: Any) -> Any:
+            if isinstance(t, DTensor) and t.device_mesh == device_mesh and t.placements == (Shard(1),):
+                return t.redistribute(placements=[Replicate()]).to_local()
+            return t
+
+        def pre(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
+
+        def slice_back(t: torch.Tensor) -> torch.Tensor:
+            if isinstance(t, DTensor) or not t.is_floating_point() or t.dim() < 2:
+                return t
+            full = DTensor.from_local(t, device_mesh, [Replicate()], run_check=False)
+            return full.redistribute(placements=[Shard(1)])
+
+        def post(_mod: nn.Module, _args: Any, output: Any) -> Any:
+            return _map_tensors(output, slice_back)
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        module.register_forward_hook(post)
         return module
 
 
