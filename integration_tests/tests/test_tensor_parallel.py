@@ -44,7 +44,8 @@ def test_sequence_and_loss_parallel_equal_single_process(runs, case: str, refere
     summary = parallel.summary
     assert tuple(summary["layout"][axis] for axis in ("pp", "dp", "cp", "tp")) == layout
     plan = summary["plan"]["tensor_parallel"]
-    assert plan["sequence_parallel"] and plan["loss_parallel"], plan
+    assert plan["sequence_parallel"], plan
+    assert plan["loss_parallel"], plan
     assert plan["norms"], plan  # the stream's norms ran on sequence shards
     assert plan["styles"]["lm_head"] == "colwise", plan  # the head keeps its vocabulary shard
     if "moe" in case or "nemotron" in case:  # routed experts whole, on whole sequences

@@ -12,12 +12,13 @@ Options (in the plan: `TensorParallelPlan.sequence_parallel` / `.loss_parallel`,
 `--sequence-parallel` puts the residual stream and its norms on sequence shards between the TP regions (modules the
 model declares "sequence_gather", e.g. routed MoE blocks, run on whole sequences); `--loss-parallel` keeps the head's
 vocabulary shard and the loss is `vocab_parallel_cross_entropy` (step_parts' `TokenSumLoss(vocab_mesh=)`). Both need
---pp 1. CP composes (ring attention and Mamba2 state passing over the cp group run on this rank's heads), and so do
+--pp 1. CP composes (ring attention and Mamba2 state passing over the cp group run on this rank's heads), and so does
 activation checkpointing (recomputation replays the same collectives in the same order on every tp rank).
 Exactness: every tp rank computes the same loss (the head's logits are gathered, or the vocabulary-parallel loss is
-all-reduced), so the logged loss counts tp rank 0 only (BatchStep); the TP collectives make each parameter's gradient the single-process one. Gradients of parameters
-that TP leaves whole are identical on the tp ranks (the regions' inputs all-reduce their gradient), so the gradient
-norm counts them once; DTensor shards count through their mesh; the plain-tensor shards of modules that shard
+all-reduced), so the logged loss counts tp rank 0 only (BatchStep); the TP collectives make each parameter's
+gradient the single-process one. Gradients of parameters that TP leaves whole are identical on the tp ranks (the
+regions' inputs all-reduce their gradient; "sequence_gather" modules compute the same on every tp rank), so the
+gradient norm counts them once; DTensor shards count through their mesh; the plain-tensor shards of modules that shard
 themselves (Nemotron-H's Mamba2 mixer, am-tensor-parallel's "module" style) are summed over tp (`tp_local_names`,
 step_parts' `clip_grad_norm`). Checkpoints keep those shards under per-tp-rank keys (`rename_tp_local`) and the HF
 export re-assembles them through the module's `tensor_parallel_full_state` (`full_tp_state`).

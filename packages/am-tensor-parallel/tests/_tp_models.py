@@ -182,7 +182,7 @@ class _SegmentedStyle(ParallelStyle):
     """The toy's own layout, built from am-tensor-parallel's segment pieces."""
 
     def _apply(self, module: nn.Module, mesh: Any) -> nn.Module:
-        from am_tensor_parallel import region_input, region_output, shard_segments
+        from am_tensor_parallel import SummedLinear, region_input, shard_segments
 
         mix: Any = module
         tp, rank = mesh.size(), mesh.get_local_rank()
@@ -193,10 +193,7 @@ class _SegmentedStyle(ParallelStyle):
         mix.segments = {k: v // tp for k, v in mix.segments.items()}
         mix.register_forward_pre_hook(lambda _m, args: (region_input(args[0], mesh), *args[1:]))
 
-        def down_forward(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-            return region_output(torch.nn.functional.linear(x, proj.weight), mesh) + proj.bias
-
-        mix.down.forward = down_forward.__get__(mix.down)
+        mix.down = SummedLinear.take(mix.down, mesh)  # the region's exit: partial products summed, bias once
         return mix
 
 

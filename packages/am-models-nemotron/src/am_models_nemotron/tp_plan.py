@@ -40,12 +40,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from am_tensor_parallel import gather_segments, region_input, region_output, shard_segments
+from am_tensor_parallel import SummedLinear, gather_segments, region_input, shard_segments
 
 __all__ = [
     "ATTENTION_TP_PLAN",
@@ -168,14 +167,9 @@ class Mamba2HeadParallel(ParallelStyle):
         def enter(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             return (region_input(args[0], device_mesh), *args[1:]), kwargs
 
-        sequence_parallel = self.sequence_parallel
-
-        def out_proj_forward(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-            summed = region_output(F.linear(x, proj.weight), device_mesh, sequence_parallel=sequence_parallel)
-            return summed if proj.bias is None else summed + proj.bias  # the replicated bias, added once
-
         mixer.register_forward_pre_hook(enter, with_kwargs=True)
-        mixer.out_proj.forward = out_proj_forward.__get__(mixer.out_proj)
+        # out_proj (its input-feature shard) becomes the region's exit: partial products summed over tp, bias once
+        mixer.out_proj = SummedLinear.take(mixer.out_proj, device_mesh, sequence_parallel=self.sequence_parallel)
         return mixer
 
 

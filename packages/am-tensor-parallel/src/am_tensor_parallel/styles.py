@@ -233,7 +233,9 @@ class _Packed(ParallelStyle):
     """`packed_colwise` (dim 0) / `packed_rowwise` (dim 1) for an nn.Linear whose weight packs `parts` equal blocks
     along `dim` (gate_up: [gate; up]): each rank holds its slice of every block, so the model's own `chunk` on the
     local output (or input) keeps gate and up slices paired. The weight is a DTensor `_StridedShard`, which gathers
-    back to the packed full tensor (`full_tensor()`, DCP)."""
+    back to the packed full tensor (`full_tensor()`, DCP), and the Linear's own forward runs on DTensors: DTensor
+    propagates `_StridedShard` through the matmul (a colwise output keeps the strided layout; a rowwise output is a
+    `Partial` sum, its replicated bias added once as in torch's `RowwiseParallel`)."""
 
     def __init__(self, *, dim: int, parts: int = 2, reduce_output: Any = None, keep_dtensor: bool = False) -> None:
         super().__init__()
@@ -256,37 +258,21 @@ class _Packed(ParallelStyle):
 
         def pre(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
             x = inputs[0]
-            if dim == 0:  # replicated input; its gradient is each rank's partial sum
+            if dim == 0:  # the replicated input (its gradient, a Partial sum, is all-reduced by DTensor)
                 if isinstance(x, DTensor):
-                    x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+                    x = x.redistribute(placements=[Replicate()])
                 else:
-                    x = _AllReduceBackward.apply(x, mesh.get_group())
+                    x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            elif not isinstance(x, DTensor):  # this rank's slice of every packed part of the input features
+                x = DTensor.from_local(x, mesh, [_StridedShard(dim=x.dim() - 1, split_factor=parts)], run_check=False)
             return (x, *inputs[1:])
 
-        def forward(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-            weight: torch.Tensor = mod.weight.to_local() if isinstance(mod.weight, DTensor) else mod.weight
-            bias: torch.Tensor | None = mod.bias
-            if dim == 1 and bias is not None:  # added once, after the sum over ranks
-                bias = None
-            elif isinstance(bias, DTensor):
-                bias = bias.to_local()
-            return torch.nn.functional.linear(x, weight, bias)
-
-        def post(mod: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> Any:
+        def post(mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> Any:
             if dim == 0:
-                return out
-            summed: torch.Tensor = DTensor.from_local(out, mesh, [Partial()], run_check=False)
-            bias = mod.bias
-            if isinstance(bias, torch.Tensor):
-                if not isinstance(bias, DTensor):
-                    bias = DTensor.from_local(bias, mesh, [Replicate()])
-                assert isinstance(summed, DTensor)
-                summed = summed.redistribute(placements=[Replicate()]) + bias
-            assert isinstance(summed, DTensor)
-            summed = summed.redistribute(placements=[self.reduce_output or Replicate()])
+                return out.to_local()
+            summed = out.redistribute(placements=[self.reduce_output or Replicate()])
             return summed if self.keep_dtensor else summed.to_local()
 
-        module.forward = forward.__get__(module)  # type: ignore[method-assign]
         return distribute_module(module, device_mesh, partition, pre, post)  # type: ignore[arg-type]
 
 
