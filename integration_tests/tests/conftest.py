@@ -147,13 +147,13 @@ class RunCache:
         "nemotron-pp2-tp2": (4, ["--model", "nemotron", "--pp", "2", "--tp", "2", *PARITY]),
         "gemma4-moe-dp2-tp2-ep2": (4, ["--model", "gemma4-moe", "--dp", "2", "--tp", "2", "--ep", "2", *PARITY]),
         # sequence parallelism + the vocabulary-parallel loss (test_tensor_parallel.py), with dp (Nemotron: MoE, MTP,
-        # activation checkpointing), cp (Gemma 4 MoE: ring attention over head-sharded q/k/v) and an HF Llama
+        # activation checkpointing) and cp (Gemma 4 MoE: ring attention over head-sharded q/k/v; tied head);
+        # an HF plan (Mixtral, with its router loss) in test_router_aux.py
         "nemotron-dp2-tp2-sp-lp-ac": (
             4,
             ["--model", "nemotron", "--dp", "2", "--tp", "2", *TP_EXTRAS, "--activation-checkpointing", *PARITY],
         ),
         "gemma4-moe-cp2-tp2-sp-lp": (4, ["--model", "gemma4-moe", "--cp", "2", "--tp", "2", *TP_EXTRAS, *PARITY]),
-        "llama-tied-tp2-sp-lp": (2, ["--model", "llama", "--tie-embeddings", "--tp", "2", *TP_EXTRAS, *PARITY]),
         # load balancing (issue 25): Nemotron-H runs its recipe by default (bias update 1e-3, sequence aux 1e-4);
         # Gemma 4's recipe is all off, so its parity turns the three loss terms on by flag
         "nemotron-dp2-ep2": (2, ["--model", "nemotron", "--dp", "2", "--ep", "2", *PARITY]),

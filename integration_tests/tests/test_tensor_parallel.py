@@ -4,8 +4,9 @@ collective, in the user's terms.
 The parity of the plain TP layouts with the single process (loss every step, final weights) is in test_parity.py
 (its CASES); exact resume at tp 2 in test_resume.py. Here: the layouts with `--sequence-parallel` and
 `--loss-parallel` (sharing test_parity's single-process references through the session's run cache), composed with
-dp, cp and activation checkpointing; in-process `validate()` refusals (no process group) and one launch by hand
-proving exit code 2 on every rank before the rendezvous.
+dp, cp and activation checkpointing (an HF plan, Mixtral's with its router loss: test_router_aux.py); in-process
+`validate()` refusals (no process group) and one launch by hand proving exit code 2 on every rank before the
+rendezvous.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ TINY = ["--hidden-size", "32", "--layers", "4", "--seq-len", "16", "--global-bat
 # (case, single-process reference, layout (pp, dp, cp, tp)): test_parity's references, conftest's launches
 SP_CASES = [
     ("nemotron-dp2-tp2-sp-lp-ac", "nemotron", (1, 2, 1, 2)),  # Mamba2 / MoE / MTP under SP, FSDP2 over dp, AC
-    ("gemma4-moe-cp2-tp2-sp-lp", "gemma4-moe", (1, 1, 2, 2)),  # MoE on whole sequences; ring attention per head
-    ("llama-tied-tp2-sp-lp", "llama-tied", (1, 1, 1, 2)),  # transformers' own plan; tied vocabulary-parallel head
+    ("gemma4-moe-cp2-tp2-sp-lp", "gemma4-moe", (1, 1, 2, 2)),  # MoE whole; ring attention per head; tied head
 ]
 
 
@@ -48,8 +48,7 @@ def test_sequence_and_loss_parallel_equal_single_process(runs, case: str, refere
     assert plan["loss_parallel"], plan
     assert plan["norms"], plan  # the stream's norms ran on sequence shards
     assert plan["styles"]["lm_head"] == "colwise", plan  # the head keeps its vocabulary shard
-    if "moe" in case or "nemotron" in case:  # routed experts whole, on whole sequences
-        assert "sequence_gather" in plan["styles"].values(), plan
+    assert "sequence_gather" in plan["styles"].values(), plan  # routed experts whole, on whole sequences
     assert summary["activation_checkpointing"] == case.endswith("-ac")
 
 

@@ -46,21 +46,21 @@ def tensor_parallel_problems(cfg: RunConfig, model: nn.Module) -> list[str]:
     """Every reason `--tp` cannot run `model` as asked (at tp 1: only `--sequence-parallel` / `--loss-parallel`
     asked without it): am-tensor-parallel's `tp_problems` with those two options (a declared plan must exist;
     heads, KV heads, intermediate and vocabulary sizes must divide by tp; experts stay whole under TP, so their
-    counts are ep's rule), the options with --pp > 1 or a sequence length tp does not divide, --compile, a
-    transformers MoE router loss, and a module that shards itself without a way to re-assemble its shards (needed
-    by checkpoints and the HF export). Reads the model only (a preset on the meta device); before any process
-    group."""
+    counts are ep's rule; a transformers MoE plan's experts are kept whole: `_run_plan`), the options with --pp > 1
+    or a sequence length tp does not divide, --compile, and a module that shards itself without a way to
+    re-assemble its shards (needed by checkpoints and the HF export). Reads the model only (a preset on the meta
+    device); before any process group."""
     flags = [f"--{name.replace('_', '-')}" for name in ("sequence_parallel", "loss_parallel") if getattr(cfg, name)]
     if cfg.tp <= 1:
         return [
             f"{flag} shards over the tp ranks, but --tp is {cfg.tp}: add --tp N (N > 1) or drop {flag}"
             for flag in flags
         ]
-    from am_tensor_parallel import FULL_STATE_METHOD, declared_plan, match_plan, tp_problems
-    from trainer.step_parts import router_aux_spec
+    from am_tensor_parallel import FULL_STATE_METHOD, match_plan, tp_problems
 
     where = f"--tp {cfg.tp}: {type(model).__name__}"
-    found = tp_problems(model, cfg.tp, sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel)
+    plan = _run_plan(model)
+    found = tp_problems(model, cfg.tp, plan, sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel)
     problems = [f"{where}: {problem}" for problem in found]
     if flags and cfg.pp > 1:  # a stage boundary would carry sequence shards / a stage's plan is restricted: untested
         problems.append(
@@ -74,13 +74,8 @@ def tensor_parallel_problems(cfg: RunConfig, model: nn.Module) -> list[str]:
         )
     asked = {"compile": cfg.compile}
     problems += [f"--tp {cfg.tp}: {_UNSUPPORTED_WITH_TP[name]}" for name, on in asked.items() if on]
-    if router_aux_spec(model) is not None:
-        problems.append(
-            f"{where} computes a transformers router load-balancing loss, which the trainer does not reproduce "
-            "under tensor parallelism: run it with --tp 1"
-        )
     modules = dict(model.named_modules())
-    styles, _ = match_plan(model, declared_plan(model) or {})
+    styles, _ = match_plan(model, plan or {})
     for name, style in styles.items():
         if style == "module" and not callable(getattr(modules[name], FULL_STATE_METHOD, None)):
             problems.append(
@@ -98,8 +93,22 @@ def tensor_parallel_plan(cfg: RunConfig, model: nn.Module) -> Any:
     from am_tensor_parallel import plan_tensor_parallel
 
     return plan_tensor_parallel(
-        model, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel
+        model,
+        tp=cfg.tp,
+        plan=_run_plan(model),
+        sequence_parallel=cfg.sequence_parallel,
+        loss_parallel=cfg.loss_parallel,
     )
+
+
+def _run_plan(model: nn.Module) -> dict[str, str] | None:
+    """The model's declared plan with its experts whole (am-tensor-parallel's `experts_whole`: transformers'
+    `moe_tp_experts` dropped, the MoE block run whole on whole sequences), as our models declare theirs: experts are
+    split by --ep, never by --tp. None: the model declares no plan."""
+    from am_tensor_parallel import declared_plan, experts_whole
+
+    declared = declared_plan(model)
+    return experts_whole(declared) if declared else None
 
 
 @dataclass(frozen=True)

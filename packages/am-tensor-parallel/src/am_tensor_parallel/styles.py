@@ -165,16 +165,21 @@ class _SequenceGather(ParallelStyle):
     all-to-alls over ep) or is a cheap projection outside any region (an MTP fusion)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        gathered: list[torch.Size] = []  # the [B, S] of this call's gathered inputs (outputs sliced back to match)
+
         def gather(t: Any) -> Any:
             if isinstance(t, DTensor) and t.device_mesh == device_mesh and t.placements == (Shard(1),):
+                gathered.append(t.shape[:2])
                 return t.redistribute(placements=[Replicate()]).to_local()
             return t
 
         def pre(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            gathered.clear()
             return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
 
         def slice_back(t: torch.Tensor) -> torch.Tensor:
-            if isinstance(t, DTensor) or not t.is_floating_point() or t.dim() < 2:
+            # only `[B, S, ...]` activations like the gathered inputs (not router logits `[B*S, E]` or a mask)
+            if isinstance(t, DTensor) or not t.is_floating_point() or t.dim() < 3 or t.shape[:2] not in gathered:
                 return t
             full = DTensor.from_local(t, device_mesh, [Replicate()], run_check=False)
             return full.redistribute(placements=[Shard(1)])
