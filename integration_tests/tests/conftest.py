@@ -35,6 +35,8 @@ PARITY = [*TINY, "--dtype", "fp32", "--adam-eps", "1e-6", "--no-progress", "--ti
 LAUNCH_TIMEOUT_S = 240
 # The three am-moe balancing loss terms, large enough to move the router measurably in 3 steps.
 GEMMA_AUX_TERMS = ["--moe-aux-loss-coeff", "0.01", "--moe-seq-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
+# --tp's options: the stream between the TP regions on sequence shards, the loss over the head's vocabulary shards.
+TP_EXTRAS = ["--sequence-parallel", "--loss-parallel"]
 # In-process validate() calls: a tiny preset run.
 TINY_ARGS = ["--hidden-size", "32", "--layers", "2", "--seq-len", "16", "--global-batch", "4", "--steps", "1"]
 
@@ -150,6 +152,14 @@ class RunCache:
         "gemma4-tp2-dp2": (4, ["--model", "gemma4", "--tp", "2", "--dp", "2", *PARITY]),
         "nemotron-pp2-tp2": (4, ["--model", "nemotron", "--pp", "2", "--tp", "2", *PARITY]),
         "gemma4-moe-dp2-tp2-ep2": (4, ["--model", "gemma4-moe", "--dp", "2", "--tp", "2", "--ep", "2", *PARITY]),
+        # sequence parallelism + the vocabulary-parallel loss (test_tensor_parallel.py), with dp (Nemotron: MoE, MTP,
+        # activation checkpointing) and cp (Gemma 4 MoE: ring attention over head-sharded q/k/v; tied head);
+        # an HF plan (Mixtral, with its router loss) in test_router_aux.py
+        "nemotron-dp2-tp2-sp-lp-ac": (
+            4,
+            ["--model", "nemotron", "--dp", "2", "--tp", "2", *TP_EXTRAS, "--activation-checkpointing", *PARITY],
+        ),
+        "gemma4-moe-cp2-tp2-sp-lp": (4, ["--model", "gemma4-moe", "--cp", "2", "--tp", "2", *TP_EXTRAS, *PARITY]),
         # load balancing (issue 25): Nemotron-H runs its recipe by default (bias update 1e-3, sequence aux 1e-4);
         # Gemma 4's recipe is all off, so its parity turns the three loss terms on by flag
         "nemotron-dp2-ep2": (2, ["--model", "nemotron", "--dp", "2", "--ep", "2", *PARITY]),

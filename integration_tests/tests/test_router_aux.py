@@ -177,6 +177,27 @@ def test_router_loss_at_pp2_equals_the_single_process(tmp_path: Path, family: st
     assert_weights_close(pp2.final_weights(), single.final_weights(), rtol=RTOL)
 
 
+def test_router_loss_at_tp2_with_sequence_and_loss_parallel_equals_the_single_process(tmp_path: Path) -> None:
+    """`--tp 2 --sequence-parallel --loss-parallel` on Mixtral (transformers' own plan with its experts whole: the
+    MoE block `sequence_gather`, router and experts on whole sequences on every tp rank): every step's loss (incl.
+    coef x aux), aux, expert imbalance and gradient norm, and the final weights, equal the single process's (fp32,
+    1e-5); the aux is counted once per tp group."""
+    from conftest import PARITY, launch, without_preset_sizes
+    from test_parity import RTOL, assert_weights_close
+
+    single = SHARED.single("mixtral", tmp_path)
+    args = [*without_preset_sizes(PARITY), "--model-path", str(SHARED.folder("mixtral", tmp_path)), "--tp", "2"]
+    tp2 = launch([*args, "--sequence-parallel", "--loss-parallel"], nproc=2, out=tmp_path / "mixtral-tp2").check()
+    plan = tp2.summary["plan"]["tensor_parallel"]
+    assert plan["styles"]["model.layers.0.mlp"] == "sequence_gather", plan
+    assert not any("experts" in name for name in plan["styles"]), plan
+    assert (plan["sequence_parallel"], plan["loss_parallel"], plan["styles"]["lm_head"]) == (True, True, "colwise")
+    for key in ("losses", "aux_losses", "expert_imbalance", "grad_norms"):
+        assert len(tp2.summary[key]) == 3, key
+        assert tp2.summary[key] == pytest.approx(single.summary[key], rel=RTOL), key
+    assert_weights_close(tp2.final_weights(), single.final_weights(), rtol=RTOL)
+
+
 def _save_mixtral(folder: Path) -> None:
     import transformers
 

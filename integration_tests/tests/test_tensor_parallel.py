@@ -1,7 +1,10 @@
-"""`--tp`: what tensor parallelism refuses, before any collective, in the user's terms.
+"""`--tp`: its options' parity with the single process, and what tensor parallelism refuses, before any
+collective, in the user's terms.
 
-The parity of the TP layouts with the single process (loss every step, final weights) is in test_parity.py (its
-CASES, sharing the single-process references); exact resume at tp 2 in test_resume.py. Here: in-process
+The parity of the plain TP layouts with the single process (loss every step, final weights) is in test_parity.py
+(its CASES); exact resume at tp 2 in test_resume.py. Here: the layouts with `--sequence-parallel` and
+`--loss-parallel` (sharing test_parity's single-process references through the session's run cache), composed with
+dp, cp and activation checkpointing (an HF plan, Mixtral's with its router loss: test_router_aux.py); in-process
 `validate()` refusals (no process group) and one launch by hand proving exit code 2 on every rank before the
 rendezvous.
 """
@@ -13,10 +16,40 @@ from pathlib import Path
 import pytest
 import torch
 from test_bad_input import EXIT_BAD_INPUT, _launch_ranks_by_hand
+from test_parity import RTOL, assert_weights_close
 from trainer.config import parse_args
 from trainer.validation import BadInput, validate
 
 TINY = ["--hidden-size", "32", "--layers", "4", "--seq-len", "16", "--global-batch", "4", "--steps", "1"]
+
+
+# (case, single-process reference, layout (pp, dp, cp, tp)): test_parity's references, conftest's launches
+SP_CASES = [
+    ("nemotron-dp2-tp2-sp-lp-ac", "nemotron", (1, 2, 1, 2)),  # Mamba2 / MoE / MTP under SP, FSDP2 over dp, AC
+    ("gemma4-moe-cp2-tp2-sp-lp", "gemma4-moe", (1, 1, 2, 2)),  # MoE whole; ring attention per head; tied head
+]
+
+
+@pytest.mark.parametrize(("case", "reference", "layout"), SP_CASES, ids=[case for case, _, _ in SP_CASES])
+def test_sequence_and_loss_parallel_equal_single_process(runs, case: str, reference: str, layout: tuple) -> None:
+    """`--sequence-parallel --loss-parallel` (with dp, cp or activation checkpointing): the loss of every step, the
+    gradient norm of every step and every final weight equal the single-process run's (fp32, RTOL); summary.json
+    records the layout, both options in the plan, the norms that ran on sequence shards and the `colwise` head."""
+    parallel, single = runs.get(case).check(), runs.get(reference).check()
+    for key in ("losses", "grad_norms"):
+        got, want = torch.tensor(parallel.summary[key]), torch.tensor(single.summary[key])
+        assert got.shape == want.shape == (3,), key
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=0.0, msg=key)
+    assert_weights_close(parallel.final_weights(), single.final_weights(), rtol=RTOL)
+    summary = parallel.summary
+    assert tuple(summary["layout"][axis] for axis in ("pp", "dp", "cp", "tp")) == layout
+    plan = summary["plan"]["tensor_parallel"]
+    assert plan["sequence_parallel"], plan
+    assert plan["loss_parallel"], plan
+    assert plan["norms"], plan  # the stream's norms ran on sequence shards
+    assert plan["styles"]["lm_head"] == "colwise", plan  # the head keeps its vocabulary shard
+    assert "sequence_gather" in plan["styles"].values(), plan  # routed experts whole, on whole sequences
+    assert summary["activation_checkpointing"] == case.endswith("-ac")
 
 
 def _refusal(args: list[str], *, world_size: int) -> str:
@@ -58,15 +91,18 @@ def test_world_size_must_be_pp_x_dp_x_cp_x_tp() -> None:
 
 
 def test_features_not_supported_with_tp_are_refused_up_front() -> None:
-    """CP, activation checkpointing and compile are not run under TP: each is refused with the way out."""
-    args = ["--model", "llama", *TINY, "--tp", "2", "--cp", "2", "--activation-checkpointing", "--compile"]
+    """Compile is not run under TP; --sequence-parallel / --loss-parallel need --tp > 1, --pp 1 and (SP) a sequence
+    length divisible by tp: each is refused with the way out."""
+    args = ["--model", "llama", *TINY, "--tp", "2", "--compile"]
+    text = _refusal(args, world_size=2)
+    assert "--tp 2: --compile is not run over DTensor (TP) layers" in text, text
+    text = _refusal(["--model", "llama", *TINY, "--sequence-parallel", "--loss-parallel"], world_size=1)
+    assert "--sequence-parallel shards over the tp ranks, but --tp is 1: add --tp N (N > 1)" in text, text
+    assert "--loss-parallel shards over the tp ranks, but --tp is 1" in text, text
+    args = ["--model", "nemotron", *TINY, "--seq-len", "15", "--tp", "2", "--pp", "2", "--sequence-parallel"]
     text = _refusal(args, world_size=4)
-    for line in (
-        "--tp 2: context parallelism under tensor parallelism",
-        "--tp 2: --activation-checkpointing is not tested over TP-sharded layers",
-        "--tp 2: --compile is not tested over DTensor (TP) layers",
-    ):
-        assert line in text, text
+    assert "--sequence-parallel with --pp 2: the pipeline's stage boundaries carry whole plain tensors" in text, text
+    assert "--seq-len 15 is not a multiple of 2" in text, text
 
 
 def test_a_model_without_a_plan_is_refused(tmp_path: Path) -> None:

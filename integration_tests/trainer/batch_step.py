@@ -46,7 +46,11 @@ class BatchStep:
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, *, train: bool) -> torch.Tensor:
         """One global batch forward and backward (`train`) or forward only (validation, under no_grad)."""
         share = self._run(input_ids, labels, train=train)
-        return share if self.counts_loss else torch.zeros_like(share)
+        if self.counts_loss:
+            return share
+        if self.router is not None and self.router.last_aux_share is not None:  # the same aux on every tp rank
+            self.router.last_aux_share = torch.zeros_like(self.router.last_aux_share)
+        return torch.zeros_like(share)
 
     def _run(self, input_ids: torch.Tensor, labels: torch.Tensor, *, train: bool) -> torch.Tensor:
         plan = self.plan

@@ -79,6 +79,8 @@ class RunConfig:
     lr_schedule: str = "cosine"
     skip_nonfinite_steps: int = 0  # issue 22: at most this many updates dropped for a non-finite loss / grad norm
     tp: int = 1  # issue 24: tensor-parallel size, innermost mesh axis (trainer/tensor_parallel.py)
+    sequence_parallel: bool = False  # issue 24: the stream between TP regions on sequence shards (needs --tp > 1)
+    loss_parallel: bool = False  # issue 24: the head keeps its vocabulary shard; vocab-parallel loss (needs --tp > 1)
     # --- expert load balancing (issue 25; trainer/moe_balance.py): None = the model's own recipe
     moe_bias_update_rate: float | None = None
     moe_aux_loss_coeff: float | None = None
@@ -130,6 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="tensor-parallel size (the model's declared plan; innermost mesh axis: pp x dp x cp x tp processes)",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: norms and the residual stream between the TP regions on sequence shards (reduce-scatter / "
+        "all-gather instead of all-reduce); --seq-len must divide by --tp",
+    )
+    p.add_argument(
+        "--loss-parallel",
+        action="store_true",
+        help="with --tp: the output head keeps its vocabulary shard and the loss is a vocabulary-parallel "
+        "cross-entropy (the [B, S, V] logits are never gathered)",
     )
     p.add_argument("--schedule", default="1F1B", help="pipeline schedule name (GPipe, 1F1B, Interleaved1F1B, ...)")
     p.add_argument(

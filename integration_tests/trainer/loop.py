@@ -245,7 +245,9 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
     memory.finish(parts, meshes.rank)
     if os.environ.get("AM_TRAIN_FP32_REPORT"):
         dump_fp32_tensors(parts, os.environ["AM_TRAIN_FP32_REPORT"], meshes.rank, storage_dtype=plan.precision.storage)
-    loss_fn = TokenSumLoss()
+    # --loss-parallel: the head keeps its vocabulary shard; the loss is vocabulary-parallel over the tp group
+    loss_parallel = plan.tensor_parallel is not None and plan.tensor_parallel.loss_parallel
+    loss_fn = TokenSumLoss(vocab_mesh=meshes.tp if loss_parallel else None)
     # Every rank passes a loss: torch's schedules run backward only when they have one. Only the last stage calls it.
     last_part = next((s.submod for s in stages if s.is_last), parts[-1])
     pipeline_loss = PipelineCausalLMLoss(loss_fn, model=last_part)

@@ -27,12 +27,22 @@ from trainer.plan import Precision, RouterAuxPlan
 
 class TokenSumLoss:
     """`(logits [B, S, V], labels [B, S]) -> scalar`: fp32 cross-entropy SUM over non-ignored labels divided by
-    `denominator` (the label-token count of the whole global batch, set before each step)."""
+    `denominator` (the label-token count of the whole global batch, set before each step).
 
-    def __init__(self) -> None:
+    `vocab_mesh` (the tp mesh, `--loss-parallel`): the logits are this tp rank's vocabulary shard `[B, S, V/tp]`
+    (a `colwise` head) and the sum is am-tensor-parallel's `vocab_parallel_cross_entropy` (the same value on every
+    tp rank; the full logits are never gathered)."""
+
+    def __init__(self, *, vocab_mesh: Any = None) -> None:
         self.denominator = 1.0
+        self.vocab_mesh = vocab_mesh
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.vocab_mesh is not None:
+            from am_tensor_parallel import vocab_parallel_cross_entropy
+
+            total = vocab_parallel_cross_entropy(logits, labels, mesh=self.vocab_mesh, reduction="sum")
+            return total / self.denominator
         total = F.cross_entropy(
             logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
         )

@@ -8,10 +8,17 @@ tp coordinate.
 Order (trainer/loop.py's `build`, torchtitan's): split_pipeline -> `apply_tensor_parallel_to_parts` (each part:
 am-tensor-parallel's plan, validated once on the whole model, restricted to the modules the part holds) -> experts
 over ep -> FSDP2 over dp x cp on top of the TP DTensors (2-D (dp_cp, tp) parameters).
-Exactness: every tp rank computes the same loss (the head's logits are gathered), so the logged loss counts tp rank 0
-only (BatchStep); the TP collectives make each parameter's gradient the single-process one. Gradients of parameters
-that TP leaves whole are identical on the tp ranks (the regions' inputs all-reduce their gradient), so the gradient
-norm counts them once; DTensor shards count through their mesh; the plain-tensor shards of modules that shard
+Options (in the plan: `TensorParallelPlan.sequence_parallel` / `.loss_parallel`, recorded in summary.json):
+`--sequence-parallel` puts the residual stream and its norms on sequence shards between the TP regions (modules the
+model declares "sequence_gather", e.g. routed MoE blocks, run on whole sequences); `--loss-parallel` keeps the head's
+vocabulary shard and the loss is `vocab_parallel_cross_entropy` (step_parts' `TokenSumLoss(vocab_mesh=)`). Both need
+--pp 1. CP composes (ring attention and Mamba2 state passing over the cp group run on this rank's heads), and so does
+activation checkpointing (recomputation replays the same collectives in the same order on every tp rank).
+Exactness: every tp rank computes the same loss (the head's logits are gathered, or the vocabulary-parallel loss is
+all-reduced), so the logged loss counts tp rank 0 only (BatchStep); the TP collectives make each parameter's
+gradient the single-process one. Gradients of parameters that TP leaves whole are identical on the tp ranks (the
+regions' inputs all-reduce their gradient; "sequence_gather" modules compute the same on every tp rank), so the
+gradient norm counts them once; DTensor shards count through their mesh; the plain-tensor shards of modules that shard
 themselves (Nemotron-H's Mamba2 mixer, am-tensor-parallel's "module" style) are summed over tp (`tp_local_names`,
 step_parts' `clip_grad_norm`). Checkpoints keep those shards under per-tp-rank keys (`rename_tp_local`) and the HF
 export re-assembles them through the module's `tensor_parallel_full_state` (`full_tp_state`).
@@ -28,37 +35,47 @@ from torch import nn
 if TYPE_CHECKING:
     from trainer.config import RunConfig
 
-# What --tp does not compose with yet: each is refused up front, with the reason (nothing runs half-supported).
+# What --tp does not compose with yet: refused up front, with the reason (nothing runs half-supported).
 _UNSUPPORTED_WITH_TP = {
-    "cp": "context parallelism under tensor parallelism (ring attention over head-sharded q/k/v) is not tested: "
-    "run --cp 1 with --tp, or --tp 1 with --cp",
-    "activation_checkpointing": "--activation-checkpointing is not tested over TP-sharded layers: drop it with --tp",
-    "compile": "--compile is not tested over DTensor (TP) layers: drop it with --tp",
+    "compile": "--compile is not run over DTensor (TP) layers: torch.compile would trace the regions' redistribute "
+    "hooks and DTensor collectives, which no test runs on this CPU/gloo stack; drop --compile with --tp",
 }
 
 
 def tensor_parallel_problems(cfg: RunConfig, model: nn.Module) -> list[str]:
-    """Every reason `--tp` cannot run `model` as asked ([] at tp 1): am-tensor-parallel's `tp_problems` (a declared
-    plan must exist; heads, KV heads, intermediate and vocabulary sizes must divide by tp; experts stay whole under
-    TP, so their counts are ep's rule), the features not supported with TP, a transformers MoE router loss, and a
-    module that shards itself without a way to re-assemble its shards (needed by checkpoints and the HF export).
-    Reads the model only (a preset on the meta device); before any process group."""
+    """Every reason `--tp` cannot run `model` as asked (at tp 1: only `--sequence-parallel` / `--loss-parallel`
+    asked without it): am-tensor-parallel's `tp_problems` with those two options (a declared plan must exist;
+    heads, KV heads, intermediate and vocabulary sizes must divide by tp; experts stay whole under TP, so their
+    counts are ep's rule; a transformers MoE plan's experts are kept whole: `_run_plan`), the options with --pp > 1
+    or a sequence length tp does not divide, --compile, and a module that shards itself without a way to
+    re-assemble its shards (needed by checkpoints and the HF export). Reads the model only (a preset on the meta
+    device); before any process group."""
+    flags = [f"--{name.replace('_', '-')}" for name in ("sequence_parallel", "loss_parallel") if getattr(cfg, name)]
     if cfg.tp <= 1:
-        return []
-    from am_tensor_parallel import FULL_STATE_METHOD, declared_plan, match_plan, tp_problems
-    from trainer.step_parts import router_aux_spec
+        return [
+            f"{flag} shards over the tp ranks, but --tp is {cfg.tp}: add --tp N (N > 1) or drop {flag}"
+            for flag in flags
+        ]
+    from am_tensor_parallel import FULL_STATE_METHOD, match_plan, tp_problems
 
     where = f"--tp {cfg.tp}: {type(model).__name__}"
-    problems = [f"{where}: {problem}" for problem in tp_problems(model, cfg.tp)]
-    asked = {"cp": cfg.cp > 1, "activation_checkpointing": cfg.activation_checkpointing, "compile": cfg.compile}
-    problems += [f"--tp {cfg.tp}: {_UNSUPPORTED_WITH_TP[name]}" for name, on in asked.items() if on]
-    if router_aux_spec(model) is not None:
+    plan = _run_plan(model)
+    found = tp_problems(model, cfg.tp, plan, sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel)
+    problems = [f"{where}: {problem}" for problem in found]
+    if flags and cfg.pp > 1:  # a stage boundary would carry sequence shards / a stage's plan is restricted: untested
         problems.append(
-            f"{where} computes a transformers router load-balancing loss, which the trainer does not reproduce "
-            "under tensor parallelism: run it with --tp 1"
+            f"{' and '.join(flags)} with --pp {cfg.pp}: the pipeline's stage boundaries carry whole plain tensors "
+            f"(not sequence shards) and the last stage's loss is not vocabulary-parallel: run them with --pp 1"
         )
+    if cfg.sequence_parallel and cfg.seq_len >= 1 and cfg.seq_len % cfg.tp:
+        problems.append(
+            f"--sequence-parallel shards the sequence over --tp {cfg.tp}, but --seq-len {cfg.seq_len} is not a "
+            f"multiple of {cfg.tp}: choose a --seq-len divisible by {cfg.tp}"
+        )
+    asked = {"compile": cfg.compile}
+    problems += [f"--tp {cfg.tp}: {_UNSUPPORTED_WITH_TP[name]}" for name, on in asked.items() if on]
     modules = dict(model.named_modules())
-    styles, _ = match_plan(model, declared_plan(model) or {})
+    styles, _ = match_plan(model, plan or {})
     for name, style in styles.items():
         if style == "module" and not callable(getattr(modules[name], FULL_STATE_METHOD, None)):
             problems.append(
@@ -75,7 +92,23 @@ def tensor_parallel_plan(cfg: RunConfig, model: nn.Module) -> Any:
         return None
     from am_tensor_parallel import plan_tensor_parallel
 
-    return plan_tensor_parallel(model, tp=cfg.tp)
+    return plan_tensor_parallel(
+        model,
+        tp=cfg.tp,
+        plan=_run_plan(model),
+        sequence_parallel=cfg.sequence_parallel,
+        loss_parallel=cfg.loss_parallel,
+    )
+
+
+def _run_plan(model: nn.Module) -> dict[str, str] | None:
+    """The model's declared plan with its experts whole (am-tensor-parallel's `experts_whole`: transformers'
+    `moe_tp_experts` dropped, the MoE block run whole on whole sequences), as our models declare theirs: experts are
+    split by --ep, never by --tp. None: the model declares no plan."""
+    from am_tensor_parallel import declared_plan, experts_whole
+
+    declared = declared_plan(model)
+    return experts_whole(declared) if declared else None
 
 
 @dataclass(frozen=True)
@@ -105,7 +138,9 @@ def apply_tensor_parallel_to_parts(parts: list[nn.Module], *, plan: Any, tp_mesh
             apply_tensor_parallel(part, tp_mesh, plan=plan)  # the whole model: the plan as validated
         else:
             held = {name: style for name, style in plan.styles.items() if name in modules}
-            apply_tensor_parallel(part, tp_mesh, plan=held)
+            apply_tensor_parallel(
+                part, tp_mesh, plan=held, sequence_parallel=plan.sequence_parallel, loss_parallel=plan.loss_parallel
+            )
         local = frozenset(
             name
             for name, p in part.named_parameters()

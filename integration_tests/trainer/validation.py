@@ -279,9 +279,9 @@ _MUST_MATCH_ON_RESUME = (
 # The options added later that change the layout, the token stream, the optimizer state or the schedule (checkpoints
 # written before these options existed hold none of them, which reads as their defaults).
 _FEATURES_MUST_MATCH_ON_RESUME = {
-    "ep": 1, "tp": 1, "tokenizer": None, "data_field": None, "data_split": None, "val_fraction": None,
-    "optimizer": "adamw", "lr_schedule": "cosine", "moe_bias_update_rate": None, "moe_aux_loss_coeff": None,
-    "moe_seq_aux_loss_coeff": None, "moe_z_loss_coeff": None,
+    "ep": 1, "tp": 1, "sequence_parallel": False, "tokenizer": None, "data_field": None, "data_split": None,
+    "val_fraction": None, "optimizer": "adamw", "lr_schedule": "cosine", "moe_bias_update_rate": None,
+    "moe_aux_loss_coeff": None, "moe_seq_aux_loss_coeff": None, "moe_z_loss_coeff": None,
 }  # fmt: skip
 
 

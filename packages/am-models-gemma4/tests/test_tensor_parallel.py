@@ -61,6 +61,14 @@ CASES = [
         padding=True,
         overrides={"num_global_key_value_heads": 2, "num_kv_shared_layers": 2},
     ),
+    # the MoE block on whole sequences (gathered in, sliced back to the shard); padding excluded from routing
+    Case(
+        "moe_sp_padding",
+        moe=True,
+        padding=True,
+        sequence_parallel=True,
+        overrides={"num_global_key_value_heads": 2, "num_experts": 8},
+    ),
     Case("dense_fp64", fp64=True, overrides={"num_global_key_value_heads": 2}),
     Case("moe_fp64", moe=True, fp64=True, overrides={"num_global_key_value_heads": 2}),
 ]
@@ -186,11 +194,15 @@ def test_kv_heads_that_tp_does_not_divide_are_refused_per_layer() -> None:
     assert tp_problems(model, 3)  # 4 query heads, vocabulary 100, intermediate 64: none divides by 3
 
 
-def test_sequence_parallelism_is_refused_for_moe_with_the_reason() -> None:
+def test_sequence_parallelism_runs_the_moe_block_on_whole_sequences() -> None:
+    """Under sequence parallelism the MoE block (router + experts, whole on every tp rank) is `sequence_gather`:
+    declared by `Gemma4MoE`, so only MoE layers carry it; its norms beside it run on the shards."""
     model = Gemma4ForCausalLM(text_config(moe=True, num_global_key_value_heads=2))
     assert tp_problems(model, 2) == []
-    problems = tp_problems(model, 2, sequence_parallel=True)
-    assert len(problems) == 1, problems
-    assert problems[0].startswith("model: sequence parallelism is not declared for Gemma 4 MoE")
+    assert tp_problems(model, 2, sequence_parallel=True) == []
+    frozen = plan_tensor_parallel(model, tp=2, sequence_parallel=True)
+    assert frozen.styles["model.layers.0.moe"] == "sequence_gather"
+    assert "model.layers.0.post_feedforward_layernorm_2" in frozen.norms
+    assert not any(n.startswith("model.layers.0.moe.") for n in frozen.norms)
     dense = Gemma4ForCausalLM(text_config(num_global_key_value_heads=2))
     assert tp_problems(dense, 2, sequence_parallel=True) == []

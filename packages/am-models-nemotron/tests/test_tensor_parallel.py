@@ -7,8 +7,8 @@ Megatron does, routed experts whole), runs the whole batch on both ranks and ret
 re-assembled to its full shape (DTensors `full_tensor()`, the mixers' segment shards `gather_mamba2_grads`).
 Oracle: the single-process model on the same batch: logits and loss within 1e-5 (fp32) of their largest entry,
 gradients within 1e-5 too (fp32) and, in an fp64 run, within 1e-6 (the router still rounds in fp32).
-Without a group: the declared plan, and the refusals (groups or KV heads that tp does not divide, sequence
-parallelism) that am-capabilities reports.
+Without a group: the declared plan, and the refusals (groups or KV heads that tp does not divide, a Mamba2 out_proj
+bias under sequence parallelism) that am-capabilities reports.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class Case:
     pattern: str
     padding: bool = False
     fp64: bool = False
+    sequence_parallel: bool = False
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -47,6 +48,9 @@ CASES = [
     Case("mamba_one_group_per_rank_bias", "M-M", overrides={"n_groups": 2, "mamba_num_heads": 8, "use_bias": True}),
     Case("fp64_mamba_attention_moe", "M*ME", fp64=True),
     Case("mtp", "M*E", overrides={"mtp_depths": 1}),
+    # sequence parallelism: norms on shards, Mamba2 / attention / MLP regions, the MoE and MTP fusion on whole
+    # sequences (gathered in, sliced out), padding excluded from routing as without it
+    Case("sp_mamba_attention_mlp_moe_mtp", "M*-E", padding=True, sequence_parallel=True, overrides={"mtp_depths": 1}),
 ]
 
 
@@ -82,7 +86,7 @@ def _tp_case(case: Case, mesh: Any) -> dict[str, Any]:
     from am_tensor_parallel import apply_tensor_parallel
 
     model = _build(case)
-    plan = apply_tensor_parallel(model, mesh)
+    plan = apply_tensor_parallel(model, mesh, sequence_parallel=case.sequence_parallel)
     result = _step(model, case)
     grads = {}
     for name, param in model.named_parameters():  # same order on every rank: full_tensor() is collective
@@ -96,6 +100,7 @@ def _tp_case(case: Case, mesh: Any) -> dict[str, Any]:
     mixer = model.model.layers["0"].mixer
     result["local_sizes"] = (mixer.num_heads, mixer.n_groups, tuple(mixer.in_proj.weight.shape))
     result["styles"] = dict(plan.styles)
+    result["norms_on_shards"] = len(plan.norms)
     return result
 
 
@@ -133,6 +138,7 @@ def test_tp2_matches_the_single_process_model(ranks: list[dict[str, Any]], case:
         assert got["styles"]["model.layers.0.mixer"] == "module"
         if case.name == "mtp":  # the MTP sublayers' attention and shared expert are sharded too
             assert got["styles"]["mtp.layers.0.mixer.q_proj"] == "colwise"
+        assert (got["norms_on_shards"] > 0) == case.sequence_parallel
         _close(got["logits"], ref["logits"], f"rank {rank} logits", tol)
         _close(got["loss"], ref["loss"], f"rank {rank} loss", tol)
         assert got["grads"].keys() == ref_grads.keys()
@@ -153,6 +159,7 @@ def test_declared_plan_covers_every_mixer_kind() -> None:
         "model.layers.1.mixer.o_proj": "rowwise",
         "model.layers.2.mixer.up_proj": "colwise",
         "model.layers.2.mixer.down_proj": "rowwise",
+        "model.layers.3.mixer": "sequence_gather",
         "model.layers.3.mixer.shared_experts.up_proj": "colwise",
         "model.layers.3.mixer.shared_experts.down_proj": "rowwise",
     }
@@ -170,8 +177,16 @@ def test_groups_and_heads_that_tp_does_not_divide_are_refused() -> None:
     assert len(problems) == 3, problems
 
 
-def test_sequence_parallelism_is_refused_with_the_reason() -> None:
-    model = NemotronHForCausalLM(tiny_hf_config("M*"))
-    problems = tp_problems(model, 2, sequence_parallel=True)
-    assert len(problems) == 1, problems
-    assert "declares no sequence-parallel layout" in problems[0]
+def test_sequence_parallelism_is_declared_and_an_out_proj_bias_is_refused() -> None:
+    """Sequence parallelism: the routed MoE and the MTP fusion run on whole sequences ("sequence_gather"), the block
+    norms on shards; a Mamba2 `out_proj` bias (which the reduce-scatter would not add once) is refused per mixer."""
+    model = NemotronHForCausalLM(tiny_hf_config("M*E", mtp_depths=1))
+    assert tp_problems(model, 2, sequence_parallel=True) == []
+    plan = declared_plan(model)
+    assert plan is not None
+    assert plan["model.layers.2.mixer"] == "sequence_gather"
+    assert plan["mtp.layers.*.eh_proj"] == "sequence_gather"
+    biased = NemotronHForCausalLM(tiny_hf_config("M-M", use_bias=True))
+    problems = tp_problems(biased, 2, sequence_parallel=True)
+    assert [p.split(":")[0] for p in problems] == ["model.layers.0.mixer", "model.layers.2.mixer"], problems
+    assert all("out_proj has a bias" in p for p in problems), problems

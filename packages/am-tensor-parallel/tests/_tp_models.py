@@ -182,7 +182,7 @@ class _SegmentedStyle(ParallelStyle):
     """The toy's own layout, built from am-tensor-parallel's segment pieces."""
 
     def _apply(self, module: nn.Module, mesh: Any) -> nn.Module:
-        from am_tensor_parallel import region_input, region_output, shard_segments
+        from am_tensor_parallel import SummedLinear, region_input, shard_segments
 
         mix: Any = module
         tp, rank = mesh.size(), mesh.get_local_rank()
@@ -193,10 +193,7 @@ class _SegmentedStyle(ParallelStyle):
         mix.segments = {k: v // tp for k, v in mix.segments.items()}
         mix.register_forward_pre_hook(lambda _m, args: (region_input(args[0], mesh), *args[1:]))
 
-        def down_forward(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-            return region_output(torch.nn.functional.linear(x, proj.weight), mesh) + proj.bias
-
-        mix.down.forward = down_forward.__get__(mix.down)
+        mix.down = SummedLinear.take(mix.down, mesh)  # the region's exit: partial products summed, bias once
         return mix
 
 
@@ -211,3 +208,45 @@ class SegmentedToy(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(ids)
         return self.head(h + self.mix(h))
+
+
+class WholeSequence(nn.Module):
+    """A module that needs whole sequences (a causal running mean over dim 1, as routing or per-sequence terms do)
+    with a TP region inside: `mix(cummean(x)) + inner(gate)`; x, gate `[B, S, H]` (gate passed by keyword)."""
+
+    _tp_plan: ClassVar[dict[str, str]] = {"": "sequence_gather", "inner.up": "colwise", "inner.down": "rowwise"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(HIDDEN, HIDDEN)  # replicated: whole on every tp rank
+        self.inner = nn.Sequential()
+        self.inner.up, self.inner.down = nn.Linear(HIDDEN, INTER), nn.Linear(INTER, HIDDEN)
+
+    def forward(self, x: torch.Tensor, *, gate: torch.Tensor) -> torch.Tensor:
+        steps = torch.arange(1, x.shape[1] + 1, dtype=x.dtype, device=x.device).view(1, -1, 1)
+        inner = self.inner.down(torch.relu(self.inner.up(gate)))
+        return self.mix(x.cumsum(dim=1) / steps) + inner
+
+
+class GatherToy(nn.Module):
+    """Embedding -> norm -> `WholeSequence` (residual) -> norm -> head: sequence parallelism around a
+    `sequence_gather` module (the stream on shards, the module on whole sequences)."""
+
+    _tp_plan: ClassVar[dict[str, str]] = {"lm_head": "colwise_rep"}
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.norm, self.final_norm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
+        self.whole = WholeSequence()
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        normed = self.norm(h)
+        h = h + self.whole(normed, gate=normed * 2)
+        return self.lm_head(self.final_norm(h))

@@ -14,7 +14,19 @@ from typing import Any
 import pytest
 import torch
 from _tp_dist import case_result, run_cases, run_group
-from _tp_models import ARCHS, HEAD_DIM, HEADS, KV_HEADS, SEGMENTS, TOY_PLAN, VOCAB, SegmentedToy, Toy, hf_model
+from _tp_models import (
+    ARCHS,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    SEGMENTS,
+    TOY_PLAN,
+    VOCAB,
+    GatherToy,
+    SegmentedToy,
+    Toy,
+    hf_model,
+)
 from torch.distributed.tensor import DTensor
 
 from am_tensor_parallel import (
@@ -114,6 +126,21 @@ def _segmented_step(mesh: Any = None) -> dict[str, Any]:
     return result
 
 
+def _gather_toy_step(mesh: Any = None) -> dict[str, Any]:
+    """The toy with a `sequence_gather` module, under sequence parallelism when `mesh` is given."""
+    model = GatherToy()
+    ids, _ = _batch()
+    result: dict[str, Any] = {}
+    if mesh is not None:
+        plan = apply_tensor_parallel(model, mesh, sequence_parallel=True)
+        result["styles"], result["norms"] = dict(plan.styles), list(plan.norms)
+        result["mix_is_plain"] = not isinstance(model.whole.mix.weight, DTensor)
+    logits = model(ids)
+    logits.backward(torch.randn(logits.shape, generator=torch.Generator().manual_seed(3)))
+    result.update(logits=logits.detach(), grads=_grads(model))
+    return result
+
+
 def _worker(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -126,6 +153,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     cases["loss_parallel/Llama"] = lambda: _loss_parallel_step("Llama", mesh)
     cases["toy"] = lambda: _toy_step(mesh)
     cases["segmented"] = lambda: _segmented_step(mesh)
+    cases["sequence_gather"] = lambda: _gather_toy_step(mesh)
 
     def bytes_case() -> dict[str, Any]:
         found = {}
@@ -221,6 +249,27 @@ def test_toy_styles_equal_single_process(results: Any) -> None:
         assert got["num_heads"] == HEADS // TP
         assert got["head_counts"] == {"attn": {"num_heads": HEADS // TP}}
         torch.testing.assert_close(got["logits"], expected["logits"], rtol=TOL, atol=TOL)
+        for name, grad in expected["grads"].items():
+            torch.testing.assert_close(got["grads"][name], grad, rtol=TOL, atol=TOL, msg=name)
+
+
+def test_sequence_gather_runs_a_module_on_whole_sequences(results: Any) -> None:
+    """Under sequence parallelism a `sequence_gather` module (a causal running mean over the sequence: wrong on a
+    shard) gets its positional and keyword inputs gathered, keeps plain whole parameters, runs its inner TP region
+    with a replicated output, and hands back this rank's shard: logits and every gradient equal the single process."""
+    expected = _gather_toy_step()
+    for rank in range(TP):
+        got = case_result(results, "sequence_gather", rank)
+        assert got["styles"] == {
+            "lm_head": "colwise_rep",
+            "whole": "sequence_gather",
+            "whole.inner.up": "colwise",
+            "whole.inner.down": "rowwise",
+        }
+        assert got["norms"] == ["final_norm", "norm"]
+        assert got["mix_is_plain"]
+        torch.testing.assert_close(got["logits"], expected["logits"], rtol=TOL, atol=TOL)
+        assert got["grads"].keys() == expected["grads"].keys()
         for name, grad in expected["grads"].items():
             torch.testing.assert_close(got["grads"][name], grad, rtol=TOL, atol=TOL, msg=name)
 

@@ -12,6 +12,7 @@ from am_tensor_parallel import (
     STYLES,
     UNSUPPORTED_STYLES,
     declared_plan,
+    experts_whole,
     layer_pattern,
     match_plan,
     plan_tensor_parallel,
@@ -32,6 +33,30 @@ def test_declared_plan_is_transformers_plan(arch: str) -> None:
     assert plan["lm_head"] == "colwise_gather_output"
     assert plan["model.embed_tokens"] == "embedding_rowwise"
     assert tp_problems(model, 2) == []
+
+
+def test_experts_whole_drops_expert_tp_and_runs_the_moe_block_whole() -> None:
+    """Mixtral's declared plan cuts each expert's matrices over tp (`moe_tp_experts`, parameter patterns, refused
+    here); `experts_whole` drops them and makes the block holding the experts `sequence_gather`, which validates."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(config)
+    declared = declared_plan(model)
+    assert declared is not None
+    assert declared["model.layers.*.mlp.experts"] == "moe_tp_experts"
+    assert any("moe_tp_experts" in p for p in tp_problems(model, 2))
+    whole = experts_whole(declared)
+    assert not any(".experts" in key for key in whole), whole
+    assert whole["model.layers.*.mlp"] == "sequence_gather"
+    assert {k: v for k, v in whole.items() if k != "model.layers.*.mlp"} == {
+        k: v for k, v in declared.items() if ".experts" not in k
+    }
+    assert tp_problems(model, 2, whole, sequence_parallel=True, loss_parallel=True) == []
+    assert experts_whole(TOY_PLAN) == TOY_PLAN  # no expert TP: unchanged
 
 
 def test_layer_pattern_and_matching() -> None:

@@ -17,7 +17,7 @@ Names versus transformers: HF keeps `router.*` and `experts.*` directly in the d
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from am_precision import BackendConfig
 from .backend import LIBRARY_DISPATCHERS, experts_grouped_mm
 from .config import moe_intermediate_size
 from .layers import Gemma4RMSNorm, rms_norm
+from .tp_plan import MOE_TP_PLAN
 
 __all__ = ["Gemma4Experts", "Gemma4MoE", "Gemma4Router", "apply_routing_backend"]
 
@@ -112,6 +113,8 @@ class Gemma4Experts(GroupedExperts):
 
 class Gemma4MoE(nn.Module):
     """Router + experts of one decoder layer (no shared experts; the dense MLP runs beside it in the layer)."""
+
+    _tp_plan: ClassVar[Any] = MOE_TP_PLAN  # am-tensor-parallel: whole, on whole sequences (tp_plan.py)
 
     def __init__(self, config: Any, *, backend: BackendConfig | None = None) -> None:
         super().__init__()

@@ -18,10 +18,11 @@ rank routes the same tokens through the same experts), and the experts are split
 (`apply_expert_parallel` over an `ep` mesh dimension), which keeps whole experts per ep rank — transformers'
 `moe_tp_experts` (each expert's matrices cut over tp) is not used. Per-layer-input (PLE) projections stay replicated.
 
-Sequence parallelism (`sequence_parallel=True`): dense text models run it (the stream between the regions and the
-norms on sequence shards; tested equal to the single process). Refused with the reason, before any collective, by
-`tensor_parallel_problems` (the text model's validation hook, which am-tensor-parallel calls): MoE configs (the router
-and the experts take whole sequences of replicated tokens) and per-layer inputs (PLE: their gate is not a TP region).
+Sequence parallelism (`sequence_parallel=True`): the stream between the regions and the norms on sequence shards;
+the MoE block (`Gemma4MoE`, `MOE_TP_PLAN`: `"sequence_gather"`) runs whole on whole sequences (input gathered, output
+sliced back to the shard); tested equal to the single process, dense and MoE. Refused with the reason, before any
+collective, by `tensor_parallel_problems` (the text model's validation hook, which am-tensor-parallel calls):
+per-layer inputs (PLE: their gate is not a TP region).
 
 What it must not do: import am-tensor-parallel (the plan is plain data; the infrastructure reads it).
 """
@@ -31,7 +32,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["CAUSAL_LM_TP_PLAN", "TEXT_MODEL_TP_PLAN", "tensor_parallel_problems"]
+__all__ = ["CAUSAL_LM_TP_PLAN", "MOE_TP_PLAN", "TEXT_MODEL_TP_PLAN", "tensor_parallel_problems"]
 
 TEXT_MODEL_TP_PLAN = MappingProxyType(
     {
@@ -48,21 +49,20 @@ TEXT_MODEL_TP_PLAN = MappingProxyType(
     }
 )
 CAUSAL_LM_TP_PLAN = MappingProxyType({"lm_head": "colwise_gather_output"})
+# `Gemma4MoE._tp_plan` (the router and experts of a MoE layer, whole on every tp rank): on whole sequences under
+# sequence parallelism (its inputs gathered from the shards, its output sliced back), so routing, the balancing terms
+# and the ep all-to-all see exactly the tokens they see without it.
+MOE_TP_PLAN = MappingProxyType({"": "sequence_gather"})
 
 
 def tensor_parallel_problems(model: Any, tp: int, *, sequence_parallel: bool = False) -> list[str]:
     """What a Gemma 4 text model cannot run under tensor parallelism beyond what its plan's sizes say (the hook
-    am-tensor-parallel's `tp_problems` calls on every module): sequence parallelism for MoE and PLE configs."""
+    am-tensor-parallel's `tp_problems` calls on every module): sequence parallelism with per-layer inputs (PLE)."""
     del tp
     if not sequence_parallel:
         return []
     config = model.config
     problems = []
-    if getattr(config, "enable_moe_block", False):
-        problems.append(
-            "sequence parallelism is not declared for Gemma 4 MoE (the router and the experts take whole sequences "
-            "of replicated tokens): use sequence_parallel=False (the experts are split by expert parallelism)"
-        )
     if getattr(config, "hidden_size_per_layer_input", 0):
         problems.append(
             "sequence parallelism is not declared for Gemma 4 with per-layer inputs (PLE: the per-layer gate runs "

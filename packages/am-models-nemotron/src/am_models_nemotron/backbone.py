@@ -25,7 +25,7 @@ from .blocks import NemotronBlock
 from .config import NemotronConfig
 from .cp import block_cp_problems, resolve_layout
 from .inputs import BatchLayout, pop_layout_kwargs
-from .tp_plan import BACKBONE_TP_PLAN, backbone_tp_problems
+from .tp_plan import BACKBONE_TP_PLAN
 
 __all__ = ["NemotronV3Model", "move_buffers_"]
 
@@ -61,7 +61,6 @@ class NemotronV3Model(nn.Module):
     moe_load_balancing: ClassVar[LoadBalancing] = LoadBalancing(bias_update_rate=1e-3, seq_aux_loss_coeff=1e-4)
 
     _tp_plan: ClassVar[Any] = BACKBONE_TP_PLAN  # am-tensor-parallel (tp_plan.py; each mixer class declares its own)
-    tensor_parallel_problems = backbone_tp_problems
 
     def __init__(
         self,

@@ -30,7 +30,7 @@ from am_precision import BackendConfig, initialize_linear_module
 from ._init import reset_linear_
 from .backend import EXPERTS_GROUPED_MM, LIBRARY_DISPATCHERS, moe_backend_problems
 from .config import NemotronConfig
-from .tp_plan import MLP_TP_PLAN
+from .tp_plan import MLP_TP_PLAN, MOE_TP_PLAN
 
 __all__ = ["GroupedExperts", "NemotronMLP", "NemotronMoE", "NemotronRouter", "relu2"]
 
@@ -147,6 +147,8 @@ class NemotronMoE(nn.Module):
     `experts` is an `am_moe.GroupedExperts(n_routed_experts, D, moe_intermediate_size, gated=False,
     activation="relu2")` with D the hidden or latent size; `backend.experts` picks its grouped-GEMM backend.
     """
+
+    _tp_plan: ClassVar[Any] = MOE_TP_PLAN  # am-tensor-parallel: whole on every tp rank, whole sequences (tp_plan.py)
 
     def __init__(
         self,

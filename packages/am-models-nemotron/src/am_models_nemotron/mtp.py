@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from am_precision import BackendConfig, initialize_linear_module, initialize_rms
 from ._init import reset_linear_
 from .blocks import NemotronBlock
 from .config import NemotronConfig
+from .tp_plan import MTP_TP_PLAN
 
 __all__ = [
     "MTPConfig",
@@ -200,6 +201,8 @@ class MTPModule(nn.Module):
     Raises:
         ValueError: a disabled `mtp_config`.
     """
+
+    _tp_plan: ClassVar[Any] = MTP_TP_PLAN  # am-tensor-parallel: the fusion projections (tp_plan.py)
 
     def __init__(
         self,

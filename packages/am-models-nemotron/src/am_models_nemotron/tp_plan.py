@@ -6,7 +6,9 @@ What it is for: the `{module pattern: style}` maps (transformers' style names) t
   - `NemotronV3Model`: the vocabulary-parallel `embed_tokens`; `NemotronHForCausalLM`: a gathered `lm_head`;
   - `NemotronAttention`: q/k/v `colwise` (whole heads: attention and KV heads must divide by tp), `o_proj` `rowwise`;
   - `NemotronMLP` (dense MLP layers and the MoE's shared expert): `up_proj` `colwise`, `down_proj` `rowwise`;
-  - `Mamba2Mixer`: `"module"` — the mixer shards itself with `Mamba2HeadParallel` (below).
+  - `Mamba2Mixer`: `"module"` — the mixer shards itself with `Mamba2HeadParallel` (below);
+  - `NemotronMoE`: `"sequence_gather"` (whole on every tp rank; see sequence parallelism); `MTPModule`: its fusion
+    projections `"sequence_gather"`.
 Routed experts are NOT tensor-parallel: under tp every tp rank keeps the whole MoE router and experts (the same tokens
 reach them on every tp rank); expert parallelism (`apply_expert_parallel` over an `ep` mesh dimension) splits the
 experts, whole, over the ep ranks. The MoE latent projections (`fc1/fc2_latent_proj`) stay replicated too.
@@ -20,8 +22,12 @@ mixer's parameters are plain tensors holding this rank's shard; `gather_mamba2_s
 A tp that does not divide the heads or the groups is refused (`tensor_parallel_problems`: the groups cannot be split
 exactly, so the plan says so and am-capabilities refuses `supports_tp` at that tp with the reason).
 
-Not supported under tp (refused before any collective with the reason): sequence parallelism (the MoE router and
-routed experts run on whole sequences of replicated tokens), and a non-torch linear backend for the mixer's projections.
+Sequence parallelism (`sequence_parallel=True`): the residual stream and the block norms run on sequence shards;
+attention, MLP and Mamba2 regions gather their input once and reduce-scatter their output (Mamba2: `region_output`);
+the routed MoE (`NemotronMoE`: `"sequence_gather"`) and the MTP fusion projections run on whole sequences (input
+gathered, output sliced back), so routing, balancing and expert parallelism see exactly what they see without it.
+Not supported under tp (refused before any collective with the reason): a bias on Mamba2's `out_proj` under sequence
+parallelism, and a non-torch linear backend for the mixer's projections.
 Generation with a cache is not sharded (the cache is allocated with the full sizes): generate with tp=1.
 
 What it must not do: import a model module (the model modules import it); plan dicts are plain data.
@@ -34,12 +40,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from am_tensor_parallel import gather_segments, region_input, region_output, shard_segments
+from am_tensor_parallel import SummedLinear, gather_segments, region_input, shard_segments
 
 __all__ = [
     "ATTENTION_TP_PLAN",
@@ -47,8 +52,9 @@ __all__ = [
     "CAUSAL_LM_TP_PLAN",
     "MAMBA2_TP_PLAN",
     "MLP_TP_PLAN",
+    "MOE_TP_PLAN",
+    "MTP_TP_PLAN",
     "Mamba2HeadParallel",
-    "backbone_tp_problems",
     "conv_segments",
     "gather_mamba2_grads",
     "gather_mamba2_state_dict",
@@ -64,6 +70,13 @@ ATTENTION_TP_PLAN = MappingProxyType(
 )
 MLP_TP_PLAN = MappingProxyType({"up_proj": "colwise", "down_proj": "rowwise"})
 MAMBA2_TP_PLAN = MappingProxyType({"": "module"})  # "" = the mixer itself: Mamba2HeadParallel
+# Routed MoE (router, experts, latent projections) whole on every tp rank, on whole sequences: under sequence
+# parallelism its input is gathered from the sequence shards and its output sliced back (routing, the balancing
+# terms and the ep all-to-all see the tokens they see without it); the shared expert inside stays a TP region.
+MOE_TP_PLAN = MappingProxyType({"": "sequence_gather"})
+# MTP depth fusion `eh_proj([enorm(e); hnorm(h)])`: a replicated projection on the stream, run on whole sequences
+# under sequence parallelism (only the first sublayer of a depth has one: hence a pattern on the MTP module).
+MTP_TP_PLAN = MappingProxyType({"layers.*.eh_proj": "sequence_gather"})
 
 
 def in_proj_segments(mixer: Any) -> dict[str, int]:
@@ -100,17 +113,6 @@ def mamba2_tp_problems(mixer: Any, tp: int, *, sequence_parallel: bool = False) 
     if sequence_parallel and mixer.out_proj.bias is not None:
         problems.append("Mamba2 out_proj has a bias, which the sequence-parallel reduce-scatter does not add once")
     return problems
-
-
-def backbone_tp_problems(model: Any, tp: int, *, sequence_parallel: bool = False) -> list[str]:
-    """What Nemotron-H as a whole does not run under tensor parallelism (the backbone's validation hook)."""
-    del model, tp
-    if sequence_parallel:
-        return [
-            "Nemotron-H declares no sequence-parallel layout (the MoE router and routed experts take whole "
-            "sequences of replicated tokens): use sequence_parallel=False"
-        ]
-    return []
 
 
 class Mamba2HeadParallel(ParallelStyle):
@@ -165,14 +167,9 @@ class Mamba2HeadParallel(ParallelStyle):
         def enter(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             return (region_input(args[0], device_mesh), *args[1:]), kwargs
 
-        sequence_parallel = self.sequence_parallel
-
-        def out_proj_forward(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-            summed = region_output(F.linear(x, proj.weight), device_mesh, sequence_parallel=sequence_parallel)
-            return summed if proj.bias is None else summed + proj.bias  # the replicated bias, added once
-
         mixer.register_forward_pre_hook(enter, with_kwargs=True)
-        mixer.out_proj.forward = out_proj_forward.__get__(mixer.out_proj)
+        # out_proj (its input-feature shard) becomes the region's exit: partial products summed over tp, bias once
+        mixer.out_proj = SummedLinear.take(mixer.out_proj, device_mesh, sequence_parallel=self.sequence_parallel)
         return mixer
 
 

@@ -13,8 +13,8 @@ from ._version import __version__
 from .apply import apply_tensor_parallel, tp_submesh
 from .comm import CollectiveBytes, count_collective_bytes
 from .loss import vocab_parallel_cross_entropy
-from .plan import TensorParallelPlan, declared_plan, layer_pattern, match_plan
-from .segments import gather_segments, region_input, region_output, segment_sizes_problems, shard_segments
+from .plan import TensorParallelPlan, declared_plan, experts_whole, layer_pattern, match_plan
+from .segments import SummedLinear, gather_segments, region_input, region_output, segment_sizes_problems, shard_segments
 from .styles import FULL_STATE_METHOD, MODULE_STYLE_METHOD, PROBLEMS_METHOD, STYLES, UNSUPPORTED_STYLES, translate_style
 from .validate import HEAD_COUNT_ATTRIBUTES, plan_tensor_parallel, tp_problems
 
@@ -23,6 +23,7 @@ __all__ = [
     # plans
     "TensorParallelPlan",
     "declared_plan",
+    "experts_whole",
     "layer_pattern",
     "match_plan",
     # validation
@@ -37,6 +38,7 @@ __all__ = [
     "UNSUPPORTED_STYLES",
     "translate_style",
     # modules that shard themselves
+    "SummedLinear",
     "gather_segments",
     "region_input",
     "region_output",

@@ -78,13 +78,16 @@ def apply_tensor_parallel(
     sp = frozen.sequence_parallel
     modules = dict(model.named_modules())
 
+    # Inside a "sequence_gather" module the sequence is whole again: its regions leave replicated, as without SP.
+    gathered = [name for name, style in frozen.styles.items() if style == "sequence_gather"]
     styles: dict[str, ParallelStyle] = {}
     for name, style in frozen.styles.items():
+        whole = any(name.startswith(g + ".") for g in gathered)
         if style == "module":  # the module's own layout (validated by its `tensor_parallel_problems`)
-            styles[name] = getattr(modules[name], MODULE_STYLE_METHOD)(sequence_parallel=sp)
+            styles[name] = getattr(modules[name], MODULE_STYLE_METHOD)(sequence_parallel=sp and not whole)
             continue
         role = "head" if name == frozen.output_head else ""
-        styles[name] = translate_style(style, sequence_parallel=sp, role=role)
+        styles[name] = translate_style(style, sequence_parallel=sp and not whole, role=role)
     for name in frozen.norms:
         styles[name] = translate_style("sequence_parallel", sequence_parallel=True)
     if sp and frozen.input_embedding not in frozen.styles:

@@ -22,6 +22,7 @@ from torch import nn
 __all__ = [
     "TensorParallelPlan",
     "declared_plan",
+    "experts_whole",
     "layer_pattern",
     "match_plan",
 ]
@@ -59,6 +60,24 @@ def _declared(module: nn.Module, prefix: str) -> dict[str, str]:
     for name, child in module.named_children():
         plan.update(_declared(child, f"{prefix}{name}."))
     return plan
+
+
+def experts_whole(plan: Mapping[str, str]) -> dict[str, str]:
+    """`plan` with transformers' expert tensor parallelism taken out: the experts stay whole on every tp rank.
+
+    Every `moe_tp_experts` entry (e.g. `model.layers.*.mlp.experts`) and the patterns under it (its parameters:
+    `...experts.gate_up_proj`, `...experts.down_proj`) are dropped, and the block holding those experts (the
+    pattern's parent, `model.layers.*.mlp`: router and experts) becomes `sequence_gather` unless the plan styles it:
+    it runs whole, on whole sequences under sequence parallelism, as our models' MoE blocks do. Expert parallelism
+    (am_moe) is what splits experts. A plan without `moe_tp_experts` comes back unchanged.
+    """
+    experts = [key for key, style in plan.items() if style == "moe_tp_experts"]
+    kept = {key: style for key, style in plan.items() if not any(key == e or key.startswith(e + ".") for e in experts)}
+    for key in experts:
+        parent = key.rpartition(".")[0]
+        if parent and parent not in kept:
+            kept[parent] = "sequence_gather"
+    return kept
 
 
 def match_plan(model: nn.Module, plan: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:

@@ -8,7 +8,9 @@ local shard as a plain tensor and say exactly how to cut and re-assemble it: `sh
 `gather_segments` (the inverse, collective), `segment_sizes_problems` (what does not divide, for validation).
 `region_input` / `region_output` wrap a module's plain-tensor computation on its shard: the input is replicated
 (its gradient summed over tp in the backward), the output is the sum of the ranks' partial outputs (all-reduced, or
-reduce-scattered into the sequence-sharded stream under sequence parallelism).
+reduce-scattered into the sequence-sharded stream under sequence parallelism). `SummedLinear` is the row-parallel
+projection that ends such a region: an `nn.Linear` subclass put in place of the module's own projection (same name
+and parameters), never a rebinding of an instance's `forward`.
 
 Generic: nothing here knows a model; model packages describe their layouts with these pieces.
 """
@@ -20,12 +22,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .styles import _AllReduceBackward, _AllReduceForward
 
 __all__ = [
+    "SummedLinear",
     "gather_segments",
     "region_input",
     "region_output",
@@ -106,3 +111,38 @@ def region_output(partial: torch.Tensor, mesh: DeviceMesh, *, sequence_parallel:
         return summed.redistribute(placements=[Shard(1)])
     out: torch.Tensor = _AllReduceForward.apply(partial, mesh.get_group())
     return out
+
+
+class SummedLinear(nn.Linear):
+    """A row-parallel `nn.Linear` on plain tensors: its weight `[out, in/tp]` is this rank's input-feature shard, its
+    output the sum over tp of the ranks' partial products (`region_output`), its bias (replicated) added once after
+    the sum. x: `[B, S, in/tp]` -> `[B, S, out]` (replicated), or a `Shard(1)` DTensor under sequence parallelism.
+
+    Build it with `SummedLinear.take(linear, mesh, sequence_parallel=...)` from the module's own (already sharded)
+    Linear and assign it under the same name (`mixer.out_proj = SummedLinear.take(mixer.out_proj, mesh)`): it is that
+    module, parameters, hooks and attributes included (the same objects), with this class's forward, so state-dict
+    keys, optimizers and hooks see no difference.
+    """
+
+    tp_mesh: DeviceMesh
+    sequence_parallel: bool
+
+    @classmethod
+    def take(cls, linear: nn.Linear, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> SummedLinear:
+        """`linear` (an `nn.Linear` holding this rank's input-feature shard) as a `SummedLinear` over `mesh`.
+
+        Raises:
+            TypeError: not a torch `nn.Linear`. ValueError: a bias under sequence parallelism (not supported).
+        """
+        if type(linear) is not nn.Linear:
+            raise TypeError(f"SummedLinear.take expects a torch nn.Linear, got {type(linear).__name__}")
+        if sequence_parallel and linear.bias is not None:
+            raise ValueError("SummedLinear under sequence parallelism takes a Linear without bias (bias=False)")
+        summed = cls.__new__(cls)
+        summed.__dict__.update(linear.__dict__)  # the same parameters, buffers, hooks and sizes: it is that module
+        summed.tp_mesh, summed.sequence_parallel = mesh, sequence_parallel
+        return summed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        summed = region_output(F.linear(x, self.weight), self.tp_mesh, sequence_parallel=self.sequence_parallel)
+        return summed if self.bias is None else summed + self.bias

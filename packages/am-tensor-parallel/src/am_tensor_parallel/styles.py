@@ -45,6 +45,8 @@ STYLES: dict[str, str] = {
     "sequence_parallel": "norm / dropout: runs on this rank's sequence shard, parameters replicated",
     "replicated_with_grad_allreduce": "norm on a sharded axis (per-head q/k norms): replicated, gradient summed",
     "replicate": "any module: every rank keeps the full module (no sharding, no collective)",
+    "sequence_gather": "token-wise module run whole (MoE router + experts): under sequence parallelism its input is "
+    "all-gathered from the sequence shards and its output sliced back to them; otherwise `replicate`",
     "module": "a module that shards itself: its `tensor_parallel_style(*, sequence_parallel)` gives the ParallelStyle",
 }
 
@@ -141,6 +143,8 @@ def translate_style(name: str, *, sequence_parallel: bool = False, role: str = "
         return SequenceParallel(sequence_dim=1, use_local_output=False)
     if style == "replicated_with_grad_allreduce":
         return _ReplicatedGradAllReduce()
+    if style == "sequence_gather" and sequence_parallel:
+        return _SequenceGather()
     return _Replicate()
 
 
@@ -148,6 +152,43 @@ class _Replicate(ParallelStyle):
     """`replicate`: the module is left as it is (full parameters, local tensors in and out)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return module
+
+
+class _SequenceGather(ParallelStyle):
+    """`sequence_gather` under sequence parallelism: the module (its parameters whole, plain tensors, the same on
+    every tp rank) runs on the whole sequence. Its `Shard(1)` DTensor inputs (positional or keyword) are all-gathered
+    to plain `[B, S, ...]` tensors, and its plain `[B, S, ...]` output leaves as this rank's `Shard(1)` slice (the
+    backward all-gathers the slices' gradients). Every tp rank computes the same thing on the same tokens (as without
+    sequence parallelism), so its parameters' gradients are identical on the tp ranks and need no reduction. Used
+    where a module needs whole sequences or whole-batch statistics (an MoE's routing, load and per-sequence terms,
+    all-to-alls over ep) or is a cheap projection outside any region (an MTP fusion)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        gathered: list[torch.Size] = []  # the [B, S] of this call's gathered inputs (outputs sliced back to match)
+
+        def gather(t: Any) -> Any:
+            if isinstance(t, DTensor) and t.device_mesh == device_mesh and t.placements == (Shard(1),):
+                gathered.append(t.shape[:2])
+                return t.redistribute(placements=[Replicate()]).to_local()
+            return t
+
+        def pre(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            gathered.clear()
+            return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
+
+        def slice_back(t: torch.Tensor) -> torch.Tensor:
+            # only `[B, S, ...]` activations like the gathered inputs (not router logits `[B*S, E]` or a mask)
+            if isinstance(t, DTensor) or not t.is_floating_point() or t.dim() < 3 or t.shape[:2] not in gathered:
+                return t
+            full = DTensor.from_local(t, device_mesh, [Replicate()], run_check=False)
+            return full.redistribute(placements=[Shard(1)])
+
+        def post(_mod: nn.Module, _args: Any, output: Any) -> Any:
+            return _map_tensors(output, slice_back)
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        module.register_forward_hook(post)
         return module
 
 
@@ -197,7 +238,9 @@ class _Packed(ParallelStyle):
     """`packed_colwise` (dim 0) / `packed_rowwise` (dim 1) for an nn.Linear whose weight packs `parts` equal blocks
     along `dim` (gate_up: [gate; up]): each rank holds its slice of every block, so the model's own `chunk` on the
     local output (or input) keeps gate and up slices paired. The weight is a DTensor `_StridedShard`, which gathers
-    back to the packed full tensor (`full_tensor()`, DCP)."""
+    back to the packed full tensor (`full_tensor()`, DCP), and the Linear's own forward runs on DTensors: DTensor
+    propagates `_StridedShard` through the matmul (a colwise output keeps the strided layout; a rowwise output is a
+    `Partial` sum, its replicated bias added once as in torch's `RowwiseParallel`)."""
 
     def __init__(self, *, dim: int, parts: int = 2, reduce_output: Any = None, keep_dtensor: bool = False) -> None:
         super().__init__()
@@ -220,37 +263,21 @@ class _Packed(ParallelStyle):
 
         def pre(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
             x = inputs[0]
-            if dim == 0:  # replicated input; its gradient is each rank's partial sum
+            if dim == 0:  # the replicated input (its gradient, a Partial sum, is all-reduced by DTensor)
                 if isinstance(x, DTensor):
-                    x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+                    x = x.redistribute(placements=[Replicate()])
                 else:
-                    x = _AllReduceBackward.apply(x, mesh.get_group())
+                    x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            elif not isinstance(x, DTensor):  # this rank's slice of every packed part of the input features
+                x = DTensor.from_local(x, mesh, [_StridedShard(dim=x.dim() - 1, split_factor=parts)], run_check=False)
             return (x, *inputs[1:])
 
-        def forward(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-            weight: torch.Tensor = mod.weight.to_local() if isinstance(mod.weight, DTensor) else mod.weight
-            bias: torch.Tensor | None = mod.bias
-            if dim == 1 and bias is not None:  # added once, after the sum over ranks
-                bias = None
-            elif isinstance(bias, DTensor):
-                bias = bias.to_local()
-            return torch.nn.functional.linear(x, weight, bias)
-
-        def post(mod: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> Any:
+        def post(mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> Any:
             if dim == 0:
-                return out
-            summed: torch.Tensor = DTensor.from_local(out, mesh, [Partial()], run_check=False)
-            bias = mod.bias
-            if isinstance(bias, torch.Tensor):
-                if not isinstance(bias, DTensor):
-                    bias = DTensor.from_local(bias, mesh, [Replicate()])
-                assert isinstance(summed, DTensor)
-                summed = summed.redistribute(placements=[Replicate()]) + bias
-            assert isinstance(summed, DTensor)
-            summed = summed.redistribute(placements=[self.reduce_output or Replicate()])
+                return out.to_local()
+            summed = out.redistribute(placements=[self.reduce_output or Replicate()])
             return summed if self.keep_dtensor else summed.to_local()
 
-        module.forward = forward.__get__(module)  # type: ignore[method-assign]
         return distribute_module(module, device_mesh, partition, pre, post)  # type: ignore[arg-type]
 
 

@@ -243,7 +243,8 @@ def _analyse(
                     f"{name}: {style!r} sums a replicated output, which sequence parallelism cannot shard; use "
                     "'colwise'/'rowwise' or sequence_parallel=False"
                 )
-        owned = region_inputs + [n for n, s in styles.items() if s == "module"]  # a module's inside is its own
+        # a module's inside is its own ("module"), or runs on whole sequences ("sequence_gather"): no stream norms
+        owned = region_inputs + [n for n, s in styles.items() if s in ("module", "sequence_gather")]
         for name, module in modules.items():
             inside = any(name.startswith(r + ".") for r in owned)
             if name and name not in styles and not inside and _is_norm(module):
