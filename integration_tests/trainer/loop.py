@@ -148,6 +148,11 @@ def setup_mesh(cfg: RunConfig, plan: RunPlan) -> Meshes:
             shutil.rmtree(ckpt.checkpoint_root(cfg.out))
             print(f"--overwrite: deleted the checkpoints under {cfg.out}", file=sys.stderr, flush=True)
         dist.barrier()
+    return make_meshes(plan, device=device, rank=rank)
+
+
+def make_meshes(plan: RunPlan, *, device: torch.device, rank: int) -> Meshes:
+    """The plan's meshes over the started process group (a real one, or the dry run's fake one)."""
     mesh, dp_cp = build_mesh(plan, device=device)
     ep_mesh, expert_dp = build_ep_meshes(dp_cp, plan=plan.expert_parallel)  # (None, None) at ep = 1
     tp = mesh["tp"] if plan.tp > 1 else None
@@ -457,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
+        if cfg.dry_run:  # one process, fake tensors and process group (trainer/dry_run.py)
+            from trainer.dry_run import main as dry_run_main
+
+            return dry_run_main(cfg)
         run(cfg)
     except BadInput as exc:
         if rank == 0:
