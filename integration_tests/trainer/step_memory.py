@@ -36,10 +36,10 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: set[int] = set()
     total = 0
     for tensor in tensors:
-        local = _local(tensor)
-        if id(local) in seen:
+        if id(tensor) in seen:  # the tensor itself, alive while iterated (a temporary's id could be reused)
             continue
-        seen.add(id(local))
+        seen.add(id(tensor))
+        local = _local(tensor)
         total += local.numel() * local.element_size()
     return total
 
