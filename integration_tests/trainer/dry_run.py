@@ -116,13 +116,12 @@ def shard_bytes(parts: list[nn.Module], optimizers: list[Any], coords: dict[str,
 def _axis_names(meshes: Any) -> dict[str, str]:
     """group_name -> the mesh axis it is, for the collectives' accounting."""
     names: dict[str, str] = {}
-    for axis in meshes.mesh.mesh_dim_names:
-        names[meshes.mesh[axis].get_group().group_name] = axis
-    names[meshes.dp_cp.get_group().group_name] = "dp_cp (FSDP2)"
-    if meshes.ep is not None:
-        names[meshes.ep.get_group().group_name] = "ep"
-    if meshes.expert_dp is not None:
-        names[meshes.expert_dp.get_group().group_name] = "expert_dp (FSDP2 experts)"
+    labelled = [(meshes.mesh[axis], axis) for axis in meshes.mesh.mesh_dim_names] + [(meshes.dp_cp, "dp_cp (FSDP2)")]
+    labelled += [(m, label) for m, label in ((meshes.ep, "ep"), (meshes.expert_dp, "expert_dp")) if m is not None]
+    for mesh, label in labelled:  # one group may be several axes (dp 2 x ep 2: the dp group is the ep group)
+        if mesh.size() > 1:
+            name = mesh.get_group().group_name
+            names[name] = f"{names[name]} = {label}" if name in names else label
     return names
 
 
@@ -140,15 +139,20 @@ def _groups(meshes: Any) -> list[Any]:
     return groups
 
 
-def _fake_materialize(part: nn.Module, seed: int, device: torch.device) -> None:
-    """The dry run's materialization: storage (fake, no bytes) for the rank's blocks, tied tensors tied again; no
-    values (a fake tensor has none), so no init is run."""
+def _fake_materialize(fake_mode: Any) -> Any:
+    """The dry run's materialization: fake storage (no bytes) for the rank's blocks under `fake_mode`, tied tensors
+    tied again; no values (a fake tensor has none), so no init is run. Everything before it (pipeline split, TP,
+    EP, FSDP2 on the meta model) runs exactly as in a real run."""
     from trainer.build import _retie, tied_groups
 
-    del seed
-    groups = tied_groups(part)
-    part.to_empty(device=device)
-    _retie(part, groups)
+    def materialize(part: nn.Module, seed: int, device: torch.device) -> None:
+        del seed
+        groups = tied_groups(part)
+        with fake_mode:
+            part.to_empty(device=device)
+        _retie(part, groups)
+
+    return materialize
 
 
 def fake_step(cfg: RunConfig, validated: ValidatedRun, *, rank: int, world_size: int, gpus_per_node: int) -> dict:
@@ -174,9 +178,8 @@ def fake_step(cfg: RunConfig, validated: ValidatedRun, *, rank: int, world_size:
         input_ids, labels = stream.next_batch()  # real token ids (the data path of a real run)
         denominator = float((labels != -100).sum())
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        spec = dataclasses.replace(validated.spec, materialize=_fake_materialize)
-        with fake_mode:
-            built = build(cfg, dataclasses.replace(validated, spec=spec), meshes)
+        spec = dataclasses.replace(validated.spec, materialize=_fake_materialize(fake_mode))
+        built = build(cfg, dataclasses.replace(validated, spec=spec), meshes)
         axis_of_group = _axis_names(meshes)
         traffic = CollectiveBytes(axis_of_group)
         flops = FlopCounterMode(display=False, custom_mapping=extra_flop_formulas())
