@@ -126,3 +126,19 @@ def test_the_verdict_and_exit_code(tmp_path: Path) -> None:
     assert main([*args, "--gpu-memory", "0.0001"]) == 2  # 100 KiB: the tiny model's states alone are more
     report = json.loads((tmp_path / "dry_run.json").read_text())
     assert report["fits"] is False and report["biggest_item"] in report["ranks"][0]
+
+
+def test_a_folder_with_only_config_json(tmp_path: Path) -> None:
+    """--model-path with config.json alone (no weights): the dry run builds the architecture from the config; the
+    same numbers as the preset it was written from."""
+    from trainer.models import build_meta_model, preset_spec
+
+    spec = preset_spec("nemotron", hidden_size=32, num_layers=4, mtp_depths=1, tie_embeddings=False, vocab_size=None)
+    folder = tmp_path / "config_only"
+    build_meta_model(spec).config.save_pretrained(str(folder))  # type: ignore[operator]
+    assert [p.name for p in folder.iterdir()] == ["config.json"]
+    args = ["--seq-len", "16", "--global-batch", "4", "--dp", "2", "--ep", "2"]
+    from_folder = _dry(["--model-path", str(folder), *args], tmp_path / "a")
+    from_preset = _dry(["--model", "nemotron", "--hidden-size", "32", "--layers", "4", *args], tmp_path / "b")
+    assert from_folder["parameters"] == from_preset["parameters"]
+    assert from_folder["ranks"] == from_preset["ranks"]
