@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from conftest import PARITY, TINY_ARGS
-
 from trainer.config import parse_args
 from trainer.dry_run import dry_run
 from trainer.validation import BadInput
@@ -56,10 +55,12 @@ def test_parameter_bytes_of_all_ranks_add_up_to_the_model(layout: list[str], hel
             entry[k]
             for k in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_peak_bytes", "buffer_bytes")
         )
-        assert entry["activation_peak_bytes"] > 0 and entry["gradient_bytes"] == entry["parameter_bytes"]
+        assert entry["activation_peak_bytes"] > 0
+        assert entry["gradient_bytes"] == entry["parameter_bytes"]
     assert report["fits"] is True
     assert json.loads((tmp_path / "dry_run.json").read_text())["parameters"] == report["parameters"]
-    assert report["predicted"]["step_s"] > 0 and report["positions"][0]["flops"] > 0
+    assert report["predicted"]["step_s"] > 0
+    assert report["positions"][0]["flops"] > 0
 
 
 def test_estimate_matches_the_real_gloo_run(runs, tmp_path: Path) -> None:
@@ -76,7 +77,8 @@ def test_estimate_matches_the_real_gloo_run(runs, tmp_path: Path) -> None:
         assert error <= ACTIVATION_TOLERANCE, (got, want)
     # traffic counted from the collectives the step issued: pipeline p2p, FSDP2 and the experts' all-to-all
     axes = {axis for position in report["positions"] for axis in position["axes"]}
-    assert "pp" in axes and any("ep" in axis for axis in axes), axes
+    assert "pp" in axes, axes
+    assert any("ep" in axis for axis in axes), axes
 
 
 @pytest.mark.parametrize(
@@ -115,7 +117,8 @@ def test_unknown_architecture_and_layouts_that_do_not_divide_the_real_model(tmp_
             ["--model", "nemotron-3-nano-30b-a3b", "--dp", "3", "--ep", "3", "--seq-len", "16", "--global-batch", "3"],
             tmp_path / "o2",
         )
-    assert "ep" in str(raised.value) and "128" in str(raised.value), raised.value
+    assert "ep" in str(raised.value), raised.value
+    assert "128" in str(raised.value), raised.value
 
 
 def test_the_verdict_and_exit_code(tmp_path: Path) -> None:
@@ -125,7 +128,8 @@ def test_the_verdict_and_exit_code(tmp_path: Path) -> None:
     assert main([*args, "--gpu-memory", "80"]) == 0
     assert main([*args, "--gpu-memory", "0.0001"]) == 2  # 100 KiB: the tiny model's states alone are more
     report = json.loads((tmp_path / "dry_run.json").read_text())
-    assert report["fits"] is False and report["biggest_item"] in report["ranks"][0]
+    assert report["fits"] is False
+    assert report["biggest_item"] in report["ranks"][0]
 
 
 def test_a_folder_with_only_config_json(tmp_path: Path) -> None:

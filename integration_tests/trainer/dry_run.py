@@ -104,7 +104,15 @@ def rank_coordinates(plan: RunPlan, rank: int) -> dict[str, int]:
     dp = rest % plan.dp
     pp = rest // plan.dp
     dp_cp = dp * plan.cp + cp
-    return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "dp_cp": dp_cp, "ep": dp_cp % plan.ep, "expert_dp": dp_cp // plan.ep}
+    return {
+        "pp": pp,
+        "dp": dp,
+        "cp": cp,
+        "tp": tp,
+        "dp_cp": dp_cp,
+        "ep": dp_cp % plan.ep,
+        "expert_dp": dp_cp // plan.ep,
+    }
 
 
 def _local_numel(tensor: torch.Tensor, coords: dict[str, int] | None) -> int:
@@ -371,16 +379,15 @@ def format_report(report: dict[str, Any]) -> str:
     for position, entries in sorted(by_position.items()):
         top = max(entries, key=lambda e: e["total_bytes"])
         ranks = f"{entries[0]['rank']}-{entries[-1]['rank']}"
-        lines.append(
-            f"{position:5d}  {ranks:9s} "
-            + " ".join(_gib(top[item]) for item in (*_ITEMS, "total_bytes"))
-        )
+        lines.append(f"{position:5d}  {ranks:9s} " + " ".join(_gib(top[item]) for item in (*_ITEMS, "total_bytes")))
     lines.append("bytes sent per step by one rank, per mesh axis:")
     for position in report["positions"]:
         for axis, traffic in position["axes"].items():
             kinds = ", ".join(f"{k} {v / GIB:.3f}" for k, v in traffic["by_kind"].items())
             link = "network" if traffic["crosses_nodes"] else "NVLink"
-            lines.append(f"  stage {position['stage']} {axis:26s} {traffic['sent_bytes'] / GIB:9.3f} GiB ({kinds}; {link})")
+            lines.append(
+                f"  stage {position['stage']} {axis:26s} {traffic['sent_bytes'] / GIB:9.3f} GiB ({kinds}; {link})"
+            )
     pred = report["predicted"]
     hw = pred["hardware"]
     lines.append(

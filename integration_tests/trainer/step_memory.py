@@ -87,7 +87,7 @@ class SavedActivations:
         self._hooks: Any = None
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if isinstance(tensor, nn.Parameter) or tensor.requires_grad and tensor.grad_fn is None and tensor.is_leaf:
+        if isinstance(tensor, nn.Parameter) or (tensor.requires_grad and tensor.grad_fn is None and tensor.is_leaf):
             return _Saved(self, tensor, None)  # a weight (or an unsharded FSDP2 weight): counted as a parameter
         local = _local(tensor)
         storage = local.untyped_storage()

@@ -308,7 +308,7 @@ def agree_on_input(
     _record(metadata_bytes=header.numel() * header.element_size() * (ep - 1), calls=1)
     if _is_fake(gathered) and not _is_fake(counts):  # a dry run: every rank routes like this one (balanced_counts)
         host = _host_list(counts)
-        table = [host[:num_experts] + [0, 1 if problems else 0]] * ep
+        table = [[*host[:num_experts], 0, 1 if problems else 0]] * ep
     else:
         table = gathered.view(ep, -1).tolist()
     bad_ranks = [rank for rank, row in enumerate(table) if row[-1] or row[-2]]
