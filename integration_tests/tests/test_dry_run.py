@@ -89,6 +89,7 @@ def test_estimate_matches_the_real_gloo_run(runs, tmp_path: Path) -> None:
         (["--model", "llama", "--gpu-memory", "-3"], "--gpu-memory -3.0: must be a positive finite number"),
         (["--model", "llama", "--dp", "2", "--world-size", "8"], "the world size is 8 but pp x dp x cp"),
         (["--model", "llama", "--pp", "4"], "Number of stages (4) cannot exceed number of layers (2)"),
+        (["--model", "llama", "--tp", "3"], "4 attention heads cannot be split over tp=3"),
     ],
 )
 def test_bad_input_is_one_message(args: list[str], expected: str, tmp_path: Path) -> None:

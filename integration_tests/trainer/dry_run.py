@@ -75,10 +75,11 @@ def config_only_spec(folder: str) -> Any:
     def build() -> nn.Module:
         with torch.device("meta"):
             if registered is not None:
-                return registered.from_config(config)  # type: ignore[no-any-return]
+                model: nn.Module = registered.from_config(config)  # type: ignore[attr-defined]
+                return model
             from transformers import AutoModelForCausalLM
 
-            return AutoModelForCausalLM.from_config(  # type: ignore[no-any-return]
+            return AutoModelForCausalLM.from_config(
                 config, dtype=torch.float32, attn_implementation=hf_attention_implementation(folder)
             )
 

@@ -56,7 +56,7 @@ def _group(value: Any) -> Any:
     import torch.distributed as dist
 
     if isinstance(value, str):
-        return dist.distributed_c10d._resolve_process_group(value)
+        return dist.distributed_c10d._resolve_process_group(value)  # type: ignore[arg-type]
     return dist.ProcessGroup.unbox(value)
 
 
