@@ -87,7 +87,8 @@ class SavedActivations:
         self._hooks: Any = None
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if isinstance(tensor, nn.Parameter) or (tensor.requires_grad and tensor.grad_fn is None and tensor.is_leaf):
+        base = tensor._base if tensor._base is not None else tensor  # a view of a weight (a transpose) is the weight
+        if isinstance(base, nn.Parameter) or (base.requires_grad and base.grad_fn is None and base.is_leaf):
             return _Saved(self, tensor, None)  # a weight (or an unsharded FSDP2 weight): counted as a parameter
         local = _local(tensor)
         storage = local.untyped_storage()
