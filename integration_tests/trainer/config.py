@@ -88,6 +88,15 @@ class RunConfig:
     moe_z_loss_coeff: float | None = None
     # issue 26: BackendConfig.enable_fsdp_optimizations of the preset (the model's FSDP hooks; trainer/batch_step.py)
     fsdp_optimizations: bool = False
+    # --- the dry run (issue 23 §3-§4; trainer/dry_run.py): one fake step per rank position, no GPU
+    dry_run: bool = False
+    world_size_override: int | None = None  # --world-size: the job's ranks (default: the layout's product)
+    gpu_memory: float | None = None  # GiB per GPU (default: the --gpu's memory)
+    gpu: str = "h100-sxm"
+    gpu_tflops: float | None = None
+    nvlink_gbps: float | None = None
+    network_gbps: float | None = None
+    gpus_per_node: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -209,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
         "progress bar and summary.json); 0: the first such step stops the run with exit code 3",
     )
     _add_feature_options(p)
+    _add_dry_run_options(p)
     from trainer.moe_balance import add_balancing_options
 
     add_balancing_options(p)
@@ -310,6 +320,49 @@ def _add_feature_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_dry_run_options(p: argparse.ArgumentParser) -> None:
+    from trainer.step_time import DEFAULT_GPU, GPUS
+
+    g = p.add_argument_group("dry run (one process, no GPU: does the layout fit, how fast might it be)")
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run one fake training step per rank position of a --world-size job on the CPU (fake tensors, fake "
+        "process group); write <out>/dry_run.json and a table; exit 0 if it fits --gpu-memory, 2 if not",
+    )
+    g.add_argument(
+        "--world-size", dest="world_size_override", type=int, default=None, help="ranks of the job (default: the "
+        "product of the layout's sizes, which it must equal)"
+    )  # fmt: skip
+    g.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU (default: the --gpu's memory)")
+    g.add_argument("--gpu", choices=sorted(GPUS), default=DEFAULT_GPU, help="the hardware of the predicted time")
+    g.add_argument("--gpu-tflops", type=float, default=None, help="dense bf16 TFLOP/s instead of the --gpu's")
+    g.add_argument("--nvlink-gbps", type=float, default=None, help="GB/s per GPU and direction inside a node")
+    g.add_argument("--network-gbps", type=float, default=None, help="GB/s per GPU across nodes (400 Gb/s IB: 50)")
+    g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs sharing NVLink (default: the --gpu's node)")
+
+
+_DRY_RUN_ONLY = ("world_size_override", "gpu_memory", "gpu_tflops", "nvlink_gbps", "network_gbps", "gpus_per_node")
+_DRY_RUN_FLAG = {"world_size_override": "--world-size"}
+
+
+def dry_run_problems(cfg: RunConfig) -> list[str]:
+    """The dry-run options: positive finite numbers, and only with --dry-run (no option accepted and ignored)."""
+    problems = []
+    given = [name for name in _DRY_RUN_ONLY if getattr(cfg, name) is not None]
+    flags = [_DRY_RUN_FLAG.get(name, "--" + name.replace("_", "-")) for name in given]
+    if not cfg.dry_run:
+        if given or cfg.gpu != "h100-sxm":
+            flags += ["--gpu"] if cfg.gpu != "h100-sxm" else []
+            problems.append(f"{', '.join(flags)} only apply with --dry-run: add --dry-run or drop them")
+        return problems
+    for name, flag in zip(given, flags, strict=True):
+        value = getattr(cfg, name)
+        if not math.isfinite(value) or value <= 0:
+            problems.append(f"{flag} {value}: must be a positive finite number")
+    return problems
+
+
 def feature_problems(cfg: RunConfig) -> list[str]:
     """Every problem of the feature options, each asked of the module that owns the rule."""
     from trainer.evaluation import validation_option_problems
@@ -318,7 +371,7 @@ def feature_problems(cfg: RunConfig) -> list[str]:
     from trainer.text_sources import data_option_problems
 
     problems = optimizer_option_problems(cfg) + validation_option_problems(cfg) + data_option_problems(cfg)
-    return problems + tensorboard_problems(cfg)
+    return problems + tensorboard_problems(cfg) + dry_run_problems(cfg)
 
 
 _FLOAT_OPTIONS = ("lr", "min_lr", "weight_decay", "adam_eps", "grad_clip", "timeout")

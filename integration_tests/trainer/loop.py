@@ -82,6 +82,7 @@ from trainer.parallel import (
 from trainer.plan import RunPlan, ValidatedRun
 from trainer.progress import Progress, run_summary, save_loss_curve
 from trainer.router_aux_pipeline import PipelineRouterAux
+from trainer.step_memory import measured_step, state_bytes
 from trainer.step_parts import RouterAuxLoss, TokenSumLoss, clip_grad_norm, make_hf_exporter
 from trainer.tb_logging import TensorBoardLog
 from trainer.tensor_parallel import apply_tensor_parallel_to_parts
@@ -158,6 +159,11 @@ def setup_mesh(cfg: RunConfig, plan: RunPlan) -> Meshes:
             shutil.rmtree(ckpt.checkpoint_root(cfg.out))
             print(f"--overwrite: deleted the checkpoints under {cfg.out}", file=sys.stderr, flush=True)
         dist.barrier()
+    return make_meshes(plan, device=device, rank=rank)
+
+
+def make_meshes(plan: RunPlan, *, device: torch.device, rank: int) -> Meshes:
+    """The plan's meshes over the started process group (a real one, or the dry run's fake one)."""
     mesh, dp_cp = build_mesh(plan, device=device)
     ep_mesh, expert_dp = build_ep_meshes(dp_cp, plan=plan.expert_parallel)  # (None, None) at ep = 1
     tp = mesh["tp"] if plan.tp > 1 else None
@@ -296,6 +302,9 @@ class History:
     aux_losses: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     moe_terms: list[dict[str, float]] = field(default_factory=list)  # am-moe balancing terms per applied step
+    # this rank's memory in the first step of this process (trainer/step_memory.py; summary.json's "memory", the
+    # numbers the dry run estimates): parameter / gradient / optimizer bytes of its shards, saved-activation peak
+    memory: dict[str, int] = field(default_factory=dict)
 
 
 def restore(cfg: RunConfig, built: Built, *, corpus: Corpus, resume_dir: Path | None) -> History:
@@ -343,7 +352,9 @@ def train(
         built.loss_fn.denominator = float((labels != -100).sum())
         if balance is not None:
             balance.before_step(input_ids.numel())
-        local = built.run_batch(input_ids, labels, train=True)
+        record = history.memory if step == history.start_step + 1 else None
+        with measured_step(record):
+            local = built.run_batch(input_ids, labels, train=True)
         aux_loss = None
         if router is not None and router.last_aux_share is not None:  # one all-reduce for both shares
             both = torch.stack([local, router.last_aux_share.to(local)])
@@ -353,6 +364,8 @@ def train(
             dist.all_reduce(local)  # the sum of every rank's share is the global token mean
         moe_terms = balance.step_terms(meshes.device) if balance is not None else None
         grad_norm = clip_grad_norm(parts, max_norm=cfg.grad_clip, pp_group=pp_group, tp_group=tp_group)
+        if record is not None:  # the gradients exist until zero_grad below
+            record["gradient_bytes"] = state_bytes(parts, [])["gradient_bytes"]
         lr = lr_at(step, cfg)
         # The loss is all-reduced and the norm is global, so every rank takes the same decision here (no rank is
         # left waiting in a collective); RunStopped when the value is not finite and no skip is left.
@@ -362,6 +375,8 @@ def train(
             if apply:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        if record is not None:  # the optimizer state exists after its first step
+            record |= {k: v for k, v in state_bytes(parts, built.optimizers).items() if k != "gradient_bytes"}
         if apply:
             history.losses.append((step, float(local), float(grad_norm)))
             if aux_loss is not None:
@@ -446,8 +461,11 @@ def finish(
     """Phase 7: rank 0 writes the loss curve and summary.json (with `"plan": plan.to_json()`) and prints one line;
     every rank then leaves the process group. Returns the summary on rank 0, {} elsewhere."""
     summary: dict[str, Any] = {}
+    memory: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(memory, history.memory)  # every rank's first-step memory, for summary.json
     if meshes.rank == 0:
         summary = run_summary(cfg, plan, history, family=family, last_ckpt=last_ckpt)
+        summary["memory"] = {"ranks": memory}
         cfg.out.mkdir(parents=True, exist_ok=True)
         where = f"pp={plan.pp} dp={plan.dp} cp={plan.cp} ep={plan.ep}" + (f" tp={plan.tp}" if plan.tp > 1 else "")
         curve = save_loss_curve(
@@ -485,6 +503,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
+        if cfg.dry_run:  # one process, fake tensors and process group (trainer/dry_run.py)
+            from trainer.dry_run import main as dry_run_main
+
+            return dry_run_main(cfg)
         run(cfg)
     except BadInput as exc:
         if rank == 0:

@@ -157,3 +157,18 @@ def test_strong_decay_falls_back_to_the_direct_form_and_stays_exact(monkeypatch:
     weak = ssd_chunked_scan(x.to(dtype), (dt / 4000).to(dtype), A.to(dtype), B.to(dtype), C.to(dtype), chunk_size=8)
     assert torch.isfinite(weak).all()
     assert ran[-1] == "_factored_intra_and_states"
+
+
+def test_runs_under_fake_tensors_with_the_factored_form(within_chunk_form: str) -> None:
+    """A dry run (FakeTensorMode: shapes, no values) takes the factored form instead of failing on its range check
+    (the fixture checks which form ran)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if within_chunk_form != "factored":
+        pytest.skip("fake tensors take the factored form whatever the bound")
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x, dt, A, B, C, D = _inputs(2, 21)
+        y, final = ssd_chunked_scan(x, dt, A, B, C, chunk_size=8, D=D, return_final_state=True)
+    assert y.shape == x.shape
+    assert final.shape[:2] == (2, x.shape[2])

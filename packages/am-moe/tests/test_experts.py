@@ -219,3 +219,22 @@ def test_load_counted_once_under_activation_checkpointing() -> None:
     x_ref = x.detach().clone().requires_grad_()
     reference(x_ref, index, torch.ones(10, 2)).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
+
+
+def test_balanced_routing_under_fake_tensors() -> None:
+    """A dry run (FakeTensorMode: no routing values) dispatches as if routing were perfectly balanced: host split
+    sizes of `balanced_counts`, every row of the step reaching an expert."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from am_moe.dispatch import balanced_counts
+
+    assert balanced_counts(10, 4).tolist() == [3, 3, 2, 2, 0, 0]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        hidden = torch.randn(12, 8)
+        index = torch.zeros(12, 2, dtype=torch.long)
+        rows, layout, state = LocalDispatcher().dispatch(
+            hidden, index, None, num_experts=4, problems=[], host_sizes=True
+        )
+    assert layout.sizes == [6, 6, 6, 6]
+    assert rows.shape == (24, 8)
+    assert state.num_sent == 24

@@ -134,8 +134,38 @@ def _sort_pairs(
         key = torch.where(padding, num_experts, key)
     order = torch.argsort(key, stable=True)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    if _is_fake(key):  # a dry run: no routing values exist
+        return order, inverse, balanced_counts(key.numel(), num_experts)
     counts = torch.bincount(key, minlength=num_experts + 2)
     return order, inverse, counts
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return bool(is_fake(tensor))
+
+
+def _host_list(counts: torch.Tensor) -> list[int]:
+    """`counts.tolist()`; also for the real host tensor of `balanced_counts` inside a dry run's fake mode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if _is_fake(counts):
+        return counts.tolist()
+    with unset_fake_temporarily():
+        return counts.tolist()
+
+
+def balanced_counts(pairs: int, num_experts: int) -> torch.Tensor:
+    """`[E + 2]` int64 pair counts of perfectly balanced routing (the first `pairs % E` experts one more; no padding,
+    nothing out of range): what a dry run under fake tensors (no values) assumes, as a real host tensor so that
+    split sizes exist. The load a balanced run approaches; a skewed one sends more rows to some ranks."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    base, extra = divmod(pairs, num_experts)
+    values = [base + (1 if e < extra else 0) for e in range(num_experts)] + [0, 0]
+    with unset_fake_temporarily():
+        return torch.tensor(values, dtype=torch.long)
 
 
 def combine_pairs(
@@ -184,7 +214,7 @@ class LocalDispatcher:
         ends = counts[:num_experts].cumsum(0).to(torch.int32)
         state = DispatchState(counts[:num_experts], hidden_states.shape[0], top_k, inverse, None)
         if host_sizes:
-            host = counts.tolist()
+            host = _host_list(counts)
             if host[num_experts + 1]:
                 raise RoutingError(out_of_range_message(host[num_experts + 1], num_experts))
             sizes = host[:num_experts]
@@ -276,7 +306,11 @@ def agree_on_input(
     gathered = torch.empty(ep * header.numel(), dtype=header.dtype, device=counts.device)
     dist.all_gather_into_tensor(gathered, header, group=group)
     _record(metadata_bytes=header.numel() * header.element_size() * (ep - 1), calls=1)
-    table = gathered.view(ep, -1).tolist()
+    if _is_fake(gathered) and not _is_fake(counts):  # a dry run: every rank routes like this one (balanced_counts)
+        host = _host_list(counts)
+        table = [[*host[:num_experts], 0, 1 if problems else 0]] * ep
+    else:
+        table = gathered.view(ep, -1).tolist()
     bad_ranks = [rank for rank, row in enumerate(table) if row[-1] or row[-2]]
     if bad_ranks:
         mine = list(problems)

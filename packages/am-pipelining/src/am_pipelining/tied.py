@@ -58,7 +58,8 @@ def pair_group(first_rank: int, last_rank: int) -> Any:
     pairs: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(pairs, key)
     for pair in sorted({tuple(p) for p in pairs if p is not None}):
-        if pair not in _PAIR_GROUPS:
+        # a group cached under an earlier process group (destroyed since: e.g. a dry run's fake one) is made again
+        if pair not in _PAIR_GROUPS or _PAIR_GROUPS[pair] not in dist.distributed_c10d._world.pg_map:
             _PAIR_GROUPS[pair] = dist.new_group(ranks=list(pair))
     return _PAIR_GROUPS[key] if key is not None else None
 
