@@ -199,7 +199,8 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
     problems += found
     spec = model = None
     # a --model-path folder without safetensors weights: said once, in its own words, and nothing to build from
-    weights = model_path_weight_problems(cfg.model_path) if cfg.model_path is not None else []
+    # (the dry run reads only config.json: it needs no weights)
+    weights = model_path_weight_problems(cfg.model_path) if cfg.model_path is not None and not cfg.dry_run else []
     problems += weights
     try:
         if not weights:
