@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from am_precision.hf_io import resolve_dtype
+from am_model_io import resolve_dtype
 
 __all__ = [
     "BLOCK_KINDS",
