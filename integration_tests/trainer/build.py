@@ -8,7 +8,7 @@ What it is for (issue 23 §1; torchtitan's order): no rank ever holds a whole mo
     2. the run splits that meta model into pipeline stages, shards the experts over ep and wraps FSDP2 (DTensor
        parameters with their full logical shape, still without storage);
     3. `materialize_parts` gives each rank storage for its own blocks only, then values:
-       - a preset: the seeded per-unit init (`am_precision.materialize_sharded_` with the model package's
+       - a preset: the seeded per-unit init (`am_model_io.materialize_sharded_` with the model package's
          `meta_twin` / `init_units`; for a transformers preset, one unit per decoder layer / `_no_split_modules` block
          and per other tensor-owning module, initialized by the model's own `_init_weights`). A tensor's value is a
          function of (seed, unit name) only, so every layout holds exactly the single process's values, and the
@@ -16,7 +16,7 @@ What it is for (issue 23 §1; torchtitan's order): no rank ever holds a whole mo
        - a folder: our registered classes' `load_sharded_checkpoint` (each rank reads its own slices, per-expert keys
          of its own experts only); any other transformers causal LM whose files name its tensors as its modules do
          (what transformers' `save_pretrained` writes): the seeded init (for the buffers no file holds), then
-         `am_precision.hf_io.load_sharded_tensors_` (each rank reads its own blocks with `get_slice`);
+         `am_model_io.load_sharded_tensors_` (each rank reads its own blocks with `get_slice`);
        - a tied embedding whose two ends landed on different pipeline stages: the output copy takes the input's
          values (am-pipelining's `sync_tied_embedding_weights`, over the two ranks' pair group).
 Peak host memory per rank: its own blocks plus one init unit (one decoder layer) in fp32, or one tensor block read.
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_precision import InitUnit, materialize_sharded_
+from am_model_io import InitUnit, materialize_sharded_
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ def header_sources(folder: Path, model: nn.Module) -> tuple[dict[str, list[str]]
     must be in the files (a tied group needs one of its names), nothing else may be (models.py's
     `ALLOWED_UNEXPECTED` aside: that check filters).
     """
-    from am_precision.hf_io import LazyCheckpoint
+    from am_model_io import LazyCheckpoint
 
     expected = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
     with LazyCheckpoint(folder) as checkpoint:
@@ -257,7 +257,7 @@ def _model_names(
 def load_transformers_blocks(part: nn.Module, folder: Path, *, seed: int, device: torch.device) -> None:
     """A transformers part: the seeded init (buffers no file holds, e.g. RoPE frequencies), then every tensor the
     files hold read into this rank's blocks (`load_sharded_tensors_`: a DTensor reads its own block only)."""
-    from am_precision.hf_io import LazyCheckpoint, load_sharded_tensors_
+    from am_model_io import LazyCheckpoint, load_sharded_tensors_
 
     materialize_seeded(part, init=TRANSFORMERS_INIT, seed=seed, device=device)
     sources, info = header_sources(folder, transformers_meta_twin(part))

@@ -12,9 +12,9 @@ import pytest
 import torch
 from _g4_configs import perturb_, text_config
 
+from am_model_io import LazyCheckpoint
 from am_models_gemma4 import Gemma4ForCausalLM
 from am_precision import fp32_keep_rules, match_keep_rule
-from am_precision.hf_io import LazyCheckpoint
 
 
 @pytest.fixture(scope="module")

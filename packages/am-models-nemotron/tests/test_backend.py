@@ -140,7 +140,7 @@ def test_fsdp_optimizations_drive_the_fsdp_hooks_only_when_asked(monkeypatch) ->
     """enable_fsdp_optimizations: the model's prepare_for_grad_accumulation / prepare_for_final_backward (upstream's
     MoE FSDP hooks) call am-precision's deferred-sync functions with pp_enabled; without it they do nothing. The
     sync itself is tested on a 2-rank FSDP2 group in am-precision (test_fsdp2.py)."""
-    import am_models_nemotron.model as model_module
+    import am_models_nemotron.pretrained as model_module  # the hooks live on the base, NemotronHPreTrainedModel
 
     seen: list[tuple[str, bool]] = []
     monkeypatch.setattr(

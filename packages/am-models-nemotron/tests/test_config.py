@@ -67,6 +67,30 @@ def test_missing_layout_is_rejected() -> None:
         NemotronConfig.from_any({"vocab_size": 10, "hidden_size": 8})
 
 
+def test_a_transformers_config_without_its_list_is_refused_not_read_through_its_pattern_property() -> None:
+    """transformers' `hybrid_override_pattern` is a property over `layers_block_type` (TypeError when the list is
+    unset): it is not a layout of its own, so the error is ours, naming the fields to set."""
+    config = NemotronHConfig()
+    config.layers_block_type = None
+    config.layer_types = None
+    with pytest.raises(ValueError, match="no block layout"):
+        NemotronConfig.from_any(config)
+    # a plain attribute of that name (NVIDIA's remote-code config stores the string) is read as before
+    assert (
+        NemotronConfig.from_any(
+            SimpleNamespace(
+                **{
+                    **tiny_hf_config("M*-E").to_dict(),
+                    "layers_block_type": None,
+                    "layer_types": None,
+                    "hybrid_override_pattern": "M*-E",
+                }
+            )
+        ).layers_block_type
+        == KINDS
+    )
+
+
 def test_a_raw_transformers_config_works_wherever_our_config_does() -> None:
     """Every public class or function that takes a config accepts transformers' NemotronHConfig (its
     "linear_attention" / "full_attention" names included) and builds the same thing as from `NemotronConfig`."""

@@ -11,9 +11,9 @@ import pytest
 import torch
 from am_nemotron_helpers import tiny_hf_config, tokens
 
+from am_model_io import LazyCheckpoint
 from am_models_nemotron import NemotronHForCausalLM
 from am_precision import fp32_keep_rules, match_keep_rule
-from am_precision.hf_io import LazyCheckpoint
 
 
 @pytest.fixture(scope="module")

@@ -307,3 +307,21 @@ def test_pipeline_loss_uses_given_mtp_targets_instead_of_rolling_the_labels():
     assert len(given) == 1
     assert torch.equal(given[0], targets)
     assert seen_seq_idx is None, "the targets already respect documents"
+
+
+def test_the_mtp_term_is_am_context_parallels_one_implementation() -> None:
+    """calculate_mtp_loss is a caller of am_context_parallel.mtp_loss (the models call it too): same objects, and
+    the same value as calling it directly with the shared target rule."""
+    import am_context_parallel
+    import am_pipelining
+
+    assert am_pipelining.MTPLossOutput is am_context_parallel.MTPLossOutput
+    assert am_pipelining.shift_packed_tensor is am_context_parallel.shift_packed_tensor
+    labels = torch.tensor([[1, 2, 3, 0, 1, 2]])
+    logits = [torch.randn(1, 6, 4, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    direct = am_context_parallel.mtp_loss(
+        logits, am_context_parallel.mtp_targets(labels, 2), loss_fn=_sum_ce, scaling_factor=0.5
+    )
+    torch.testing.assert_close(
+        calculate_mtp_loss(_sum_ce, mtp_per_depth_logits=logits, labels=labels, scaling_factor=0.5), direct.loss
+    )

@@ -3,9 +3,10 @@
 Layouts (`layouts`), batch sharding with upstream's padding semantics (`batch`: `make_cp_batch_and_ctx`, the one
 entry point), what a model declares to get the contiguous path (`model_protocol`), THD conversion (`thd`), the ring
 attention over point-to-point sends (`ring`, with pluggable per-chunk `kernels`), the context that routes a model's
-attention to the ring (`context`, `hf`) and checks that every attention layer reached it (`coverage`), and the
-loss/gradient reduction of a CP step (`training`). NeMo AutoModel's other spellings (torch-style entry points,
-Gemma 4's contiguous shard, the model-less `make_cp_batch_and_ctx`) live in `am_context_parallel.upstream`, which
+attention to the ring (`context`, `hf`) and checks that every attention layer reached it (`coverage`), the
+loss/gradient reduction of a CP step (`training`), and the one multi-token-prediction loss term (`mtp_loss`). NeMo
+AutoModel's other spellings (torch-style entry points, Gemma 4's contiguous shard, the model-less
+`make_cp_batch_and_ctx`) live in `am_context_parallel.upstream`, which
 this package's core never imports. Importing this package never imports transformers, transformer_engine or
 flash_attn.
 """
@@ -33,6 +34,7 @@ from .layouts import (
     pad_sequence_dim,
 )
 from .model_protocol import CP_LAYOUTS, ContiguousCPOptions, cp_local_seq_len, model_cp_options, model_cp_problems
+from .mtp_loss import MTPLossOutput, mtp_loss, mtp_targets, shift_packed_tensor
 from .ring import ring_attention
 from .ring_setup import ring_plan
 from .ring_stats import RingCommStats, count_ring_bytes
@@ -40,6 +42,11 @@ from .thd import make_cp_batch_for_te, process_input_for_thd, split_batch_into_t
 from .training import all_reduce_cp_gradients, cp_token_mean_loss
 
 __all__ = [
+    # the multi-token-prediction loss term (one implementation: am-pipelining and the models call it)
+    "mtp_loss",
+    "mtp_targets",
+    "shift_packed_tensor",
+    "MTPLossOutput",
     # layouts
     "ContiguousLayout",
     "IdentityLayout",

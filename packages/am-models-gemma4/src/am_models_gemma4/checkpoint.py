@@ -17,21 +17,27 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import torch
 from torch import nn
 
-from am_precision import cast_model_to_dtype
-from am_precision.hf_io import (
+from am_model_io import (
+    HubOptions,
     LazyCheckpoint,
     ShardedLoad,
+    load_hf_config,
     load_sharded_tensors_,
+    read_safetensors_folder,
     resolve_checkpoint_folder,
     resolve_device,
     resolve_dtype,
+    save_folder,
+    split_pretrained_kwargs,
+    state_dict_to_save,
     write_safetensors,
 )
+from am_precision import cast_model_to_dtype
 
 from .config import kv_sharing_modes, text_config_of
 from .state_dict_adapter import Gemma4StateDictAdapter
@@ -39,22 +45,8 @@ from .state_dict_adapter import Gemma4StateDictAdapter
 __all__ = ["load_pretrained", "load_sharded_checkpoint", "read_safetensors_folder", "save_pretrained"]
 
 _SHARED_KV_KEY = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
-# Keywords transformers' AutoModel passes on to a registered class; none changes what is loaded here.
-_AUTO_KWARGS = ("_from_auto", "trust_remote_code", "adapter_kwargs", "subfolder", "proxies")
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
-
-
-def read_safetensors_folder(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of a folder (`model.safetensors.index.json` shards, else `model.safetensors`) in memory at once;
-    for inspection and tests (loading reads tensor by tensor, see `LazyCheckpoint`).
-
-    Raises:
-        FileNotFoundError: no index and no model.safetensors, or a shard named by the index is absent.
-        ValueError: a file cannot be read (named), or the index is malformed.
-    """
-    with LazyCheckpoint(folder) as checkpoint:
-        return {key: checkpoint.read(key) for key in checkpoint.names()}
 
 
 def _skippable(key: str, config: Any, tied: bool) -> bool:
@@ -107,19 +99,6 @@ def _both(name: str, file_key: str) -> str:
     return file_key if file_key == name else f"{file_key} (model: {name})"
 
 
-def _pop_auto_kwargs(kwargs: dict[str, Any]) -> None:
-    """Drop what `AutoModelForCausalLM.from_pretrained` adds; refuse the ones that would change the load."""
-    for name in _AUTO_KWARGS:
-        value = kwargs.pop(name, None)
-        if name in ("adapter_kwargs", "subfolder", "proxies") and value:
-            raise ValueError(f"{name}={value!r} is not supported by this loader (load adapters / subfolders apart)")
-    if kwargs:
-        raise TypeError(
-            f"from_pretrained got keyword arguments it does not support: {sorted(kwargs)}; supported: config, "
-            "torch_dtype/dtype, device_map, revision, cache_dir, token, local_files_only, force_download"
-        )
-
-
 def load_pretrained(
     cls: type[ModelT],
     pretrained_model_name_or_path: str | os.PathLike[str],
@@ -129,11 +108,6 @@ def load_pretrained(
     dtype: Any = None,
     device_map: Any = None,
     device: Any = None,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    token: str | bool | None = None,
-    local_files_only: bool = False,
-    force_download: bool = False,
     **kwargs: Any,
 ) -> ModelT:
     """Build `cls` from the checkpoint's config and copy every tensor in, one at a time.
@@ -156,21 +130,15 @@ def load_pretrained(
             option this loader cannot honour.
         FileNotFoundError: no config.json or no safetensors files.
     """
-    from transformers import AutoConfig
-
-    _pop_auto_kwargs(kwargs)
-    root = resolve_checkpoint_folder(
-        pretrained_model_name_or_path,
-        revision=revision,
-        cache_dir=cache_dir,
-        token=token,
-        local_files_only=local_files_only,
-        force_download=force_download,
-    )
+    hub = split_pretrained_kwargs(kwargs)
+    if kwargs:
+        raise TypeError(
+            f"from_pretrained got keyword arguments it does not support: {sorted(kwargs)}; supported: config, "
+            "torch_dtype/dtype, device_map, revision, cache_dir, token, local_files_only, force_download"
+        )
+    root = resolve_checkpoint_folder(pretrained_model_name_or_path, **hub)
     if config is None:
-        if not (root / "config.json").is_file():
-            raise FileNotFoundError(f"no config.json in {root}; save_pretrained writes one next to the weights")
-        config = AutoConfig.from_pretrained(str(root))
+        config = load_hf_config(root)
     target_dtype = resolve_dtype(torch_dtype=torch_dtype, dtype=dtype, config=config)
     target = resolve_device(device_map=device_map, device=device)
     with LazyCheckpoint(root) as checkpoint:
@@ -199,12 +167,7 @@ def load_pretrained(
 def load_sharded_checkpoint(
     model: nn.Module,
     pretrained_model_name_or_path: str | os.PathLike[str],
-    *,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    token: str | bool | None = None,
-    local_files_only: bool = False,
-    force_download: bool = False,
+    **hub: Unpack[HubOptions],
 ) -> ShardedLoad:
     """Load an HF-format checkpoint into an already-sharded Gemma 4 model, each rank reading only its own blocks.
 
@@ -227,49 +190,13 @@ def load_sharded_checkpoint(
     """
     from .sharded import meta_twin, restore_constructed_buffers_
 
-    root = resolve_checkpoint_folder(
-        pretrained_model_name_or_path,
-        revision=revision,
-        cache_dir=cache_dir,
-        token=token,
-        local_files_only=local_files_only,
-        force_download=force_download,
-    )
+    root = resolve_checkpoint_folder(pretrained_model_name_or_path, **hub)
     with LazyCheckpoint(root) as checkpoint:
         sources = _check_names_and_shapes(meta_twin(model), checkpoint, root)
         report = load_sharded_tensors_(model, checkpoint, {name: [key] for name, key in sources.items()})
     restore_constructed_buffers_(model)
     model.tie_weights()  # type: ignore[operator]  # ties only when the config says so; to_empty untied it
     return report
-
-
-def _state_dict_to_save(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """The state dict `save_pretrained` writes: `state_dict` when given (it must name exactly the model's keys),
-    else `model.state_dict()`; every tensor must be full (no sharded DTensor). Raises one ValueError listing every
-    problem."""
-    from torch.distributed.tensor import DTensor
-
-    own = model.state_dict()
-    tensors = dict(own if state_dict is None else state_dict)
-    problems = []
-    if state_dict is not None:
-        missing = sorted(set(own) - set(tensors))
-        unexpected = sorted(set(tensors) - set(own))
-        if missing:
-            problems.append(f"state_dict lacks {len(missing)} of the model's keys: {missing[:5]}")
-        if unexpected:
-            problems.append(f"state_dict has {len(unexpected)} keys the model does not: {unexpected[:5]}")
-    sharded = sorted(k for k, v in tensors.items() if isinstance(v, DTensor))
-    if sharded:
-        problems.append(
-            f"{len(sharded)} tensors are sharded DTensors (expert parallel / FSDP2), e.g. {sharded[:3]}: gather "
-            "them on every rank first — `{**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` for "
-            "expert parallelism, `get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` "
-            "with FSDP2 — and pass the result as state_dict= on one rank"
-        )
-    if problems:
-        raise ValueError("save_pretrained needs the full state dict of the model:\n  - " + "\n  - ".join(problems))
-    return tensors
 
 
 def save_pretrained(
@@ -295,11 +222,8 @@ def save_pretrained(
         ValueError: sharded DTensors (expert parallel / FSDP2) in what would be written, or a state_dict whose keys
             differ from the model's (all listed); safe_serialization=False.
     """
-    tensors = _state_dict_to_save(model, state_dict)
-    root = Path(save_directory)
-    if not safe_serialization:
-        write_safetensors({}, root, max_shard_size=max_shard_size, safe_serialization=False)  # raises
-    root.mkdir(parents=True, exist_ok=True)
+    tensors = state_dict_to_save(model, state_dict)
+    root = save_folder(save_directory, safe_serialization=safe_serialization)
     config: Any = model.config
     config.architectures = [type(model).__name__]
     config.save_pretrained(str(root))

@@ -19,13 +19,16 @@ import torch
 from transformers import GenerationConfig, GenerationMixin
 from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL, GenerationMode
 
+from am_model_io import OwnCacheGenerationHooks
+
 from .cache import Gemma4HybridCache
 
 __all__ = ["Gemma4GenerationMixin"]
 
 
-class Gemma4GenerationMixin(GenerationMixin):
-    """transformers' `GenerationMixin` with the hooks a plain `nn.Module` must provide, and our cache.
+class Gemma4GenerationMixin(OwnCacheGenerationHooks, GenerationMixin):
+    """transformers' `GenerationMixin` with the hooks a plain `nn.Module` must provide, and our cache
+    (`can_generate` and the experts-implementation hooks: am-model-io's `OwnCacheGenerationHooks`).
 
     The model class calls `_init_generation_config(config)` in its `__init__`.
     """
@@ -52,10 +55,6 @@ class Gemma4GenerationMixin(GenerationMixin):
             if param.is_floating_point():
                 return param.dtype
         return torch.float32
-
-    @classmethod
-    def can_generate(cls) -> bool:
-        return True
 
     def _prepare_cache_for_generation(
         self,
@@ -90,13 +89,6 @@ class Gemma4GenerationMixin(GenerationMixin):
         return super()._prepare_cache_for_generation(  # type: ignore[misc]
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
-
-    def get_experts_implementation(self) -> dict[str, str]:
-        """transformers' hook: our experts have one implementation, nothing to switch while decoding."""
-        return {}
-
-    def set_experts_implementation(self, implementation: Any) -> None:
-        """transformers' hook (no-op, see `get_experts_implementation`)."""
 
     def prepare_inputs_for_generation(
         self,

@@ -7,7 +7,7 @@ What it is for, in the order a trainer calls it (nothing is allocated before the
     model.to_empty(device="cuda"); load_sharded_checkpoint(model, folder)   # (checkpoint.py) this rank's slices
 `materialize_sharded` runs the model's own per-module init (`model.init_module_weights`) per unit — each decoder
 layer, each other child of the text model, the untied LM head — on a full CPU twin seeded per unit
-(am_precision.materialize_sharded_), so every layout holds exactly the single process's values for the same call.
+(am_model_io.materialize_sharded_), so every layout holds exactly the single process's values for the same call.
 Buffers the constructor computes (RoPE inverse frequencies, the embedding scale) are rebuilt from the config, and
 the tied LM head is tied again. That seeded init is not the constructor's (one global RNG stream): a run comparing
 layouts uses `materialize_sharded` at every size, dp 1 included.
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import am_moe
-from am_precision import InitUnit, materialize_sharded_
+from am_model_io import InitUnit, materialize_sharded_
 
 from .config import text_config_of
 from .model import init_module_weights

@@ -48,6 +48,7 @@ from .mtp import (
     shift_within_documents,
 )
 from .outputs import NemotronHCausalLMOutputWithPast
+from .pretrained import NemotronHPreTrainedModel
 from .sharded import init_units, materialize_sharded, meta_twin
 from .ssd import segment_sum, ssd_chunked_scan, ssd_sequential_scan
 from .state_dict_adapter import NemotronStateDictAdapter
@@ -60,6 +61,7 @@ __all__ = [
     "normalize_block_types",
     # models
     "NemotronHForCausalLM",
+    "NemotronHPreTrainedModel",
     "NemotronV3Model",
     "NemotronHCausalLMOutputWithPast",
     # losses

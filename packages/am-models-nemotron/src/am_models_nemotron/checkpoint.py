@@ -17,22 +17,28 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import nn
 
 import am_moe
-from am_precision import cast_model_to_dtype, match_keep_rule
-from am_precision.hf_io import (
+from am_model_io import (
+    HubOptions,
     LazyCheckpoint,
     ShardedLoad,
+    load_hf_config,
     load_sharded_tensors_,
+    read_safetensors_folder,
     resolve_checkpoint_folder,
     resolve_device,
     resolve_dtype,
+    save_folder,
+    split_pretrained_kwargs,
+    state_dict_to_save,
     write_safetensors,
 )
+from am_precision import cast_model_to_dtype, match_keep_rule
 
 from .config import as_hf_config
 from .state_dict_adapter import NemotronStateDictAdapter
@@ -73,44 +79,6 @@ def checkpoint_adapter(config: Any, backend: Any) -> NemotronStateDictAdapter:
     return NemotronStateDictAdapter(config)
 
 
-# Keywords transformers' AutoModel passes on to a registered class; none changes what is loaded here.
-_AUTO_KWARGS = ("_from_auto", "trust_remote_code", "adapter_kwargs", "subfolder", "proxies")
-
-
-def read_safetensors_folder(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of a folder (`model.safetensors.index.json` shards, else `model.safetensors`) in memory at once;
-    for inspection and tests (loading reads tensor by tensor, see `LazyCheckpoint`).
-
-    Raises:
-        FileNotFoundError: no index and no model.safetensors, or a shard named by the index is absent.
-        ValueError: a file cannot be read (named), or the index is malformed.
-    """
-    with LazyCheckpoint(folder) as checkpoint:
-        return {key: checkpoint.read(key) for key in checkpoint.names()}
-
-
-def _is_dtensor(tensor: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
-def _load_config(folder: Path) -> Any:
-    from transformers import AutoConfig
-
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"No config.json in {folder}.")
-    return as_hf_config(AutoConfig.from_pretrained(str(folder)))
-
-
-def _pop_auto_kwargs(kwargs: dict[str, Any]) -> None:
-    """Drop what `AutoModelForCausalLM.from_pretrained` adds; refuse the ones that would change the load."""
-    for name in _AUTO_KWARGS:
-        value = kwargs.pop(name, None)
-        if name in ("adapter_kwargs", "subfolder", "proxies") and value:
-            raise ValueError(f"{name}={value!r} is not supported by this loader (load adapters / subfolders apart)")
-
-
 def load_pretrained(
     cls: Any,
     path_or_hub_id: str | os.PathLike[str],
@@ -121,11 +89,6 @@ def load_pretrained(
     dtype: Any = None,
     device_map: Any = None,
     device: torch.device | str | None = None,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    token: str | bool | None = None,
-    local_files_only: bool = False,
-    force_download: bool = False,
     **model_kwargs: Any,
 ) -> Any:
     """Build `cls` from the checkpoint's config and load every parameter and buffer strictly, tensor by tensor.
@@ -141,22 +104,15 @@ def load_pretrained(
             "meta": the model is built on the meta device and every name and shape checked against the files'
             headers, but no tensor data is read: shard it, then `load_sharded_checkpoint` (or
             `sharded.materialize_sharded`) gives each rank its own blocks.
-        model_kwargs: the constructor's keyword options (e.g. `num_nextn_predict_layers`).
+        model_kwargs: the constructor's keyword options (e.g. `num_nextn_predict_layers`); the hub options
+            (`am_model_io.HubOptions`) and the keywords `AutoModelForCausalLM` adds are taken out first.
 
     Raises:
         ValueError: missing / unexpected keys or shape mismatches (all listed), an unreadable file (named), or an
             option this loader cannot honour.
     """
-    _pop_auto_kwargs(model_kwargs)
-    folder = resolve_checkpoint_folder(
-        path_or_hub_id,
-        revision=revision,
-        cache_dir=cache_dir,
-        token=token,
-        local_files_only=local_files_only,
-        force_download=force_download,
-    )
-    config = as_hf_config(config) if config is not None else _load_config(folder)
+    folder = resolve_checkpoint_folder(path_or_hub_id, **split_pretrained_kwargs(model_kwargs))
+    config = as_hf_config(config if config is not None else load_hf_config(folder))
     target_dtype = resolve_dtype(torch_dtype=torch_dtype, dtype=dtype, config=config)
     target = resolve_device(device_map=device_map, device=device)
     with LazyCheckpoint(folder) as checkpoint:
@@ -184,12 +140,7 @@ def load_pretrained(
 def load_sharded_checkpoint(
     model: Any,
     path_or_hub_id: str | os.PathLike[str],
-    *,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    token: str | bool | None = None,
-    local_files_only: bool = False,
-    force_download: bool = False,
+    **hub: Unpack[HubOptions],
 ) -> ShardedLoad:
     """Load an HF-format checkpoint into an already-sharded model, each rank reading only the blocks it holds.
 
@@ -213,14 +164,7 @@ def load_sharded_checkpoint(
     """
     from .sharded import meta_twin
 
-    folder = resolve_checkpoint_folder(
-        path_or_hub_id,
-        revision=revision,
-        cache_dir=cache_dir,
-        token=token,
-        local_files_only=local_files_only,
-        force_download=force_download,
-    )
+    folder = resolve_checkpoint_folder(path_or_hub_id, **hub)
     adapter = NemotronStateDictAdapter(model.config)
     with LazyCheckpoint(folder) as checkpoint:
         sources = _check_names_and_shapes(type(model).__name__, meta_twin(model), checkpoint, adapter, folder)
@@ -290,33 +234,6 @@ def _materialize_unsaved_buffers(model: Any, device: torch.device) -> None:
         raise ValueError(f"{type(model).__name__}: tensors left uninitialized (meta) after loading: {left}")
 
 
-def _state_dict_to_save(model: Any, state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """The state dict `save_pretrained` writes: `state_dict` when given (it must name exactly the model's keys),
-    else `model.state_dict()`; every tensor must be full (no sharded DTensor). Raises one ValueError listing every
-    problem."""
-    own = model.state_dict()
-    tensors = dict(own if state_dict is None else state_dict)
-    problems = []
-    if state_dict is not None:
-        missing = sorted(set(own) - set(tensors))
-        unexpected = sorted(set(tensors) - set(own))
-        if missing:
-            problems.append(f"state_dict lacks {len(missing)} of the model's keys: {missing[:5]}")
-        if unexpected:
-            problems.append(f"state_dict has {len(unexpected)} keys the model does not: {unexpected[:5]}")
-    sharded = sorted(k for k, v in tensors.items() if _is_dtensor(v))
-    if sharded:
-        problems.append(
-            f"{len(sharded)} tensors are sharded DTensors (expert parallel / FSDP2), e.g. {sharded[:3]}: gather "
-            "them on every rank first — `{**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` for "
-            "expert parallelism, `get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` "
-            "with FSDP2 — and pass the result as state_dict= on one rank"
-        )
-    if problems:
-        raise ValueError("save_pretrained needs the full state dict of the model:\n  - " + "\n  - ".join(problems))
-    return tensors
-
-
 def save_pretrained(
     model: Any,
     path: str | os.PathLike[str],
@@ -342,11 +259,8 @@ def save_pretrained(
         ValueError: sharded DTensors (expert parallel / FSDP2) in what would be written, or a state_dict whose keys
             differ from the model's (all listed); safe_serialization=False.
     """
-    tensors = _state_dict_to_save(model, state_dict)
-    folder = Path(path)
-    if not safe_serialization:
-        write_safetensors({}, folder, max_shard_size=max_shard_size, safe_serialization=False)  # raises
-    folder.mkdir(parents=True, exist_ok=True)
+    tensors = state_dict_to_save(model, state_dict)
+    folder = save_folder(path, safe_serialization=safe_serialization)
     config = as_hf_config(model.config)
     config.architectures = ["NemotronHForCausalLM"]
     # The constructor may override the MTP depth count; the saved config must describe the saved weights.

@@ -13,6 +13,7 @@ object it reads.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from am_precision.hf_io import resolve_dtype
+from am_model_io import resolve_dtype
 
 __all__ = [
     "BLOCK_KINDS",
@@ -87,12 +88,14 @@ def _get(source: Any, name: str, default: Any) -> Any:
 
 
 def _has(source: Any, name: str) -> bool:
+    """Whether `source` sets `name` itself. A property of its class is a view of other fields (transformers'
+    `NemotronHConfig.hybrid_override_pattern` spells `layers_block_type` as a string and raises TypeError when that
+    list is unset), so it is not read here: the fields it derives from are checked first."""
     if isinstance(source, Mapping):
         return source.get(name) is not None
-    try:
-        return getattr(source, name, None) is not None
-    except Exception:  # a config property may raise when its backing field is unset
+    if isinstance(inspect.getattr_static(type(source), name, None), property):
         return False
+    return getattr(source, name, None) is not None
 
 
 def _time_step_limit(value: Any) -> tuple[float, float]:

@@ -3,8 +3,9 @@
 What it is for: `NemotronHGenerationMixin`, the `GenerationMixin` the causal LM derives from, holding the hooks
 transformers' `generate` calls: `prepare_inputs_for_generation` (what each decoding step's forward receives: the whole
 prompt and a fresh `NemotronHybridCache` first, then one token per step, with `cache_position` and the attention
-layers' `causal_mask_mapping` as NeMo AutoModel returns them), `_reorder_cache` (beam search), `can_generate` and the
-experts-implementation hooks. `generation_inputs` is the same step as a plain function.
+layers' `causal_mask_mapping` as NeMo AutoModel returns them), `_reorder_cache` (beam search); `can_generate` and the
+experts-implementation hooks come from am-model-io's `OwnCacheGenerationHooks`. `generation_inputs` is the same
+step as a plain function.
 What it must not do: hand transformers' own cache classes to the model (the Mamba layers need conv windows and SSM
 states), pass packing inputs while generating (a packed row cannot continue from a cache), or build a mask that lets
 a token see padding or the future (the mask is the one the forward would build from `attention_mask`).
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 from transformers import GenerationMixin
+
+from am_model_io import OwnCacheGenerationHooks
 
 from .attention import build_attention_mask
 from .cache import NemotronHybridCache
@@ -111,29 +114,19 @@ def generation_inputs(
     return model_inputs
 
 
-class NemotronHGenerationMixin(GenerationMixin):
-    """transformers' `GenerationMixin` with Nemotron-H's hooks (`generate` runs through `NemotronHybridCache`).
+class NemotronHGenerationMixin(OwnCacheGenerationHooks, GenerationMixin):
+    """transformers' `GenerationMixin` with Nemotron-H's hooks (`generate` runs through `NemotronHybridCache`;
+    `can_generate` and the experts-implementation hooks are am-model-io's `OwnCacheGenerationHooks`).
 
     The class using it provides `nemotron_config`, `dtype` and a forward that accepts `past_key_values`,
     `cache_position`, `causal_mask_mapping` and `logits_to_keep`.
     """
 
     @classmethod
-    def can_generate(cls) -> bool:
-        return True
-
-    @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         """GenerationMixin hook: False, so `generate` creates no `DynamicCache` of its own (whose `get_seq_length`
         fails without attention layers); `prepare_inputs_for_generation` creates the `NemotronHybridCache`."""
         return False
-
-    def get_experts_implementation(self) -> dict[str, str]:
-        """GenerationMixin hook: our experts have one implementation, nothing to switch while decoding."""
-        return {}
-
-    def set_experts_implementation(self, implementation: Any) -> None:
-        """GenerationMixin hook (no-op, see `get_experts_implementation`)."""
 
     def prepare_inputs_for_generation(
         self,

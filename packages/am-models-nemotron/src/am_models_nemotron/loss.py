@@ -2,9 +2,10 @@
 
 What it is for: `combined_causal_lm_loss` — the one implementation of the loss: position t's next-token target is
 labels[t + 1], MTP depth k (0-based) at position t predicts token t + k + 2, never across a document, each depth
-weighted `scaling / D`. The forward's `loss` / `mtp_loss`, `NemotronHForCausalLM.combined_loss` (the duck-typed hook
-am-pipelining's `PipelineCausalLMLoss` and the reference trainer call) and context parallelism's target preparation
-(`causal_lm_targets`) all go through it.
+weighted `scaling / D` (that MTP term, targets and sum, is am-context-parallel's `mtp_targets` / `mtp_loss`, which
+am-pipelining's `calculate_mtp_loss` calls too). The forward's `loss` / `mtp_loss`,
+`NemotronHForCausalLM.combined_loss` (the duck-typed hook am-pipelining's `PipelineCausalLMLoss` and the reference
+trainer call) and context parallelism's target preparation (`causal_lm_targets`) all go through it.
 `cross_entropy`: cross entropy over the vocabulary whose gradient is computed in the forward pass. The plain
 `F.cross_entropy` keeps a log-softmax copy of the logits for its backward and then allocates two more logits-sized
 tensors there (a zero-filled NLL gradient and the log-softmax gradient); at [B·S, V] these are the largest tensors
@@ -25,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from am_context_parallel import mtp_loss, mtp_targets
 
 from .mtp import shift_labels, shift_within_documents
 from .ssd import _compute_dtype
@@ -175,10 +178,9 @@ def causal_lm_targets(
             # Past the row the caller's label stands (it names the token after the row; -100 where there is none),
             # as without a padding mask; otherwise a trainer's full windows would lose their last target under CP.
             shifted = shifted.masked_fill(shift_within_documents(padding_mask, 1, fill_value=False), ignore_index)
-    targets = []
-    for k in range(depths):
-        target = shift_labels(shifted, k + 1, seq_idx=seq_idx, ignore_index=ignore_index)
-        targets.append(target if padding_mask is None else target.masked_fill(padding_mask, ignore_index))
+    targets = mtp_targets(shifted, depths, seq_idx=seq_idx, ignore_index=ignore_index)
+    if padding_mask is not None:
+        targets = [target.masked_fill(padding_mask, ignore_index) for target in targets]
     return shifted, targets
 
 
@@ -234,15 +236,21 @@ def combined_causal_lm_loss(
                 f"MTP: got {len(targets)} target tensors of shapes {[tuple(t.shape) for t in targets]} for {depths} "
                 f"depths; each must have the labels' shape {tuple(shifted.shape)}."
             )
-    depth_losses: list[torch.Tensor] = []
-    for hidden, target in zip(mtp_per_depth_h or [], targets, strict=True):
-        if lm_head is None:
-            raise ValueError("combined_causal_lm_loss: MTP hidden states need lm_head to become logits.")
-        depth_losses.append(loss_of(lm_head(hidden), target, empty_is_zero=True))
-    if not depth_losses:
+    if not depths:
         return CombinedLoss(loss=lm_loss, lm_loss=lm_loss, mtp_loss=None, mtp_per_depth_losses=[])
-    mtp_loss = torch.stack(depth_losses).sum() * mtp_loss_scaling_factor / len(depth_losses)
-    return CombinedLoss(loss=lm_loss + mtp_loss, lm_loss=lm_loss, mtp_loss=mtp_loss, mtp_per_depth_losses=depth_losses)
+    if lm_head is None:
+        raise ValueError("combined_causal_lm_loss: MTP hidden states need lm_head to become logits.")
+    # The MTP term is am-context-parallel's `mtp_loss`, the one implementation am-pipelining's loss calls too.
+    term = mtp_loss(
+        list(mtp_per_depth_h or []),
+        targets,
+        loss_fn=lambda logits, target: loss_of(logits, target, empty_is_zero=True),
+        scaling_factor=mtp_loss_scaling_factor,
+        project=lm_head,
+    )
+    return CombinedLoss(
+        loss=lm_loss + term.loss, lm_loss=lm_loss, mtp_loss=term.loss, mtp_per_depth_losses=term.per_depth_losses
+    )
 
 
 def sum_over_items(count: Any) -> LossFn:

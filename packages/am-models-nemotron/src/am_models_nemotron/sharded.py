@@ -6,7 +6,7 @@ What it is for, in the order a trainer calls it (torchtitan's order; nothing is 
     materialize_sharded(model, seed=0, device="cuda")                # random init, OR instead:
     model.to_empty(device="cuda"); load_sharded_checkpoint(model, folder)   # (checkpoint.py) this rank's slices
 `materialize_sharded` runs the model's own init per unit (`init_units`: the embedding, the final norm, each backbone
-layer, the LM head, each MTP sublayer) on a full CPU twin seeded per unit (am_precision.materialize_sharded_), so
+layer, the LM head, each MTP sublayer) on a full CPU twin seeded per unit (am_model_io.materialize_sharded_), so
 dp 1, FSDP2 dp 2, ep 2 and every pipeline stage hold exactly the values of the single process running the same call.
 That seeded init is not `initialize_weights()`'s (one global RNG stream over the whole model, whose values depend
 on the order of the tensors): a run that compares layouts uses `materialize_sharded` at every size, dp 1 included.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from am_precision import InitUnit, materialize_sharded_
+from am_model_io import InitUnit, materialize_sharded_
 
 from ._init import weight_of
 from .model import NemotronHForCausalLM

@@ -6,7 +6,8 @@ every position whose target would come from another packed sequence are ignored.
 `sum_k loss_k × scaling_factor / D`, added to the main loss while the model trains.
 
 This module runs on the last pipeline stage as the schedule's `loss_fn`; it does no communication and never imports
-transformers or a model package.
+transformers or a model package. The MTP term (targets and scaled sum) is am-context-parallel's `mtp_loss`, the one
+implementation the models call too; `shift_packed_tensor` and `MTPLossOutput` are re-exported from there.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from am_context_parallel import MTPLossOutput, mtp_loss, mtp_targets, shift_packed_tensor
 
 from .outputs import pipeline_output_names, read_stage_output
 
@@ -46,64 +49,11 @@ def roll_tensor(t: torch.Tensor, shifts: int = -1, dim: int = -1) -> torch.Tenso
     return rolled.index_fill(dim, index.to(t.device), 0)
 
 
-def shift_packed_tensor(
-    tensor: torch.Tensor,
-    *,
-    depth: int,
-    seq_idx: torch.Tensor | None = None,
-    fill_value: Any = 0,
-    batch_dim: int = 0,
-    seq_dim: int = 1,
-) -> torch.Tensor:
-    """Shift left by `depth` along `seq_dim` without crossing packed-sequence boundaries.
-
-    tensor: [B, S, ...] (any layout with distinct batch/sequence dims); seq_idx: [B, S] sequence id per token.
-    Position t takes the value at t+depth when that exists and belongs to the same sequence, else `fill_value`.
-    Returns fresh storage.
-
-    Raises:
-        ValueError: tensor has < 2 dims, depth <= 0, batch_dim == seq_dim, or seq_idx's shape is not [B, S].
-    """
-    if tensor.dim() < 2:
-        raise ValueError(f"shift_packed_tensor needs a tensor with batch and sequence dims, got shape {tensor.shape}.")
-    if depth <= 0:
-        raise ValueError(f"depth must be positive, got {depth}.")
-    batch_dim %= tensor.dim()
-    seq_dim %= tensor.dim()
-    if batch_dim == seq_dim:
-        raise ValueError(f"batch_dim and seq_dim must differ, both are {batch_dim}.")
-    batch, seq = tensor.shape[batch_dim], tensor.shape[seq_dim]
-    if seq_idx is not None and tuple(seq_idx.shape) != (batch, seq):
-        raise ValueError(f"seq_idx must have shape ({batch}, {seq}) = (B, S), got {tuple(seq_idx.shape)}.")
-    positions = torch.arange(seq, device=tensor.device)
-    source = positions + depth
-    valid = (source < seq).unsqueeze(0).expand(batch, seq)
-    source = source.clamp(max=seq - 1)
-    if seq_idx is not None:
-        valid = valid & (seq_idx.index_select(1, source) == seq_idx)
-    shifted = tensor.index_select(seq_dim, source)
-    # Broadcast the [B, S] validity onto the tensor's layout.
-    shape = [1] * tensor.dim()
-    shape[batch_dim], shape[seq_dim] = batch, seq
-    order = sorted([batch_dim, seq_dim])
-    mask = valid if order == [batch_dim, seq_dim] else valid.t()
-    mask = mask.reshape(shape)
-    return torch.where(mask, shifted, torch.as_tensor(fill_value, dtype=tensor.dtype, device=tensor.device))
-
-
 def get_mtp_loss_scaling_factor(model: Any, default: float = 0.1) -> float:
     """`model.mtp_config.loss_scaling_factor` when the model has an MTP config, else `default`."""
     mtp_config = getattr(model, "mtp_config", None)
     value = getattr(mtp_config, "loss_scaling_factor", None) if mtp_config is not None else None
     return float(value) if value is not None else default
-
-
-@dataclass
-class MTPLossOutput:
-    """Scaled MTP loss and the unscaled per-depth losses (graphs kept)."""
-
-    loss: torch.Tensor
-    per_depth_losses: list[torch.Tensor]
 
 
 def _call_loss(
@@ -176,7 +126,8 @@ def calculate_mtp_loss(
     grad_reduce_group: Any = None,
     return_per_depth: bool = False,
 ) -> torch.Tensor | MTPLossOutput:
-    """MTP loss: `sum_k loss_fn(logits_k, targets_k) × scaling_factor / D` over depths k = 0..D-1.
+    """MTP loss: `sum_k loss_fn(logits_k, targets_k) × scaling_factor / D` over depths k = 0..D-1 (upstream's
+    signature and checks over am-context-parallel's `mtp_targets` / `mtp_loss`, the one implementation).
 
     Args:
         loss_fn: `(logits [B, S, V], labels [B, S]) -> scalar` (may accept `num_label_tokens=`).
@@ -213,19 +164,18 @@ def calculate_mtp_loss(
                 )
         targets = list(mtp_per_depth_targets)
     else:
-        seq_idx = _resolve_seq_idx(labels, seq_idx, cu_seqlens)
-        # Depth k's target at t is the label k + 1 positions on, within the document: the one shift rule.
-        rows, row_ids = (
-            (labels, seq_idx) if labels.dim() == 2 else (labels[None], None if seq_idx is None else seq_idx[None])
+        targets = mtp_targets(
+            labels, depths, seq_idx=_resolve_seq_idx(labels, seq_idx, cu_seqlens), ignore_index=ignore_index
         )
-        targets = [
-            shift_packed_tensor(rows, depth=k + 1, seq_idx=row_ids, fill_value=ignore_index).view_as(labels)
-            for k in range(depths)
-        ]
-    project = _output_projection(model, lm_weight) if mtp_per_depth_h is not None else (lambda x: x)
-    per_depth = [_call_loss(loss_fn, project(o), t, num_label_tokens) for o, t in zip(outputs, targets, strict=True)]
-    loss = torch.stack(per_depth).sum() * scaling_factor / depths
-    return MTPLossOutput(loss, per_depth) if return_per_depth else loss
+    # The term itself is am-context-parallel's `mtp_loss`, the one implementation the models call too.
+    out = mtp_loss(
+        outputs,
+        targets,
+        loss_fn=lambda logits, target: _call_loss(loss_fn, logits, target, num_label_tokens),
+        scaling_factor=scaling_factor,
+        project=_output_projection(model, lm_weight) if mtp_per_depth_h is not None else None,
+    )
+    return out if return_per_depth else out.loss
 
 
 class PipelineCausalLMLoss(nn.Module):

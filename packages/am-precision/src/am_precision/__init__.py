@@ -45,7 +45,6 @@ from .flags import (
 from .fsdp_sync import fsdp_units, prepare_for_final_backward, prepare_for_grad_accumulation
 from .keep_rules import KeepRule, canonical_name, fp32_keep_rules, match_keep_rule
 from .lm_head import compute_lm_head_logits
-from .materialize import InitUnit, local_region, materialize_sharded_, unit_seed
 from .modules import Float32RMSNorm, initialize_linear_module, initialize_rms_norm_module
 from .report import Fp32Report, TensorPrecision, assert_fp32_contract, fp32_report
 from .rope import fused_rope, get_rope_config, quack_rope
@@ -102,11 +101,6 @@ __all__ = [
     "assert_fp32_contract",
     "Fp32Report",
     "TensorPrecision",
-    # materializing a meta-built, sharded model (seeded, layout-independent)
-    "InitUnit",
-    "materialize_sharded_",
-    "unit_seed",
-    "local_region",
     # lm head and rope
     "compute_lm_head_logits",
     "fused_rope",

@@ -1,4 +1,4 @@
-"""am_precision.materialize: seeded per-unit materialization of a meta-built model (single process here; the model
+"""am_model_io.materialize: seeded per-unit materialization of a meta-built model (single process here; the model
 packages test FSDP2 / ep layouts against it on gloo ranks). Contract: values depend on (seed, unit name) only,
 the global RNG is untouched, and every tensor is accounted for or the call refuses, naming what is wrong."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from am_precision import InitUnit, local_region, materialize_sharded_, unit_seed
+from am_model_io import InitUnit, local_region, materialize_sharded_, unit_seed
 
 
 class _Toy(nn.Module):

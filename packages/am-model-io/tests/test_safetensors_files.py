@@ -1,4 +1,4 @@
-"""am_precision.hf_io: transformers' loading keywords resolved to one dtype / device, lazy safetensors folders,
+"""am_model_io: transformers' loading keywords resolved to one dtype / device, lazy safetensors folders,
 and the huggingface_hub writer (shards + index). Model-level loading is tested in the model packages."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from am_precision.hf_io import (
+from am_model_io import (
     INDEX_FILE,
     SINGLE_FILE,
     LazyCheckpoint,
@@ -69,7 +69,7 @@ def test_missing_shard_and_damaged_file_are_named(tmp_path: Path) -> None:
 
 def test_only_file_errors_are_reported_as_a_damaged_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """safetensors' own error and OS errors name the file; anything else (a bug) propagates unchanged."""
-    import am_precision.hf_io as hf_io
+    import am_model_io.safetensors_files as hf_io
 
     write_safetensors(_tensors(), tmp_path, max_shard_size=None, safe_serialization=True)
 

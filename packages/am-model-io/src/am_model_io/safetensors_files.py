@@ -1,15 +1,12 @@
-"""transformers-style loading options and lazy safetensors folders, shared by `from_pretrained` / `save_pretrained`.
+"""Safetensors checkpoint folders, read tensor by tensor or block by block, and written by huggingface_hub.
 
-What it is for: turning `from_pretrained`'s transformers keywords (`torch_dtype` / `dtype`, `device_map`, `revision`
-and the hub options) into one dtype and one device, or refusing them; resolving a folder or a hub id
-(`huggingface_hub.snapshot_download`, imported lazily); reading a checkpoint folder tensor by tensor
-(`LazyCheckpoint`: `safe_open` handles, shapes known before any data is read); writing one with
-`huggingface_hub.save_torch_state_dict` (shards and the index file are huggingface_hub's).
-What it must not do: know model names or layouts (each model package's state-dict adapter and `checkpoint.py`
-do), read a whole checkpoint into memory, or accept an option it does not honour.
-It lives here because both model packages need it and neither may import the other; every model package already
-depends on am-precision. It needs the `hf` extra (`pip install "am-precision[hf]"`: safetensors, huggingface_hub)
-and is not imported by `am_precision/__init__.py`, so the core package stays torch-only.
+What it is for: `LazyCheckpoint` (a folder's `model.safetensors.index.json` shards or `model.safetensors`: keys,
+shapes and dtypes from the file headers before any data is read, one tensor or one block of a tensor at a time),
+`load_sharded_tensors_` (fill a materialized, possibly sharded model, each rank reading only the blocks it holds),
+`read_safetensors_folder` (everything at once, for inspection and tests) and `write_safetensors` (shards and the
+index file are huggingface_hub's, imported when called).
+What it must not do: know model names or layouts (each model package's state-dict adapter and `checkpoint.py` do),
+read a whole checkpoint into memory on the loading paths, or accept an option it does not honour.
 """
 
 from __future__ import annotations
@@ -33,9 +30,7 @@ __all__ = [
     "LazyCheckpoint",
     "ShardedLoad",
     "load_sharded_tensors_",
-    "resolve_checkpoint_folder",
-    "resolve_device",
-    "resolve_dtype",
+    "read_safetensors_folder",
     "write_safetensors",
 ]
 
@@ -53,85 +48,6 @@ _SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-
-
-def resolve_dtype(*, torch_dtype: Any, dtype: Any, config: Any) -> torch.dtype | None:
-    """One dtype from transformers' two spellings (`torch_dtype`, `dtype`); "auto" reads the config's dtype.
-
-    None keeps the checkpoint's dtypes. Raises ValueError when both are given and differ, or a string names no dtype.
-    """
-    if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
-        raise ValueError(f"torch_dtype={torch_dtype!r} and dtype={dtype!r} disagree; pass one of them (same meaning)")
-    chosen = dtype if dtype is not None else torch_dtype
-    if chosen == "auto":
-        chosen = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if chosen is None or isinstance(chosen, torch.dtype):
-        return chosen
-    resolved = getattr(torch, str(chosen).removeprefix("torch."), None)
-    if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"dtype {chosen!r} is not a torch dtype (e.g. torch.bfloat16, 'bfloat16', 'auto')")
-    return resolved
-
-
-def resolve_device(*, device_map: Any, device: Any) -> torch.device:
-    """The one device every tensor is loaded to: None / "cpu" / a single device (`"cuda:0"`, `0`, a
-    `torch.device`, or `{"": device}`). Anything that spreads the model ("auto", "balanced", a per-module dict) is
-    refused: this loader places the whole model on one device; shard it afterwards with the parallel wrappers."""
-    if device_map is not None and device is not None:
-        raise ValueError(f"device_map={device_map!r} and device={device!r} both given; pass one of them")
-    chosen = device if device_map is None else device_map
-    if isinstance(chosen, dict) and set(chosen) == {""}:
-        chosen = chosen[""]
-    if chosen is None:
-        return torch.device("cpu")
-    if isinstance(chosen, torch.device | int):
-        return torch.device(chosen)
-    if isinstance(chosen, str) and chosen not in ("auto", "balanced", "balanced_low_0", "sequential"):
-        try:
-            return torch.device(chosen)
-        except RuntimeError:
-            pass
-    raise ValueError(
-        f"device_map={chosen!r} cannot be honoured: only None, 'cpu', or one device ('cuda:0', 0, torch.device, "
-        "{'': device}) are supported; the whole model is loaded on that device (no offloading or splitting across "
-        "devices; use the am-* parallel wrappers to shard a loaded model)"
-    )
-
-
-def resolve_checkpoint_folder(
-    path_or_hub_id: str | os.PathLike[str],
-    *,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    token: str | bool | None = None,
-    local_files_only: bool = False,
-    force_download: bool = False,
-) -> Path:
-    """A folder that exists is used as is; otherwise the string is a hub id, downloaded (config and safetensors
-    only) with `huggingface_hub.snapshot_download` at `revision`. A path-like that does not exist is an error."""
-    path = Path(path_or_hub_id)
-    if path.is_dir():
-        if revision is not None:
-            raise ValueError(f"revision={revision!r} given for the local folder {path}; revisions select hub commits")
-        return path
-    if path.exists():
-        raise NotADirectoryError(f"{path} is a file; pass the checkpoint folder (config.json + *.safetensors)")
-    text = str(path_or_hub_id)
-    if not isinstance(path_or_hub_id, str) or text.startswith(("/", ".", "~")) or text.count("/") > 1:
-        raise FileNotFoundError(f"no checkpoint folder {text}, and it is not a hub id of the form 'org/name'")
-    from huggingface_hub import snapshot_download  # lazily: only hub ids need it
-
-    return Path(
-        snapshot_download(
-            repo_id=text,
-            revision=revision,
-            cache_dir=None if cache_dir is None else Path(cache_dir),
-            token=token,
-            local_files_only=local_files_only,
-            force_download=force_download,
-            allow_patterns=["*.json", "*.safetensors"],
-        )
-    )
 
 
 class LazyCheckpoint:
@@ -242,6 +158,18 @@ class LazyCheckpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def read_safetensors_folder(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder (`model.safetensors.index.json` shards, else `model.safetensors`) in memory at once;
+    for inspection and tests (loading reads tensor by tensor, see `LazyCheckpoint`).
+
+    Raises:
+        FileNotFoundError: no index and no model.safetensors, or a shard named by the index is absent.
+        ValueError: a file cannot be read (named), or the index is malformed.
+    """
+    with LazyCheckpoint(folder) as checkpoint:
+        return {key: checkpoint.read(key) for key in checkpoint.names()}
 
 
 @dataclass(frozen=True)

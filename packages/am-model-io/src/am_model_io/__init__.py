@@ -1,0 +1,61 @@
+"""am-model-io: the plumbing every model package shares to get weights in and out.
+
+HF-format checkpoint folders (safetensors read tensor by tensor or block by block, written by huggingface_hub),
+transformers' `from_pretrained` keywords resolved or refused, seeded per-rank materialization of a meta-built,
+sharded model, and the `generate()` hooks of a model with its own cache. Model packages build their
+`from_pretrained` / `save_pretrained` / `materialize_sharded` on it; it knows no model.
+
+Importing it imports torch and safetensors; huggingface_hub and transformers are imported only by the functions
+that need them (a hub download, writing shards, reading a config).
+"""
+
+from ._version import __version__
+from .generation import OwnCacheGenerationHooks
+from .materialize import InitUnit, local_region, materialize_sharded_, unit_seed
+from .pretrained import (
+    HubOptions,
+    load_hf_config,
+    resolve_checkpoint_folder,
+    resolve_device,
+    resolve_dtype,
+    save_folder,
+    split_pretrained_kwargs,
+    state_dict_to_save,
+)
+from .safetensors_files import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    LazyCheckpoint,
+    ShardedLoad,
+    load_sharded_tensors_,
+    read_safetensors_folder,
+    write_safetensors,
+)
+
+__all__ = [
+    # safetensors folders
+    "LazyCheckpoint",
+    "ShardedLoad",
+    "load_sharded_tensors_",
+    "read_safetensors_folder",
+    "write_safetensors",
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    # from_pretrained / save_pretrained
+    "HubOptions",
+    "split_pretrained_kwargs",
+    "resolve_checkpoint_folder",
+    "resolve_dtype",
+    "resolve_device",
+    "load_hf_config",
+    "state_dict_to_save",
+    "save_folder",
+    # materializing a meta-built, sharded model (seeded, layout-independent)
+    "InitUnit",
+    "materialize_sharded_",
+    "unit_seed",
+    "local_region",
+    # generate()
+    "OwnCacheGenerationHooks",
+    "__version__",
+]
