@@ -39,8 +39,10 @@ TIED_COPY_BYTES = 256 * 32 * 4
         (["--model", "llama", "--pp", "2", "--dtype", "fp32"], 0),
         (["--model", "nemotron", "--dp", "2", "--ep", "2", "--layers", "4"], 0),
         (["--model", "gemma4-moe", "--pp", "2", "--dp", "2", "--ep", "2", "--layers", "4"], TIED_COPY_BYTES),
+        # no MTP (as the published Nemotron 3 Nano config): the last stage returns bare logits
+        (["--model", "nemotron", "--pp", "2", "--layers", "4", "--mtp-depths", "0"], 0),
     ],
-    ids=["llama-pp2", "nemotron-dp2-fsdp-ep2", "gemma4-moe-pp2-dp2-ep2"],
+    ids=["llama-pp2", "nemotron-dp2-fsdp-ep2", "gemma4-moe-pp2-dp2-ep2", "nemotron-pp2-no-mtp"],
 )
 def test_parameter_bytes_of_all_ranks_add_up_to_the_model(layout: list[str], held_twice: int, tmp_path: Path) -> None:
     report = _dry([*TINY_ARGS, *layout], tmp_path)

@@ -29,7 +29,7 @@ from am_precision import BackendConfig, initialize_linear_module, yield_fp32_mod
 from . import pipeline_stage
 from ._init import weight_of
 from .backbone import NemotronV3Model, move_buffers_
-from .backend import expert_parallel_options, resolve_backend
+from .backend import resolve_backend
 from .cache import NemotronHybridCache
 from .config import NemotronConfig, as_hf_config, construction_dtype
 from .forward_inputs import resolve_forward_inputs
