@@ -119,3 +119,33 @@ def test_bf16_load_pins_exactly_what_the_keep_lists_name(tmp_path: Path) -> None
 def test_missing_folder_contents_are_reported(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         Gemma4ForCausalLM.from_pretrained(tmp_path)
+
+
+def test_without_the_hf_adapter_the_native_keys_are_written_and_read(tmp_path: Path) -> None:
+    """`BackendConfig(enable_hf_state_dict_adapter=False)` (upstream: the model has no adapter): save_pretrained
+    writes the model's own keys (`layers.N.moe.*`), from_pretrained / load_sharded_checkpoint read them back exactly,
+    and a folder in transformers' layout is refused naming the keys it lacks."""
+    from am_models_gemma4 import load_sharded_checkpoint
+    from am_precision import BackendConfig
+
+    native = BackendConfig(attn="sdpa", linear="torch", experts="torch", dispatcher="torch",
+                           enable_hf_state_dict_adapter=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(text_config(moe=True), backend=native)
+    perturb_(model)
+    model.save_pretrained(tmp_path / "native")
+    keys = set(read_safetensors_folder(tmp_path / "native"))
+    assert "model.layers.0.moe.router.per_expert_scale" in keys
+    assert "model.layers.0.router.per_expert_scale" not in keys
+    loaded = Gemma4ForCausalLM.from_pretrained(tmp_path / "native", backend=native)
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    meta = Gemma4ForCausalLM.from_pretrained(tmp_path / "native", backend=native, device_map="meta")
+    meta.to_empty(device="cpu")
+    load_sharded_checkpoint(meta, tmp_path / "native")
+    for (name, a), (_, b) in zip(model.state_dict().items(), meta.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    # the native layout reads only the model's own names: a folder in transformers' layout is refused
+    _, hf_folder = _saved(tmp_path)
+    with pytest.raises(ValueError, match=r"missing keys .*model\.layers\.0\.moe\.router\.per_expert_scale"):
+        Gemma4ForCausalLM.from_pretrained(hf_folder, backend=native)

@@ -72,11 +72,6 @@ def backend_problems(backend: BackendConfig) -> list[str]:
         value = getattr(backend, name)
         if value not in SUPPORTED_BACKENDS[name]:
             problems.append(f"{name}={value!r}: {_WHY[name]}")
-    if not backend.enable_hf_state_dict_adapter:
-        problems.append(
-            "enable_hf_state_dict_adapter=False: Gemma 4's from_pretrained / save_pretrained always use transformers' "
-            "Gemma 4 layout (its state dict differs only in the MoE names); leave it True"
-        )
     return problems
 
 

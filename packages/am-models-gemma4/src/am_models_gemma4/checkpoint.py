@@ -40,7 +40,7 @@ from am_model_io import (
 from am_precision import cast_model_to_dtype
 
 from .config import kv_sharing_modes, text_config_of
-from .state_dict_adapter import Gemma4StateDictAdapter
+from .state_dict_adapter import Gemma4StateDictAdapter, NativeStateDictLayout, checkpoint_adapter
 
 __all__ = ["load_pretrained", "load_sharded_checkpoint", "read_safetensors_folder", "save_pretrained"]
 
@@ -60,17 +60,31 @@ def _skippable(key: str, config: Any, tied: bool) -> bool:
     return index < len(modes) and modes[index] == "reuse"
 
 
-def _check_names_and_shapes(model: nn.Module, checkpoint: LazyCheckpoint, folder: Path) -> dict[str, str]:
+Layout = type[Gemma4StateDictAdapter] | type[NativeStateDictLayout]
+
+
+def _backend_of(model: nn.Module) -> Any:
+    """The `BackendConfig` the model was built with (its text model holds it; None: the defaults)."""
+    for module in model.modules():
+        backend = getattr(module, "backend", None)
+        if backend is not None and hasattr(backend, "enable_hf_state_dict_adapter"):
+            return backend
+    return None
+
+
+def _check_names_and_shapes(
+    model: nn.Module, checkpoint: LazyCheckpoint, folder: Path, layout: Layout = Gemma4StateDictAdapter
+) -> dict[str, str]:
     """Our name -> the checkpoint key it is read from, after checking every name and shape (file headers only)."""
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", True))
     expected = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     source = {}
     for key in checkpoint.names():
-        name = Gemma4StateDictAdapter.internal_key(key)
+        name = layout.internal_key(key)
         if name in expected or not _skippable(key, config, tied):
             source[name] = key
-    provided = Gemma4StateDictAdapter.from_hf(checkpoint.meta_state_dict(source.values()))
+    provided = layout.from_hf(checkpoint.meta_state_dict(source.values()))
     missing = sorted(set(expected) - set(provided))
     unexpected = sorted(set(provided) - set(expected))
     mismatched = [
@@ -80,7 +94,7 @@ def _check_names_and_shapes(model: nn.Module, checkpoint: LazyCheckpoint, folder
     ]
     problems = []
     if missing:
-        named = [_both(k, next(iter(Gemma4StateDictAdapter.to_hf({k: expected[k]})))) for k in missing]
+        named = [_both(k, next(iter(layout.to_hf({k: expected[k]})))) for k in missing]
         problems.append(f"missing keys ({len(missing)}): {named}")
     if unexpected:
         problems.append(f"unexpected keys ({len(unexpected)}): {[_both(k, source[k]) for k in unexpected]}")
@@ -108,6 +122,7 @@ def load_pretrained(
     dtype: Any = None,
     device_map: Any = None,
     device: Any = None,
+    backend: Any = None,
     **kwargs: Any,
 ) -> ModelT:
     """Build `cls` from the checkpoint's config and copy every tensor in, one at a time.
@@ -124,6 +139,8 @@ def load_pretrained(
         device_map / device: one device for the whole model (None: CPU); splitting across devices is refused.
             "meta": the model is built on the meta device and every name and shape checked against the files'
             headers, but no tensor data is read: shard it, then `load_sharded_checkpoint` gives each rank its blocks.
+        backend: the model's `BackendConfig` (None: its defaults); with `enable_hf_state_dict_adapter=False` the
+            folder holds the model's native keys (`layers.N.moe.*`) instead of transformers'.
 
     Raises:
         ValueError: missing/unexpected keys or shape mismatches (all listed), an unreadable file (named), or an
@@ -134,27 +151,29 @@ def load_pretrained(
     if kwargs:
         raise TypeError(
             f"from_pretrained got keyword arguments it does not support: {sorted(kwargs)}; supported: config, "
-            "torch_dtype/dtype, device_map, revision, cache_dir, token, local_files_only, force_download"
+            "torch_dtype/dtype, device_map, backend, revision, cache_dir, token, local_files_only, force_download"
         )
     root = resolve_checkpoint_folder(pretrained_model_name_or_path, **hub)
     if config is None:
         config = load_hf_config(root)
     target_dtype = resolve_dtype(torch_dtype=torch_dtype, dtype=dtype, config=config)
     target = resolve_device(device_map=device_map, device=device)
+    built: dict[str, Any] = {} if backend is None else {"backend": backend}
+    layout = checkpoint_adapter(backend)
     with LazyCheckpoint(root) as checkpoint:
         if target.type == "meta":  # the layout only: every name and shape checked, no data read
             with torch.device("meta"):
-                model = cls(config)
-            _check_names_and_shapes(model, checkpoint, root)
+                model = cls(config, **built)
+            _check_names_and_shapes(model, checkpoint, root, layout)
             if target_dtype is not None and target_dtype != torch.float32:
                 cast_model_to_dtype(model, target_dtype)
             return model
-        model = cls(config)
-        sources = _check_names_and_shapes(model, checkpoint, root)
+        model = cls(config, **built)
+        sources = _check_names_and_shapes(model, checkpoint, root, layout)
         state = model.state_dict()
         with torch.no_grad():
             for name, key in sources.items():
-                (tensor,) = Gemma4StateDictAdapter.from_hf({key: checkpoint.read(key)}).values()
+                (tensor,) = layout.from_hf({key: checkpoint.read(key)}).values()
                 state[name].copy_(tensor)
                 del tensor  # before the next read: one tensor in flight at a time
     if target.type != "cpu":
@@ -175,7 +194,8 @@ def load_sharded_checkpoint(
         device="meta")` or `from_pretrained(folder, device_map="meta")`), then split into a pipeline stage,
         expert-parallel (`apply_expert_parallel`: `[E, out, in]` stacks split over ep) and/or FSDP2-wrapped, then
         `to_empty(device=...)`. Plain tensors are read whole; DTensors read their own block
-        (`safe_open(...).get_slice`). Names come from `Gemma4StateDictAdapter`.
+        (`safe_open(...).get_slice`). Names come from `Gemma4StateDictAdapter` (the native keys when the model's
+        backend says `enable_hf_state_dict_adapter=False`).
     The strict check runs once, on the files' headers, against the whole model (`sharded.meta_twin`): missing or
     unexpected tensors and shape mismatches are named as the files name them. Buffers no checkpoint holds (RoPE
     frequencies, the embedding scale, expert load counters) are recomputed; a tied LM head is tied again. No
@@ -192,7 +212,7 @@ def load_sharded_checkpoint(
 
     root = resolve_checkpoint_folder(pretrained_model_name_or_path, **hub)
     with LazyCheckpoint(root) as checkpoint:
-        sources = _check_names_and_shapes(meta_twin(model), checkpoint, root)
+        sources = _check_names_and_shapes(meta_twin(model), checkpoint, root, checkpoint_adapter(_backend_of(model)))
         report = load_sharded_tensors_(model, checkpoint, {name: [key] for name, key in sources.items()})
     restore_constructed_buffers_(model)
     model.tie_weights()  # type: ignore[operator]  # ties only when the config says so; to_empty untied it
@@ -207,7 +227,8 @@ def save_pretrained(
     safe_serialization: bool = True,
     state_dict: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
-    """Write `config.json` and the weights with transformers' names (tied LM head once).
+    """Write `config.json` and the weights with transformers' names (tied LM head once; the model's native keys when
+    its backend says `enable_hf_state_dict_adapter=False`).
 
     Args:
         max_shard_size: above it ("5GB", "200MB" or bytes) the weights are split into
@@ -229,4 +250,5 @@ def save_pretrained(
     config.save_pretrained(str(root))
     tied = bool(getattr(config, "tie_word_embeddings", True))
     state = {k: v for k, v in tensors.items() if not (tied and k == "lm_head.weight")}
-    write_safetensors(Gemma4StateDictAdapter.to_hf(state), root, max_shard_size=max_shard_size, safe_serialization=True)
+    layout = checkpoint_adapter(_backend_of(model))
+    write_safetensors(layout.to_hf(state), root, max_shard_size=max_shard_size, safe_serialization=True)

@@ -12,10 +12,11 @@ every tensor is handed on as the same object).
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 
-__all__ = ["Gemma4StateDictAdapter"]
+__all__ = ["Gemma4StateDictAdapter", "NativeStateDictLayout", "checkpoint_adapter"]
 
 _HF_MOE = re.compile(r"^(?P<prefix>.*layers\.\d+\.)(?P<part>router|experts)\.(?P<rest>.+)$")
 _OUR_MOE = re.compile(r"^(?P<prefix>.*layers\.\d+\.)moe\.(?P<part>router|experts)\.(?P<rest>.+)$")
@@ -43,3 +44,28 @@ class Gemma4StateDictAdapter:
             match = _OUR_MOE.match(key)
             out[key if match is None else f"{match['prefix']}{match['part']}.{match['rest']}"] = tensor
         return out
+
+
+class NativeStateDictLayout:
+    """The checkpoint layout of `BackendConfig(enable_hf_state_dict_adapter=False)`: the model's own state-dict keys
+    (`layers.N.moe.router.*`, `layers.N.moe.experts.*`), written and read as they are (upstream: no adapter)."""
+
+    @staticmethod
+    def internal_key(key: str) -> str:
+        return key
+
+    @staticmethod
+    def from_hf(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(state_dict)
+
+    @staticmethod
+    def to_hf(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(state_dict)
+
+
+def checkpoint_adapter(backend: Any) -> type[Gemma4StateDictAdapter] | type[NativeStateDictLayout]:
+    """The layout `from_pretrained` / `save_pretrained` / `load_sharded_checkpoint` use: transformers' names
+    (`Gemma4StateDictAdapter`), or the native keys when `backend.enable_hf_state_dict_adapter` is False."""
+    if backend is not None and not backend.enable_hf_state_dict_adapter:
+        return NativeStateDictLayout
+    return Gemma4StateDictAdapter
