@@ -45,12 +45,14 @@ def test_scale_exponents_follow_the_rceil_rule_exactly() -> None:
         row[0] = amax / 3
         rows.append(row)
     data, scales = mx.quantize_mxfp8(torch.stack(rows))
-    assert data.dtype == torch.float8_e4m3fn and scales.dtype == torch.float8_e8m0fnu
+    assert data.dtype == torch.float8_e4m3fn
+    assert scales.dtype == torch.float8_e8m0fnu
     assert scales.shape == (len(amaxes), 1)
     biased = scales.view(torch.uint8).flatten().tolist()
     assert [b - 127 for b in biased] == [_expected_exponent(a) for a in amaxes]
     # powers of two times 448 are exact: amax 448 -> scale 1, 224 -> 2**-1
-    assert biased[0] == 127 and biased[2] == 126
+    assert biased[0] == 127
+    assert biased[2] == 126
     nan_block = torch.zeros(1, 32)
     nan_block[0, 3] = float("nan")
     assert mx.quantize_mxfp8(nan_block)[1].view(torch.uint8).item() == 0xFF
@@ -96,7 +98,8 @@ def test_blocked_layout_is_cublas_and_from_blocked_inverts_it(rows: int, cols: i
     assert torch.equal(mx.from_blocked(blocked, rows, cols), scales)
     e8m0 = (torch.arange(rows * cols) % 250).to(torch.uint8).view(torch.float8_e8m0fnu).reshape(rows, cols)
     back = mx.from_blocked(mx.to_blocked(e8m0), rows, cols)
-    assert back.dtype == torch.float8_e8m0fnu and torch.equal(back.view(torch.uint8), e8m0.view(torch.uint8))
+    assert back.dtype == torch.float8_e8m0fnu
+    assert torch.equal(back.view(torch.uint8), e8m0.view(torch.uint8))
 
 
 def test_operands_pad_groups_to_32_rows_and_block_scales_per_group() -> None:
@@ -106,8 +109,10 @@ def test_operands_pad_groups_to_32_rows_and_block_scales_per_group() -> None:
     weight = torch.randn(5, 48, 64, generator=gen).bfloat16()
     ops = mx.mxfp8_operands(x, weight, sizes)
     assert ops.padded_sizes == [32, 0, 64, 64, 32]
-    assert ops.offs.dtype == torch.int32 and ops.offs.tolist() == [32, 32, 96, 160, 192]
-    assert ops.data_a.shape == (192, 64) and ops.data_a.dtype == torch.float8_e4m3fn
+    assert ops.offs.dtype == torch.int32
+    assert ops.offs.tolist() == [32, 32, 96, 160, 192]
+    assert ops.data_a.shape == (192, 64)
+    assert ops.data_a.dtype == torch.float8_e4m3fn
     # the real rows sit at the start of their padded group, in order; the padding rows are zero
     assert ops.rows.tolist() == [*range(0, 3), *range(32, 72), *range(96, 129), *range(160, 192)]
     padding = torch.ones(192, dtype=torch.bool)
@@ -115,7 +120,8 @@ def test_operands_pad_groups_to_32_rows_and_block_scales_per_group() -> None:
     assert (ops.data_a[padding].float() == 0).all()
     # scale_a: each non-empty group blocked on its own, 128 rows per group of up to 128, K/32 = 2 -> 4 columns;
     # what torch's kernel checks: rows >= M
-    assert ops.scale_a.shape == (4 * 128, 4) and ops.scale_a.dtype == torch.float8_e8m0fnu
+    assert ops.scale_a.shape == (4 * 128, 4)
+    assert ops.scale_a.dtype == torch.float8_e8m0fnu
     assert ops.scale_a.shape[0] >= ops.data_a.shape[0]
     # scale_b: [G, round_up(N, 128) * round_up(K/32, 4)], torch's check for the 3-D operand
     assert ops.scale_b.shape == (5, 128 * 4)
@@ -141,7 +147,8 @@ def test_grouped_gemm_on_the_kernel_operands_equals_the_dequantized_reference(si
     x.requires_grad_()
     weight.requires_grad_()
     out = mx.mxfp8_grouped_linear(x, weight, sizes, emulate=True)
-    assert out.dtype == torch.bfloat16 and out.shape == (sum(sizes) + 2, 96)
+    assert out.dtype == torch.bfloat16
+    assert out.shape == (sum(sizes) + 2, 96)
     assert torch.equal(out[sum(sizes) :], torch.zeros(2, 96, dtype=torch.bfloat16))
     total = sum(sizes)
     reference = _dequantized_reference(x.detach()[:total].float(), weight.detach().float(), sizes)
@@ -159,7 +166,8 @@ def test_grouped_gemm_on_the_kernel_operands_equals_the_dequantized_reference(si
     w_ref = weight.detach().float().requires_grad_()
     ref = torch.cat([p @ w.T for p, w in zip(x_ref[:total].split(sizes), w_ref.unbind(0), strict=True)])
     ref.backward(grad[:total].float())
-    assert x.grad is not None and weight.grad is not None
+    assert x.grad is not None
+    assert weight.grad is not None
     torch.testing.assert_close(x.grad[:total].float(), x_ref.grad[:total], rtol=BF16_TOL, atol=BF16_TOL)
     assert torch.equal(x.grad[total:], torch.zeros_like(x.grad[total:]))
     w_expected = w_ref.grad if w_ref.grad is not None else torch.zeros_like(w_ref)
@@ -172,9 +180,12 @@ def test_mxfp8_is_refused_off_blackwell_naming_what_is_missing() -> None:
     message = str(err.value)
     assert "only on CUDA, not 'cpu'" in message
     assert "bf16 inputs" in message
-    assert "[48]" in message and "multiples of 32" in message
+    assert "[48]" in message
+    assert "multiples of 32" in message
     problems = mx.mxfp8_problems("cuda", (9, 0), torch.bfloat16, (64,))
-    assert len(problems) == 1 and "Blackwell" in problems[0] and "(9, 0)" in problems[0]
+    assert len(problems) == 1
+    assert "Blackwell" in problems[0]
+    assert "(9, 0)" in problems[0]
     assert mx.mxfp8_problems("cuda", (10, 0), torch.bfloat16, (64, 128)) == []
 
 
@@ -199,13 +210,15 @@ def test_experts_run_the_mxfp8_backend_through_grouped_linear(monkeypatch) -> No
         mask = torch.ones(10, dtype=torch.bool)
         mask[-1] = False
         out = experts(x, index, weights, token_mask=mask)
-        assert experts.grouped_mm_choice is not None and experts.grouped_mm_choice.backend == "mxfp8"
+        assert experts.grouped_mm_choice is not None
+        assert experts.grouped_mm_choice.backend == "mxfp8"
         expected = loop(x, index, weights, token_mask=mask)
         diff = (out.detach().float() - expected.detach().float()).norm() / expected.detach().float().norm()
         assert float(diff) < EXPERTS_REL
         assert torch.equal(out[-1], torch.zeros(64, dtype=torch.bfloat16))
         out.float().sum().backward()
-        assert experts.gate_up_proj.grad is not None and experts.down_proj.grad is not None
+        assert experts.gate_up_proj.grad is not None
+        assert experts.down_proj.grad is not None
         # grouped_linear's mask for rows outside every group (the no-sync layout) composes with the backend
         layout = GroupLayout(torch.tensor([4, 8], dtype=torch.int32), sizes=[4, 4], valid_rows=torch.arange(9) < 8)
         rows = torch.randn(9, 64, generator=gen).bfloat16()

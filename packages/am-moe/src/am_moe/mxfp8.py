@@ -173,7 +173,7 @@ class MXFP8Operands:
 def mxfp8_operands(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> MXFP8Operands:
     """Quantize `x [sum(sizes), K]` (rows grouped by expert, `sizes` on the host) and `weight [G, N, K]` for the
     kernel: groups padded with zero rows to multiples of `GROUP_ALIGNMENT`, both quantized along K, scales blocked."""
-    groups, n_out, k = weight.shape
+    groups, _n_out, k = weight.shape
     padded_sizes = [_round_up(s, GROUP_ALIGNMENT) for s in sizes]
     sizes_t = torch.tensor(sizes, device=x.device)
     starts = torch.cumsum(sizes_t, 0) - sizes_t
@@ -214,7 +214,7 @@ def _scaled_grouped_mm(operands: MXFP8Operands) -> torch.Tensor:
 def emulated_scaled_grouped_mm(operands: MXFP8Operands) -> torch.Tensor:
     """What the kernel computes, from the same operands, in plain torch (any device): each group's blocked scales
     unblocked, both operands dequantized, multiplied in fp32, rounded to bf16. `[M_pad, N]` bf16."""
-    groups, n_out, k = operands.data_b.shape
+    _groups, n_out, k = operands.data_b.shape
     scale_cols = k // MX_BLOCK
     out = torch.zeros(operands.data_a.shape[0], n_out, dtype=torch.float32, device=operands.data_a.device)
     start, scale_row = 0, 0
