@@ -125,6 +125,9 @@ def test_operands_pad_groups_to_32_rows_and_block_scales_per_group() -> None:
     assert ops.scale_a.shape[0] >= ops.data_a.shape[0]
     # scale_b: [G, round_up(N, 128) * round_up(K/32, 4)], torch's check for the 3-D operand
     assert ops.scale_b.shape == (5, 128 * 4)
+    _, w_scales = mx.quantize_mxfp8(weight)
+    per_expert = torch.stack([mx.to_blocked(w).reshape(-1) for w in w_scales.unbind(0)])
+    assert torch.equal(ops.scale_b.view(torch.uint8), per_expert.view(torch.uint8)), "experts blocked independently"
     # the quantization of a row does not depend on its group: the same as quantizing x alone
     data, scales = mx.quantize_mxfp8(x)
     assert torch.equal(ops.data_a[ops.rows].view(torch.uint8), data.view(torch.uint8))

@@ -120,20 +120,21 @@ def dequantize_mxfp8(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def to_blocked(scales: torch.Tensor) -> torch.Tensor:
-    """`[rows, cols]` scales -> `[round_up(rows, 128), round_up(cols, 4)]` in the hardware's blocked order.
+    """`[..., rows, cols]` scales -> `[..., round_up(rows, 128), round_up(cols, 4)]` in the hardware's blocked order
+    (leading dimensions, e.g. experts, are blocked independently).
 
     The padded matrix is cut into 128 x 4 tiles (row-major over tiles); inside a tile, the scale of row r, column c
     sits at `(r % 32) * 16 + (r // 32) * 4 + c` (cuBLAS "1D block scaling factors layout"). The result's storage is
     that order; its shape only says how much there is.
     """
-    rows, cols = scales.shape
+    *lead, rows, cols = scales.shape
     padded_rows, padded_cols = _round_up(rows, _SCALE_ROWS), _round_up(cols, _SCALE_COLS)
     is_e8m0 = scales.dtype == torch.float8_e8m0fnu
     raw = scales.view(torch.uint8) if is_e8m0 else scales  # e8m0 lacks fill / copy kernels on some devices: move bytes
-    padded = raw.new_zeros(padded_rows, padded_cols)
-    padded[:rows, :cols] = raw
-    tiles = padded.view(padded_rows // 128, 128, padded_cols // 4, 4).permute(0, 2, 1, 3)  # [tr, tc, 128, 4]
-    swizzled = tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(padded_rows, padded_cols)
+    padded = raw.new_zeros(*lead, padded_rows, padded_cols)
+    padded[..., :rows, :cols] = raw
+    tiles = padded.view(*lead, padded_rows // 128, 128, padded_cols // 4, 4).transpose(-3, -2)  # [..., tr, tc, 128, 4]
+    swizzled = tiles.reshape(*lead, -1, 4, 32, 4).transpose(-3, -2).reshape(*lead, padded_rows, padded_cols)
     return swizzled.view(torch.float8_e8m0fnu) if is_e8m0 else swizzled
 
 
@@ -188,7 +189,7 @@ def mxfp8_operands(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> M
     scale_cols = _round_up(k // MX_BLOCK, _SCALE_COLS)
     scale_a = torch.cat(blocked_a) if blocked_a else scales_a.new_empty(0, scale_cols)
     data_b, scales_b = quantize_mxfp8(weight)
-    scale_b = torch.stack([to_blocked(s).reshape(-1) for s in scales_b.unbind(0)])
+    scale_b = to_blocked(scales_b).reshape(groups, -1)
     offs = torch.cumsum(padded_t, 0).to(torch.int32)
     return MXFP8Operands(data_a, scale_a, data_b, scale_b, offs, rows, padded_sizes)
 
