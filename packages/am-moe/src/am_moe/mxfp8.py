@@ -241,16 +241,20 @@ class _MXFP8GroupedLinear(torch.autograd.Function):
         sizes: list[int],
         emulate: bool,
     ) -> torch.Tensor:
-        operands = mxfp8_operands(x, weight, sizes)
-        out = (emulated_scaled_grouped_mm if emulate else _scaled_grouped_mm)(operands)
         ctx.save_for_backward(x, weight)
         ctx.ends = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)  # type: ignore[attr-defined]
+        if x.shape[0] == 0:  # no rows reached these experts (an ep rank can receive none): no kernel call
+            return x.new_zeros(0, weight.shape[1])
+        operands = mxfp8_operands(x, weight, sizes)
+        out = (emulated_scaled_grouped_mm if emulate else _scaled_grouped_mm)(operands)
         return out[operands.rows].to(x.dtype)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[Any, ...]:
         x, weight = ctx.saved_tensors  # type: ignore[attr-defined]
         ends = ctx.ends  # type: ignore[attr-defined]
+        if x.shape[0] == 0:  # every expert still gets a (zero) gradient, as with the other backends
+            return torch.zeros_like(x), torch.zeros_like(weight), None, None
         grad = grad.contiguous()  # an expanded (stride-0) gradient is not a valid grouped-GEMM operand
         grad_x = torch._grouped_mm(grad, weight, offs=ends)  # [M, N] x [G, N, K] -> [M, K]
         grad_w = torch._grouped_mm(grad.t(), x, offs=ends)  # [N, M] x [M, K] over row groups -> [G, N, K]
