@@ -6,7 +6,8 @@ Gemma 4 (bf16 parameters, AdamW), a few training steps per backend choice this m
 experts torch (per-expert loop) vs torch_mm (grouped GEMM), rms_norm torch, TE linears + norms, TE's fused RoPE
 (rope_fusion: Gemma 4; Nemotron-H has no RoPE and refuses it) and TE FP8 autocast when Transformer Engine is
 installed, plus TE's fused RoPE kernel against the torch rotation on the same angles (fp32 / bf16, shared and per-row
-positions), and am-moe's grouped-GEMM backends alone (loop, grouped_mm, gmm, te, auto with its measured pick).
+positions), and am-moe's grouped-GEMM backends alone (loop, grouped_mm, gmm, te, mxfp8 on Blackwell, auto with its
+measured pick).
 The library token dispatchers (deepep, uccl_ep, hybridep) and the library expert GEMMs behind them (experts te /
 gmm, which `BackendConfig` pairs with a library dispatcher) run at ep 2 on two GPUs (two NCCL processes) against the
 unsharded experts on the same tokens, when the library and two GPUs are there; otherwise each dispatcher is skipped
@@ -188,6 +189,7 @@ def _run_model(name: str, peak: float | None) -> dict[str, Any]:
         missing = backend_runtime_problems(backend)
         if missing:
             out[run] = {"skipped": missing}
+            print(f"gpu: {name} {run}: skipped: {'; '.join(missing)}", flush=True)
             continue
         try:
             model, vocab = MODELS[name](backend)
@@ -212,15 +214,17 @@ def _run_model(name: str, peak: float | None) -> dict[str, Any]:
     return out
 
 
-EXPERT_BACKENDS = ("loop", "grouped_mm", "gmm", "te", "auto")  # am_moe.GroupedExperts(grouped_mm=...)
+EXPERT_BACKENDS = ("loop", "grouped_mm", "gmm", "te", "mxfp8", "auto")  # am_moe.GroupedExperts(grouped_mm=...)
+MXFP8_REL_TOL = 0.1  # two chained MXFP8 GEMMs against bf16 (relative Frobenius error; ~7% measured in emulation)
 
 
 def _expert_backends() -> dict[str, Any]:
     """am-moe's grouped-GEMM backends on this GPU (bf16, 64 experts, top-8, 8192 tokens, H=I=1024, SwiGLU), forward +
     backward against the per-expert loop: max |diff| of the output and the input gradient, median time, or the
-    refusal (a missing package or GPU is named); "auto" reports what its measurement picked. The token-level
+    refusal (a missing package or GPU is named); "mxfp8" (MXFP8 forward on Blackwell) is skipped with one line
+    elsewhere and compared by relative error; "auto" reports what its measurement picked. The token-level
     dispatchers (deepep / uccl_ep / hybridep) need ep >= 2, i.e. two GPUs: `_library_dispatchers`."""
-    from am_moe import GroupedExperts
+    from am_moe import GroupedExperts, mxfp8_problems
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     tokens, experts_n, top_k, hidden = 8192, 64, 8, 1024
@@ -230,6 +234,13 @@ def _expert_backends() -> dict[str, Any]:
     out: dict[str, Any] = {}
     reference = None
     for backend in EXPERT_BACKENDS:
+        if backend == "mxfp8":
+            capability = torch.cuda.get_device_capability()
+            missing = mxfp8_problems("cuda", capability, torch.bfloat16, (hidden, 2 * hidden))
+            if missing:
+                out[backend] = {"skipped": missing}
+                print(f"gpu: am-moe experts grouped_mm=mxfp8: skipped: {'; '.join(missing)}", flush=True)
+                continue
         torch.manual_seed(0)
         module = GroupedExperts(experts_n, hidden, hidden, gated=True, activation="silu", grouped_mm=backend)
         module.init_weights(std=0.02)
@@ -255,6 +266,10 @@ def _expert_backends() -> dict[str, Any]:
         else:
             result["max_abs_diff_out"] = float((y.detach().float() - reference[0]).abs().max())
             result["max_abs_diff_x_grad"] = float((inp.grad.float() - reference[1]).abs().max())
+            if backend == "mxfp8":
+                rel = float((y.detach().float() - reference[0]).norm() / reference[0].norm())
+                result["rel_diff_out"] = rel
+                result["matches_reference"] = rel <= MXFP8_REL_TOL
         out[backend] = result
         print(f"gpu: am-moe experts grouped_mm={backend}: {json.dumps(result)}", flush=True)
     return out
@@ -452,6 +467,11 @@ def main() -> int:
         for m in (*MODELS, "fused_rope")
         for run, r in results.get(m, {}).items()
         if isinstance(r, dict) and r.get("matches_reference") is False
+    ]
+    mismatched += [
+        f"am_moe_expert_backends/{backend}"
+        for backend, r in results["am_moe_expert_backends"].items()
+        if r.get("matches_reference") is False
     ]
     mismatched += [
         f"library_dispatchers/{key}/{rank}"

@@ -264,6 +264,23 @@ def test_library_experts_and_dispatchers_are_refused_here_naming_the_library_and
     assert "not implemented" not in message
 
 
+def test_mxfp8_experts_are_refused_off_blackwell_and_build_am_moe_mxfp8_experts_on_it(monkeypatch) -> None:
+    """experts='torch_mm_mxfp8' is Gemma 4's: refused off Blackwell naming the GPU it needs; where the check passes
+    (faked here) every MoE layer builds am-moe's MXFP8 experts (grouped_mm="mxfp8")."""
+    import am_models_gemma4.backend as backend_module
+    from am_models_gemma4.backend import SUPPORTED_BACKENDS
+
+    backend = _backend(experts="torch_mm_mxfp8")
+    assert "torch_mm_mxfp8" in SUPPORTED_BACKENDS["experts"]
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10):
+        with pytest.raises(ValueError, match="Blackwell") as err:
+            Gemma4ForCausalLM(C.text_config(moe=True), backend=backend)
+        assert "not implemented" not in str(err.value)
+    monkeypatch.setattr(backend_module, "backend_runtime_problems", lambda backend, *, fields: [])
+    model = Gemma4ForCausalLM(C.text_config(moe=True), backend=backend)
+    assert {layer.moe.experts.grouped_mm for layer in model.model.layers.values()} == {"mxfp8"}
+
+
 def test_library_backends_build_the_library_experts_and_refuse_a_forward_without_ep(monkeypatch) -> None:
     """Where the libraries and CUDA exist (faked: `backend_runtime_problems` finds nothing missing), experts 'te' /
     'gmm' build am-moe's TE / grouped_gemm experts, apply_expert_parallel gets the backend's dispatcher fields, and

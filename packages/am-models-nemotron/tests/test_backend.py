@@ -272,6 +272,26 @@ def test_library_backends_build_the_library_experts_and_refuse_a_forward_without
             model(input_ids=tokens(1, 4))
 
 
+def test_mxfp8_experts_are_refused_off_blackwell_and_build_am_moe_mxfp8_experts_on_it(monkeypatch) -> None:
+    """experts='torch_mm_mxfp8' is the model's: refused off Blackwell naming the GPU it needs; where the check passes
+    (faked here) the MoE layers build am-moe's MXFP8 experts (grouped_mm="mxfp8")."""
+    import am_models_nemotron.backend as backend_module
+
+    backend = default_backend().replace(experts="torch_mm_mxfp8")
+    assert "torch_mm_mxfp8" in SUPPORTED_BACKENDS["experts"]
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10):
+        with pytest.raises(ValueError, match="Blackwell") as err:
+            NemotronHForCausalLM(tiny_hf_config("*E"), backend)
+        assert "not implemented" not in str(err.value)
+    monkeypatch.setattr(backend_module, "backend_runtime_problems", lambda backend, *, fields: [])
+    model = NemotronHForCausalLM(tiny_hf_config("E"), backend)
+    assert model.model.layers["0"].mixer.experts.grouped_mm == "mxfp8"
+    if not torch.cuda.is_available():  # am-moe names what its MXFP8 kernel lacks here, never runs another kernel
+        with pytest.raises(ValueError, match="'mxfp8' cannot run here") as refused:
+            model(input_ids=tokens(1, 4))
+        assert "the MXFP8 grouped GEMM runs only on CUDA" in str(refused.value)
+
+
 def test_expert_parallel_options_pass_the_dispatcher_fields_as_upstream_names_them() -> None:
     from am_models_nemotron.backend import expert_parallel_options
 

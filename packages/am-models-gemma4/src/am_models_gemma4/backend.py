@@ -6,7 +6,8 @@ and per-layer-input projections), `rms_norm` (torch_fp32, torch, te, quack: ever
 quack: QuACK's rotary kernel), `rope_fusion` (Transformer Engine's fused RoPE), `te_fp8` (TE autocast around each
 decoder layer), `enable_fsdp_optimizations` (the model's `prepare_for_grad_accumulation` /
 `prepare_for_final_backward`), `experts` ("torch": one matmul per expert, "torch_mm": am-moe's grouped GEMM, "te":
-Transformer Engine's GroupedLinear, "gmm": the grouped_gemm package) and `dispatcher` ("torch", or the libraries
+Transformer Engine's GroupedLinear, "gmm": the grouped_gemm package, "torch_mm_mxfp8": am-moe's MXFP8 grouped GEMM on
+Blackwell) and `dispatcher` ("torch", or the libraries
 "deepep" / "hybridep" / "uccl_ep" with their `dispatcher_*` knobs, passed to `am_moe.apply_expert_parallel` by
 `expert_parallel_options`).
 Every other value either is the one Gemma 4 runs or is refused, all problems in one `ValueError` naming what is
@@ -38,7 +39,8 @@ __all__ = [
 ]
 
 # BackendConfig.experts -> am-moe's grouped-GEMM backend (am_moe.GroupedExperts(grouped_mm=...)).
-_EXPERTS_GROUPED_MM = {"torch": "loop", "torch_mm": "grouped_mm", "te": "te", "gmm": "gmm"}
+# "torch_mm_mxfp8" (am-moe's MXFP8 grouped GEMM) is refused off Blackwell by `backend_runtime_problems`.
+_EXPERTS_GROUPED_MM = {"torch": "loop", "torch_mm": "grouped_mm", "te": "te", "gmm": "gmm", "torch_mm_mxfp8": "mxfp8"}
 # Dispatchers that move tokens between expert-parallel ranks with a library (am_moe.apply_expert_parallel); they run
 # only once the experts are sharded over ep > 1 (the MoE block refuses a forward without).
 LIBRARY_DISPATCHERS: tuple[str, ...] = ("deepep", "hybridep", "uccl_ep")
@@ -54,8 +56,7 @@ SUPPORTED_BACKENDS: dict[str, tuple[object, ...]] = {
 
 _WHY = {
     "experts": "Gemma 4's experts run am-moe's per-expert loop ('torch'), grouped GEMM ('torch_mm'), Transformer "
-    "Engine's GroupedLinear ('te') or grouped_gemm ('gmm'); 'torch_mm_mxfp8' needs MXFP8 grouped GEMMs (NVIDIA "
-    "Blackwell), which am-moe does not run yet: use experts='torch_mm'",
+    "Engine's GroupedLinear ('te'), grouped_gemm ('gmm') or MXFP8 grouped GEMM ('torch_mm_mxfp8', Blackwell)",
     "dispatcher": "Gemma 4 dispatches tokens with am-moe ('torch', 'deepep', 'hybridep', 'uccl_ep'); the "
     "Mixture-of-Kittens dispatcher is not run by am-moe: choose one of those",
 }

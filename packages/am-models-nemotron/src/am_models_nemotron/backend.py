@@ -31,8 +31,15 @@ __all__ = [
 
 # BackendConfig.experts -> am_moe.GroupedExperts(grouped_mm=...): "torch" one matmul per expert, "torch_mm"
 # torch._grouped_mm, "te" Transformer Engine's GroupedLinear, "gmm" the grouped_gemm package (CUDA; refused by
-# `backend_runtime_problems` where the library or CUDA is missing).
-EXPERTS_GROUPED_MM: dict[str, str] = {"torch": "loop", "torch_mm": "grouped_mm", "te": "te", "gmm": "gmm"}
+# `backend_runtime_problems` where the library or CUDA is missing), "torch_mm_mxfp8" am-moe's MXFP8 grouped GEMM
+# (refused off Blackwell by `backend_runtime_problems`; am-moe names anything else missing at the first forward).
+EXPERTS_GROUPED_MM: dict[str, str] = {
+    "torch": "loop",
+    "torch_mm": "grouped_mm",
+    "te": "te",
+    "gmm": "gmm",
+    "torch_mm_mxfp8": "mxfp8",
+}
 # Dispatchers that move tokens between expert-parallel ranks with a library (am_moe.apply_expert_parallel); they run
 # only once the experts are sharded over ep > 1 (the MoE block refuses a forward without).
 LIBRARY_DISPATCHERS: tuple[str, ...] = ("deepep", "hybridep", "uccl_ep")
@@ -46,8 +53,6 @@ SUPPORTED_BACKENDS: dict[str, tuple[object, ...]] = {
 }
 
 _WHY = {
-    "torch_mm_mxfp8": "experts='torch_mm_mxfp8' needs MXFP8 grouped GEMMs, which exist only on NVIDIA Blackwell GPUs "
-    "(compute capability 10.x) and which am-moe does not run yet; use experts='torch_mm'",
     "mok": "dispatcher='mok' (Mixture-of-Kittens) is not run by am-moe, whose expert parallelism dispatches with "
     "'torch', 'deepep', 'hybridep' or 'uccl_ep'; choose one of those",
 }

@@ -1,6 +1,7 @@
 """Dropless mixture-of-experts building blocks shared by the am-* model packages.
 
-Grouped expert MLPs with one grouped GEMM per projection (`GroupedExperts`, `grouped_mm`), token dispatch and
+Grouped expert MLPs with one grouped GEMM per projection (`GroupedExperts`, `grouped_mm`; MXFP8 operands on
+Blackwell: `mxfp8`), token dispatch and
 combine — local, or expert parallel over all-to-all (`dispatch`) — expert weights sharded over an `ep` mesh
 dimension and composed with FSDP2 (`parallel`), per-step expert load statistics (`load`) and load balancing (the
 auxiliary-loss-free bias update and the auxiliary losses, `balance`). Routers stay in the
@@ -41,6 +42,7 @@ from .grouped_mm import (
 )
 from .hybridep import HybridEPDispatcher
 from .load import ExpertLoad, expert_load, reset_expert_load
+from .mxfp8 import dequantize_mxfp8, mxfp8_grouped_linear, mxfp8_problems, quantize_mxfp8
 from .parallel import (
     ExpertParallelPlan,
     apply_expert_parallel,
@@ -69,6 +71,11 @@ __all__ = [
     "grouped_linear",
     "grouped_mm_auto_choices",
     "select_grouped_mm_backend",
+    # MXFP8 grouped GEMM (Blackwell; the quantization runs anywhere)
+    "dequantize_mxfp8",
+    "mxfp8_grouped_linear",
+    "mxfp8_problems",
+    "quantize_mxfp8",
     # dispatch / combine
     "AllToAllDispatcher",
     "AllToAllStats",

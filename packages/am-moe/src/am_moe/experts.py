@@ -67,8 +67,10 @@ class GroupedExperts(nn.Module):
         grouped_mm: "auto" (where both `torch._grouped_mm` and the per-expert loop can run, the faster one as
             measured once per process on the first forward's rows, `am_moe.tuning`; else the one that runs),
             "grouped_mm" (refused where it cannot run), "loop", "gmm" (the `grouped_gemm` package; bf16 on CUDA) or
-            "te" (Transformer Engine's `GroupedLinear`; CUDA); a library backend is refused where it cannot run,
-            naming what is missing (package, CUDA, dtype). The choice is reported by `grouped_mm_choice`.
+            "te" (Transformer Engine's `GroupedLinear`; CUDA) or "mxfp8" (MXFP8 forward, bf16 backward, `am_moe.mxfp8`;
+            bf16 on a Blackwell GPU, H and I multiples of 32); a library or hardware backend is refused where it
+            cannot run, naming what is missing (package, CUDA, GPU, dtype, sizes). The choice is reported by
+            `grouped_mm_choice`.
         combine_dtype: dtype of the weighted sum over the top-k experts (fp32 default: the routing weights are not
             rounded to bf16); None sums in the experts' output dtype.
 
@@ -243,7 +245,7 @@ class GroupedExperts(nn.Module):
         # "auto", both can run, not measured yet in this process; never inside a graph being compiled (no timing of
         # fake tensors, and no host sync forced into the graph: the rule's choice runs there)
         measure = self._measurable(choice) and not torch.compiler.is_compiling()
-        host_sizes = measure or choice.backend in ("loop", "gmm", "te") or hidden_states.device.type == "cpu"
+        host_sizes = measure or choice.backend in ("loop", "gmm", "te", "mxfp8") or hidden_states.device.type == "cpu"
         rows, layout, state = self.dispatcher.dispatch(
             hidden_states,
             top_k_index,

@@ -1,6 +1,7 @@
 """Grouped GEMM over expert-sorted rows: `torch._grouped_mm` where it runs, per-group matmuls elsewhere, or, when
 asked for, the `grouped_gemm` package's CUTLASS kernel ("gmm", upstream's `BackendConfig.experts="gmm"`) or
-Transformer Engine's `GroupedLinear` ("te", upstream's `experts="te"`); both libraries are imported on first use.
+Transformer Engine's `GroupedLinear` ("te", upstream's `experts="te"`); both libraries are imported on first use; or
+torch's MXFP8 block-scaled grouped GEMM ("mxfp8", upstream's `experts="torch_mm_mxfp8"`, `am_moe.mxfp8`: Blackwell).
 
 What it is for: `select_grouped_mm_backend` decides ONCE per (device, dtype, matrix sizes) which kernel multiplies
 the row groups — by rules on the device, dtype and strides, never by trying a call and catching its failure — and
@@ -31,15 +32,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .mxfp8 import mxfp8_grouped_linear, mxfp8_problems
+
 __all__ = ["GROUPED_MM_BACKENDS", "GroupLayout", "GroupedMMChoice", "grouped_linear", "select_grouped_mm_backend"]
 
-GROUPED_MM_BACKENDS: tuple[str, ...] = ("auto", "grouped_mm", "loop", "gmm", "te")
+GROUPED_MM_BACKENDS: tuple[str, ...] = ("auto", "grouped_mm", "loop", "gmm", "te", "mxfp8")
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
 class GroupedMMChoice:
-    """Which kernel multiplies the expert groups, and why (`backend` is "grouped_mm", "loop", "gmm" or "te").
+    """Which kernel multiplies the expert groups, and why (`backend` is "grouped_mm", "loop", "gmm", "te" or "mxfp8").
 
     seconds: `((backend, seconds), ...)` when `grouped_mm="auto"` measured the candidates (`am_moe.tuning`), else ().
     """
@@ -72,7 +75,9 @@ def select_grouped_mm_backend(
     sizes: every contraction and output width the experts multiply (hidden size, intermediate size, 2 x intermediate
         for gated experts). requested: "auto" (the fastest that runs), "grouped_mm" (refused with the reason when it
         cannot run), "loop", "gmm" (the `grouped_gemm` package: bf16 on CUDA) or "te" (Transformer Engine's
-        `GroupedLinear`: CUDA); a library backend is refused naming everything that is missing.
+        `GroupedLinear`: CUDA) or "mxfp8" (MXFP8 operands, torch's block-scaled grouped GEMM: bf16 on CUDA
+        compute capability 10.x, every size a multiple of 32); a library or hardware backend is refused naming
+        everything that is missing.
     """
     device = torch.device(device)
     return _select(device.type, _capability(device), dtype, tuple(int(s) for s in sizes), requested)
@@ -96,6 +101,15 @@ def _select(
         return _select_gmm(device_type, dtype)
     if requested == "te":
         return _select_te(device_type, dtype)
+    if requested == "mxfp8":
+        problems = mxfp8_problems(device_type, capability, dtype, sizes)
+        if problems:
+            raise ValueError("grouped GEMM backend 'mxfp8' cannot run here: " + "; ".join(problems))
+        return GroupedMMChoice(
+            "mxfp8",
+            f"requested: MXFP8 operands (e4m3, e8m0 scales per 32 along K) and torch's block-scaled grouped GEMM on "
+            f"cuda {capability}; bf16 backward",
+        )
     refusals = []
     if not hasattr(torch, "_grouped_mm"):
         refusals.append(f"torch {torch.__version__} has no torch._grouped_mm")
@@ -205,7 +219,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, layout: GroupLayout, *
     """`out[rows of group g] = x[rows of group g] @ weight[g].T` for every group. x: `[N, in]`, weight: `[G, out, in]`
     -> `[N, out]` in x's dtype. Rows outside every group (`layout.valid_rows` False) give 0 and pass no gradient.
 
-    backend: a `GroupedMMChoice.backend` ("grouped_mm", "loop", "gmm" or "te"); all but grouped_mm need
+    backend: a `GroupedMMChoice.backend` ("grouped_mm", "loop", "gmm", "te" or "mxfp8"); all but grouped_mm need
         `layout.sizes`.
     """
     valid = None if layout.valid_rows is None else layout.valid_rows.unsqueeze(-1)
@@ -243,8 +257,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, layout: GroupLayout, *
         out = _te_linear(x[:total], weight, layout.sizes)
         if total < x.shape[0]:
             out = torch.cat([out, out.new_zeros(x.shape[0] - total, weight.shape[1])])
+    elif backend == "mxfp8":
+        if layout.sizes is None:
+            raise ValueError("the mxfp8 backend needs the group sizes on the host (GroupLayout.sizes)")
+        out = mxfp8_grouped_linear(x, weight, layout.sizes)
     else:
-        raise ValueError(f"grouped_linear backend must be 'grouped_mm', 'loop', 'gmm' or 'te', not {backend!r}")
+        raise ValueError(
+            f"grouped_linear backend must be 'grouped_mm', 'loop', 'gmm', 'te' or 'mxfp8', not {backend!r}"
+        )
     if valid is not None:
         out = torch.where(valid, out, out.new_zeros(()))
     return out
