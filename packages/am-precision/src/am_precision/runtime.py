@@ -26,7 +26,8 @@ _TE_FIX = "`pip install am-precision[te]` on a CUDA machine"
 
 def _blackwell() -> bool:
     # Blackwell data-centre GPUs report compute capability 10.x (B200 / GB200); MXFP8 grouped GEMMs need them.
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10
+    # Exactly 10.x: torch's MXFP8 grouped kernel (am_moe.mxfp8) is built for sm100 only, so sm12x is refused here too.
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
 
 
 _AND_NO_CUDA = "; it also needs a CUDA GPU, and torch.cuda.is_available() is False"
