@@ -237,7 +237,10 @@ def test_contract_declares_pipeline_cp_and_expert_parallel() -> None:
     moe, dense = contract_of(moe_model), contract_of(dense_model)
     assert moe.pp.keeps_own_forward
     assert moe.pp.plan == NemotronHForCausalLM._pp_plan
-    assert moe.pp.output_names == ("logits", "mtp_per_depth_h", "seq_idx")
+    # without MTP the last stage returns bare logits; with MTP the per-depth hidden states and the seq_idx tail too
+    assert moe.pp.output_names == ("logits",)
+    mtp = contract_of(NemotronHForCausalLM(tiny_hf_config("ME", mtp_depths=1)))
+    assert mtp.pp.output_names == ("logits", "mtp_per_depth_h", "seq_idx")
     assert moe.cp.layout == "contiguous"  # am-context-parallel's declared contiguous path
     assert moe.cp.options is not None
     assert moe.cp.options() == moe_model.get_cp_options()
