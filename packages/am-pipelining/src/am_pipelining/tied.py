@@ -22,7 +22,8 @@ from torch import nn
 
 __all__ = ["TiedEmbeddingCopy", "sync_tied_embedding_grads", "sync_tied_embedding_weights", "tied_embedding_copies"]
 
-_PAIR_GROUPS: dict[tuple[int, int], Any] = {}
+# pair -> (the default process group it was made under, the pair's group)
+_PAIR_GROUPS: dict[tuple[int, int], tuple[Any, Any]] = {}
 
 
 @dataclass
@@ -57,11 +58,15 @@ def pair_group(first_rank: int, last_rank: int) -> Any:
     key = (min(first_rank, last_rank), max(first_rank, last_rank)) if first_rank != last_rank else None
     pairs: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(pairs, key)
+    world = dist.distributed_c10d._get_default_group()
     for pair in sorted({tuple(p) for p in pairs if p is not None}):
-        # a group cached under an earlier process group (destroyed since: e.g. a dry run's fake one) is made again
-        if pair not in _PAIR_GROUPS or _PAIR_GROUPS[pair] not in dist.distributed_c10d._world.pg_map:
-            _PAIR_GROUPS[pair] = dist.new_group(ranks=list(pair))
-    return _PAIR_GROUPS[key] if key is not None else None
+        # A group cached under an earlier default process group (destroyed since: e.g. a dry run's fake one) is made
+        # again. Decided by the default group, which every rank shares, never by the pair group itself: on a rank
+        # outside the pair that is NON_GROUP_MEMBER, and a per-rank answer would make new_group calls diverge.
+        cached = _PAIR_GROUPS.get(pair)
+        if cached is None or cached[0] is not world:
+            _PAIR_GROUPS[pair] = (world, dist.new_group(ranks=list(pair)))
+    return _PAIR_GROUPS[key][1] if key is not None else None
 
 
 def tied_embedding_copies(models: Iterable[nn.Module]) -> list[tuple[nn.Module, TiedEmbeddingCopy]]:
