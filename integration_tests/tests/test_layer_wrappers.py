@@ -19,7 +19,7 @@ from trainer.layer_wrappers import (
 )
 from trainer.loop import TokenSumLoss
 from trainer.models import build_model, preset_spec
-from trainer.validation import validate
+from trainer.validation import BadInput, validate
 
 from am_pipelining import PipelineCausalLMLoss, find_layers
 
@@ -129,6 +129,9 @@ def test_a_model_without_gradient_checkpointing_support_is_refused(tmp_path: Pat
 
     problems = activation_checkpointing_problems(Undeclared(), mesh=None)
     assert len(problems) == 1 and "--activation-checkpointing: Undeclared does not support gradient" in problems[0]
+    args = [*TINY_ARGS, "--model", "llama", "--activation-checkpointing", "--compile", "--out", str(tmp_path)]
+    with pytest.raises(BadInput, match=r"--activation-checkpointing with --compile: torch cannot compile"):
+        validate(parse_args(args), world_size=1)
     for model, ep in (("gemma4", 1), ("gemma4-moe", 2), ("nemotron", 2)):
         validate(
             parse_args(

@@ -29,16 +29,26 @@ from torch.distributed._composable.contract import _get_registry
 from am_pipelining import find_layers
 
 
-def activation_checkpointing_problems(model: nn.Module, *, mesh: Any) -> list[str]:
-    """Why `--activation-checkpointing` cannot run on `model` under `mesh` (am-capabilities' rule); [] = it can."""
+def activation_checkpointing_problems(model: nn.Module, *, mesh: Any, compile: bool = False) -> list[str]:
+    """Why `--activation-checkpointing` cannot run on `model` under `mesh` (am-capabilities' rule) or together with
+    `--compile` (`compile`); [] = it can."""
     from am_capabilities import ModelSupports
 
-    if ModelSupports(model, mesh).supports_gradient_checkpointing:
-        return []
-    return [
-        f"--activation-checkpointing: {type(model).__name__} does not support gradient checkpointing "
-        "(am-capabilities: its class does not declare supports_gradient_checkpointing = True); drop the option"
-    ]
+    problems = []
+    if not ModelSupports(model, mesh).supports_gradient_checkpointing:
+        problems.append(
+            f"--activation-checkpointing: {type(model).__name__} does not support gradient checkpointing "
+            "(am-capabilities: its class does not declare supports_gradient_checkpointing = True); drop the option"
+        )
+    if compile:
+        # Measured with torch 2.15 on the CPU: a layer compiled under the hook-based checkpoint recomputes through a
+        # different compiled graph, whose saved tensors do not match the forward's (torch's CheckpointError,
+        # pytorch/pytorch#166926), so backward fails.
+        problems.append(
+            "--activation-checkpointing with --compile: torch cannot compile a layer under the hook-based checkpoint "
+            "(the recomputed tensors differ from the forward's, pytorch/pytorch#166926); drop one of the two options"
+        )
+    return problems
 
 
 def apply_activation_checkpointing(model: nn.Module) -> int:
