@@ -155,3 +155,4 @@ def test_compile_reaches_every_decoder_layer() -> None:
     assert not is_compiled(model.lm_head)
     assert [name for name, _ in model.named_parameters()] == names
     assert parse_args(["--compile"]).compile
+
