@@ -173,8 +173,17 @@ class RunCache:
         ),
         "gemma4-moe-aux-dp2-ep2-ac": (
             2,
-            ["--model", "gemma4-moe", "--dp", "2", "--ep", "2", "--activation-checkpointing", *PARITY]
-            + GEMMA_AUX_TERMS,
+            [
+                "--model",
+                "gemma4-moe",
+                "--dp",
+                "2",
+                "--ep",
+                "2",
+                "--activation-checkpointing",
+                *PARITY,
+                *GEMMA_AUX_TERMS,
+            ],
         ),
         # BackendConfig.enable_fsdp_optimizations (issue 26): the model's FSDP hooks, equal to "nemotron-dp2-ep2"
         "nemotron-dp2-ep2-fsdp-opt": (

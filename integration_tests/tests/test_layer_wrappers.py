@@ -93,7 +93,8 @@ def test_activation_checkpointing_changes_neither_loss_nor_gradients(family: str
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-6, atol=1e-8, msg=name)
     if moe:
         want_load, got_load = expert_load(plain).tokens_per_expert, expert_load(checkpointed).tokens_per_expert
-        assert want_load and got_load.keys() == want_load.keys()
+        assert want_load
+        assert got_load.keys() == want_load.keys()
         for layer, counts in want_load.items():
             assert torch.equal(got_load[layer], counts), layer
         want_terms, got_terms = aux_loss_values(plain), aux_loss_values(checkpointed)
@@ -128,19 +129,14 @@ def test_a_model_without_gradient_checkpointing_support_is_refused(tmp_path: Pat
         pass
 
     problems = activation_checkpointing_problems(Undeclared(), mesh=None)
-    assert len(problems) == 1 and "--activation-checkpointing: Undeclared does not support gradient" in problems[0]
+    assert len(problems) == 1
+    assert "--activation-checkpointing: Undeclared does not support gradient" in problems[0]
     args = [*TINY_ARGS, "--model", "llama", "--activation-checkpointing", "--compile", "--out", str(tmp_path)]
     with pytest.raises(BadInput, match=r"--activation-checkpointing with --compile: torch cannot compile"):
         validate(parse_args(args), world_size=1)
     for model, ep in (("gemma4", 1), ("gemma4-moe", 2), ("nemotron", 2)):
-        validate(
-            parse_args(
-                [*TINY_ARGS, "--layers", "4", "--model", model, "--dp", str(ep), "--ep", str(ep)]
-                + ["--activation-checkpointing"]
-                + ["--out", str(tmp_path)]
-            ),
-            world_size=ep,
-        )
+        layout = ["--model", model, "--dp", str(ep), "--ep", str(ep), "--activation-checkpointing"]
+        validate(parse_args([*TINY_ARGS, "--layers", "4", *layout, "--out", str(tmp_path)]), world_size=ep)
 
 
 def test_compile_reaches_every_decoder_layer() -> None:
@@ -155,4 +151,3 @@ def test_compile_reaches_every_decoder_layer() -> None:
     assert not is_compiled(model.lm_head)
     assert [name for name, _ in model.named_parameters()] == names
     assert parse_args(["--compile"]).compile
-
