@@ -165,6 +165,26 @@ class RunCache:
         "nemotron-dp2-ep2": (2, ["--model", "nemotron", "--dp", "2", "--ep", "2", *PARITY]),
         "gemma4-moe-aux": (1, ["--model", "gemma4-moe", *PARITY, *GEMMA_AUX_TERMS]),
         "gemma4-moe-aux-dp2-ep2": (2, ["--model", "gemma4-moe", "--dp", "2", "--ep", "2", *PARITY, *GEMMA_AUX_TERMS]),
+        # activation checkpointing under expert parallelism: each layer's recompute re-issues the all-to-all, and the
+        # expert load / bias-update counts / aux-loss sums skip the recomputed forward (balancing on in both)
+        "nemotron-dp2-ep2-ac": (
+            2,
+            ["--model", "nemotron", "--dp", "2", "--ep", "2", "--activation-checkpointing", *PARITY],
+        ),
+        "gemma4-moe-aux-dp2-ep2-ac": (
+            2,
+            [
+                "--model",
+                "gemma4-moe",
+                "--dp",
+                "2",
+                "--ep",
+                "2",
+                "--activation-checkpointing",
+                *PARITY,
+                *GEMMA_AUX_TERMS,
+            ],
+        ),
         # BackendConfig.enable_fsdp_optimizations (issue 26): the model's FSDP hooks, equal to "nemotron-dp2-ep2"
         "nemotron-dp2-ep2-fsdp-opt": (
             2,

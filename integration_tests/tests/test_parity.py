@@ -29,6 +29,8 @@ CASES = [
     ("nemotron-dp2-ep2-cp2", "nemotron"),  # EP over the cp ranks, experts FSDP2-sharded over dp (4 ranks)
     ("nemotron-dp2-ep2", "nemotron"),  # EP over the dp ranks, Nemotron-H's balancing recipe
     ("gemma4-moe-aux-dp2-ep2", "gemma4-moe-aux"),  # EP, Gemma 4 MoE with the three aux loss terms on
+    ("nemotron-dp2-ep2-ac", "nemotron"),  # EP x activation checkpointing (the all-to-all recomputed), balancing
+    ("gemma4-moe-aux-dp2-ep2-ac", "gemma4-moe-aux"),  # the same for Gemma 4 MoE with its aux terms
     *[
         ("llama-tied-tp2", "llama-tied"),  # HF Llama's own base_model_tp_plan, vocabulary-parallel tied embedding
         ("nemotron-tp2", "nemotron"),  # attention / MLP by features, Mamba2 by heads and groups (plain shards), MTP
@@ -169,6 +171,9 @@ BALANCE_CASES = [
     ("gemma4-moe-aux-dp2-ep2", "gemma4-moe-aux"),
     ("nemotron-dp2-ep2-cp2", "nemotron"),
     ("nemotron-pp2-cp2", "nemotron"),
+    # activation checkpointing: a recomputed forward that counted again would change the biases and double the terms
+    ("nemotron-dp2-ep2-ac", "nemotron"),
+    ("gemma4-moe-aux-dp2-ep2-ac", "gemma4-moe-aux"),
 ]
 BIAS_KEY = "e_score_correction_bias"
 
@@ -199,6 +204,14 @@ def test_load_balancing_equals_single_process(runs, case: str, reference: str) -
         torch.testing.assert_close(torch.tensor(terms[name]), torch.tensor(values), rtol=RTOL, atol=0)
     on = [name for name, values in want_terms.items() if any(v != 0 for v in values)]
     assert on == (["moe_seq_aux_loss"] if reference == "nemotron" else list(want_terms)), want_terms
+
+
+@pytest.mark.parametrize("case", ["nemotron-dp2-ep2-ac", "gemma4-moe-aux-dp2-ep2-ac"])
+def test_activation_checkpointing_under_expert_parallelism_is_recorded(runs, case: str) -> None:
+    """The checkpointed EP runs really checkpointed (summary.json), at ep 2."""
+    summary = runs.get(case).check().summary
+    assert summary["activation_checkpointing"] is True
+    assert summary["layout"]["ep"] == 2
 
 
 def test_gemma4_moe_aux_terms_change_the_training(runs) -> None:

@@ -375,7 +375,7 @@ def _feature_model_problems(
 
     problems = pipeline_eval_problems(cfg, plan) + router_aux_model_problems(cfg, model, router_aux=router_aux)
     if cfg.activation_checkpointing and model is not None and min(cfg.pp, cfg.dp, cfg.cp, cfg.ep) >= 1:
-        problems += activation_checkpointing_problems(model, mesh=mesh_context(cfg))
+        problems += activation_checkpointing_problems(model, mesh=mesh_context(cfg), compile=cfg.compile)
     return problems
 
 

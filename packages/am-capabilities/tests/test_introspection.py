@@ -498,16 +498,31 @@ def test_gradient_checkpointing_mro_plain_value_rule(cls, expected):
     assert ModelSupports(model).supports_gradient_checkpointing is expected
 
 
-def test_gradient_checkpointing_off_for_moe_under_expert_parallelism():
-    class MoEGC(ExpertParallelMoE):
-        supports_gradient_checkpointing = True
+class MoEGC(ExpertParallelMoE):
+    supports_gradient_checkpointing = True
+
+
+def test_gradient_checkpointing_follows_the_declaration_under_expert_parallelism():
+    """The core rule: the class's declaration decides on every mesh (a class that declares True states that its
+    recomputed layers are exact; am-moe's are, see the trainer's dp 2 x ep 2 parity runs with checkpointing).
+    Upstream's veto at ep_size > 1 is `am_capabilities.upstream.ModelSupports`."""
+    from am_capabilities import upstream
 
     model = MoEGC()
-    assert ModelSupports(model, MeshContext(ep_size=1)).supports_gradient_checkpointing
-    assert not ModelSupports(model, MeshContext(ep_size=2)).supports_gradient_checkpointing
+    for ep in (1, 2):
+        assert ModelSupports(model, MeshContext(ep_size=ep)).supports_gradient_checkpointing
+    assert upstream.ModelSupports(model, MeshContext(ep_size=1)).supports_gradient_checkpointing
+    assert not upstream.ModelSupports(model, MeshContext(ep_size=2)).supports_gradient_checkpointing
+    declined = GCFalseSub()
+    assert not ModelSupports(declined, MeshContext(ep_size=2)).supports_gradient_checkpointing
     plain = Custom()
     plain.__class__ = type("PlainGC", (Custom,), {"supports_gradient_checkpointing": True})
-    assert ModelSupports(plain, MeshContext(ep_size=2)).supports_gradient_checkpointing
+    assert upstream.ModelSupports(plain, MeshContext(ep_size=2)).supports_gradient_checkpointing  # no EP: no veto
+    # the upstream flavour survives copying and pickling with its rule
+    strong = upstream.ModelSupports(model, MeshContext(ep_size=2))
+    for copied in (copy.copy(strong), copy.deepcopy(strong), pickle.loads(pickle.dumps(strong))):
+        assert type(copied) is upstream.ModelSupports
+        assert not copied.supports_gradient_checkpointing
 
 
 def test_mtp_enabled_is_live():

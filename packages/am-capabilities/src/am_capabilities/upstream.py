@@ -1,9 +1,14 @@
-"""Upstream NeMo AutoModel's spelling of attaching capabilities, built on the core.
+"""Upstream NeMo AutoModel's spellings of attaching capabilities and of its gradient-checkpointing rule, built on the
+core.
 
 The core `attach_capabilities_and_validate` stores one instance attribute, `model.supports`, and patches no class.
 Code written against upstream also reads the flags straight off the model (`model.supports_cp`), which upstream
 provides by swapping the instance to a dynamic subclass of the same name carrying one forwarding property per flag.
 This module does that swap for such code; nothing in am-* imports it.
+
+Upstream's `ModelSupports.supports_gradient_checkpointing` is False for an expert-parallel model at `ep_size > 1`
+(its MoE layers were not known to recompute exactly under the exchange); the core's flag follows the class's
+declaration on every mesh (am-moe's layers recompute exactly). `ModelSupports` here keeps upstream's answer.
 """
 
 from __future__ import annotations
@@ -13,16 +18,32 @@ from typing import Any
 
 from torch import nn
 
-from .supports import ModelSupports
+from .introspection import _decide_ep, _declared
+from .supports import ModelSupports as _CoreModelSupports
 from .validation import attach_capabilities_and_validate as _attach
 
-__all__ = ["FORWARDED_FLAGS", "attach_capabilities_and_validate"]
+__all__ = ["FORWARDED_FLAGS", "ModelSupports", "attach_capabilities_and_validate"]
+
+
+class ModelSupports(_CoreModelSupports):
+    """The core `ModelSupports` with upstream's gradient-checkpointing rule: False for a model that implements
+    expert parallelism when ``ep_size > 1``; otherwise the core's answer (the class's plain declaration)."""
+
+    __slots__ = ()
+
+    @property
+    def supports_gradient_checkpointing(self) -> bool:
+        model = self.model
+        if self.ep_size > 1 and _decide_ep(model, _declared(model)).ok:
+            return False
+        return super().supports_gradient_checkpointing
+
 
 # Upstream forwards every `supports_*` flag and `is_custom_model`.
 FORWARDED_FLAGS: tuple[str, ...] = tuple(
     sorted(
         name
-        for name, value in vars(ModelSupports).items()
+        for name, value in vars(_CoreModelSupports).items()
         if (name.startswith("supports_") or name == "is_custom_model") and isinstance(value, property)
     )
 )

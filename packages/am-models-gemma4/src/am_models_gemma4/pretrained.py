@@ -90,7 +90,7 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
     # the softmax router has no selection bias. So the recipe is all off; the aux losses and z-loss of
     # `am_moe.configure_load_balancing` work on its router when asked for, a bias update is refused.
     moe_load_balancing: ClassVar[LoadBalancing] = LoadBalancing()
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True  # recomputation is exact, dense and MoE (trainer parity at dp 2 x ep 2)
     config: Any
     lm_head: nn.Linear
 

@@ -55,6 +55,10 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else weight
 
 
+def _keep(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 class GroupedExperts(nn.Module):
     """E experts of width `hidden_size` -> `intermediate_size` -> `hidden_size`, stacked `[E, out, in]`.
 
@@ -197,11 +201,14 @@ class GroupedExperts(nn.Module):
         rows, first, down = rows.detach(), first.detach(), down.detach()
 
         def run(backend: str, backward: bool) -> None:
-            x, w1, w2 = (t.clone().requires_grad_(backward) for t in (rows, first, down))
-            out = self._experts(x, layout, w1, w2, backend)
-            leaves = [x, w1, w2]
-            if backward:
-                torch.autograd.grad(out, leaves, torch.ones_like(out))
+            # Plain saving for this private graph: inside an activation-checkpointed layer the checkpoint's
+            # saved-tensor hooks are active, and a graph of their own backward-ed here would break them.
+            with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+                x, w1, w2 = (t.clone().requires_grad_(backward) for t in (rows, first, down))
+                out = self._experts(x, layout, w1, w2, backend)
+                leaves = [x, w1, w2]
+                if backward:
+                    torch.autograd.grad(out, leaves, torch.ones_like(out))
 
         key = self._tuning_key(rows.device, rows.dtype)
         self._last_choice = measure_grouped_mm(key, run, num_rows=sum(layout.sizes or ()), rule=rule)
