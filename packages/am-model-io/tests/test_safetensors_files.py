@@ -220,7 +220,8 @@ def test_fused_rows_concatenate_their_keys_and_read_only_the_rows_a_block_covers
     files["experts.0.w3.weight"] = torch.randn(3, 4)  # a piece that does not concatenate: named before any read
     (tmp_path / "bad").mkdir()
     write_safetensors(files, tmp_path / "bad", max_shard_size=None, safe_serialization=True)
-    with LazyCheckpoint(tmp_path / "bad") as checkpoint, pytest.raises(ValueError) as info:
+    with LazyCheckpoint(tmp_path / "bad") as checkpoint, pytest.raises(ValueError, match="do not concatenate") as info:
         load_sharded_tensors_(holder, checkpoint, {"gate_up": rows})
     assert checkpoint.bytes_read == 0
-    assert "gate_up: checkpoint experts.0.w1.weight + experts.0.w3.weight .. " in str(info.value)
+    expected = "gate_up: the pieces of experts.0.w1.weight + experts.0.w3.weight do not concatenate along dim 0: "
+    assert expected + "[('experts.0.w1.weight', (3, 5)), ('experts.0.w3.weight', (3, 4))]" in str(info.value)

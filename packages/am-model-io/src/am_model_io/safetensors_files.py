@@ -247,9 +247,14 @@ def load_sharded_tensors_(
             problems.append(f"{name} is on the meta device: materialize the model first (to_empty)")
             continue
         stored = [checkpoint.source_shape(key) for key in keys]
+        unfit = [entry for entry, shape in zip(keys, stored, strict=True) if shape is None]
+        if unfit:
+            shapes = [(key, checkpoint._meta[key][0]) for key in unfit[0]]
+            problems.append(f"{name}: the pieces of {_short(unfit[:1])} do not concatenate along dim 0: {shapes}")
+            continue
         single = len(keys) == 1 and isinstance(keys[0], str)
         full = stored[0] if single else (len(keys), *(stored[0] or ()))
-        if any(shape is None or shape != stored[0] for shape in stored) or tuple(full or ()) != tuple(target.shape):
+        if any(shape != stored[0] for shape in stored) or tuple(full or ()) != tuple(target.shape):
             problems.append(f"{name}: checkpoint {_short(keys)} has shape {full}, the model {tuple(target.shape)}")
     if problems:
         raise ValueError("load_sharded_tensors_:\n  - " + "\n  - ".join(problems))
