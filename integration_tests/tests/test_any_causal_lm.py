@@ -57,6 +57,39 @@ def _config(name: str) -> Any:
             intermediate_size=64,
             **small,
         ),
+        # MoE folders whose per-expert files transformers stacks (and fuses) on load: read block by block too
+        "mixtral": lambda: t.MixtralConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            **small,
+        ),
+        "qwen2_moe": lambda: t.Qwen2MoeConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=24,
+            **small,
+        ),
+        "olmoe": lambda: t.OlmoeConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            **small,
+        ),
     }[name]()
 
 
@@ -72,6 +105,9 @@ SWEEP = {
     "gptj": ("GPTJForCausalLM", "eager", False),
     "mpt": ("MptForCausalLM", "eager", False),
     "qwen2": ("Qwen2ForCausalLM", "sdpa", True),
+    "mixtral": ("MixtralForCausalLM", "sdpa", True),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "sdpa", True),
+    "olmoe": ("OlmoeForCausalLM", "sdpa", True),
 }
 
 

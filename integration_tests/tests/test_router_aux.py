@@ -215,24 +215,36 @@ def test_mixtral_trains_on_its_own_objective_at_dp2_cp2_with_microbatches_as_in_
     the first global batch; dp 2 x cp 2 (4 ranks: each holds half of its dp rows' tokens, load-balanced) with two
     microbatches of one row per rank trains like one process with one microbatch of four (loss incl. aux, aux and
     imbalance within 1e-5 each step, the final weights too); aux and the expert imbalance are reported apart
-    (summary.json, TensorBoard). (`--pp 2`: test_router_loss_at_pp2_equals_the_single_process.)"""
+    (summary.json, TensorBoard). (`--pp 2`: test_router_loss_at_pp2_equals_the_single_process.)
+    Loading (issue 23 §1): the folder's per-expert files (`experts.{e}.w1/w2/w3.weight`, which transformers stacks
+    and fuses on load) are read block by block: each of the 4 ranks reads only the files of its FSDP2 quarter of
+    every stack, so the ranks' bytes add up to the folder's exactly once and none reads more than its quarter."""
     from conftest import PARITY, launch, without_preset_sizes
     from test_parity import RTOL, assert_weights_close
     from trainer.config import parse_args
     from trainer.data import BatchStream
+    from trainer.models import build_model
     from trainer.validation import validate
 
     folder = SHARED.folder("mixtral", tmp_path)
     args = [*without_preset_sizes(PARITY), "--model-path", str(folder)]
     cfg = parse_args([*args, "--out", str(tmp_path / "oracle")])
     validated = validate(cfg, world_size=1)
-    model, corpus = validated.model, validated.corpus
+    # validation holds the meta structure only (the folder is read block by block by the run): the oracle loads it
+    model, corpus = build_model(validated.spec, seed=cfg.seed), validated.corpus
     inputs, labels = BatchStream(corpus.train, seq_len=cfg.seq_len, global_batch=cfg.global_batch).next_batch()
     with torch.no_grad():
         own = model.train()(input_ids=inputs, labels=labels, shift_labels=labels, output_router_logits=True)
 
     single = SHARED.single("mixtral", tmp_path)
-    dp2 = launch([*args, "--dp", "2", "--cp", "2", "--microbatch-size", "1"], nproc=4, out=tmp_path / "dp2cp2").check()
+    report = tmp_path / "loading"
+    dp2 = launch(
+        [*args, "--dp", "2", "--cp", "2", "--microbatch-size", "1"],
+        nproc=4,
+        out=tmp_path / "dp2cp2",
+        env={"AM_TRAIN_MEMORY_REPORT": str(report)},
+    ).check()
+    _assert_each_rank_read_its_quarter(folder, report)
     layout = dp2.summary["layout"]
     assert (layout["dp"], layout["cp"], layout["microbatches"]) == (2, 2, 2)
     for run in (single, dp2):
@@ -290,3 +302,19 @@ def test_a_router_loss_of_another_rule_is_refused_before_any_process_group() -> 
 
 
 SHARED = _SharedRuns({"mixtral": _save_mixtral, "qwen2_moe": _save_qwen2_moe})
+
+
+def _assert_each_rank_read_its_quarter(folder: Path, report: Path) -> None:
+    import json
+
+    from am_model_io import LazyCheckpoint
+
+    with LazyCheckpoint(folder) as checkpoint:
+        stored = checkpoint.meta_state_dict()
+    total = sum(t.numel() * t.element_size() for t in stored.values())
+    experts = sum(t.numel() * t.element_size() for key, t in stored.items() if ".experts." in key)
+    assert experts > 0.5 * total, (experts, total)  # so a rank reading every expert file would read > half
+    read = [json.loads((report / f"memory_rank{r}.json").read_text())["checkpoint_bytes_read"] for r in range(4)]
+    assert sum(read) == total, (read, total)  # every byte once: no rank reads another's block
+    # FSDP2 splits each tensor's dim 0 (one expert per rank); uneven dims (e.g. 2 layers' norms) round to a row
+    assert all(abs(r - total / 4) < 0.02 * total for r in read), (read, total)

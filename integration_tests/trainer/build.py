@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from am_model_io import InitUnit, materialize_sharded_
+from am_model_io import InitUnit, ShardedLoad, materialize_sharded_
 
 
 @dataclass(frozen=True)
@@ -166,20 +166,23 @@ def materialize_seeded(part: nn.Module, *, init: SeededInit, seed: int, device: 
 def materialize_parts(
     parts: list[nn.Module],
     *,
-    materialize: Callable[[nn.Module, int, torch.device], None] | None,
+    materialize: Callable[[nn.Module, int, torch.device], ShardedLoad | None] | None,
     seed: int,
     device: torch.device,
-) -> None:
+) -> int:
     """Materialize every part this rank holds (`materialize`: the spec's), then give the output copy of a tied
     embedding split over two stages the input's values (collective over the two ranks' pair group; every rank calls
-    it, ranks without a copy do nothing)."""
+    it, ranks without a copy do nothing). Returns the checkpoint bytes this rank read (0: a seeded init)."""
     from am_pipelining import sync_tied_embedding_weights
 
     if materialize is None:
         raise ValueError("the model spec has no materialize: it cannot be built piecewise")
+    read = 0
     for part in parts:
-        materialize(part, seed, device)
+        loaded = materialize(part, seed, device)
+        read += loaded.bytes_read if loaded is not None else 0
     sync_tied_embedding_weights(parts)
+    return read
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -187,38 +190,60 @@ def materialize_parts(
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def header_sources(folder: Path, model: nn.Module) -> tuple[dict[str, list[str]], dict[str, list[Any]]]:
-    """(the model's name -> the file key it is read from, loading info) for a transformers model whose files name
-    its tensors as its modules do, from the safetensors headers only (no tensor data is read).
+def header_sources(folder: Path, model: nn.Module) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+    """(the model's name -> the file keys it is read from, loading info) for a transformers model whose files name
+    its tensors as its modules do, or as transformers' conversion rules map them (per-expert files stacked, and
+    fused, into one tensor: see `_model_names`), from the safetensors headers only (no tensor data is read).
+
+    A source is `[key]` for a tensor stored as itself, or one entry per expert for a stack transformers merges on
+    load: a tuple of keys concatenated along dim 0 (`(experts.{e}.w1.weight, experts.{e}.w3.weight)` is row e of
+    Mixtral's `[E, 2I, H]` `gate_up_proj`), which `am_model_io.load_sharded_tensors_` reads block by block: a rank
+    holding experts [a, b) reads only their files.
 
     The loading info has transformers' form (`missing_keys`, `unexpected_keys`, `mismatched_keys` as `(key, file
     shape, model shape)`), for trainer/models.py's strict `check_loaded_keys`: every parameter and persistent buffer
-    must be in the files (a tied group needs one of its names), nothing else may be (models.py's
-    `ALLOWED_UNEXPECTED` aside: that check filters).
+    must be in the files (a tied group needs one of its names; a stack every expert's pieces), nothing else may be
+    (models.py's `ALLOWED_UNEXPECTED` aside: that check filters). `converted_keys` lists the keys only a transformers
+    load can convert (a conversion other than stacking and concatenating): such a folder is loaded whole.
     """
     from am_model_io import LazyCheckpoint
 
     expected = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
     with LazyCheckpoint(folder) as checkpoint:
         stored = {key: tuple(t.shape) for key, t in checkpoint.meta_state_dict().items()}
-    renamed = _model_names(model, stored, expected)
-    by_name = {name: key for key, name in renamed.items() if name is not None}
-    tied = {name: group for group in tied_groups(model) for name in group}
-    sources: dict[str, list[str]] = {}
-    missing = []
-    for name in expected:
-        group = tied.get(name, [name])
-        found = next((by_name[n] for n in [name, *group] if n in by_name), None)
-        if found is not None:
-            sources[name] = [found]
-        elif name == next(n for n in group if n in expected):  # a tied group missing entirely is named once
-            missing.append(name)
-    unexpected = [key for key, name in renamed.items() if name not in expected]
-    mismatched = [
-        (keys[0], stored[keys[0]], expected[name])
-        for name, keys in sources.items()
-        if stored[keys[0]] != expected[name]
-    ]
+        renamed = _model_names(model, stored, expected)
+        by_name = {name: key for key, name in renamed.items() if isinstance(name, str)}
+        stacks: dict[str, dict[int, dict[int, str]]] = {}  # the model's name -> expert -> piece -> file key
+        for key, target in renamed.items():
+            if isinstance(target, _Stacked) and target.name in expected:
+                stacks.setdefault(target.name, {}).setdefault(target.expert, {})[target.piece] = key
+        tied = {name: group for group in tied_groups(model) for name in group}
+        sources: dict[str, list[Any]] = {}
+        missing: list[str] = []
+        unexpected = [key for key, name in renamed.items() if isinstance(name, str) and name not in expected]
+        unexpected += [key for key, t in renamed.items() if isinstance(t, _Stacked) and t.name not in expected]
+        for name in expected:
+            if name in stacks:
+                rows, absent, extra = _stack_rows(stacks[name], renamed, experts=expected[name][0])
+                missing += absent
+                unexpected += extra
+                if not absent:
+                    sources[name] = rows
+                continue
+            group = tied.get(name, [name])
+            found = next((by_name[n] for n in [name, *group] if n in by_name), None)
+            if found is not None:
+                sources[name] = [found]
+            elif name == next(n for n in group if n in expected):  # a tied group missing entirely is named once
+                missing.append(name)
+        mismatched = []
+        for name, keys in sources.items():
+            single = len(keys) == 1 and isinstance(keys[0], str)
+            shapes = [checkpoint.source_shape(entry) for entry in keys]
+            shape = shapes[0] if single else (len(keys), *(shapes[0] or ()))
+            if any(s is None or s != shapes[0] for s in shapes) or shape != expected[name]:
+                first = keys[0] if isinstance(keys[0], str) else " + ".join(keys[0])
+                mismatched.append((first if single else f"{first} .. ({len(keys)} experts)", shape, expected[name]))
     info: dict[str, list[Any]] = {
         "converted_keys": sorted(key for key, name in renamed.items() if name is None),
         "missing_keys": sorted(missing),
@@ -228,13 +253,49 @@ def header_sources(folder: Path, model: nn.Module) -> tuple[dict[str, list[str]]
     return sources, info
 
 
+@dataclass(frozen=True)
+class _Stacked:
+    """A per-expert file key that transformers stacks into the model's tensor `name`: row `expert`, piece `piece` of
+    the row (the converter's source pattern index: pieces are concatenated along the row's dim 0 in that order);
+    `span` is where the expert index sits in the key (to name a missing expert's key as the files would)."""
+
+    name: str
+    expert: int
+    piece: int
+    span: tuple[int, int]
+
+
+def _stack_rows(
+    by_expert: dict[int, dict[int, str]], renamed: dict[str, Any], *, experts: int
+) -> tuple[list[tuple[str, ...]], list[str], list[str]]:
+    """(one entry per expert 0..experts-1: its pieces' keys in order, missing keys, unexpected keys) of a stack."""
+    pieces = max((piece for row in by_expert.values() for piece in row), default=-1) + 1
+    templates: dict[int, str] = {}
+    for row in by_expert.values():
+        for piece, key in row.items():
+            templates.setdefault(piece, key)
+    missing = []
+    for expert in range(experts):
+        for piece in range(pieces):
+            if piece not in by_expert.get(expert, {}):
+                template = templates[piece]
+                low, high = renamed[template].span
+                missing.append(f"{template[:low]}{expert}{template[high:]}")
+    extra = [key for expert, row in by_expert.items() if expert >= experts for key in row.values()]
+    if missing:
+        return [], missing, extra
+    return [tuple(by_expert[e][p] for p in range(pieces)) for e in range(experts)], missing, extra
+
+
 def _model_names(
     model: nn.Module, stored: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]
-) -> dict[str, str | None]:
+) -> dict[str, str | _Stacked | None]:
     """File key -> the model's name for it, by transformers' own renaming rules for the architecture (e.g. GPT-NeoX's
-    `embed_out` is `lm_head`; the base-model prefix added or dropped). None for a key only a transformers
-    `WeightConverter` can load (tensors merged or split on load, e.g. per-expert files fused into one stack):
-    such a key cannot be read block by block, so it is reported as unexpected."""
+    `embed_out` is `lm_head`; the base-model prefix added or dropped). A per-expert key that a transformers
+    `WeightConverter` stacks (`MergeModulelist(dim=0)`, then optionally `Concatenate(dim=1)` of several patterns:
+    Mixtral's `experts.{e}.w1/w3.weight` -> `experts.gate_up_proj`, Qwen2-MoE's and OLMoE's `gate_proj/up_proj`) is
+    a `_Stacked` row piece, read block by block. None for a key only another conversion can load (tensors split or
+    transformed on load): such a key cannot be read block by block, and the folder is loaded whole."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -245,18 +306,42 @@ def _model_names(
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     prefix = getattr(model, "base_model_prefix", None) or None
-    names: dict[str, str | None] = {}
+    names: dict[str, str | _Stacked | None] = {}
     for key in stored:
-        name, converter = rename_source_key(
+        name, pattern = rename_source_key(
             key, renamings, converters, base_model_prefix=prefix, meta_state_dict=expected
         )
-        names[key] = None if converter is not None else name
+        converter = next((c for c in converters if pattern in c.source_patterns), None) if pattern else None
+        if pattern is None or converter is None:
+            names[key] = name
+            continue
+        names[key] = _stacked_piece(key, name, pattern, converter)
     return names
 
 
-def load_transformers_blocks(part: nn.Module, folder: Path, *, seed: int, device: torch.device) -> None:
+def _stacked_piece(key: str, name: str, pattern: str, converter: Any) -> _Stacked | None:
+    """The row piece `key` is of the stack `name` (see `_model_names`), or None when the converter does more than
+    stack per-expert keys (and concatenate several patterns along the row's first dim)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
+    stacks_only = ops == [(MergeModulelist, 0)] and len(converter.source_patterns) == 1
+    stacks_and_fuses = ops == [(MergeModulelist, 0), (Concatenate, 1)]
+    if not (stacks_only or stacks_and_fuses) or len(converter.target_patterns) != 1 or pattern.count("*") != 1:
+        return None
+    import re
+
+    found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+    if found is None:
+        return None
+    piece = converter.source_patterns.index(pattern)
+    return _Stacked(name=name, expert=int(found.group(1)), piece=piece, span=found.span(1))
+
+
+def load_transformers_blocks(part: nn.Module, folder: Path, *, seed: int, device: torch.device) -> ShardedLoad:
     """A transformers part: the seeded init (buffers no file holds, e.g. RoPE frequencies), then every tensor the
-    files hold read into this rank's blocks (`load_sharded_tensors_`: a DTensor reads its own block only)."""
+    files hold read into this rank's blocks (`load_sharded_tensors_`: a DTensor reads its own block only; a stack of
+    per-expert files only its own experts' files). Returns what was read."""
     from am_model_io import LazyCheckpoint, load_sharded_tensors_
 
     materialize_seeded(part, init=TRANSFORMERS_INIT, seed=seed, device=device)
@@ -265,7 +350,7 @@ def load_transformers_blocks(part: nn.Module, folder: Path, *, seed: int, device
         raise ValueError(f"--model-path {folder} changed after validation: {info}")
     names = set(part.state_dict(keep_vars=True))
     with LazyCheckpoint(folder) as checkpoint:
-        load_sharded_tensors_(part, checkpoint, {name: keys for name, keys in sources.items() if name in names})
+        return load_sharded_tensors_(part, checkpoint, {name: keys for name, keys in sources.items() if name in names})
 
 
 __all__ = [

@@ -65,9 +65,10 @@ def _status_kib(field: str) -> int:
 
 class BuildMemory:
     """With `AM_TRAIN_MEMORY_REPORT=<folder>`: `start()` resets the kernel's peak resident set (VmHWM, via
-    /proc/self/clear_refs) to the current one before the build; `finish(parts, rank)` writes
-    `memory_rank{rank}.json`: the resident KiB at the start, the peak KiB since (the kernel counts every page:
-    Python, torch and the allocator alike) and this rank's local tensor bytes. Linux only; a no-op otherwise."""
+    /proc/self/clear_refs) to the current one before the build; `finish(parts, rank, checkpoint_bytes_read=...)`
+    writes `memory_rank{rank}.json`: the resident KiB at the start, the peak KiB since (the kernel counts every page:
+    Python, torch and the allocator alike), this rank's local tensor bytes and the tensor bytes it read from a
+    `--model-path` folder. Linux only; a no-op otherwise."""
 
     def __init__(self) -> None:
         self.folder = os.environ.get("AM_TRAIN_MEMORY_REPORT")
@@ -78,7 +79,7 @@ class BuildMemory:
             Path("/proc/self/clear_refs").write_text("5")
             self.start_kib = _status_kib("VmRSS")
 
-    def finish(self, parts: list[nn.Module], rank: int) -> None:
+    def finish(self, parts: list[nn.Module], rank: int, *, checkpoint_bytes_read: int = 0) -> None:
         if not self.folder:
             return
         import json
@@ -89,7 +90,12 @@ class BuildMemory:
                 to_local = getattr(tensor, "to_local", None)
                 piece = to_local() if callable(to_local) else tensor
                 local += piece.numel() * piece.element_size()
-        facts = {"rss_start_kib": self.start_kib, "hwm_kib": _status_kib("VmHWM"), "local_tensor_bytes": local}
+        facts = {
+            "rss_start_kib": self.start_kib,
+            "hwm_kib": _status_kib("VmHWM"),
+            "local_tensor_bytes": local,
+            "checkpoint_bytes_read": checkpoint_bytes_read,
+        }
         Path(self.folder).mkdir(parents=True, exist_ok=True)
         (Path(self.folder) / f"memory_rank{rank}.json").write_text(json.dumps(facts))
 

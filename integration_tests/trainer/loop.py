@@ -226,7 +226,7 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
         # TP's plain-tensor shards (Mamba2 heads and groups) have no per-unit init region of their own, so under tp
         # each rank materializes its own pipeline stages whole first (a stage, never the whole model, when pp > 1)
         # and TP / EP / FSDP2 then split real tensors.
-        materialize_parts(parts, materialize=validated.spec.materialize, seed=cfg.seed, device=device)
+        read = materialize_parts(parts, materialize=validated.spec.materialize, seed=cfg.seed, device=device)
         apply_tensor_parallel_to_parts(parts, plan=plan.tensor_parallel, tp_mesh=meshes.tp)
     if meshes.ep is not None:
         apply_expert_parallel(parts, ep_mesh=meshes.ep)
@@ -247,8 +247,8 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
     # This rank's blocks only: the seeded per-unit init of a preset, the folder's slices of a --model-path
     # (trainer/build.py); values do not depend on the layout, so every layout equals the single process.
     if meshes.tp is None:
-        materialize_parts(parts, materialize=validated.spec.materialize, seed=cfg.seed, device=device)
-    memory.finish(parts, meshes.rank)
+        read = materialize_parts(parts, materialize=validated.spec.materialize, seed=cfg.seed, device=device)
+    memory.finish(parts, meshes.rank, checkpoint_bytes_read=read)
     if os.environ.get("AM_TRAIN_FP32_REPORT"):
         dump_fp32_tensors(parts, os.environ["AM_TRAIN_FP32_REPORT"], meshes.rank, storage_dtype=plan.precision.storage)
     # --loss-parallel: the head keeps its vocabulary shard; the loss is vocabulary-parallel over the tp group

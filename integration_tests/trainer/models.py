@@ -32,8 +32,9 @@ class ModelSpec:
     its config.json, whose names and shapes are checked against the files' headers); `materialize(part, seed,
     device)` gives one part of it (the whole model, or a pipeline stage, possibly ep-sharded and FSDP2-wrapped) this
     rank's blocks on `device`: the seeded per-unit init of a preset, the folder's weights of a `--model-path`
-    (trainer/build.py); `save(model, folder)` writes config.json + safetensors; `family` names the preset (or the
-    folder's architecture). `loads_weights`: `materialize` reads a folder's weights.
+    (trainer/build.py) and returns what it read from the files (`am_model_io.ShardedLoad`; None: nothing read);
+    `save(model, folder)` writes config.json + safetensors; `family` names the preset (or the folder's
+    architecture). `loads_weights`: `materialize` reads a folder's weights.
     """
 
     family: str
@@ -41,7 +42,7 @@ class ModelSpec:
     save: Callable[[nn.Module, Path], None]
     vocab_size: int
     loads_weights: bool = False
-    materialize: Callable[[nn.Module, int, torch.device], None] | None = None
+    materialize: Callable[[nn.Module, int, torch.device], Any] | None = None
 
 
 def _nemotron_pattern(num_layers: int) -> str:
@@ -372,10 +373,10 @@ def folder_spec(folder: str | Path) -> ModelSpec:
             # names and shapes checked against the files' headers by the class's own loader; no data is read
             return model_class.from_pretrained(folder, dtype=torch.float32, device_map="meta")
 
-        def load_registered(part: nn.Module, seed: int, device: torch.device) -> None:
+        def load_registered(part: nn.Module, seed: int, device: torch.device) -> Any:
             del seed  # every value comes from the folder
             part.to_empty(device=device)
-            _package_loader(model_class)(part, folder)
+            return _package_loader(model_class)(part, folder)
 
         return ModelSpec(
             model_type or registered.__name__,
@@ -401,20 +402,21 @@ def folder_spec(folder: str | Path) -> ModelSpec:
         check_loaded_keys(folder, header_sources(folder, model)[1])  # the headers only: no data is read
         return model
 
-    def load_hf(part: nn.Module, seed: int, device: torch.device) -> None:
+    def load_hf(part: nn.Module, seed: int, device: torch.device) -> Any:
         from trainer.build import load_transformers_blocks
 
         if not any(p.is_meta for p in part.parameters()):  # loaded whole by `build` (files transformers converts)
-            return
-
-        load_transformers_blocks(part, folder, seed=seed, device=device)
+            part.to(device)  # FSDP2 moved its shards already; an unwrapped part is still on the CPU
+            return None
+        return load_transformers_blocks(part, folder, seed=seed, device=device)
 
     return ModelSpec(model_type or "hf", build_hf, _save_hf, vocab_size, loads_weights=True, materialize=load_hf)
 
 
 def header_sources_needs_converter(folder: Path, config: Any) -> bool:
-    """Whether transformers fuses or splits some of the folder's tensors on load (a `WeightConverter`, e.g. Mixtral's
-    per-expert files stacked into one tensor): such a folder cannot be read block by block and is loaded whole."""
+    """Whether transformers converts some of the folder's tensors on load in a way other than stacking per-expert
+    files (and fusing their patterns along the rows: Mixtral, Qwen2-MoE and OLMoE are read block by block, see
+    trainer/build.py `header_sources`), e.g. splitting a fused tensor: such a folder is loaded whole."""
     from transformers import AutoModelForCausalLM
 
     from trainer.build import header_sources
@@ -426,7 +428,7 @@ def header_sources_needs_converter(folder: Path, config: Any) -> bool:
 
 def _load_hf_whole(folder: Path) -> nn.Module:
     """The whole model, every weight read by transformers (strict check through its loading info). Still whole on
-    every rank: only for folders whose tensors transformers converts on load."""
+    every rank: only for folders whose tensors transformers converts on load other than by stacking experts."""
     from transformers import AutoModelForCausalLM
 
     loaded: Any = AutoModelForCausalLM.from_pretrained(

@@ -190,3 +190,38 @@ def test_load_sharded_tensors_refuses_meta_targets_and_wrong_shapes_before_readi
     message = str(info.value)
     assert "ids is on the meta device: materialize the model first (to_empty)" in message
     assert "experts: checkpoint experts.0.weight .. experts.1.weight (2 tensors) has shape (2, 8, 8)" in message
+
+
+def test_fused_rows_concatenate_their_keys_and_read_only_the_rows_a_block_covers(tmp_path: Path) -> None:
+    """A stacked entry that is a tuple of keys is their concatenation along dim 0 (transformers' fused experts:
+    per-expert `w1` and `w3` are row e of a `[E, 2I, H]` `gate_up_proj`): the whole stack loads equal to
+    `stack(cat(w1_e, w3_e))`, and a block that covers part of a row reads only the pieces' rows inside it."""
+    g = torch.Generator().manual_seed(1)
+    w1 = {e: torch.randn(3, 5, generator=g) for e in range(4)}
+    w3 = {e: torch.randn(3, 5, generator=g) for e in range(4)}
+    files = {**{f"experts.{e}.w1.weight": w1[e] for e in w1}, **{f"experts.{e}.w3.weight": w3[e] for e in w3}}
+    write_safetensors(files, tmp_path, max_shard_size=256, safe_serialization=True)
+    rows = [(f"experts.{e}.w1.weight", f"experts.{e}.w3.weight") for e in range(4)]
+    holder = torch.nn.Module()
+    holder.gate_up = torch.nn.Parameter(torch.zeros(4, 6, 5))
+    with LazyCheckpoint(tmp_path) as checkpoint:
+        assert checkpoint.source_shape(rows[0]) == (6, 5)
+        report = load_sharded_tensors_(holder, checkpoint, {"gate_up": rows})
+        expected = torch.stack([torch.cat([w1[e], w3[e]]) for e in range(4)])
+        assert torch.equal(holder.gate_up, expected)
+        assert report.bytes_read == expected.numel() * 4
+        # rows 2..4 of expert 1's fused row: one row of w1, one of w3; columns 1..3
+        before = checkpoint.bytes_read
+        block = checkpoint.read_source_block(rows[1], (2, 1), (2, 3))
+        assert torch.equal(block, expected[1, 2:4, 1:4])
+        assert checkpoint.bytes_read - before == 2 * 3 * 4
+        block = checkpoint.read_source_block(rows[1], (3, 0), (3, 5))  # w3 alone
+        assert torch.equal(block, w3[1])
+    files["experts.0.w3.weight"] = torch.randn(3, 4)  # a piece that does not concatenate: named before any read
+    (tmp_path / "bad").mkdir()
+    write_safetensors(files, tmp_path / "bad", max_shard_size=None, safe_serialization=True)
+    with LazyCheckpoint(tmp_path / "bad") as checkpoint, pytest.raises(ValueError, match="do not concatenate") as info:
+        load_sharded_tensors_(holder, checkpoint, {"gate_up": rows})
+    assert checkpoint.bytes_read == 0
+    expected = "gate_up: the pieces of experts.0.w1.weight + experts.0.w3.weight do not concatenate along dim 0: "
+    assert expected + "[('experts.0.w1.weight', (3, 5)), ('experts.0.w3.weight', (3, 4))]" in str(info.value)

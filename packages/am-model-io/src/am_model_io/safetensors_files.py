@@ -114,6 +114,17 @@ class LazyCheckpoint:
             out[key] = torch.empty(shape, dtype=_SAFETENSORS_DTYPES.get(dtype, torch.uint8), device="meta")
         return out
 
+    def source_shape(self, source: str | Sequence[str]) -> tuple[int, ...] | None:
+        """The shape `source` describes (header only): a key's stored shape, or for a tuple of keys their
+        concatenation along dim 0 (e.g. transformers' per-expert `w1` and `w3` fused into one `gate_up` row); None
+        when the pieces do not concatenate (different trailing dims, or a 0-d piece)."""
+        if isinstance(source, str):
+            return self._meta[source][0]
+        shapes = [self._meta[key][0] for key in source]
+        if not shapes or any(not shape or shape[1:] != shapes[0][1:] for shape in shapes):
+            return None
+        return (sum(shape[0] for shape in shapes), *shapes[0][1:])
+
     def read(self, key: str) -> torch.Tensor:
         """Materialise one tensor (CPU)."""
         file = self.file_of[key]
@@ -147,6 +158,25 @@ class LazyCheckpoint:
             ) from err
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
+
+    def read_source_block(
+        self, source: str | Sequence[str], offset: Sequence[int], shape: Sequence[int]
+    ) -> torch.Tensor:
+        """`read_block` of a key, or of the concatenation along dim 0 of a tuple of keys (`source_shape`): each
+        piece's rows in `[offset[0], offset[0] + shape[0])` are read with `get_slice`, nothing else."""
+        if isinstance(source, str):
+            return self.read_block(source, offset, shape)
+        start, pieces = 0, []
+        for key in source:
+            stored = self._meta[key][0]
+            low, high = max(offset[0], start), min(offset[0] + shape[0], start + stored[0])
+            if low < high:
+                pieces.append(self.read_block(key, (low - start, *offset[1:]), (high - low, *shape[1:])))
+            start += stored[0]
+        if not pieces:
+            dtype = _SAFETENSORS_DTYPES.get(self._meta[source[0]][1], torch.uint8)
+            return torch.empty(tuple(shape), dtype=dtype)
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -183,7 +213,7 @@ class ShardedLoad:
 
 @torch.no_grad()
 def load_sharded_tensors_(
-    model: nn.Module, checkpoint: LazyCheckpoint, sources: Mapping[str, Sequence[str]]
+    model: nn.Module, checkpoint: LazyCheckpoint, sources: Mapping[str, Sequence[str | Sequence[str]]]
 ) -> ShardedLoad:
     """Copy into every parameter and buffer of `model` named in `sources` the block this rank holds, reading only
     that block from the files.
@@ -191,9 +221,12 @@ def load_sharded_tensors_(
     model: materialized (e.g. `to_empty`) and possibly sharded: plain tensors are read whole, DTensors (FSDP2,
         expert parallel, tensor parallel; full logical shape) read their `local_region` block only.
     sources: the model's name -> the checkpoint keys it is read from, as the model's state-dict adapter decides:
-        one key (the tensor itself, renamed), or several keys stacked along a new dim 0 in the given order (e.g. the
-        per-expert `experts.{e}.up_proj.weight` of a `[E, I, H]` stack; a rank holding experts [a, b) reads keys
-        a..b-1 only). Check names and shapes on the files' headers first (the model packages' loaders do).
+        one key (the tensor itself, renamed), or several entries stacked along a new dim 0 in the given order (e.g.
+        the per-expert `experts.{e}.up_proj.weight` of a `[E, I, H]` stack; a rank holding experts [a, b) reads
+        entries a..b-1 only). A stacked entry may be a tuple of keys, concatenated along its dim 0 (transformers'
+        fused experts: `(experts.{e}.w1.weight, experts.{e}.w3.weight)` is row e of a `[E, 2I, H]` `gate_up_proj`);
+        a rank reads only the pieces' rows its block covers. Check names and shapes on the files' headers first
+        (the model packages' loaders do).
 
     Values are cast to the target's dtype on copy. Returns the names copied (the model's names present in
     `sources`) and the bytes read; names of `model` absent from `sources` are left untouched.
@@ -213,37 +246,52 @@ def load_sharded_tensors_(
         if target.is_meta:
             problems.append(f"{name} is on the meta device: materialize the model first (to_empty)")
             continue
-        stored = [checkpoint._meta[key][0] for key in keys]
-        full = stored[0] if len(keys) == 1 else (len(keys), *stored[0])
-        if any(shape != stored[0] for shape in stored) or tuple(full) != tuple(target.shape):
+        stored = [checkpoint.source_shape(key) for key in keys]
+        unfit = [entry for entry, shape in zip(keys, stored, strict=True) if shape is None]
+        if unfit:
+            shapes = [(key, checkpoint._meta[key][0]) for key in unfit[0]]
+            problems.append(f"{name}: the pieces of {_short(unfit[:1])} do not concatenate along dim 0: {shapes}")
+            continue
+        single = len(keys) == 1 and isinstance(keys[0], str)
+        full = stored[0] if single else (len(keys), *(stored[0] or ()))
+        if any(shape != stored[0] for shape in stored) or tuple(full or ()) != tuple(target.shape):
             problems.append(f"{name}: checkpoint {_short(keys)} has shape {full}, the model {tuple(target.shape)}")
     if problems:
         raise ValueError("load_sharded_tensors_:\n  - " + "\n  - ".join(problems))
     start = checkpoint.bytes_read
     # File by file, each file's handle closed before the next one: the pages of a memory-mapped file that were read
     # count in the rank's resident memory until it is unmapped, so at most one file's pages stay mapped.
-    names.sort(key=lambda name: str(checkpoint.file_of[sources[name][0]]))
+    names.sort(key=lambda name: str(checkpoint.file_of[_first_key(sources[name])]))
     for position, name in enumerate(names):
         target, keys = targets[name], list(sources[name])
         offset, shape = local_region(target)
-        if len(keys) == 1:
+        if len(keys) == 1 and isinstance(keys[0], str):
             block = checkpoint.read_block(keys[0], offset, shape)
         else:
             rows = keys[offset[0] : offset[0] + shape[0]]
-            pieces = [checkpoint.read_block(key, offset[1:], shape[1:]) for key in rows]
+            pieces = [checkpoint.read_source_block(key, offset[1:], shape[1:]) for key in rows]
             block = torch.stack(pieces) if pieces else torch.empty(shape, dtype=target.dtype)
         to_local = getattr(target, "to_local", None)
         local = to_local() if callable(to_local) else target
         local.copy_(block)
         del block  # one block in flight at a time
         following = names[position + 1] if position + 1 < len(names) else None
-        if following is None or checkpoint.file_of[sources[following][0]] != checkpoint.file_of[keys[0]]:
+        following_file = None if following is None else checkpoint.file_of[_first_key(sources[following])]
+        if following_file != checkpoint.file_of[_first_key(keys)]:
             checkpoint.close()  # reopened on the next read
     return ShardedLoad(tuple(names), checkpoint.bytes_read - start)
 
 
-def _short(keys: Sequence[str]) -> str:
-    return keys[0] if len(keys) == 1 else f"{keys[0]} .. {keys[-1]} ({len(keys)} tensors)"
+def _first_key(keys: Sequence[str | Sequence[str]]) -> str:
+    first = keys[0]
+    return first if isinstance(first, str) else first[0]
+
+
+def _short(keys: Sequence[str | Sequence[str]]) -> str:
+    def one(entry: str | Sequence[str]) -> str:
+        return entry if isinstance(entry, str) else " + ".join(entry)
+
+    return one(keys[0]) if len(keys) == 1 else f"{one(keys[0])} .. {one(keys[-1])} ({len(keys)} tensors)"
 
 
 def write_safetensors(
