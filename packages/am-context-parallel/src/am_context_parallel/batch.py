@@ -190,15 +190,15 @@ def shard_cp_batch(
         padding_mask = _padding_mask_from_attention_mask(attention_mask)
     doc_ids = _doc_ids_for_ring(batch, padding_mask)
 
-    layout = LoadBalancedLayout(cp_size=cp_size, cp_rank=cp_rank(cp_mesh))
-    seq_len, padded_len = _shard_keys(batch, keys, layout)
+    head_tail = LoadBalancedLayout(cp_size=cp_size, cp_rank=cp_rank(cp_mesh))
+    seq_len, padded_len = _shard_keys(batch, keys, head_tail)
     if doc_ids is None and padded_len != seq_len:
         doc_ids = torch.ones(primary.shape[:2], dtype=torch.long, device=primary.device)
-    local_doc_ids = layout.shard(doc_ids, seq_dim=1, pad_value=0) if doc_ids is not None else None
+    local_doc_ids = head_tail.shard(doc_ids, seq_dim=1, pad_value=0) if doc_ids is not None else None
     ctx = RingAttentionContext(
         group=cp_mesh.get_group(),
-        layout=layout,
-        positions=layout.local_indices(padded_len, device=primary.device),
+        layout=head_tail,
+        positions=head_tail.local_indices(padded_len, device=primary.device),
         doc_ids=local_doc_ids,
         seq_len=seq_len,
         padded_len=padded_len,
