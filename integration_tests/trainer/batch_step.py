@@ -80,6 +80,7 @@ class BatchStep:
         step_ctx: Any = contextlib.nullcontext
         first_inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
         if plan.cp > 1:  # every rank shards (the first stage needs the inputs, the last the targets)
+            assert plan.cp_layout is not None, "a CP run's plan has a cp_layout"
             step_ctx, first_inputs, labels = shard_pipeline_batch_for_cp(
                 self.parts[0],
                 input_ids,
