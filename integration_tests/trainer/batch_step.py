@@ -59,7 +59,8 @@ class BatchStep:
         if not plan.is_pipeline:
             return forward_backward(
                 self.parts[0], self.loss_module, input_ids, labels,
-                microbatch_size=plan.microbatch_size, cp_mesh=self.mesh if plan.cp > 1 else None, backward=train,
+                microbatch_size=plan.microbatch_size, cp_mesh=self.mesh if plan.cp > 1 else None,
+                cp_layout=plan.cp_layout, backward=train,
                 router=self.router if train else None,  # validation: the held-out cross-entropy alone
                 fsdp_hooks=plan.fsdp_optimizations,
             )  # fmt: skip
@@ -79,8 +80,14 @@ class BatchStep:
         step_ctx: Any = contextlib.nullcontext
         first_inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
         if plan.cp > 1:  # every rank shards (the first stage needs the inputs, the last the targets)
+            assert plan.cp_layout is not None, "a CP run's plan has a cp_layout"
             step_ctx, first_inputs, labels = shard_pipeline_batch_for_cp(
-                self.parts[0], input_ids, labels, mesh=self.mesh, microbatch_size=plan.microbatch_size
+                self.parts[0],
+                input_ids,
+                labels,
+                mesh=self.mesh,
+                microbatch_size=plan.microbatch_size,
+                layout=plan.cp_layout,
             )
         run = self.schedule.step if train else self.schedule.eval  # eval: the same schedule, forward only
         with step_ctx():  # ring p2p (cp group) inside the schedule's p2p (pp group): see parallel.py
@@ -101,6 +108,7 @@ def forward_backward(
     *,
     microbatch_size: int,
     cp_mesh: Any = None,
+    cp_layout: str | None = None,
     backward: bool = True,
     router: RouterAuxLoss | None = None,
     fsdp_hooks: bool = False,
@@ -144,7 +152,8 @@ def forward_backward(
         ctx: Any = contextlib.nullcontext
         mtp_targets = None
         if cp_mesh is not None:
-            ctx, batch = shard_batch_for_cp(model, batch, mesh=cp_mesh)
+            assert cp_layout is not None, "a CP run's plan has a cp_layout"
+            ctx, batch = shard_batch_for_cp(model, batch, mesh=cp_mesh, layout=cp_layout)
             mb_labels, mtp_targets = split_cp_targets(batch)
         else:
             mb_labels = batch.pop("labels")

@@ -279,22 +279,25 @@ def cp_pad_multiple(model: nn.Module) -> int:
     return options.pad_multiple if options is not None else 2
 
 
-def shard_batch_for_cp(model: nn.Module, batch: dict[str, torch.Tensor], *, mesh: DeviceMesh) -> tuple[Any, dict]:
+def shard_batch_for_cp(
+    model: nn.Module, batch: dict[str, torch.Tensor], *, mesh: DeviceMesh, layout: str
+) -> tuple[Any, dict]:
     """This rank's CP shard of `batch` and the context to run forward and backward in (am-context-parallel).
 
     batch: `input_ids` [B, S] and `labels` [B, S], ALREADY shifted (the trainer's convention). A model with the
     `prepare_batch_for_cp(batch, *, labels_shifted)` hook (Nemotron-H: document ids, padding mask, the per-depth MTP
     inputs and targets) prepares the WHOLE sequences first, so everything that is shifted is right at block edges.
-    A model whose contract declares `cp.layout="contiguous"` then gets the contiguous shard and the ring context its
-    layers read; other models get the load-balanced layout with ring attention routed through transformers' attention
-    registry. The model is read, never asked to shard. The returned context describes exactly these B rows.
+    `layout` is the run plan's `cp_layout`: "contiguous" (a model whose contract declares it) gets the contiguous
+    shard and the ring context its layers read; "load_balanced" the head-tail layout with ring attention routed
+    through transformers' attention registry. am-context-parallel checks the layout against the model, it does not
+    derive it again. The model is never asked to shard. The returned context describes exactly these B rows.
     """
     from am_context_parallel import make_cp_batch_and_ctx
 
     prepare = getattr(model, "prepare_batch_for_cp", None)
     if callable(prepare):
         batch = prepare(batch, labels_shifted=True)
-    return make_cp_batch_and_ctx(mesh, batch, model=model)
+    return make_cp_batch_and_ctx(mesh, batch, model=model, layout=layout)
 
 
 # Keys of a CP-sharded batch that are not forward inputs: the main labels, MTP targets (both go to the loss) and the
@@ -320,8 +323,10 @@ def shard_pipeline_batch_for_cp(
     *,
     mesh: DeviceMesh,
     microbatch_size: int,
+    layout: str,
 ) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor]:
-    """pp > 1 and cp > 1: (ring context, first-stage inputs, schedule target) for one step's local batch.
+    """pp > 1 and cp > 1: (ring context, first-stage inputs, schedule target) for one step's local batch, in the
+    plan's CP `layout` (see `shard_batch_for_cp`).
 
     The schedule splits the batch into microbatches of `microbatch_size` rows but the step runs inside ONE entered
     context, whose document ids are per row. So every microbatch is prepared and sharded on its own (exactly as
@@ -339,7 +344,9 @@ def shard_pipeline_batch_for_cp(
     contexts: list[Any] = []
     for start in range(0, input_ids.shape[0], microbatch_size):
         rows = slice(start, start + microbatch_size)
-        ctx, shard = shard_batch_for_cp(model, {"input_ids": input_ids[rows], "labels": labels[rows]}, mesh=mesh)
+        ctx, shard = shard_batch_for_cp(
+            model, {"input_ids": input_ids[rows], "labels": labels[rows]}, mesh=mesh, layout=layout
+        )
         contexts.append(ctx)
         shards.append(shard)
     first = contexts[0]

@@ -580,6 +580,36 @@ def test_model_declarations_are_checked() -> None:
         assert needle in str(error.value)
 
 
+def test_plan_layout_picks_the_path_and_is_checked_against_the_model() -> None:
+    """A run plan's `layout=` decides the path (the contract is not asked to derive it again) and must be the one
+    the model's contract declares: a plan made for another model is refused, every problem in one message."""
+
+    class Contiguous(torch.nn.Module):
+        def am_contract(self) -> ModelContract:
+            return _CONTIGUOUS
+
+    batch = {"input_ids": torch.tensor([[4, 5, 6]]), "labels": torch.tensor([[5, 6, -100]])}
+    same = dict(batch)
+    ctx, out = make_cp_batch_and_ctx(None, same, model=torch.nn.Module(), layout="load_balanced")
+    assert ctx is contextlib.nullcontext  # C = 1 on the load-balanced path: nothing to shard
+    assert out is same
+    _, contiguous = make_cp_batch_and_ctx(None, dict(batch), model=Contiguous(), layout="contiguous")
+    _, declared = make_cp_batch_and_ctx(None, dict(batch), model=Contiguous())
+    assert "_packed_seq_ids" in contiguous  # the contiguous path ran (it adds document ids even at C = 1)
+    assert contiguous.keys() == declared.keys()
+    assert all(torch.equal(contiguous[k], declared[k]) for k in declared)
+    with pytest.raises(ValueError, match=r"contract declares cp\.layout='contiguous'"):
+        make_cp_batch_and_ctx(None, dict(batch), model=Contiguous(), layout="load_balanced")
+    with pytest.raises(ValueError, match=r"contract declares cp\.layout='load_balanced'"):
+        make_cp_batch_and_ctx(None, dict(batch), model=torch.nn.Module(), layout="contiguous")
+    with pytest.raises(ValueError, match="make_cp_batch_and_ctx: ") as error:
+        make_cp_batch_and_ctx(None, dict(batch), use_te=True, layout="zigzag")
+    for needle in ("layout must be one of ['load_balanced', 'contiguous']; got 'zigzag'", "pass model= too"):
+        assert needle in str(error.value)
+    with pytest.raises(ValueError, match='use_te=True shards for THD, not the "load_balanced" layout'):
+        make_cp_batch_and_ctx(None, dict(batch), use_te=True, model=torch.nn.Module(), layout="load_balanced")
+
+
 def test_synthesize_single_document_seq_ids() -> None:
     from_mask = {"input_ids": torch.ones(1, 3), "padding_mask": torch.tensor([[False, False, True]])}
     _synthesize_single_document_seq_ids(from_mask)

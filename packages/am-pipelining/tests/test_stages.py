@@ -85,6 +85,37 @@ def test_stage_modules_hold_only_their_parameters():
     assert model.lm_head is not None
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma4_vlm", "mistral3_vlm"])
+def test_stages_run_the_pipeline_forward_as_their_class_without_patching(name):
+    """No forward is bound onto an instance and no class changes: a stage's text decoder and top-level model are
+    instances of subclasses of their own classes (class attributes, `isinstance`, names and state-dict keys kept)
+    whose `forward` is the pipeline forward; the model they were copied from runs its own forward still."""
+    model = M.FACTORIES[name](2)
+    classes = {n: type(m) for n, m in model.named_modules()}
+    forwards = {cls: cls.forward for cls in classes.values()}
+    names, layout = _names(model, 2)
+    text_name = layout.layers_prefix.rstrip(".")
+    stages = build_stage_modules(model, names, [0, 1])
+    for stage in stages:
+        text = stage.get_submodule(text_name)
+        for module, cls in ((stage, type(model)), (text, classes[text_name])):
+            assert type(module) is not cls
+            assert isinstance(module, cls)
+            assert type(module).__name__ == cls.__name__
+            assert type(module)._am_pipeline_stage_of is cls
+            assert "forward" not in module.__dict__
+        assert type(text).forward.__name__.startswith("pipeline_forward")
+        assert type(stage).forward.__name__.startswith("pipeline_forward")
+        for names_of in (nn.Module.named_parameters, nn.Module.named_buffers):  # tied heads counted by each name
+            assert {n for n, _ in names_of(stage, remove_duplicate=False)} <= {
+                n for n, _ in names_of(model, remove_duplicate=False)
+            }
+    assert type(stages[0]) is type(stages[1])  # one stage class per model class, made once
+    assert {n: type(m) for n, m in model.named_modules()} == classes
+    assert all(cls.forward is forward for cls, forward in forwards.items())
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 def test_stage_building_copies_only_kept_modules(monkeypatch):
     """The deep copy sees only the kept parts: peak extra memory is one stage, not one model per stage."""
     model = M.llama(4)

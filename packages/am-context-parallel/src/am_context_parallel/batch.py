@@ -34,7 +34,7 @@ from .contiguous import ContextFactory, contiguous_shard
 from .coverage import cp_attention_problems
 from .layouts import LoadBalancedLayout
 from .mesh import cp_rank, sub_mesh
-from .model_protocol import model_cp_options
+from .model_protocol import CP_LAYOUTS, ContiguousCPOptions, model_cp_options
 from .thd import make_cp_batch_for_te
 
 __all__ = ["make_cp_batch_and_ctx", "shard_cp_batch"]
@@ -51,6 +51,7 @@ def make_cp_batch_and_ctx(
     extra_seq_buffers: list[str] | None = None,
     *,
     model: Any = None,
+    layout: str | None = None,
 ) -> tuple[ContextFactory, dict[str, Any]]:
     """Shard `batch` along the sequence for the `cp` dim of `device_mesh`; return `(context_factory, batch)`.
 
@@ -59,6 +60,10 @@ def make_cp_batch_and_ctx(
     `cp.options()`; run even at C = 1, where it only adds position ids, document ids and padding_mask) > THD
     for Transformer Engine (`use_te`) > identity when C ≤ 1 or there is no `cp` dim (same batch object, unchanged)
     > the load-balanced head-tail layout.
+
+    `layout` ("contiguous" or "load_balanced", one of `CP_LAYOUTS`): the layout a run plan chose for `model`; it
+    picks the path instead of the model's contract, which is only checked against it (a plan made for another
+    model is refused, not re-derived). None (upstream's convention): the model's contract picks.
 
     Load-balanced path (C > 1): `model` is required — it is the model that runs inside the context. Refused up front
     (`ValueError`, nothing changed, no collective) when the package cannot show that every attention layer of it goes
@@ -84,8 +89,10 @@ def make_cp_batch_and_ctx(
             of different lengths or with a sequence dim they do not have, missing extra buffers); for a batch that
             still carries the removed `_cp_make_batch_fn` hook; without `model` at C > 1 on the load-balanced path,
             or with the model's `cp_attention_problems`; for THD options without `use_te`, or `use_te` with a
-            model that declares the contiguous layout; on every path (C <= 1 included), for float (or bool) token ids
-            or labels and for labels whose batch size differs from the inputs'.
+            model that declares the contiguous layout; for a `layout` that is not one of `CP_LAYOUTS`, given
+            without `model`, other than the one the model's contract declares, or "load_balanced" with `use_te`;
+            on every path (C <= 1 included), for float (or bool) token ids or labels and for labels whose batch
+            size differs from the inputs'.
     """
     return shard_cp_batch(
         device_mesh,
@@ -98,6 +105,7 @@ def make_cp_batch_and_ctx(
         extra_seq_buffers,
         model=model,
         require_model=True,
+        layout=layout,
     )
 
 
@@ -113,6 +121,7 @@ def shard_cp_batch(
     *,
     model: Any,
     require_model: bool,
+    layout: str | None = None,
 ) -> tuple[ContextFactory, dict[str, Any]]:
     """`make_cp_batch_and_ctx`'s work; `require_model=False` (upstream's model-less convention, `upstream.py` only)
     returns a load-balanced context that routes nothing and checks nothing (the caller routes attention)."""
@@ -124,7 +133,7 @@ def shard_cp_batch(
             "only; pass use_te=True to use it, or leave them at their defaults (1, -1000)"
         )
     cp_mesh, tp_mesh = sub_mesh(device_mesh, "cp"), sub_mesh(device_mesh, "tp")
-    options = model_cp_options(model) if model is not None else None
+    options = _contiguous_options(model, layout, use_te=use_te)
     if options is not None:
         if use_te:
             raise ValueError(
@@ -181,15 +190,15 @@ def shard_cp_batch(
         padding_mask = _padding_mask_from_attention_mask(attention_mask)
     doc_ids = _doc_ids_for_ring(batch, padding_mask)
 
-    layout = LoadBalancedLayout(cp_size=cp_size, cp_rank=cp_rank(cp_mesh))
-    seq_len, padded_len = _shard_keys(batch, keys, layout)
+    head_tail = LoadBalancedLayout(cp_size=cp_size, cp_rank=cp_rank(cp_mesh))
+    seq_len, padded_len = _shard_keys(batch, keys, head_tail)
     if doc_ids is None and padded_len != seq_len:
         doc_ids = torch.ones(primary.shape[:2], dtype=torch.long, device=primary.device)
-    local_doc_ids = layout.shard(doc_ids, seq_dim=1, pad_value=0) if doc_ids is not None else None
+    local_doc_ids = head_tail.shard(doc_ids, seq_dim=1, pad_value=0) if doc_ids is not None else None
     ctx = RingAttentionContext(
         group=cp_mesh.get_group(),
-        layout=layout,
-        positions=layout.local_indices(padded_len, device=primary.device),
+        layout=head_tail,
+        positions=head_tail.local_indices(padded_len, device=primary.device),
         doc_ids=local_doc_ids,
         seq_len=seq_len,
         padded_len=padded_len,
@@ -197,6 +206,36 @@ def shard_cp_batch(
         model=model,
     )
     return ctx, batch
+
+
+def _contiguous_options(model: Any, layout: str | None, *, use_te: bool) -> ContiguousCPOptions | None:
+    """The contiguous options to shard with, None for the other paths: from the model's contract when `layout` is
+    None; with a `layout` (a run plan's), that layout decides and the contract is only checked against it.
+
+    Raises:
+        ValueError: listing every problem of `layout` (not one of `CP_LAYOUTS`, no `model` to check it against,
+            another layout than the model's contract declares, "load_balanced" with `use_te`).
+    """
+    if layout is None:
+        return model_cp_options(model) if model is not None else None
+    problems = []
+    if layout not in CP_LAYOUTS:
+        problems.append(f"layout must be one of {list(CP_LAYOUTS)}; got {layout!r}")
+    if model is None:
+        problems.append("layout= is checked against the model that runs in the context: pass model= too")
+    if use_te and layout == "load_balanced":
+        problems.append('use_te=True shards for THD, not the "load_balanced" layout; drop one of them')
+    options = model_cp_options(model) if model is not None else None
+    if model is not None and layout in CP_LAYOUTS:
+        declared = "contiguous" if options is not None else "load_balanced"
+        if layout != declared:
+            problems.append(
+                f"layout={layout!r}, but {type(model).__name__}'s contract declares cp.layout={declared!r} (the "
+                "plan was made for another model); plan with the model that runs"
+            )
+    if problems:
+        raise ValueError("make_cp_batch_and_ctx: " + "; ".join(problems))
+    return options
 
 
 def _check_model_for_ring(model: Any) -> None:

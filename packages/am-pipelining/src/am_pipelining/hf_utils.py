@@ -417,7 +417,9 @@ def _forward_plan(model: nn.Module) -> _ForwardPlan:
 
 
 def patch_hf_model_for_pp(model: Any, patch_inner_model: bool = True, patch_causal_lm_model: bool = True) -> nn.Module:
-    """Bind pipeline-friendly forwards onto `model` (in place) and return it.
+    """Bind pipeline-friendly forwards onto `model` (in place) and return it: upstream's API, kept for its callers.
+    The stage builder does not patch: `build_stage_modules` gives its own copies the same forwards as their
+    classes' (`stage_modules._stage_class`), from the same resolution (`_forward_plan`).
 
     Skip this for models that keep their own forward (`model_keeps_self_forward`). The model's `PIPELINE_FORWARDS`
     entry (if any) picks the forwards: a multimodal entry patches `model.model.language_model` and the top-level

@@ -3,24 +3,35 @@
 Stages are built by construction, never by tracing: for each stage the modules it does not keep are detached from
 the model for the duration of one `copy.deepcopy`, so only the kept parts are copied (nothing is allocated for a
 meta-device model) and the original is restored untouched. Layer containers become `nn.ModuleDict`s keyed by the
-ORIGINAL layer index, so parameter names stay those of the unsplit model. Each stage's forward is patched
-(`hf_utils`) unless the model keeps its own, and wrapped to emit only tensors.
+ORIGINAL layer index, so parameter names stay those of the unsplit model. Unless the model keeps its own forward,
+the copy's text decoder and top-level model become instances of stage classes (`_stage_class`): subclasses of their
+own classes whose `forward` is the pipeline forward of `hf_utils`'s table, made once per class, as FSDP2 makes
+`FSDP<Class>`. So names, state-dict keys, class attributes and `isinstance` stay the model's, and no forward is bound
+onto an instance (upstream's `patch_hf_model_for_pp` does that; it stays for callers, the core does not use it).
+Every stage emits only tensors (a forward hook).
 
-What it must not do: need a process group, decide how many stages there are (that is `planning`), or import a
-model package (it reads the model's contract, `contract_of(model).pp`, and upstream's `get_pipeline_stage_metas` hook).
+What it must not do: change the model it is given or any class (stage classes are new subclasses), need a process
+group, decide how many stages there are (that is `planning`), or import a model package (it reads the model's
+contract, `contract_of(model).pp`, and upstream's `get_pipeline_stage_metas` hook).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from .hf_utils import model_keeps_self_forward, patch_hf_model_for_pp, statically_defines
+from .hf_utils import (
+    _forward_plan,
+    create_pipeline_forward_causal_lm,
+    create_pipeline_forward_inner,
+    model_keeps_self_forward,
+    statically_defines,
+)
 from .hf_validation import _uses_reentrant_checkpointing, check_forward_reproduction
 from .outputs import pipeline_output_names, read_stage_output
 
@@ -70,6 +81,67 @@ def _copy_kept(model: nn.Module, keep: set[str]) -> nn.Module:
     finally:
         for parent, name, child in reversed(undo):
             parent._modules[name] = child
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Stage classes: the pipeline forward as the class's own forward
+# ------------------------------------------------------------------------------------------------------------
+
+ForwardFactory = Callable[[], Callable[..., Any]]
+
+_STAGE_CLASSES: dict[tuple[type, ForwardFactory], type] = {}
+
+
+def _generic_text_forward() -> Callable[..., Any]:
+    """The text decoder's pipeline forward when the model's `PIPELINE_FORWARDS` entry names none."""
+    return create_pipeline_forward_inner("PipelineStage")
+
+
+def _stage_class(cls: type, factory: ForwardFactory, *, hidden_states_supported: bool = False) -> type:
+    """The subclass of `cls` whose `forward` is `factory()` (made once per class and factory, then reused).
+
+    It keeps `cls`'s name, module and every class attribute (contract, `_no_split_modules`, `_tp_plan`, hooks);
+    `_am_pipeline_stage_of` names `cls`. `hidden_states_supported`: the generic causal-LM forward can return hidden
+    states (upstream's `_pp_return_hidden_states_supported` flag).
+    """
+    key = (cls, factory)
+    found = _STAGE_CLASSES.get(key)
+    if found is None:
+        namespace: dict[str, Any] = {
+            "forward": factory(),
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_am_pipeline_stage_of": cls,
+        }
+        if hidden_states_supported:
+            namespace["_pp_return_hidden_states_supported"] = True
+        found = _STAGE_CLASSES[key] = type(cls.__name__, (cls,), namespace)
+    return found
+
+
+def _as_stage(module: nn.Module, factory: ForwardFactory, *, hidden_states_supported: bool = False) -> None:
+    """Make `module` (a stage's own copy, never the caller's model) an instance of its stage class."""
+    cls = getattr(type(module), "_am_pipeline_stage_of", type(module))
+    module.__class__ = _stage_class(cls, factory, hidden_states_supported=hidden_states_supported)
+
+
+def _use_pipeline_forwards(stage_model: nn.Module, *, inner: bool, outer: bool) -> None:
+    """Give a stage copy its pipeline forwards, as `hf_utils._forward_plan` assigns them (the resolution
+    `patch_hf_model_for_pp` uses): the text decoder the text forward (`inner`), the top-level model of a causal LM
+    or VLM the outer forward (`outer`); a bare decoder is its own text decoder."""
+    plan = _forward_plan(stage_model)
+    text_factory = plan.text_factory or _generic_text_forward
+    if not plan.has_outer:
+        if inner:
+            _as_stage(stage_model, text_factory)
+        return
+    if inner:
+        _as_stage(plan.text_module, text_factory)
+    if outer:
+        if plan.outer_factory is not None:
+            _as_stage(stage_model, plan.outer_factory)
+        else:
+            _as_stage(stage_model, create_pipeline_forward_causal_lm, hidden_states_supported=True)
 
 
 def _check_activation_checkpointing(model: nn.Module) -> None:
@@ -133,12 +205,14 @@ def build_stage_modules(
     patch_inner_model: bool = True,
     patch_causal_lm_model: bool = True,
 ) -> list[nn.Module]:
-    """One pruned, patched copy of `model` per stage id (no process group needed).
+    """One pruned copy of `model` per stage id, running the pipeline forwards (no process group needed).
 
     Only the modules a stage keeps are copied: the others are detached from `model` during the copy and put back
     after, so `model` is unchanged and a meta-device model allocates nothing. In each copy, modules not kept are
     `None`, `ModuleList`s become `ModuleDict`s keyed by the original index strings, and tied weights stay tied
-    when both ends are kept.
+    when both ends are kept. Unless the model keeps its own forward, the copy's text decoder (`patch_inner_model`)
+    and top-level model (`patch_causal_lm_model`; the names are upstream's) are instances of their stage classes
+    (subclasses with the pipeline forward; parameter names and class attributes unchanged).
 
     Raises:
         ValueError: listing every forward-level feature of `model` the pipeline forwards would not reproduce
@@ -155,9 +229,7 @@ def build_stage_modules(
             module.__dict__.pop("_pp_causal_mask_cache", None)
             module.__dict__.pop("_pp_mask_builds", None)
         if not keep_self_forward:
-            patch_hf_model_for_pp(
-                stage_model, patch_inner_model=patch_inner_model, patch_causal_lm_model=patch_causal_lm_model
-            )
+            _use_pipeline_forwards(stage_model, inner=patch_inner_model, outer=patch_causal_lm_model)
         stage_model._pp_stage_index = stage_id  # type: ignore[assignment]
         _emit_tensors_only(stage_model, stage_index=stage_id)
         stage_models.append(stage_model)

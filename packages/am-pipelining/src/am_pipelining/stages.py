@@ -92,7 +92,8 @@ def build_stages(
             from the plan's layer split, then passed through the model's `customize_pipeline_stage_modules` hook).
         seq_len / dtype: with `seq_len`, stages get static shapes `[plan.microbatch_size, seq_len, ...]` in `dtype`
             (default: the stage's parameter dtype); the plan must then have a batch.
-        patch_inner_model / patch_causal_lm_model: patch the inner / causal-LM forward (`patch_hf_model_for_pp`).
+        patch_inner_model / patch_causal_lm_model: run the pipeline forward in the text decoder / the top-level model
+            (upstream's names; the stage copies become instances of stage classes, `build_stage_modules`).
 
     Raises:
         ValueError: a plan for another group size or layer count, stage lists that do not hold the plan's layers,
