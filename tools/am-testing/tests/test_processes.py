@@ -24,7 +24,7 @@ time.sleep(600)
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")  # a zombie has exited
     except OSError:
         return False
 

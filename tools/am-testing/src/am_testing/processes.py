@@ -2,10 +2,12 @@
 
 `run_processes(commands, name=..., deadline_s=...)` starts one process per command, waits for all of them, and
 returns each one's exit code and output. A run still going at its deadline is stopped with every process it started
-(torchrun puts its workers in sessions of their own, so the whole process tree is found through /proc, not a process
-group) and `DeadlineExceeded` is raised naming the run, its commands and each process's output tail, which holds the
-Python stack of every process that was stopped: the processes run with `PYTHONFAULTHANDLER=1` and are stopped with
-SIGABRT first, which makes Python print every thread's stack. Never a hang, never a process left behind.
+(torchrun puts its workers in sessions of their own, so the run's processes are found through /proc, not a process
+group: every process below the started ones, and every process that inherited the run's `AM_TESTING_RUN` tag in its
+environment, which also finds one already re-parented away from the tree) and `DeadlineExceeded` is raised naming
+the run, its commands and each process's output tail, which holds the Python stack of every process that was stopped:
+the processes run with `PYTHONFAULTHANDLER=1` and are stopped with SIGABRT first, which makes Python print every
+thread's stack. Never a hang, never a process left behind (the call returns once every one has ended).
 
 Output goes to files, not pipes, so a chatty process can never block on a full pipe.
 """
@@ -19,12 +21,15 @@ import signal
 import subprocess
 import tempfile
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 OUTPUT_TAIL_CHARS = 6000  # of each process's output, in DeadlineExceeded's message
 _STOP_GRACE_S = 3.0  # after SIGABRT, for the stacks to be written, before SIGKILL
+_GONE_WAIT_S = 10.0  # after SIGKILL, for the kernel to end every process (a loaded machine takes a moment)
+_RUN_TAG = "AM_TESTING_RUN"  # environment variable each process of a run inherits; its value names the run
 
 
 @dataclass(frozen=True)
@@ -74,21 +79,61 @@ def _tree(pid: int) -> list[int]:
     return order
 
 
+def _tagged(tag: str) -> list[int]:
+    """Every process whose environment carries `AM_TESTING_RUN=tag` (this user's; others' environ is unreadable)."""
+    marker = f"{_RUN_TAG}={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:  # ended meanwhile, or not ours
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie has ended; only its exit status waits for its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def _signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
             os.kill(pid, sig)
 
 
-def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    """SIGABRT every process of the run (stacks written by faulthandler), then SIGKILL what is left."""
-    pids = [pid for proc in procs if proc.poll() is None for pid in _tree(proc.pid)]
+def _stop(procs: Sequence[subprocess.Popen[bytes]], tag: str) -> None:
+    """SIGABRT every process of the run (stacks written by faulthandler), then SIGKILL what is left and wait until
+    every one has ended, so that none outlives the call."""
+
+    def members() -> list[int]:
+        tree = [pid for proc in procs if proc.poll() is None for pid in _tree(proc.pid)]
+        return sorted({*tree, *_tagged(tag)} - {os.getpid()})
+
+    pids = members()
     _signal_all(pids, signal.SIGABRT)
     stop_by = time.monotonic() + _STOP_GRACE_S
-    while time.monotonic() < stop_by and any(proc.poll() is None for proc in procs):
+    while time.monotonic() < stop_by and any(_alive(pid) for pid in pids):
         time.sleep(0.1)
-    # Children of a process that already died were re-parented away from the tree: kill every pid seen.
-    _signal_all([*pids, *(pid for proc in procs if proc.poll() is None for pid in _tree(proc.pid))], signal.SIGKILL)
+    # Children of a process that already died were re-parented away from the tree: kill every pid seen or tagged.
+    gone_by = time.monotonic() + _GONE_WAIT_S
+    while True:
+        left = [pid for pid in {*pids, *members()} if _alive(pid)]
+        _signal_all(left, signal.SIGKILL)
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.05)
+        if not left or time.monotonic() > gone_by:
+            break
+        time.sleep(0.05)
     for proc in procs:
         proc.wait()
 
@@ -126,6 +171,7 @@ def run_processes(
         envs = list(env)
         if len(envs) != len(commands):
             raise ValueError(f"run {name!r}: {len(envs)} environments for {len(commands)} commands; pass one each")
+    tag = uuid.uuid4().hex
     with tempfile.TemporaryDirectory(prefix="am_run_") as folder:
         logs = [Path(folder) / f"process{i}.log" for i in range(len(commands))]
         procs: list[subprocess.Popen[bytes]] = []
@@ -139,7 +185,7 @@ def run_processes(
                             stdout=sink,
                             stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL,
-                            env={**environment, "PYTHONFAULTHANDLER": "1"},
+                            env={**environment, "PYTHONFAULTHANDLER": "1", _RUN_TAG: tag},
                             cwd=cwd,
                             preexec_fn=_no_core_dumps,
                         )
@@ -151,7 +197,7 @@ def run_processes(
         finally:
             # Also on KeyboardInterrupt or a failed start: nothing of the run outlives this call.
             if any(proc.poll() is None for proc in procs):
-                _stop(procs)
+                _stop(procs, tag)
         wall_s = time.perf_counter() - started
         outputs = [log.read_bytes().decode(errors="replace") for log in logs]
     if late:
