@@ -324,8 +324,7 @@ def _llama_with_optimizer() -> tuple[object, torch.nn.Module, torch.optim.Optimi
 
 def _save(tmp_path, step: int, spec, model, optimizer, *, export_hf=None):  # type: ignore[no-untyped-def]
     from trainer.checkpoint import save_checkpoint
-    from trainer.plan import PRECISIONS
-    from trainer.step_parts import make_hf_exporter
+    from trainer.export import make_hf_exporter
 
     return save_checkpoint(
         tmp_path / "out",
@@ -333,7 +332,7 @@ def _save(tmp_path, step: int, spec, model, optimizer, *, export_hf=None):  # ty
         model_parts=[model],
         optimizers=[optimizer],
         trainer_state={"losses": []},
-        export_hf=export_hf or make_hf_exporter(spec, [model], precision=PRECISIONS["fp32"], shard_rank=0),
+        export_hf=export_hf or make_hf_exporter([model]),
     )
 
 

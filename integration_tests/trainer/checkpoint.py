@@ -4,9 +4,11 @@ A checkpoint is a folder `<out>/checkpoints/step_<N>/`:
     dcp/                 torch.distributed.checkpoint of every rank's model parts and optimizer state (sharded as
                          the run holds them: FSDP2 shards, pipeline stages), bit-exact
     model/               the full model in HF format (config.json + safetensors), loadable by transformers / our
-                         `from_pretrained`; written by rank 0
+                         `from_pretrained`; streamed by one writer per pipeline stage (trainer/export.py: no rank
+                         holds the whole model), the files named and config.json written by rank 0
     rng/rank<r>.pt       each rank's torch RNG state
-    trainer_state.json   step, data-stream position, run arguments, loss history
+    trainer_state.json   step, data-stream position, run arguments, loss history, how the HF export was written
+                         (`hf_export`: files, shard budget, each writer's bytes and peak bytes held)
     manifest.json        the sha256 of every other file of the folder, trainer_state.json included
 `<out>/checkpoints/latest` names the newest complete checkpoint.
 
@@ -185,12 +187,12 @@ def save_checkpoint(
     model_parts: Sequence[nn.Module],
     optimizers: Sequence[torch.optim.Optimizer],
     trainer_state: dict[str, Any],
-    export_hf: Callable[[Path], None],
+    export_hf: Callable[[Path], dict[str, Any] | None],
 ) -> Path:
     """Write the checkpoint of `step` atomically (collective: every rank calls it). Returns the final folder.
 
-    `export_hf(folder)` is called on every rank (it gathers the full weights, a collective) and must write the HF
-    folder on rank 0 only.
+    `export_hf(folder)` is called on every rank (a collective: trainer/export.py streams the weights to one writer
+    per stage); what it returns on rank 0 (its report, or None) is recorded as `hf_export` in the trainer state.
     """
     rank = dist.get_rank()
     root = checkpoint_root(out_dir)
@@ -204,10 +206,11 @@ def save_checkpoint(
     try:
         dcp.save(_merge(_part_states(model_parts, optimizers)), checkpoint_id=str(tmp / "dcp"))
         torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
-        export_hf(tmp / "model")
+        export_report = export_hf(tmp / "model")
         dist.barrier()
         if rank == 0:
-            (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=1))
+            state = {**trainer_state, "step": step, "hf_export": export_report}
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
             files = sorted(p for p in tmp.rglob("*") if p.is_file())
             manifest = {str(p.relative_to(tmp)): _sha256(p) for p in files}
             (tmp / MANIFEST_FILE).write_text(json.dumps({"files": manifest}, indent=1))

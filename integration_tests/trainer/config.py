@@ -77,6 +77,7 @@ class RunConfig:
     optimizer: str = "adamw"
     momentum: float | None = None
     lr_schedule: str = "cosine"
+    hf_shard_size: str = "5GB"  # issue 23 (d): the HF export's safetensors file budget (trainer/export.py)
     skip_nonfinite_steps: int = 0  # issue 22: at most this many updates dropped for a non-finite loss / grad norm
     tp: int = 1  # issue 24: tensor-parallel size, innermost mesh axis (trainer/tensor_parallel.py)
     sequence_parallel: bool = False  # issue 24: the stream between TP regions on sequence shards (needs --tp > 1)
@@ -182,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help=".txt (bytes), .pt (int tensor) or .bin (uint16) corpus")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (checkpoints, loss curve, summary)")
     p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument(
+        "--hf-shard-size",
+        default="5GB",
+        help="the HF-format export of each checkpoint is written in safetensors files of at most this size "
+        "(save_pretrained's max_shard_size: bytes, or e.g. 5GB, 200MB, 64KB); a writer holds at most this much",
+    )
     p.add_argument("--resume", default=None, help="checkpoint folder, or 'latest' under --out")
     p.add_argument(
         "--overwrite",
@@ -444,6 +451,12 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
         )
     if cfg.ckpt_every < 0:
         problems.append(f"--ckpt-every {cfg.ckpt_every}: must be >= 0 (0 writes a checkpoint at the end only)")
+    from trainer.export import shard_bytes
+
+    try:
+        shard_bytes(cfg.hf_shard_size)
+    except ValueError as err:
+        problems.append(f"--hf-shard-size {cfg.hf_shard_size}: {err}")
     if cfg.mtp_depths < 0:
         problems.append(f"--mtp-depths {cfg.mtp_depths}: must be >= 0 (0 disables multi-token prediction)")
     if "timeout" not in not_finite and not 0 < cfg.timeout <= MAX_TIMEOUT_S:

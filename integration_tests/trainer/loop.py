@@ -66,6 +66,7 @@ from trainer.data import BatchStream, Corpus
 from trainer.debug_hooks import BuildMemory, dump_fp32_tensors, maybe_inject_fault
 from trainer.evaluation import evaluate, validation_batches
 from trainer.expert_parallel import apply_expert_parallel, build_ep_meshes, reset_expert_counts, step_expert_imbalance
+from trainer.export import make_hf_exporter, shard_bytes
 from trainer.guards import EXIT_RUN_STOPPED, RunStopped, StepGuard
 from trainer.layer_wrappers import apply_activation_checkpointing, apply_compile
 from trainer.moe_balance import MoEBalance
@@ -83,7 +84,7 @@ from trainer.plan import RunPlan, ValidatedRun
 from trainer.progress import Progress, run_summary, save_loss_curve
 from trainer.router_aux_pipeline import PipelineRouterAux
 from trainer.step_memory import measured_step, state_bytes
-from trainer.step_parts import RouterAuxLoss, TokenSumLoss, clip_grad_norm, make_hf_exporter
+from trainer.step_parts import RouterAuxLoss, TokenSumLoss, clip_grad_norm
 from trainer.tb_logging import TensorBoardLog
 from trainer.tensor_parallel import apply_tensor_parallel_to_parts
 from trainer.validation import (
@@ -276,11 +277,13 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
     )
     # One optimizer per part: identical math to one over all parameters (trainer/optim.py).
     optimizers = build_optimizers(parts, cfg)
-    # One rank per stage sends the gathered weights: dp_cp rank 0 of tp rank 0.
-    shard_rank = meshes.dp_cp.get_local_rank() + (meshes.tp.get_local_rank() if meshes.tp is not None else 0)
-    tp_group = meshes.tp.get_group() if meshes.tp is not None else None
+    # The HF export streams: one writer per stage (its first rank, dp_cp 0 of tp 0), each tensor gathered to it alone.
+    stage_ranks = meshes.mesh.mesh[meshes.mesh.get_local_rank("pp")].flatten().tolist()
     export_hf = make_hf_exporter(
-        validated.spec, parts, precision=plan.precision, shard_rank=shard_rank, tp_group=tp_group
+        parts,
+        stage_ranks=stage_ranks,
+        tp_group=meshes.tp.get_group() if meshes.tp is not None else None,
+        max_shard_bytes=shard_bytes(cfg.hf_shard_size),
     )
     return Built(
         parts=parts, optimizers=optimizers, run_batch=run_batch, loss_fn=loss_fn, export_hf=export_hf, balance=balance

@@ -1,17 +1,16 @@
-"""The pieces of a training step the loop composes: the loss over label tokens, gradient clipping by the global
-norm, and the HF-format export.
+"""The pieces of a training step the loop composes: the loss over label tokens and gradient clipping by the global
+norm.
 
 What it is for: `TokenSumLoss` (fp32 cross-entropy sum over the global batch's label tokens), `RouterAuxLoss` (the
 router load-balancing loss of a transformers MoE model over the global batch, and its expert imbalance),
 `clip_grad_norm` (one norm over every pipeline stage, FSDP2 shard and expert mesh; a tied embedding's output copy
-counted once), `make_hf_exporter` (gathers the full weights, rank 0 writes them with the model's `save_pretrained`).
+counted once). The HF-format export is trainer/export.py's (streamed: no rank holds the whole model).
 What it must not do: decide the layout (parallel.py) or run the loop (loop.py).
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,10 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from am_moe import quiet_expert_gathers
-from trainer.models import ModelSpec, build_model
-from trainer.parallel import apply_precision
-from trainer.plan import Precision, RouterAuxPlan
+from trainer.plan import RouterAuxPlan
 
 
 class TokenSumLoss:
@@ -255,60 +251,10 @@ def clip_grad_norm(parts: list[nn.Module], *, max_norm: float, pp_group: Any, tp
     return norm
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# HF-format export (gathers the full weights on rank 0)
-# ------------------------------------------------------------------------------------------------------------------
-
-
-def _full_state_dict(parts: list[nn.Module], *, tp_group: Any = None) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from trainer.tensor_parallel import full_tp_state
-
-    full: dict[str, torch.Tensor] = {}
-    for part in parts:
-        with quiet_expert_gathers():  # EP: experts on (expert_dp, ep) gather back to full [E, ...] tensors
-            state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
-        if tp_group is not None:  # TP: the plain-tensor shards of modules that shard themselves, re-assembled
-            state = full_tp_state(part, state, group=tp_group)
-        full.update({k: v.detach().cpu() for k, v in state.items() if isinstance(v, torch.Tensor)})
-    return full
-
-
-def make_hf_exporter(
-    spec: ModelSpec, parts: list[nn.Module], *, precision: Precision, shard_rank: int, tp_group: Any = None
-) -> Any:
-    """`export(folder)`: collective; rank 0 writes the whole model as an HF-format folder.
-
-    Every rank gathers its parts' full weights (FSDP2 all-gather; TP shards over `tp_group`); one rank per pipeline
-    stage (`shard_rank` 0: dp_cp rank 0 of tp rank 0) sends
-    them to rank 0, which loads them strictly into a fresh model of the same spec and calls its `save_pretrained`.
-    NOTE: this gathers the full model in CPU memory on rank 0 — right for the tiny models here; a large model would
-    write per-stage safetensors shards instead.
-    """
-
-    def export(folder: Path) -> None:
-        state = _full_state_dict(parts, tp_group=tp_group)
-        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-        dist.gather_object(state if shard_rank == 0 else {}, gathered if dist.get_rank() == 0 else None, dst=0)
-        if dist.get_rank() != 0:
-            return
-        merged: dict[str, torch.Tensor] = {}
-        for piece in gathered:
-            merged.update(piece)
-        fresh = build_model(spec, seed=0)  # real storage for the whole model: every value is overwritten below
-        apply_precision(fresh, precision=precision)
-        fresh.load_state_dict(merged, strict=True)
-        spec.save(fresh, folder)
-
-    return export
-
-
 __all__ = [
     "RouterAuxLoss",
     "TokenSumLoss",
     "clip_grad_norm",
-    "make_hf_exporter",
     "router_aux_problems",
     "router_aux_spec",
 ]

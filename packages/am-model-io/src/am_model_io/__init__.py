@@ -31,6 +31,7 @@ from .safetensors_files import (
     read_safetensors_folder,
     write_safetensors,
 )
+from .shard_writer import ShardFile, ShardWriter, finish_shard_files, parse_shard_size
 
 __all__ = [
     # safetensors folders
@@ -41,6 +42,11 @@ __all__ = [
     "write_safetensors",
     "INDEX_FILE",
     "SINGLE_FILE",
+    # writing a folder tensor by tensor (a distributed export: one writer per writing rank)
+    "ShardWriter",
+    "ShardFile",
+    "finish_shard_files",
+    "parse_shard_size",
     # from_pretrained / save_pretrained
     "HubOptions",
     "split_pretrained_kwargs",
