@@ -168,7 +168,8 @@ def _holds_distinct_block(value: Any, writer: int) -> bool:
         return False
     writer_coordinate = where[0].tolist()
     mine = mesh.get_coordinate()
-    return all(p.is_shard() or mine[d] == writer_coordinate[d] for d, p in enumerate(value.placements))
+    # Shard and FSDP2's _StridedShard split the tensor; Replicate holds copies (Partial: refused by local_region)
+    return all(not p.is_replicate() or mine[d] == writer_coordinate[d] for d, p in enumerate(value.placements))
 
 
 def _block(offset: Sequence[int], shape: Sequence[int]) -> tuple[slice, ...]:
