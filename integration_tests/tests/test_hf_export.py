@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import Run
 
 from am_model_io import INDEX_FILE, read_safetensors_folder
-from conftest import Run
 
 SMALL_BUDGET = 16_000  # --hf-shard-size 16KB of "nemotron-pp2-dp2": smaller than an embedding (256 x 32 x fp32)
 
@@ -44,7 +44,6 @@ def _reference_model(preset: str, tied: bool, checkpoint: Path) -> tuple[Any, to
     """The run's final weights in one unsharded model: the checkpoint's DCP model state (resharded by DCP on load,
     no process group) loaded into the preset built whole."""
     import torch.distributed.checkpoint as dcp
-
     from trainer.models import build_model, preset_spec
 
     spec = preset_spec(preset, hidden_size=32, num_layers=4, mtp_depths=1, tie_embeddings=tied, vocab_size=None)
