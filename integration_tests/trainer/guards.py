@@ -154,8 +154,8 @@ _BYTES_PER_TENSOR = 6 * 1024
 
 def checkpoint_bytes_estimate(parts: Iterable[nn.Module], optimizers: Iterable[torch.optim.Optimizer]) -> int:
     """Bytes this rank writes into a checkpoint, estimated: its parameters, buffers and optimizer state (local
-    shards, plus a per-tensor overhead), and its parameters once more for the HF export (written by rank 0 from the
-    full weights, which the sum over ranks covers)."""
+    shards, plus a per-tensor overhead), and its parameters once more for the HF export (streamed by one writer per
+    stage, trainer/export.py; the sum over ranks covers it)."""
     from torch.distributed.tensor import DTensor
 
     def nbytes(tensor: torch.Tensor) -> int:

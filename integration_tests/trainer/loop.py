@@ -18,7 +18,8 @@ What it is for: `run(cfg)` is the whole job, in the order a reader expects (torc
        -> each rank materializes its own blocks only (trainer/build.py: seeded per-unit init, or the folder's
        slices), with the single process's values whatever the layout
     4. (`build`, too) optimizer per model part and LR schedule (trainer/optim.py; default AdamW, warm-up + cosine),
-       global gradient-norm clipping across stages and shards (trainer/step_parts.py, with the loss and the HF export)
+       global gradient-norm clipping across stages and shards (trainer/step_parts.py, with the loss); the streamed
+       HF export of each checkpoint, one writer per stage (trainer/export.py)
     5. `restore`: the checkpoint to resume, if any (exact: weights, optimizer, data position, histories)
     6. `train`: steps: the global batch is the same on every rank; each rank takes its dp slice, then its CP shard
        (trainer/batch_step.py); every --val-every steps the held-out loss through the same step, backward off
