@@ -229,6 +229,7 @@ def _full_on_writer(name: str, value: Any, *, writer: int, stage_ranks: Sequence
 def _tp_module_groups(part: nn.Module) -> dict[str, tuple[str, nn.Module, list[str]]]:
     """Plain-tensor TP shards of `part` (modules that shard themselves): name -> (module prefix, module, the module's
     shard names), one entry per name, so the first name met exports the whole module."""
+    from am_tensor_parallel import FULL_STATE_METHOD
     from trainer.tensor_parallel import tp_local_names
 
     local = tp_local_names(part)
@@ -237,7 +238,7 @@ def _tp_module_groups(part: nn.Module) -> dict[str, tuple[str, nn.Module, list[s
     groups: dict[str, tuple[str, nn.Module, list[str]]] = {}
     for prefix, module in part.named_modules():
         owned = sorted(name for name in local.names if prefix and name.startswith(prefix + "."))
-        if owned and prefix not in {group[0] for group in groups.values()}:
+        if owned and callable(getattr(module, FULL_STATE_METHOD, None)):  # the module that shards itself
             for name in owned:
                 groups.setdefault(name, (prefix, module, owned))
     return groups
