@@ -22,6 +22,8 @@ from conftest import Run
 
 from am_model_io import INDEX_FILE, read_safetensors_folder
 
+# the reference loads the checkpoint's DCP state in this process, which has no process group (DCP says so)
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 SMALL_BUDGET = 16_000  # --hf-shard-size 16KB of "nemotron-pp2-dp2": smaller than an embedding (256 x 32 x fp32)
 
 # (RunCache launch, preset, tied embeddings)
