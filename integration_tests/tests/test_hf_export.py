@@ -132,3 +132,16 @@ def test_writers_hold_at_most_the_shard_budget(runs) -> None:
     assert sum(writer["bytes"] for writer in report["writers"]) == sum(
         t.numel() * t.element_size() for t in read_safetensors_folder(folder).values()
     )
+
+
+@pytest.mark.parametrize("size", ["0", "5 apples", "-1GB", "GB"])
+def test_a_shard_size_that_is_not_a_positive_size_is_named(size: str) -> None:
+    """`--hf-shard-size` must be bytes or save_pretrained's spelling ("5GB", "200MB", "64KB"): refused up front,
+    named, with what to give instead; a valid size is no problem."""
+    from trainer.config import find_problems, parse_args
+
+    problems = find_problems(parse_args([f"--hf-shard-size={size}"]), world_size=1)
+    named = [p for p in problems if p.startswith(f"--hf-shard-size {size}: ")]
+    assert len(named) == 1, problems
+    assert "give bytes (int) or e.g. '5GB', '200MB', '64KB'" in named[0]
+    assert not [p for p in find_problems(parse_args(["--hf-shard-size", "64KB"]), world_size=1) if "shard" in p]
