@@ -223,10 +223,6 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
             assert plan.num_layers is not None  # a pipeline needs the layers (validated)
             pipeline_router = PipelineRouterAux(parts, router, num_layers=plan.num_layers, device=device)
     if meshes.tp is not None:  # after the split (each stage shards what it holds), before EP and FSDP2
-        # TP's plain-tensor shards (Mamba2 heads and groups) have no per-unit init region of their own, so under tp
-        # each rank materializes its own pipeline stages whole first (a stage, never the whole model, when pp > 1)
-        # and TP / EP / FSDP2 then split real tensors.
-        read = materialize_parts(parts, materialize=validated.spec.materialize, seed=cfg.seed, device=device)
         apply_tensor_parallel_to_parts(parts, plan=plan.tensor_parallel, tp_mesh=meshes.tp)
     if meshes.ep is not None:
         apply_expert_parallel(parts, ep_mesh=meshes.ep)
@@ -244,10 +240,11 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
             apply_fsdp(part, shard_mesh=meshes.dp_cp, precision=plan.precision, expert_mesh=meshes.expert_dp)
             for part in parts
         ]
-    # This rank's blocks only: the seeded per-unit init of a preset, the folder's slices of a --model-path
-    # (trainer/build.py); values do not depend on the layout, so every layout equals the single process.
-    if meshes.tp is None:
-        read = materialize_parts(parts, materialize=validated.spec.materialize, seed=cfg.seed, device=device)
+    # This rank's blocks only (TP shards included: DTensor blocks, and the plain-tensor shards of modules that shard
+    # themselves through their `tensor_parallel_shard_state`): the seeded per-unit init of a preset, the folder's
+    # slices of a --model-path (trainer/build.py); values do not depend on the layout, so every layout equals the
+    # single process. Every tensor is still on the meta device here (materialize_sharded_ refuses any that is not).
+    read = materialize_parts(parts, materialize=validated.spec.materialize, seed=cfg.seed, device=device)
     memory.finish(parts, meshes.rank, checkpoint_bytes_read=read)
     if os.environ.get("AM_TRAIN_FP32_REPORT"):
         dump_fp32_tensors(parts, os.environ["AM_TRAIN_FP32_REPORT"], meshes.rank, storage_dtype=plan.precision.storage)

@@ -11,7 +11,7 @@ that need them (a hub download, writing shards, reading a config).
 
 from ._version import __version__
 from .generation import OwnCacheGenerationHooks
-from .materialize import InitUnit, local_region, materialize_sharded_, unit_seed
+from .materialize import SHARD_STATE_METHOD, InitUnit, local_index, local_region, materialize_sharded_, unit_seed
 from .pretrained import (
     HubOptions,
     load_hf_config,
@@ -54,7 +54,9 @@ __all__ = [
     "InitUnit",
     "materialize_sharded_",
     "unit_seed",
+    "local_index",
     "local_region",
+    "SHARD_STATE_METHOD",
     # generate()
     "OwnCacheGenerationHooks",
     "__version__",

@@ -15,7 +15,15 @@ from .comm import CollectiveBytes, count_collective_bytes
 from .loss import vocab_parallel_cross_entropy
 from .plan import TensorParallelPlan, declared_plan, experts_whole, layer_pattern, match_plan
 from .segments import SummedLinear, gather_segments, region_input, region_output, segment_sizes_problems, shard_segments
-from .styles import FULL_STATE_METHOD, MODULE_STYLE_METHOD, PROBLEMS_METHOD, STYLES, UNSUPPORTED_STYLES, translate_style
+from .styles import (
+    FULL_STATE_METHOD,
+    MODULE_STYLE_METHOD,
+    PROBLEMS_METHOD,
+    SHARD_STATE_METHOD,
+    STYLES,
+    UNSUPPORTED_STYLES,
+    translate_style,
+)
 from .validate import HEAD_COUNT_ATTRIBUTES, plan_tensor_parallel, tp_problems
 
 __all__ = [
@@ -34,6 +42,7 @@ __all__ = [
     "FULL_STATE_METHOD",
     "MODULE_STYLE_METHOD",
     "PROBLEMS_METHOD",
+    "SHARD_STATE_METHOD",
     "STYLES",
     "UNSUPPORTED_STYLES",
     "translate_style",
