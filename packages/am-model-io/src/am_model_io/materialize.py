@@ -34,7 +34,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["SHARD_STATE_METHOD", "InitUnit", "local_index", "local_region", "materialize_sharded_", "unit_seed"]
+__all__ = [
+    "SHARD_STATE_METHOD",
+    "InitUnit",
+    "fill_self_sharded_",
+    "local_index",
+    "local_region",
+    "materialize_sharded_",
+    "read_local",
+    "self_sharded_names",
+    "unit_seed",
+]
 
 # The method of a module that shards itself into plain tensors (am_tensor_parallel.SHARD_STATE_METHOD: the protocol is
 # by name, so this package needs no import of am-tensor-parallel; a test checks that both spell it the same).
@@ -140,6 +150,85 @@ def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
     offset = tuple(entry.start for entry in index if isinstance(entry, slice))
     shape = tuple(entry.stop - entry.start for entry in index if isinstance(entry, slice))
     return offset, shape
+
+
+def read_local(
+    target: torch.Tensor, read_block: Callable[[tuple[int, ...], tuple[int, ...]], torch.Tensor]
+) -> torch.Tensor:
+    """This rank's part of `target`'s full value (the local tensor's shape and order), read block by block:
+    `read_block(offset, shape)` reads one contiguous block of the full tensor (e.g. a checkpoint's
+    `LazyCheckpoint.read_source_block(key, offset, shape)`), once per run of contiguous indices (once for a block;
+    twice per packed `_StridedShard` row set: one run per packed part). Nothing outside this rank's indices is read.
+    """
+    runs: list[list[tuple[int, int]]] = []
+    for entry in local_index(target):
+        if isinstance(entry, slice):
+            runs.append([(entry.start, entry.stop - entry.start)])
+            continue
+        values = entry.tolist()
+        dim_runs: list[tuple[int, int]] = []
+        for value in values:
+            if dim_runs and dim_runs[-1][0] + dim_runs[-1][1] == value:
+                dim_runs[-1] = (dim_runs[-1][0], dim_runs[-1][1] + 1)
+            else:
+                dim_runs.append((value, 1))
+        runs.append(dim_runs)
+
+    def assemble(dim: int, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        if dim == len(runs):
+            return read_block(offset, shape)
+        pieces = [assemble(dim + 1, (*offset, start), (*shape, size)) for start, size in runs[dim]]
+        return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+
+    return assemble(0, (), ())
+
+
+def self_sharded_names(model: nn.Module, *, template: nn.Module) -> dict[str, str]:
+    """The plain tensors of `model` that hold a shard their own module cut (a module implementing
+    `SHARD_STATE_METHOD` whose tensor's shape differs from the unsharded `template`'s), each mapped to that module's
+    qualified name. Such a tensor cannot be read as a block of the file's tensor: `fill_self_sharded_` fills it."""
+    full = {name: tuple(t.shape) for name, t in _tensors(template).items()}
+    found: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        if not callable(getattr(module, SHARD_STATE_METHOD, None)):
+            continue
+        lead = f"{prefix}." if prefix else ""
+        for name, tensor in _tensors(module).items():
+            qualified = f"{lead}{name}"
+            if qualified in full and tuple(tensor.shape) != full[qualified] and qualified not in found:
+                found[qualified] = prefix
+    return found
+
+
+@torch.no_grad()
+def fill_self_sharded_(model: nn.Module, *, template: nn.Module, read: Callable[[str], torch.Tensor]) -> list[str]:
+    """Fill the tensors `self_sharded_names` finds from their unsharded values: module by module, `read(name)`
+    gives the model's tensor `name` whole (e.g. from a checkpoint file), the module's `SHARD_STATE_METHOD` cuts this
+    rank's shard out of it, which is copied in (cast to the target's dtype; a DTensor over dp x cp on top of the shard
+    takes its own block). Peak memory: one module's unsharded tensors (the size of one init unit's). The module's
+    shard is generally not one block of the file's tensor (Mamba2: a slice of every packed segment), so its tensors
+    are read whole. Returns the names filled. No collective."""
+    by_module: dict[str, list[str]] = {}
+    for name, prefix in self_sharded_names(model, template=template).items():
+        by_module.setdefault(prefix, []).append(name)
+    targets = _tensors(model)
+    filled = []
+    for prefix, names in by_module.items():
+        module = model.get_submodule(prefix)
+        lead = f"{prefix}." if prefix else ""
+        full = {name[len(lead) :]: read(name) for name in names}
+        local = getattr(module, SHARD_STATE_METHOD)(full)
+        for name in names:
+            value = local[name[len(lead) :]]
+            if tuple(value.shape) != tuple(targets[name].shape):
+                raise ValueError(
+                    f"{name}: {type(module).__name__}.{SHARD_STATE_METHOD} gave shape {tuple(value.shape)}, the model "
+                    f"holds {tuple(targets[name].shape)}"
+                )
+            _local(targets[name]).copy_(_block(value, targets[name]))
+            filled.append(name)
+        del full, local  # one module's full tensors at a time
+    return filled
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ Depends on torch only; never imports a model package or transformers.
 from __future__ import annotations
 
 from ._version import __version__
-from .apply import apply_tensor_parallel, tp_submesh
+from .apply import apply_tensor_parallel, reduce_partial_grads, tp_submesh
 from .comm import CollectiveBytes, count_collective_bytes
 from .loss import vocab_parallel_cross_entropy
 from .plan import TensorParallelPlan, declared_plan, experts_whole, layer_pattern, match_plan
@@ -55,6 +55,7 @@ __all__ = [
     "shard_segments",
     # apply
     "apply_tensor_parallel",
+    "reduce_partial_grads",
     "tp_submesh",
     # loss
     "vocab_parallel_cross_entropy",
