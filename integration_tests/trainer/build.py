@@ -367,10 +367,11 @@ def load_transformers_blocks(part: nn.Module, folder: Path, *, seed: int, device
         with torch.no_grad():
             for name in sorted(strided):
                 (key,) = sources[name]  # a stack of per-expert files is never TP-sharded: experts stay whole under tp
-                target = held[name]
-                target.to_local().copy_(
-                    read_local(target, lambda offset, shape, key=key: checkpoint.read_source_block(key, offset, shape))
-                )
+
+                def read_block(offset: tuple[int, ...], shape: tuple[int, ...], key: Any = key) -> torch.Tensor:
+                    return checkpoint.read_source_block(key, offset, shape)
+
+                held[name].to_local().copy_(read_local(held[name], read_block))
         return ShardedLoad(loaded.names + tuple(sorted(strided)), loaded.bytes_read + checkpoint.bytes_read - before)
 
 

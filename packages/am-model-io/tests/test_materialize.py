@@ -217,3 +217,46 @@ def test_a_plain_shard_without_the_hook_is_refused_and_named() -> None:
 def _meta_with() -> _WithSelfSharded:
     with torch.device("meta"):
         return _WithSelfSharded()
+
+
+@pytest.mark.parametrize("layout", ["packed-rows-over-tp", "fsdp2-over-tp-rows", "dp-rows-tp-cols"])
+def test_read_local_reads_only_the_runs_a_rank_holds(layout: str) -> None:
+    """Packed rows (a slice of every part) are read as one run per part; a block in one read; nothing else."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from am_model_io import read_local
+
+    full = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    placements = [_placement(name) for name in LAYOUTS[layout]]
+    for _rank, mesh in _on_fake_ranks(4):
+        local = distribute_tensor(full, mesh, placements, src_data_rank=None)
+        reads: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+        def read_block(offset: tuple[int, ...], shape: tuple[int, ...], reads: list = reads) -> torch.Tensor:  # type: ignore[type-arg]
+            reads.append((offset, shape))
+            return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+
+        assert torch.equal(read_local(local, read_block), local.to_local())
+        assert len(reads) == (2 if layout == "packed-rows-over-tp" else 1), reads
+        assert sum(n * m for _, (n, m) in reads) == local.to_local().numel()
+
+
+def test_fill_self_sharded_reads_whole_tensors_and_keeps_the_module_shard() -> None:
+    from am_model_io import fill_self_sharded_, self_sharded_names
+
+    whole = materialize_sharded_(
+        _meta_with(), template=_meta_with(), units=[InitUnit("", _normal)], seed=5, device="cpu"
+    )
+    part = _meta_with()
+    part.mixer.shard(2, 1)
+    part.to_empty(device="cpu")
+    assert self_sharded_names(part, template=_meta_with()) == {"mixer.weight": "mixer"}
+    asked: list[str] = []
+
+    def read(name: str) -> torch.Tensor:
+        asked.append(name)
+        return whole.state_dict()[name]
+
+    assert fill_self_sharded_(part, template=_meta_with(), read=read) == ["mixer.weight"]
+    assert asked == ["mixer.weight"]
+    assert torch.equal(part.mixer.weight, whole.mixer.weight[1::2])

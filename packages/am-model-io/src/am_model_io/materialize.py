@@ -106,6 +106,7 @@ def local_index(tensor: torch.Tensor) -> tuple[slice | torch.Tensor, ...]:
         size, offsets = _get_shard_size_and_offsets(
             shape[dim], mesh.size(mesh_dim), coordinate[mesh_dim], placement, held.get(dim), tensor.shape[dim], False
         )
+        assert offsets is not None  # computed: skip_offset is False
         shape[dim] = size
         held[dim] = offsets[:size]  # torch gives one placeholder index for an empty shard
     local_shape = tuple(tensor.to_local().shape)
