@@ -52,6 +52,33 @@ def test_sequence_and_loss_parallel_equal_single_process(runs, case: str, refere
     assert summary["activation_checkpointing"] == case.endswith("-ac")
 
 
+def test_a_nemotron_folder_under_tp_loads_each_rank_its_shards(runs, tmp_path: Path) -> None:
+    """`--model-path` at --tp 2 (issue 23 §1 (f)): TP is applied on the meta model, then each rank reads its own
+    blocks of the attention / MLP / embedding / head (DTensor slices) and each Mamba2 mixer's head shard (read whole
+    one mixer at a time and cut by the mixer's `tensor_parallel_shard_state`); the folder holds the seeded preset's
+    values, so the run equals the single-process preset run (loss and grad norm every step, final weights) and no
+    rank reads the whole folder."""
+    import json
+
+    from conftest import PARITY, launch, without_preset_sizes
+    from trainer.models import build_model, preset_spec
+
+    spec = preset_spec("nemotron", hidden_size=32, num_layers=4, mtp_depths=1, tie_embeddings=False, vocab_size=None)
+    spec.save(build_model(spec, seed=1234), tmp_path / "nemotron")  # the trainer's default --seed
+    report = tmp_path / "memory"
+    args = [*without_preset_sizes(PARITY), "--model-path", str(tmp_path / "nemotron"), "--tp", "2"]
+    tp = launch(args, nproc=2, out=tmp_path / "tp2", env={"AM_TRAIN_MEMORY_REPORT": str(report)}).check()
+    single = runs.get("nemotron").check()
+    for key in ("losses", "grad_norms"):
+        got, want = torch.tensor(tp.summary[key]), torch.tensor(single.summary[key])
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=0.0, msg=key)
+    assert_weights_close(tp.final_weights(), single.final_weights(), rtol=RTOL)
+    stored = sum(f.stat().st_size for f in (tmp_path / "nemotron").glob("*.safetensors"))
+    for rank in range(2):
+        read = json.loads((report / f"memory_rank{rank}.json").read_text())["checkpoint_bytes_read"]
+        assert 0 < read < 0.9 * stored, (rank, read, stored)
+
+
 def _refusal(args: list[str], *, world_size: int) -> str:
     with pytest.raises(BadInput) as info:
         validate(parse_args(args), world_size=world_size)

@@ -5,21 +5,29 @@ What it is for (issue 23 §1; torchtitan's order): no rank ever holds a whole mo
        `--model-path` folder from its config.json, with the strict key check done on the safetensors headers (our
        registered classes: their `from_pretrained(folder, device_map="meta")`; any other transformers causal LM:
        `header_key_problems`, named as the files name them). No tensor data is read.
-    2. the run splits that meta model into pipeline stages, shards the experts over ep and wraps FSDP2 (DTensor
-       parameters with their full logical shape, still without storage);
-    3. `materialize_parts` gives each rank storage for its own blocks only, then values:
+    2. the run splits that meta model into pipeline stages, applies tensor parallelism (DTensor placements over tp;
+       a module that shards itself, Nemotron-H's Mamba2 mixer, keeps plain meta tensors of its shard's shape),
+       shards the experts over ep and wraps FSDP2 (DTensor parameters with their full logical shape, 2-D (dp_cp,
+       tp) on top of TP, still without storage);
+    3. `materialize_parts` gives each rank storage for its own blocks only (TP shards included: no rank ever holds
+       a whole stage), then values:
        - a preset: the seeded per-unit init (`am_model_io.materialize_sharded_` with the model package's
          `meta_twin` / `init_units`; for a transformers preset, one unit per decoder layer / `_no_split_modules` block
          and per other tensor-owning module, initialized by the model's own `_init_weights`). A tensor's value is a
          function of (seed, unit name) only, so every layout holds exactly the single process's values, and the
-         single-process reference (`build_model`) runs the same function;
+         single-process reference (`build_model`) runs the same function. A DTensor copies exactly the indices it
+         holds (`am_model_io.local_index`: any Shard / _StridedShard / Replicate placements on any mesh dims); a
+         module that shards itself cuts its shard out of the unit's full value (`tensor_parallel_shard_state`);
        - a folder: our registered classes' `load_sharded_checkpoint` (each rank reads its own slices, per-expert keys
          of its own experts only); any other transformers causal LM whose files name its tensors as its modules do
          (what transformers' `save_pretrained` writes): the seeded init (for the buffers no file holds), then
-         `am_model_io.load_sharded_tensors_` (each rank reads its own blocks with `get_slice`);
+         `am_model_io.load_sharded_tensors_` (each rank reads its own blocks with `get_slice`; a packed TP layout,
+         a slice of every packed part, is read run by run with `am_model_io.read_local`). Registered classes' loaders
+         fill a module that shards itself from its whole tensors, one module at a time (`fill_self_sharded_`);
        - a tied embedding whose two ends landed on different pipeline stages: the output copy takes the input's
          values (am-pipelining's `sync_tied_embedding_weights`, over the two ranks' pair group).
-Peak host memory per rank: its own blocks plus one init unit (one decoder layer) in fp32, or one tensor block read.
+Peak host memory per rank: its own blocks plus one init unit (one decoder layer) in fp32, or one tensor block read
+(test_real_size.py measures it at dp 4 and at tp 2).
 What it must not do: allocate a whole model (outside `build_model`'s single process, which is the reference), name a
 model class (the model packages' functions come through the `ModelSpec`), or issue a collective other than the tied
 copy's broadcast.
@@ -342,15 +350,36 @@ def load_transformers_blocks(part: nn.Module, folder: Path, *, seed: int, device
     """A transformers part: the seeded init (buffers no file holds, e.g. RoPE frequencies), then every tensor the
     files hold read into this rank's blocks (`load_sharded_tensors_`: a DTensor reads its own block only; a stack of
     per-expert files only its own experts' files). Returns what was read."""
-    from am_model_io import LazyCheckpoint, load_sharded_tensors_
+    from am_model_io import LazyCheckpoint, load_sharded_tensors_, read_local
 
     materialize_seeded(part, init=TRANSFORMERS_INIT, seed=seed, device=device)
     sources, info = header_sources(folder, transformers_meta_twin(part))
     if any(info.values()):  # validation refused these already: the folder changed since then
         raise ValueError(f"--model-path {folder} changed after validation: {info}")
-    names = set(part.state_dict(keep_vars=True))
+    held = part.state_dict(keep_vars=True)
+    # A tensor whose rows on this rank are not one block (a packed `_StridedShard` TP layout: a slice of every part)
+    # is read run by run (`read_local`), the others block by block (`load_sharded_tensors_`).
+    strided = {name for name, tensor in held.items() if name in sources and not _one_block(tensor)}
     with LazyCheckpoint(folder) as checkpoint:
-        return load_sharded_tensors_(part, checkpoint, {name: keys for name, keys in sources.items() if name in names})
+        blocks = {name: keys for name, keys in sources.items() if name in held and name not in strided}
+        loaded = load_sharded_tensors_(part, checkpoint, blocks)
+        before = checkpoint.bytes_read
+        with torch.no_grad():
+            for name in sorted(strided):
+                (key,) = sources[name]  # a stack of per-expert files is never TP-sharded: experts stay whole under tp
+
+                def read_block(offset: tuple[int, ...], shape: tuple[int, ...], key: Any = key) -> torch.Tensor:
+                    return checkpoint.read_source_block(key, offset, shape)
+
+                held[name].to_local().copy_(read_local(held[name], read_block))
+        return ShardedLoad(loaded.names + tuple(sorted(strided)), loaded.bytes_read + checkpoint.bytes_read - before)
+
+
+def _one_block(tensor: torch.Tensor) -> bool:
+    """Whether this rank's part of `tensor` is one contiguous block of the full tensor (`local_index`)."""
+    from am_model_io import local_index
+
+    return all(isinstance(entry, slice) for entry in local_index(tensor))
 
 
 __all__ = [

@@ -15,8 +15,8 @@ What it is for: `run(cfg)` is the whole job, in the order a reader expects (torc
        -> experts sharded over ep (ep > 1, carved out of dp x cp; trainer/expert_parallel.py) -> per-layer
        activation checkpointing / torch.compile (trainer/layer_wrappers.py) -> FSDP2 over dp x cp (also over one
        rank for mixed precision: bf16 compute, fp32 master weights; experts over the ranks left after ep)
-       -> each rank materializes its own blocks only (trainer/build.py: seeded per-unit init, or the folder's
-       slices), with the single process's values whatever the layout
+       -> each rank materializes its own blocks only, TP shards included (trainer/build.py: seeded per-unit init,
+       or the folder's slices), with the single process's values whatever the layout
     4. (`build`, too) optimizer per model part and LR schedule (trainer/optim.py; default AdamW, warm-up + cosine),
        global gradient-norm clipping across stages and shards (trainer/step_parts.py, with the loss); the streamed
        HF export of each checkpoint, one writer per stage (trainer/export.py)
@@ -87,7 +87,7 @@ from trainer.router_aux_pipeline import PipelineRouterAux
 from trainer.step_memory import measured_step, state_bytes
 from trainer.step_parts import RouterAuxLoss, TokenSumLoss, clip_grad_norm
 from trainer.tb_logging import TensorBoardLog
-from trainer.tensor_parallel import apply_tensor_parallel_to_parts
+from trainer.tensor_parallel import apply_tensor_parallel_to_parts, reduce_partial_grads_of_parts
 from trainer.validation import (
     EXIT_BAD_INPUT,
     BadInput,
@@ -225,10 +225,6 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
             assert plan.num_layers is not None  # a pipeline needs the layers (validated)
             pipeline_router = PipelineRouterAux(parts, router, num_layers=plan.num_layers, device=device)
     if meshes.tp is not None:  # after the split (each stage shards what it holds), before EP and FSDP2
-        # TP's plain-tensor shards (Mamba2 heads and groups) have no per-unit init region of their own, so under tp
-        # each rank materializes its own pipeline stages whole first (a stage, never the whole model, when pp > 1)
-        # and TP / EP / FSDP2 then split real tensors.
-        read = materialize_parts(parts, materialize=validated.spec.materialize, seed=cfg.seed, device=device)
         apply_tensor_parallel_to_parts(parts, plan=plan.tensor_parallel, tp_mesh=meshes.tp)
     if meshes.ep is not None:
         apply_expert_parallel(parts, ep_mesh=meshes.ep)
@@ -246,10 +242,13 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
             apply_fsdp(part, shard_mesh=meshes.dp_cp, precision=plan.precision, expert_mesh=meshes.expert_dp)
             for part in parts
         ]
-    # This rank's blocks only: the seeded per-unit init of a preset, the folder's slices of a --model-path
-    # (trainer/build.py); values do not depend on the layout, so every layout equals the single process.
-    if meshes.tp is None:
-        read = materialize_parts(parts, materialize=validated.spec.materialize, seed=cfg.seed, device=device)
+    # This rank's blocks only (TP shards included: DTensor blocks, and the plain-tensor shards of modules that shard
+    # themselves through their `tensor_parallel_shard_state`): the seeded per-unit init of a preset, the folder's
+    # slices of a --model-path (trainer/build.py); values do not depend on the layout, so every layout equals the
+    # single process. Every tensor is still on the meta device here (materialize_sharded_ refuses any that is not).
+    read = materialize_parts(parts, materialize=validated.spec.materialize, seed=cfg.seed, device=device)
+    if meshes.tp is not None:  # the replicated TP parameters' gradient sums, on the materialized parameters
+        reduce_partial_grads_of_parts(parts)
     memory.finish(parts, meshes.rank, checkpoint_bytes_read=read)
     if os.environ.get("AM_TRAIN_FP32_REPORT"):
         dump_fp32_tensors(parts, os.environ["AM_TRAIN_FP32_REPORT"], meshes.rank, storage_dtype=plan.precision.storage)

@@ -7,7 +7,9 @@ still carved out of the dp x cp ranks (per tp coordinate), so FSDP2, EP and the 
 tp coordinate.
 Order (trainer/loop.py's `build`, torchtitan's): split_pipeline -> `apply_tensor_parallel_to_parts` (each part:
 am-tensor-parallel's plan, validated once on the whole model, restricted to the modules the part holds) -> experts
-over ep -> FSDP2 over dp x cp on top of the TP DTensors (2-D (dp_cp, tp) parameters).
+over ep -> FSDP2 over dp x cp on top of the TP DTensors (2-D (dp_cp, tp) parameters) -> materialization. All of it
+runs on the meta model: each rank then allocates and fills its own TP shards only (trainer/build.py; the Mamba2
+mixer's plain shards through its `tensor_parallel_shard_state`), never a whole stage.
 Options (in the plan: `TensorParallelPlan.sequence_parallel` / `.loss_parallel`, recorded in summary.json):
 `--sequence-parallel` puts the residual stream and its norms on sequence shards between the TP regions (modules the
 model declares "sequence_gather", e.g. routed MoE blocks, run on whole sequences); `--loss-parallel` keeps the head's
@@ -149,6 +151,15 @@ def apply_tensor_parallel_to_parts(parts: list[nn.Module], *, plan: Any, tp_mesh
         setattr(part, _TP_LOCAL_ATTR, TPLocal(rank=tp_mesh.get_local_rank(), names=local))
 
 
+def reduce_partial_grads_of_parts(parts: list[nn.Module]) -> None:
+    """After materializing the parts TP sharded on the meta device: install am-tensor-parallel's partial-gradient
+    reduction of their replicated DTensor parameters (materializing swaps the parameters' storage, dropping hooks)."""
+    from am_tensor_parallel import reduce_partial_grads
+
+    for part in parts:
+        reduce_partial_grads(part)
+
+
 def tp_local_names(part: nn.Module) -> TPLocal | None:
     """The part's plain-tensor TP shards (None: no TP, or none held)."""
     local = getattr(part, _TP_LOCAL_ATTR, None)
@@ -210,6 +221,7 @@ __all__ = [
     "TPLocal",
     "apply_tensor_parallel_to_parts",
     "full_tp_state",
+    "reduce_partial_grads_of_parts",
     "rename_tp_local",
     "tensor_parallel_plan",
     "tensor_parallel_problems",

@@ -141,6 +141,40 @@ def _gather_toy_step(mesh: Any = None) -> dict[str, Any]:
     return result
 
 
+def _meta_step(arch: str, mesh: Any) -> dict[str, Any]:
+    """TP (with sequence parallelism) applied on the meta device, then each rank gives its own shards storage and
+    the reference's values (torch's own split, no communication), as a trainer materializing per rank does; the
+    forward refuses to run before `reduce_partial_grads`, then the step equals the single process."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from am_tensor_parallel import reduce_partial_grads
+
+    reference = hf_model(arch)
+    with torch.device("meta"):
+        model = hf_model(arch)
+    apply_tensor_parallel(model, mesh, sequence_parallel=True)
+    model.to_empty(device="cpu")
+    values = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if isinstance(tensor, DTensor):
+                tensor.to_local().copy_(
+                    distribute_tensor(values[name], mesh, tensor.placements, src_data_rank=None).to_local()
+                )
+            else:
+                tensor.copy_(values[name])
+    ids, labels = _batch()
+    try:
+        model(input_ids=ids, labels=labels)
+        refused = "no error"
+    except RuntimeError as exc:
+        refused = str(exc)
+    reduced = reduce_partial_grads(model)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    return {"refused": refused, "reduced": reduced, "loss": out.loss.detach(), "grads": _grads(model)}
+
+
 def _worker(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -154,6 +188,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     cases["toy"] = lambda: _toy_step(mesh)
     cases["segmented"] = lambda: _segmented_step(mesh)
     cases["sequence_gather"] = lambda: _gather_toy_step(mesh)
+    cases["meta/Qwen3"] = lambda: _meta_step("Qwen3", mesh)
 
     def bytes_case() -> dict[str, Any]:
         found = {}
@@ -227,6 +262,19 @@ def test_sequence_parallel_equals_single_process(results: Any, arch: str) -> Non
         assert got["plan"]["sequence_parallel"]
         assert "model.norm" in got["plan"]["norms"]
         assert "model.layers.0.input_layernorm" in got["plan"]["norms"]
+
+
+def test_tp_applied_on_the_meta_device_then_materialized_equals_single_process(results: Any) -> None:
+    """A model sharded on the meta device (the real-size order: no rank holds the whole model), then given its
+    shards: the same loss and gradients as the single process (Qwen3 with sequence parallelism: replicated norms and
+    per-head q/k norms, whose partial gradients `reduce_partial_grads` sums once materialized; a forward before it
+    is refused, never silently wrong)."""
+    expected = _hf_step("Qwen3")
+    for rank in range(TP):
+        got = case_result(results, "meta/Qwen3", rank)
+        assert "call am_tensor_parallel.reduce_partial_grads(model)" in got["refused"], got["refused"]
+        assert got["reduced"] > 0  # the norms are replicated DTensors
+        _check(got, expected)
 
 
 def test_loss_parallel_equals_single_process(results: Any) -> None:

@@ -11,7 +11,17 @@ that need them (a hub download, writing shards, reading a config).
 
 from ._version import __version__
 from .generation import OwnCacheGenerationHooks
-from .materialize import InitUnit, local_region, materialize_sharded_, unit_seed
+from .materialize import (
+    SHARD_STATE_METHOD,
+    InitUnit,
+    fill_self_sharded_,
+    local_index,
+    local_region,
+    materialize_sharded_,
+    read_local,
+    self_sharded_names,
+    unit_seed,
+)
 from .pretrained import (
     HubOptions,
     load_hf_config,
@@ -60,7 +70,12 @@ __all__ = [
     "InitUnit",
     "materialize_sharded_",
     "unit_seed",
+    "local_index",
     "local_region",
+    "SHARD_STATE_METHOD",
+    "read_local",
+    "self_sharded_names",
+    "fill_self_sharded_",
     # generate()
     "OwnCacheGenerationHooks",
     "__version__",

@@ -27,6 +27,7 @@ from am_model_io import (
     HubOptions,
     LazyCheckpoint,
     ShardedLoad,
+    fill_self_sharded_,
     load_hf_config,
     load_sharded_tensors_,
     read_safetensors_folder,
@@ -34,6 +35,7 @@ from am_model_io import (
     resolve_device,
     resolve_dtype,
     save_folder,
+    self_sharded_names,
     split_pretrained_kwargs,
     state_dict_to_save,
     write_safetensors,
@@ -167,10 +169,17 @@ def load_sharded_checkpoint(
     folder = resolve_checkpoint_folder(path_or_hub_id, **hub)
     adapter = NemotronStateDictAdapter(model.config)
     with LazyCheckpoint(folder) as checkpoint:
-        sources = _check_names_and_shapes(type(model).__name__, meta_twin(model), checkpoint, adapter, folder)
+        twin = meta_twin(model)
+        sources = _check_names_and_shapes(type(model).__name__, twin, checkpoint, adapter, folder)
         # per-expert keys in expert order (the files list them by name: experts.10 before experts.2)
         ordered = {name: sorted(keys, key=lambda k: adapter.expert_index(k) or 0) for name, keys in sources.items()}
-        loaded = load_sharded_tensors_(model, checkpoint, ordered)
+        # Mamba2 mixers sharded by heads (tensor parallelism) hold a slice of every packed segment, not a block of the
+        # file's tensor: read whole one mixer at a time and cut by the mixer (`tensor_parallel_shard_state`)
+        own = self_sharded_names(model, template=twin)
+        loaded = load_sharded_tensors_(model, checkpoint, {n: k for n, k in ordered.items() if n not in own})
+        before = checkpoint.bytes_read
+        filled = fill_self_sharded_(model, template=twin, read=lambda name: checkpoint.read(ordered[name][0]))
+        loaded = ShardedLoad(loaded.names + tuple(filled), loaded.bytes_read + checkpoint.bytes_read - before)
     with torch.no_grad():
         for _, experts in am_moe.expert_modules(model):
             experts.tokens_per_expert.zero_()

@@ -32,7 +32,7 @@ from .backend import resolve_backend
 from .config import NemotronConfig
 from .mamba2_cp import Mamba2CPContext, conv_halo_width, prepend_conv_halo, ssd_chunked_scan_cp
 from .ssd import ssd_chunked_scan
-from .tp_plan import MAMBA2_TP_PLAN, Mamba2HeadParallel, mamba2_full_state, mamba2_tp_problems
+from .tp_plan import MAMBA2_TP_PLAN, Mamba2HeadParallel, mamba2_full_state, mamba2_shard_state, mamba2_tp_problems
 
 __all__ = [
     "CPU_SCAN_CHUNK_SIZE",
@@ -188,6 +188,7 @@ class Mamba2Mixer(nn.Module):
     _tp_plan: ClassVar[Any] = MAMBA2_TP_PLAN
     tensor_parallel_problems = mamba2_tp_problems
     tensor_parallel_full_state = mamba2_full_state  # its plain-tensor shards, re-assembled (checkpoints, HF export)
+    tensor_parallel_shard_state = mamba2_shard_state  # the inverse: full tensors -> this rank's shards (meta builds)
 
     def tensor_parallel_style(self, *, sequence_parallel: bool = False) -> Mamba2HeadParallel:
         return Mamba2HeadParallel(sequence_parallel=sequence_parallel)

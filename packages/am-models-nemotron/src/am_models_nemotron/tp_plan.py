@@ -60,6 +60,7 @@ __all__ = [
     "gather_mamba2_state_dict",
     "in_proj_segments",
     "mamba2_full_state",
+    "mamba2_shard_state",
     "mamba2_tp_problems",
 ]
 
@@ -136,21 +137,18 @@ class Mamba2HeadParallel(ParallelStyle):
             raise ValueError("cannot shard the Mamba2 mixer by heads: " + "; ".join(problems))
         segments, channels = in_proj_segments(mixer), conv_segments(mixer)
         mixer._tp_full_segments = {"in_proj": segments, "conv1d": channels}  # read by gather_mamba2_state_dict
+        mixer._tp_rank = (tp, rank)  # read by mamba2_shard_state (the mixer's `tensor_parallel_shard_state`)
 
         def keep(owner: nn.Module, name: str, value: torch.Tensor) -> None:
             param = getattr(owner, name)
             owner.register_parameter(name, nn.Parameter(value.detach().clone(), requires_grad=param.requires_grad))
 
+        # One layout, written once (`_shard_one`): on a meta-built model (the trainer's order) the shards are meta
+        # tensors of the local shapes, filled later through `mamba2_shard_state`; on a real one they are the values.
         with torch.no_grad():
-            for name in ("weight", "bias"):
-                if getattr(mixer.in_proj, name, None) is not None:
-                    keep(mixer.in_proj, name, shard_segments(getattr(mixer.in_proj, name), segments, tp=tp, rank=rank))
-                if getattr(mixer.conv1d, name, None) is not None:
-                    keep(mixer.conv1d, name, shard_segments(getattr(mixer.conv1d, name), channels, tp=tp, rank=rank))
-            keep(mixer.norm, "weight", mixer.norm.weight.chunk(tp)[rank])
-            for name in ("A_log", "dt_bias", "D"):
-                keep(mixer._fp32_params, name, getattr(mixer._fp32_params, name).chunk(tp)[rank])
-            keep(mixer.out_proj, "weight", mixer.out_proj.weight.chunk(tp, dim=1)[rank])
+            for name, tensor in _mamba2_tensors(mixer, lambda p: p):
+                owner, attribute = name.rsplit(".", 1)
+                keep(mixer.get_submodule(owner), attribute, _shard_one(name, tensor, mixer._tp_full_segments, tp, rank))
         for name in ("A_log", "D"):  # the optimizer's no-weight-decay markers, as on the full parameters
             getattr(mixer._fp32_params, name)._no_weight_decay = True
 
@@ -202,6 +200,23 @@ def mamba2_full_state(mixer: Any, local: dict[str, torch.Tensor], *, group: Any 
     }
 
 
+def mamba2_shard_state(mixer: Any, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """am-tensor-parallel's `tensor_parallel_shard_state` of a head-sharded mixer (the inverse of
+    `mamba2_full_state`): `full` maps names relative to the mixer (`in_proj.weight`, `_fp32_params.A_log`, ...) to
+    unsharded tensors; returns this rank's shards of them, cut exactly as `Mamba2HeadParallel` cuts (no
+    collective). Names the layout does not shard (`out_proj.bias`) and a mixer that is not sharded come back
+    unchanged. Used to materialize or load a mixer that was sharded on the meta device."""
+    layout = getattr(mixer, "_tp_rank", None)
+    if layout is None:
+        return dict(full)
+    tp, rank = layout
+    sharded = {name for name, _ in _mamba2_tensors(mixer, lambda p: p)}
+    return {
+        name: _shard_one(name, tensor, mixer._tp_full_segments, tp, rank) if name in sharded else tensor
+        for name, tensor in full.items()
+    }
+
+
 def gather_mamba2_grads(model: nn.Module, *, group: Any = None) -> dict[str, torch.Tensor]:
     """`gather_mamba2_state_dict` for the parameters' gradients (collective; parameters without a gradient skipped)."""
     full: dict[str, torch.Tensor] = {}
@@ -228,6 +243,18 @@ def _mamba2_tensors(mixer: Any, read: Any) -> list[tuple[str, Any]]:
         ("out_proj.weight", mixer.out_proj.weight),
     ]
     return [(name, read(param)) for name, param in named if param is not None]
+
+
+def _shard_one(
+    name: str, tensor: torch.Tensor, segments: dict[str, dict[str, int]], tp: int, rank: int
+) -> torch.Tensor:
+    """Rank `rank`'s shard of the mixer's unsharded tensor `name` (the inverse of `_gather_one`): in_proj / conv1d
+    per segment, out_proj's input features, the gated norm's channels and A_log / dt_bias / D by heads."""
+    owner = name.split(".")[0]
+    if owner in segments:
+        return shard_segments(tensor, segments[owner], tp=tp, rank=rank)
+    dim = 1 if name == "out_proj.weight" else 0
+    return tensor.chunk(tp, dim=dim)[rank]
 
 
 def _gather_one(name: str, tensor: torch.Tensor, segments: dict[str, dict[str, int]], group: Any) -> torch.Tensor:

@@ -10,12 +10,20 @@ Depends on torch only; never imports a model package or transformers.
 from __future__ import annotations
 
 from ._version import __version__
-from .apply import apply_tensor_parallel, tp_submesh
+from .apply import apply_tensor_parallel, reduce_partial_grads, tp_submesh
 from .comm import CollectiveBytes, count_collective_bytes
 from .loss import vocab_parallel_cross_entropy
 from .plan import TensorParallelPlan, declared_plan, experts_whole, layer_pattern, match_plan
 from .segments import SummedLinear, gather_segments, region_input, region_output, segment_sizes_problems, shard_segments
-from .styles import FULL_STATE_METHOD, MODULE_STYLE_METHOD, PROBLEMS_METHOD, STYLES, UNSUPPORTED_STYLES, translate_style
+from .styles import (
+    FULL_STATE_METHOD,
+    MODULE_STYLE_METHOD,
+    PROBLEMS_METHOD,
+    SHARD_STATE_METHOD,
+    STYLES,
+    UNSUPPORTED_STYLES,
+    translate_style,
+)
 from .validate import HEAD_COUNT_ATTRIBUTES, plan_tensor_parallel, tp_problems
 
 __all__ = [
@@ -34,6 +42,7 @@ __all__ = [
     "FULL_STATE_METHOD",
     "MODULE_STYLE_METHOD",
     "PROBLEMS_METHOD",
+    "SHARD_STATE_METHOD",
     "STYLES",
     "UNSUPPORTED_STYLES",
     "translate_style",
@@ -46,6 +55,7 @@ __all__ = [
     "shard_segments",
     # apply
     "apply_tensor_parallel",
+    "reduce_partial_grads",
     "tp_submesh",
     # loss
     "vocab_parallel_cross_entropy",

@@ -19,7 +19,7 @@ from .plan import TensorParallelPlan
 from .styles import MODULE_STYLE_METHOD, ShardSequence, check_sequence_divisible, enter_region, translate_style
 from .validate import plan_tensor_parallel
 
-__all__ = ["apply_tensor_parallel", "tp_submesh"]
+__all__ = ["apply_tensor_parallel", "reduce_partial_grads", "tp_submesh"]
 
 
 def tp_submesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -46,7 +46,10 @@ def apply_tensor_parallel(
 
     Args:
         model: the model (or pipeline stage), materialized on this rank's device with the same weights on every tp
-            rank (each rank keeps its shards).
+            rank (each rank keeps its shards), or built on the meta device (each rank then materializes its own
+            shards only, e.g. `am_model_io.materialize_sharded_`; a module that shards itself fills its plain
+            tensors through its `tensor_parallel_shard_state`); then call `reduce_partial_grads(model)` once it is
+            materialized (its forward refuses to run before).
         mesh: a mesh with a `tp` dimension (`tp_submesh`).
         plan: a `TensorParallelPlan` from `plan_tensor_parallel` (trusted: used as it is; then the two flags must stay
             False), a `{pattern: style}` dict, or None for the model's declared plan.
@@ -107,10 +110,45 @@ def apply_tensor_parallel(
     for attention, counts in frozen.head_counts.items():
         for attribute, value in counts.items():
             setattr(modules[attention], attribute, value)
-    for param in model.parameters():
-        if isinstance(param, DTensor) and all(isinstance(p, Replicate) for p in param.placements):
-            param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+    if any(param.is_meta for param in model.parameters()):
+        # `to_empty` swaps a DTensor parameter's storage, which drops its gradient hooks: register them afterwards
+        setattr(model, _PENDING_ATTR, True)
+        model.register_forward_pre_hook(_refuse_pending)
+    else:
+        reduce_partial_grads(model)
     return frozen
+
+
+_PENDING_ATTR = "_am_tp_partial_grads_pending"  # set on a meta model by `apply_tensor_parallel`
+
+
+def reduce_partial_grads(model: nn.Module) -> int:
+    """Sum over tp, after each accumulation, the partial gradient of every replicated DTensor parameter of `model`
+    (norms under sequence parallelism, per-head norms: see `apply_tensor_parallel`). `apply_tensor_parallel` calls
+    it on a materialized model; call it once on a model it sharded on the meta device, after materializing it.
+    Returns the number of parameters it applies to.
+
+    Raises:
+        ValueError: a parameter is still on the meta device.
+    """
+    params = [p for p in model.parameters() if isinstance(p, DTensor) and p.requires_grad]
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(f"reduce_partial_grads: materialize the model first; on the meta device: {meta[:8]}")
+    replicated = [p for p in params if all(isinstance(x, Replicate) for x in p.placements)]
+    for param in replicated:
+        param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+    setattr(model, _PENDING_ATTR, False)
+    return len(replicated)
+
+
+def _refuse_pending(module: nn.Module, _args: object) -> None:
+    if getattr(module, _PENDING_ATTR, False):
+        raise RuntimeError(
+            f"{type(module).__name__} was sharded by apply_tensor_parallel on the meta device: after materializing it, "
+            "call am_tensor_parallel.reduce_partial_grads(model) (the replicated parameters' partial gradients are "
+            "summed over tp by hooks that materializing would drop)"
+        )
 
 
 def _reduce_partial_grad(param: torch.Tensor) -> None:

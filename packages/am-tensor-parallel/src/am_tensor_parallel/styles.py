@@ -21,6 +21,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 __all__ = [
+    "FULL_STATE_METHOD",
+    "MODULE_STYLE_METHOD",
+    "PROBLEMS_METHOD",
+    "SHARD_STATE_METHOD",
     "STYLES",
     "UNSUPPORTED_STYLES",
     "translate_style",
@@ -58,6 +62,11 @@ PROBLEMS_METHOD = "tensor_parallel_problems"
 # `tensor_parallel_full_state(local: {name relative to the module: this rank's tensor}, *, group) -> {name: full}`,
 # collective over the tp group (names it does not shard are returned unchanged).
 FULL_STATE_METHOD = "tensor_parallel_full_state"
+# Its inverse, through which a meta-built model's such module is filled with this rank's shard (am_model_io's seeded
+# materialization, a checkpoint loader): `tensor_parallel_shard_state(full: {name relative to the module: the
+# unsharded tensor}) -> {name: this rank's shard}`, pure (no collective; the module knows its tp rank once it is
+# sharded), names it does not shard returned unchanged (a module not sharded returns them all unchanged).
+SHARD_STATE_METHOD = "tensor_parallel_shard_state"
 
 UNSUPPORTED_STYLES: dict[str, str] = {
     "moe_tp_experts": "experts are sharded by expert parallelism (am_moe.apply_expert_parallel over an ep mesh)",
