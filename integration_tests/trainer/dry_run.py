@@ -242,7 +242,7 @@ def fake_step(cfg: RunConfig, validated: ValidatedRun, *, rank: int, world_size:
         axis_of_group = _axis_names(meshes)
         traffic = CollectiveBytes(axis_of_group)
         flops = FlopCounterMode(display=False, custom_mapping=extra_flop_formulas())
-        saved = SavedActivations()
+        saved = SavedActivations(recomputation=cfg.activation_checkpointing)
         with fake_mode:
             built.loss_fn.denominator = denominator
             if built.balance is not None:

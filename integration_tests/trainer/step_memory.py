@@ -9,7 +9,12 @@ the very same code:
     - `SavedActivations`: the peak of the bytes autograd saves for backward (`torch.autograd.graph.saved_tensors_hooks`:
       every tensor a forward keeps alive until its backward, counted once per storage while it is alive, parameters
       left out since they are counted above). A pipeline schedule keeps several microbatches' activations alive at
-      once: the peak sees them all.
+      once: the peak sees them all. Under activation checkpointing (`recomputation=True`) it also counts what a
+      checkpointed layer holds while its backward runs: the checkpoint keeps each layer's inputs through these same
+      hooks (torch's `save_inputs`), but the tensors the layer's recomputation saves for its backward go through
+      torch's innermost `_recomputation_hook`, which no outer hook sees. A dispatch mode counts them instead: the
+      storages a recomputation creates that are still alive when it ends (what the checkpoint keeps for the layer's
+      backward; its temporaries are gone by then), until they are freed.
 What it leaves out (the dry run's README says so too): the transient buffers of a kernel (matmul workspaces, the
 allocator's fragmentation and caching, the CUDA context), and any tensor a forward keeps without autograd.
 What it must not do: change what the step computes (the hooks hand every saved tensor back unchanged).
@@ -23,6 +28,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -76,15 +84,72 @@ class _Saved:
             self.owner._release(self.key)
 
 
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _in_recomputation() -> bool:
+    """Whether the op running now belongs to an activation checkpoint's recomputation: a backward is running and the
+    innermost saved-tensor hook is torch.utils.checkpoint's own (in backward only its recomputation hook is pushed;
+    the forward's checkpoint hook is popped when the layer's forward ends)."""
+    if torch._C._current_graph_task_id() == -1:
+        return False
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False))
+
+
+class _Recomputed(TorchDispatchMode):
+    """The storages activation checkpointing's recomputations create, while they are alive: `held_bytes()` after a
+    recomputation has ended is what the checkpoint keeps for that layer's backward (the recomputed saved tensors)."""
+
+    def __init__(self, owner: SavedActivations) -> None:
+        super().__init__()
+        self.owner = owner
+        self._storages: dict[int, tuple[StorageWeakRef, int]] = {}  # storage key -> (weak reference, bytes)
+        self._recomputing = False
+
+    def held_bytes(self) -> int:
+        """Bytes of the recomputed storages still alive (the freed ones forgotten)."""
+        for key in [k for k, (ref, _) in self._storages.items() if ref.expired()]:
+            del self._storages[key]
+        return sum(nbytes for _, nbytes in self._storages.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if _in_recomputation():
+            self._recomputing = True
+            # only storages the op created: a view (of a weight, of the layer's input the hooks count, of an earlier
+            # recomputed tensor) is not new memory
+            inputs = {_local(t).untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if _is_tensor(t)}
+            for tensor in tree_leaves(out):
+                if _is_tensor(tensor):
+                    storage = _local(tensor).untyped_storage()
+                    key = storage._cdata
+                    if key not in inputs and key not in self._storages:
+                        self._storages[key] = (StorageWeakRef(storage), storage.nbytes())
+        elif self._recomputing:  # the first op after a recomputation (its layer's backward): what it left is held
+            self._recomputing = False
+            self.owner._observe(self.held_bytes())
+        return out
+
+
 class SavedActivations:
     """`with SavedActivations() as saved: step()` -> `saved.peak_bytes`: the most bytes autograd held for backward at
-    any moment of the step (each storage once, parameters excluded). Works on real and on fake tensors alike."""
+    any moment of the step (each storage once, parameters excluded). Works on real and on fake tensors alike.
 
-    def __init__(self) -> None:
+    `recomputation=True` (a model with activation-checkpointed layers): also the tensors a layer's recomputation
+    keeps for its backward, counted from the end of the recomputation until they are freed (a dispatch mode over the
+    step; off by default since it sees every op)."""
+
+    def __init__(self, *, recomputation: bool = False) -> None:
         self.live_bytes = 0
         self.peak_bytes = 0
         self._refs: dict[Any, list[int]] = {}  # storage key -> [references, bytes]
         self._hooks: Any = None
+        self._recomputed = _Recomputed(self) if recomputation else None
+
+    def _observe(self, recomputed_bytes: int) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes + recomputed_bytes)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         base = tensor._base if tensor._base is not None else tensor  # a view of a weight (a transpose) is the weight
@@ -98,7 +163,7 @@ class SavedActivations:
             nbytes = storage.nbytes()
             self._refs[key] = [1, nbytes]
             self.live_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self._observe(self._recomputed.held_bytes() if self._recomputed is not None else 0)
         else:
             entry[0] += 1
         return _Saved(self, tensor, key)
@@ -119,20 +184,27 @@ class SavedActivations:
     def __enter__(self) -> SavedActivations:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        if self._recomputed is not None:
+            self._recomputed.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._recomputed is not None:
+            self._recomputed.__exit__(*exc)
         self._hooks.__exit__(*exc)
 
 
 @contextmanager
-def measured_step(record: dict[str, int] | None) -> Iterator[SavedActivations | None]:
+def measured_step(
+    record: dict[str, int] | None, *, recomputation: bool = False
+) -> Iterator[SavedActivations | None]:
     """Around one step's forward and backward: counts the saved activations into `record["activation_peak_bytes"]`
-    when `record` is a dict (None: nothing is measured, the step runs as always)."""
+    when `record` is a dict (None: nothing is measured, the step runs as always); `recomputation`: the model's layers
+    are activation-checkpointed (`SavedActivations`)."""
     if record is None:
         yield None
         return
-    with SavedActivations() as saved:
+    with SavedActivations(recomputation=recomputation) as saved:
         yield saved
     record["activation_peak_bytes"] = saved.peak_bytes
 
