@@ -11,14 +11,17 @@ The dry runs here are in-process (no launch): a few seconds each on the tiny pre
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import PARITY, TINY_ARGS
 from trainer.config import parse_args
 from trainer.dry_run import dry_run
 from trainer.validation import BadInput
+from torch import nn
 
 # The dry run assumes perfectly balanced routing; the tiny real router routes unevenly (the issue's bound).
 ACTIVATION_TOLERANCE = 0.20
@@ -156,3 +159,42 @@ def test_a_folder_with_only_config_json(tmp_path: Path) -> None:
     from_folder = _dry(["--model-path", str(folder), *args], tmp_path / "a")
     assert from_folder["parameters"] == sum(p.numel() for p in build_meta_model(spec).parameters())
     assert sum(entry["parameter_bytes"] for entry in from_folder["ranks"]) == 4 * from_folder["parameters"]
+
+
+class _Mlp(nn.Module):
+    """x + W2 relu(W1 x + b1) + b2: autograd keeps the input x (for W1's gradient) and relu's output (relu's and W2's
+    gradients share it), [B, S, H] and [B, S, 4H]."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_checkpointed_layers_count_their_held_inputs_and_one_recomputation(fake: bool) -> None:
+    """Under activation checkpointing the step holds every layer's input until that layer's backward, and while one
+    layer's backward runs, the tensors its recomputation saved: the peak is layers x [B,S,H] + one [B,S,4H] (fp32),
+    on real tensors (a real run) and on fake ones (the dry run) alike."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._composable import checkpoint
+    from trainer.step_memory import SavedActivations
+
+    batch, seq, hidden, layers = 2, 8, 16, 3
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    with mode:  # fake weights too, as the dry run's materialization makes them
+        stack = nn.Sequential(*(_Mlp(hidden) for _ in range(layers)))
+        for layer in stack:
+            checkpoint(layer, preserve_rng_state=True, early_stop=False)
+        x = torch.randn(batch, seq, hidden)
+        with SavedActivations(recomputation=True) as saved:
+            stack(x).pow(2).mean().backward()
+        with SavedActivations() as without:  # the same step seen by the hooks only: the recomputation is missed
+            stack(x).pow(2).mean().backward()
+    row = batch * seq * hidden * 4
+    assert saved.peak_bytes == layers * row + 4 * row
+    # the hooks alone see the held inputs and the last output (kept by pow until the first backward op)
+    assert without.peak_bytes == (layers + 1) * row

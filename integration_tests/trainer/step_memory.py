@@ -109,15 +109,19 @@ class _Recomputed(TorchDispatchMode):
         self._recomputing = False
 
     def held_bytes(self) -> int:
-        """Bytes of the recomputed storages still alive (the freed ones forgotten)."""
-        for key in [k for k, (ref, _) in self._storages.items() if ref.expired()]:
-            del self._storages[key]
-        return sum(nbytes for _, nbytes in self._storages.values())
+        """Bytes of the storages the latest recomputation created that are still alive."""
+        return sum(nbytes for ref, nbytes in self._storages.values() if not ref.expired())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if _in_recomputation():
-            self._recomputing = True
+            if not self._recomputing:
+                # a new recomputation: the previous one's layer has finished its backward (a layer's tensors are
+                # first unpacked after the later layer's backward is done), so what that recomputation kept is
+                # freed. Forgotten here rather than by liveness: under FakeTensorMode the storages of freed fake
+                # tensors outlive them (the dry run would count every layer's recomputation at once).
+                self._storages.clear()
+                self._recomputing = True
             # only storages the op created: a view (of a weight, of the layer's input the hooks count, of an earlier
             # recomputed tensor) is not new memory
             inputs = {_local(t).untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if _is_tensor(t)}
@@ -129,7 +133,7 @@ class _Recomputed(TorchDispatchMode):
                         self._storages[key] = (StorageWeakRef(storage), storage.nbytes())
         elif self._recomputing:  # the first op after a recomputation (its layer's backward): what it left is held
             self._recomputing = False
-            self.owner._observe(self.held_bytes())
+            self.owner._recomputation_ended(self.held_bytes())
         return out
 
 
@@ -148,7 +152,8 @@ class SavedActivations:
         self._hooks: Any = None
         self._recomputed = _Recomputed(self) if recomputation else None
 
-    def _observe(self, recomputed_bytes: int) -> None:
+    def _recomputation_ended(self, recomputed_bytes: int) -> None:
+        """A layer's recomputation has ended, its backward starts: the saved tensors alive now plus those it keeps."""
         self.peak_bytes = max(self.peak_bytes, self.live_bytes + recomputed_bytes)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -163,7 +168,7 @@ class SavedActivations:
             nbytes = storage.nbytes()
             self._refs[key] = [1, nbytes]
             self.live_bytes += nbytes
-            self._observe(self._recomputed.held_bytes() if self._recomputed is not None else 0)
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         else:
             entry[0] += 1
         return _Saved(self, tensor, key)
