@@ -71,6 +71,27 @@ def state_bytes(parts: list[nn.Module], optimizers: Iterable[torch.optim.Optimiz
     }
 
 
+def _is_weight_view(tensor: torch.Tensor, storage_key: int, *, depth: int = 8) -> bool:
+    """Whether `tensor` is a view of a DTensor weight's local shard: `to_local()` of an expert-parallel weight (then
+    unbound per expert and transposed for `F.linear`) is a view of the shard's storage whose `_base` is that plain
+    local tensor, not the Parameter, so the `_base` test misses it; its autograd history leads back (through the
+    views) to the weight's AccumulateGrad, whose variable holds the same storage. Counted as a parameter, as the
+    weight it is (at Nemotron 3 Nano's size, dp 8 x ep 8: 7.3 GiB of expert weights otherwise taken for
+    activations)."""
+    node = tensor.grad_fn
+    for _ in range(depth):
+        if node is None:
+            return False
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf the chain started from
+        if variable is not None:
+            return bool(_local(variable).untyped_storage()._cdata == storage_key)
+        inputs = [fn for fn, _ in node.next_functions if fn is not None]
+        if len(inputs) != 1:  # a view has one tensor input; anything else computed new values
+            return False
+        node = inputs[0]
+    return False
+
+
 class _Saved:
     """One tensor autograd saved; releases its bytes from the count when autograd drops it (after its backward)."""
 
@@ -151,6 +172,7 @@ class SavedActivations:
         self._refs: dict[Any, list[int]] = {}  # storage key -> [references, bytes]
         self._hooks: Any = None
         self._recomputed = _Recomputed(self) if recomputation else None
+        self._weights: set[Any] = set()  # storage keys found to be a weight's (`_is_weight_view`)
 
     def _recomputation_ended(self, recomputed_bytes: int) -> None:
         """A layer's recomputation has ended, its backward starts: the saved tensors alive now plus those it keeps."""
@@ -163,6 +185,9 @@ class SavedActivations:
         local = _local(tensor)
         storage = local.untyped_storage()
         key = (storage._cdata, local.device.type)  # one entry per storage, however many views autograd saved
+        if key in self._weights or _is_weight_view(tensor, storage._cdata):
+            self._weights.add(key)
+            return _Saved(self, tensor, None)
         entry = self._refs.get(key)
         if entry is None:
             nbytes = storage.nbytes()
