@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import PARITY, TINY_ARGS
+from torch import nn
 from trainer.config import parse_args
 from trainer.dry_run import dry_run
 from trainer.validation import BadInput
-from torch import nn
 
 # The dry run assumes perfectly balanced routing; the tiny real router routes unevenly (the issue's bound).
 ACTIVATION_TOLERANCE = 0.20
@@ -198,3 +198,45 @@ def test_checkpointed_layers_count_their_held_inputs_and_one_recomputation(fake:
     assert saved.peak_bytes == layers * row + 4 * row
     # the hooks alone see the held inputs and the last output (kept by pow until the first backward op)
     assert without.peak_bytes == (layers + 1) * row
+
+
+def test_flops_of_a_nemotron_moe_layer_match_the_hand_formula() -> None:
+    """The step-time model's FLOPs (FlopCounterMode + `extra_flop_formulas`) of one Nemotron 3 Nano MoE mixer — its
+    128 routed experts, top 6, ReLU² (no gate projection), one shared expert, at a reduced width — against the hand
+    count for T tokens: router 2·T·H·E + routed experts 2·(2·T·k·H·I) + shared expert 2·(2·T·H·Is) in forward,
+    twice that in backward (input and weight gradients). Whatever the routing, the experts together see T·k rows."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from trainer.dry_run_comm import extra_flop_formulas
+    from transformers import NemotronHConfig
+
+    from am_models_nemotron import NemotronHForCausalLM
+    from am_models_nemotron.config import as_hf_config
+    from am_models_nemotron.presets import preset_dict
+
+    config = preset_dict("nemotron-3-nano-30b-a3b")
+    hidden, inter, shared = 64, 32, 48  # the published E = 128 experts and top k = 6 kept
+    config.update(
+        hidden_size=hidden,
+        moe_intermediate_size=inter,
+        moe_shared_expert_intermediate_size=shared,
+        hybrid_override_pattern="E",
+        num_hidden_layers=1,
+        vocab_size=128,
+    )
+    experts, top_k = config["n_routed_experts"], config["num_experts_per_tok"]
+    assert (experts, top_k) == (128, 6)
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(as_hf_config(NemotronHConfig.from_dict(config))).float()
+    moe = model.model.layers["0"].mixer
+    batch, seq = 2, 16
+    tokens = batch * seq
+    x = torch.randn(batch, seq, hidden, requires_grad=True)
+    with FlopCounterMode(display=False, custom_mapping=extra_flop_formulas()) as forward:
+        out = moe(x)
+    with FlopCounterMode(display=False, custom_mapping=extra_flop_formulas()) as backward:
+        out.sum().backward()
+    expected = (
+        2 * tokens * hidden * experts + 2 * (2 * tokens * top_k * hidden * inter) + 2 * (2 * tokens * hidden * shared)
+    )
+    assert forward.get_total_flops() == expected
+    assert backward.get_total_flops() == 2 * expected

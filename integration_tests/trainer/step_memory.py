@@ -225,9 +225,7 @@ class SavedActivations:
 
 
 @contextmanager
-def measured_step(
-    record: dict[str, int] | None, *, recomputation: bool = False
-) -> Iterator[SavedActivations | None]:
+def measured_step(record: dict[str, int] | None, *, recomputation: bool = False) -> Iterator[SavedActivations | None]:
     """Around one step's forward and backward: counts the saved activations into `record["activation_peak_bytes"]`
     when `record` is a dict (None: nothing is measured, the step runs as always); `recomputation`: the model's layers
     are activation-checkpointed (`SavedActivations`)."""
