@@ -150,7 +150,9 @@ class _Recomputed(TorchDispatchMode):
                 if _is_tensor(tensor):
                     storage = _local(tensor).untyped_storage()
                     key = storage._cdata
-                    if key not in inputs and key not in self._storages:
+                    known = self._storages.get(key)
+                    # a freed storage's address may be reused by a new one (the real allocator): a new entry then
+                    if key not in inputs and (known is None or known[0].expired()):
                         self._storages[key] = (StorageWeakRef(storage), storage.nbytes())
         elif self._recomputing:  # the first op after a recomputation (its layer's backward): what it left is held
             self._recomputing = False
@@ -163,8 +165,8 @@ class SavedActivations:
     any moment of the step (each storage once, parameters excluded). Works on real and on fake tensors alike.
 
     `recomputation=True` (a model with activation-checkpointed layers): also the tensors a layer's recomputation
-    keeps for its backward, counted from the end of the recomputation until they are freed (a dispatch mode over the
-    step; off by default since it sees every op)."""
+    keeps for its backward, added to what the hooks count at the moment the recomputation ends and the layer's
+    backward starts (a dispatch mode over the step; off by default since it sees every op)."""
 
     def __init__(self, *, recomputation: bool = False) -> None:
         self.live_bytes = 0
