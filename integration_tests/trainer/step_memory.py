@@ -76,7 +76,7 @@ def _is_weight_view(tensor: torch.Tensor, storage_key: int, *, depth: int = 8) -
     unbound per expert and transposed for `F.linear`) is a view of the shard's storage whose `_base` is that plain
     local tensor, not the Parameter, so the `_base` test misses it; its autograd history leads back (through the
     views) to the weight's AccumulateGrad, whose variable holds the same storage. Counted as a parameter, as the
-    weight it is (at Nemotron 3 Nano's size, dp 8 x ep 8: 7.3 GiB of expert weights otherwise taken for
+    weight it is (at Nemotron 3 Nano's size, dp 8 x ep 8: 6.8 GiB of expert weights otherwise taken for
     activations)."""
     node = tensor.grad_fn
     for _ in range(depth):
