@@ -11,11 +11,14 @@ The dry runs here are in-process (no launch): a few seconds each on the tiny pre
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import PARITY, TINY_ARGS
+from torch import nn
 from trainer.config import parse_args
 from trainer.dry_run import dry_run
 from trainer.validation import BadInput
@@ -64,12 +67,22 @@ def test_parameter_bytes_of_all_ranks_add_up_to_the_model(layout: list[str], hel
     assert report["positions"][0]["flops"] > 0
 
 
-def test_estimate_matches_the_real_gloo_run(runs, tmp_path: Path) -> None:
-    """The RunCache's nemotron pp2 x dp2 x ep2 run (4 ranks, fp32) against the dry run of the same options."""
-    real = runs.get("nemotron-pp2-dp2-ep2").check()
+@pytest.mark.parametrize(
+    ("case", "layout"),
+    [
+        ("nemotron-pp2-dp2-ep2", ["--pp", "2", "--dp", "2", "--ep", "2"]),
+        # activation checkpointing: the held layer inputs and one layer's recomputed tensors (a RunCache run the
+        # parity tests launch anyway)
+        ("nemotron-dp2-ep2-ac", ["--dp", "2", "--ep", "2", "--activation-checkpointing"]),
+    ],
+)
+def test_estimate_matches_the_real_gloo_run(case: str, layout: list[str], runs, tmp_path: Path) -> None:
+    """A RunCache run (fp32) against the dry run of the same options: nemotron pp2 x dp2 x ep2 (4 ranks), and
+    dp2 x ep2 with activation checkpointing (2 ranks)."""
+    real = runs.get(case).check()
     measured = real.summary["memory"]["ranks"]
-    report = _dry(["--model", "nemotron", "--pp", "2", "--dp", "2", "--ep", "2", *PARITY], tmp_path)
-    assert len(measured) == len(report["ranks"]) == 4
+    report = _dry(["--model", "nemotron", *layout, *PARITY], tmp_path)
+    assert len(measured) == len(report["ranks"]) == real.nproc
     for got, want in zip(report["ranks"], measured, strict=True):
         assert got["parameter_bytes"] == want["parameter_bytes"], (got, want)
         assert got["optimizer_bytes"] == want["optimizer_bytes"], (got, want)
@@ -78,7 +91,7 @@ def test_estimate_matches_the_real_gloo_run(runs, tmp_path: Path) -> None:
         assert error <= ACTIVATION_TOLERANCE, (got, want)
     # traffic counted from the collectives the step issued: pipeline p2p, FSDP2 and the experts' all-to-all
     axes = {axis for position in report["positions"] for axis in position["axes"]}
-    assert "pp" in axes, axes
+    assert ("pp" in axes) == ("--pp" in layout), axes
     assert any("ep" in axis for axis in axes), axes
 
 
@@ -146,3 +159,84 @@ def test_a_folder_with_only_config_json(tmp_path: Path) -> None:
     from_folder = _dry(["--model-path", str(folder), *args], tmp_path / "a")
     assert from_folder["parameters"] == sum(p.numel() for p in build_meta_model(spec).parameters())
     assert sum(entry["parameter_bytes"] for entry in from_folder["ranks"]) == 4 * from_folder["parameters"]
+
+
+class _Mlp(nn.Module):
+    """x + W2 relu(W1 x + b1) + b2: autograd keeps the input x (for W1's gradient) and relu's output (relu's and W2's
+    gradients share it), [B, S, H] and [B, S, 4H]."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_checkpointed_layers_count_their_held_inputs_and_one_recomputation(fake: bool) -> None:
+    """Under activation checkpointing the step holds every layer's input until that layer's backward, and while one
+    layer's backward runs, the tensors its recomputation saved: the peak is layers x [B,S,H] + one [B,S,4H] (fp32),
+    on real tensors (a real run) and on fake ones (the dry run) alike."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._composable import checkpoint
+    from trainer.step_memory import SavedActivations
+
+    batch, seq, hidden, layers = 2, 8, 16, 3
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    with mode:  # fake weights too, as the dry run's materialization makes them
+        stack = nn.Sequential(*(_Mlp(hidden) for _ in range(layers)))
+        for layer in stack:
+            checkpoint(layer, preserve_rng_state=True, early_stop=False)
+        x = torch.randn(batch, seq, hidden)
+        with SavedActivations(recomputation=True) as saved:
+            stack(x).pow(2).mean().backward()
+        with SavedActivations() as without:  # the same step seen by the hooks only: the recomputation is missed
+            stack(x).pow(2).mean().backward()
+    row = batch * seq * hidden * 4
+    assert saved.peak_bytes == layers * row + 4 * row
+    # the hooks alone see the held inputs and the last output (kept by pow until the first backward op)
+    assert without.peak_bytes == (layers + 1) * row
+
+
+def test_flops_of_a_nemotron_moe_layer_match_the_hand_formula() -> None:
+    """The step-time model's FLOPs (FlopCounterMode + `extra_flop_formulas`) of one Nemotron 3 Nano MoE mixer — its
+    128 routed experts, top 6, ReLU² (no gate projection), one shared expert, at a reduced width — against the hand
+    count for T tokens: router 2·T·H·E + routed experts 2·(2·T·k·H·I) + shared expert 2·(2·T·H·Is) in forward,
+    twice that in backward (input and weight gradients). Whatever the routing, the experts together see T·k rows."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from trainer.dry_run_comm import extra_flop_formulas
+    from transformers import NemotronHConfig
+
+    from am_models_nemotron import NemotronHForCausalLM
+    from am_models_nemotron.config import as_hf_config
+    from am_models_nemotron.presets import preset_dict
+
+    config = preset_dict("nemotron-3-nano-30b-a3b")
+    hidden, inter, shared = 64, 32, 48  # the published E = 128 experts and top k = 6 kept
+    config.update(
+        hidden_size=hidden,
+        moe_intermediate_size=inter,
+        moe_shared_expert_intermediate_size=shared,
+        hybrid_override_pattern="E",
+        num_hidden_layers=1,
+        vocab_size=128,
+    )
+    experts, top_k = config["n_routed_experts"], config["num_experts_per_tok"]
+    assert (experts, top_k) == (128, 6)
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(as_hf_config(NemotronHConfig.from_dict(config))).float()
+    moe = model.model.layers["0"].mixer
+    batch, seq = 2, 16
+    tokens = batch * seq
+    x = torch.randn(batch, seq, hidden, requires_grad=True)
+    with FlopCounterMode(display=False, custom_mapping=extra_flop_formulas()) as forward:
+        out = moe(x)
+    with FlopCounterMode(display=False, custom_mapping=extra_flop_formulas()) as backward:
+        out.sum().backward()
+    expected = (
+        2 * tokens * hidden * experts + 2 * (2 * tokens * top_k * hidden * inter) + 2 * (2 * tokens * hidden * shared)
+    )
+    assert forward.get_total_flops() == expected
+    assert backward.get_total_flops() == 2 * expected

@@ -10,7 +10,8 @@ same blocks, and their shard sizes are computed from each DTensor's placements (
 every rank of the job gets its own exact parameter, gradient and optimizer bytes.
 Measured in the fake step, the way a real run measures its first step (trainer/step_memory.py; the real trainer
 writes the same numbers into summary.json's "memory"): parameter / gradient / optimizer-state bytes of the local
-shards, and the peak of the activations autograd saves for backward; bytes sent per mesh axis from the collectives
+shards, and the peak of the activations autograd saves for backward (with `--activation-checkpointing`, what a
+layer's recomputation keeps for its backward too); bytes sent per mesh axis from the collectives
 the step issues and FLOPs of its kernels (trainer/dry_run_comm.py); a predicted step time (trainer/step_time.py).
 Output: `<out>/dry_run.json` and a table per stage; exit 0 when the busiest rank fits `--gpu-memory`, 2 when not
 (its numbers and its biggest item named).
@@ -242,7 +243,7 @@ def fake_step(cfg: RunConfig, validated: ValidatedRun, *, rank: int, world_size:
         axis_of_group = _axis_names(meshes)
         traffic = CollectiveBytes(axis_of_group)
         flops = FlopCounterMode(display=False, custom_mapping=extra_flop_formulas())
-        saved = SavedActivations()
+        saved = SavedActivations(recomputation=cfg.activation_checkpointing)
         with fake_mode:
             built.loss_fn.denominator = denominator
             if built.balance is not None:

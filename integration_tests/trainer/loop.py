@@ -356,7 +356,7 @@ def train(
         if balance is not None:
             balance.before_step(input_ids.numel())
         record = history.memory if step == history.start_step + 1 else None
-        with measured_step(record):
+        with measured_step(record, recomputation=cfg.activation_checkpointing):
             local = built.run_batch(input_ids, labels, train=True)
         aux_loss = None
         if router is not None and router.last_aux_share is not None:  # one all-reduce for both shares

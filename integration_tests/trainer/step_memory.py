@@ -9,7 +9,12 @@ the very same code:
     - `SavedActivations`: the peak of the bytes autograd saves for backward (`torch.autograd.graph.saved_tensors_hooks`:
       every tensor a forward keeps alive until its backward, counted once per storage while it is alive, parameters
       left out since they are counted above). A pipeline schedule keeps several microbatches' activations alive at
-      once: the peak sees them all.
+      once: the peak sees them all. Under activation checkpointing (`recomputation=True`) it also counts what a
+      checkpointed layer holds while its backward runs: the checkpoint keeps each layer's inputs through these same
+      hooks (torch's `save_inputs`), but the tensors the layer's recomputation saves for its backward go through
+      torch's innermost `_recomputation_hook`, which no outer hook sees. A dispatch mode counts them instead: the
+      storages a recomputation creates that are still alive when it ends (what the checkpoint keeps for the layer's
+      backward; its temporaries are gone by then), until they are freed.
 What it leaves out (the dry run's README says so too): the transient buffers of a kernel (matmul workspaces, the
 allocator's fragmentation and caching, the CUDA context), and any tensor a forward keeps without autograd.
 What it must not do: change what the step computes (the hooks hand every saved tensor back unchanged).
@@ -23,6 +28,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -63,6 +71,27 @@ def state_bytes(parts: list[nn.Module], optimizers: Iterable[torch.optim.Optimiz
     }
 
 
+def _is_weight_view(tensor: torch.Tensor, storage_key: int, *, depth: int = 8) -> bool:
+    """Whether `tensor` is a view of a DTensor weight's local shard: `to_local()` of an expert-parallel weight (then
+    unbound per expert and transposed for `F.linear`) is a view of the shard's storage whose `_base` is that plain
+    local tensor, not the Parameter, so the `_base` test misses it; its autograd history leads back (through the
+    views) to the weight's AccumulateGrad, whose variable holds the same storage. Counted as a parameter, as the
+    weight it is (at Nemotron 3 Nano's size, dp 8 x ep 8: 6.8 GiB of expert weights otherwise taken for
+    activations)."""
+    node = tensor.grad_fn
+    for _ in range(depth):
+        if node is None:
+            return False
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf the chain started from
+        if variable is not None:
+            return bool(_local(variable).untyped_storage()._cdata == storage_key)
+        inputs = [fn for fn, _ in node.next_functions if fn is not None]
+        if len(inputs) != 1:  # a view has one tensor input; anything else computed new values
+            return False
+        node = inputs[0]
+    return False
+
+
 class _Saved:
     """One tensor autograd saved; releases its bytes from the count when autograd drops it (after its backward)."""
 
@@ -76,15 +105,80 @@ class _Saved:
             self.owner._release(self.key)
 
 
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _in_recomputation() -> bool:
+    """Whether the op running now belongs to an activation checkpoint's recomputation: a backward is running and the
+    innermost saved-tensor hook is torch.utils.checkpoint's own (in backward only its recomputation hook is pushed;
+    the forward's checkpoint hook is popped when the layer's forward ends)."""
+    if torch._C._current_graph_task_id() == -1:
+        return False
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False))
+
+
+class _Recomputed(TorchDispatchMode):
+    """The storages activation checkpointing's recomputations create, while they are alive: `held_bytes()` after a
+    recomputation has ended is what the checkpoint keeps for that layer's backward (the recomputed saved tensors)."""
+
+    def __init__(self, owner: SavedActivations) -> None:
+        super().__init__()
+        self.owner = owner
+        self._storages: dict[int, tuple[StorageWeakRef, int]] = {}  # storage key -> (weak reference, bytes)
+        self._recomputing = False
+
+    def held_bytes(self) -> int:
+        """Bytes of the storages the latest recomputation created that are still alive."""
+        return sum(nbytes for ref, nbytes in self._storages.values() if not ref.expired())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if _in_recomputation():
+            if not self._recomputing:
+                # a new recomputation: the previous one's layer has finished its backward (a layer's tensors are
+                # first unpacked after the later layer's backward is done), so what that recomputation kept is
+                # freed. Forgotten here rather than by liveness: under FakeTensorMode the storages of freed fake
+                # tensors outlive them (the dry run would count every layer's recomputation at once).
+                self._storages.clear()
+                self._recomputing = True
+            # only storages the op created: a view (of a weight, of the layer's input the hooks count, of an earlier
+            # recomputed tensor) is not new memory
+            inputs = {_local(t).untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if _is_tensor(t)}
+            for tensor in tree_leaves(out):
+                if _is_tensor(tensor):
+                    storage = _local(tensor).untyped_storage()
+                    key = storage._cdata
+                    known = self._storages.get(key)
+                    # a freed storage's address may be reused by a new one (the real allocator): a new entry then
+                    if key not in inputs and (known is None or known[0].expired()):
+                        self._storages[key] = (StorageWeakRef(storage), storage.nbytes())
+        elif self._recomputing:  # the first op after a recomputation (its layer's backward): what it left is held
+            self._recomputing = False
+            self.owner._recomputation_ended(self.held_bytes())
+        return out
+
+
 class SavedActivations:
     """`with SavedActivations() as saved: step()` -> `saved.peak_bytes`: the most bytes autograd held for backward at
-    any moment of the step (each storage once, parameters excluded). Works on real and on fake tensors alike."""
+    any moment of the step (each storage once, parameters excluded). Works on real and on fake tensors alike.
 
-    def __init__(self) -> None:
+    `recomputation=True` (a model with activation-checkpointed layers): also the tensors a layer's recomputation
+    keeps for its backward, added to what the hooks count at the moment the recomputation ends and the layer's
+    backward starts (a dispatch mode over the step; off by default since it sees every op)."""
+
+    def __init__(self, *, recomputation: bool = False) -> None:
         self.live_bytes = 0
         self.peak_bytes = 0
         self._refs: dict[Any, list[int]] = {}  # storage key -> [references, bytes]
         self._hooks: Any = None
+        self._recomputed = _Recomputed(self) if recomputation else None
+        self._weights: set[Any] = set()  # storage keys found to be a weight's (`_is_weight_view`)
+
+    def _recomputation_ended(self, recomputed_bytes: int) -> None:
+        """A layer's recomputation has ended, its backward starts: the saved tensors alive now plus those it keeps."""
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes + recomputed_bytes)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         base = tensor._base if tensor._base is not None else tensor  # a view of a weight (a transpose) is the weight
@@ -93,6 +187,9 @@ class SavedActivations:
         local = _local(tensor)
         storage = local.untyped_storage()
         key = (storage._cdata, local.device.type)  # one entry per storage, however many views autograd saved
+        if key in self._weights or _is_weight_view(tensor, storage._cdata):
+            self._weights.add(key)
+            return _Saved(self, tensor, None)
         entry = self._refs.get(key)
         if entry is None:
             nbytes = storage.nbytes()
@@ -119,20 +216,25 @@ class SavedActivations:
     def __enter__(self) -> SavedActivations:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        if self._recomputed is not None:
+            self._recomputed.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._recomputed is not None:
+            self._recomputed.__exit__(*exc)
         self._hooks.__exit__(*exc)
 
 
 @contextmanager
-def measured_step(record: dict[str, int] | None) -> Iterator[SavedActivations | None]:
+def measured_step(record: dict[str, int] | None, *, recomputation: bool = False) -> Iterator[SavedActivations | None]:
     """Around one step's forward and backward: counts the saved activations into `record["activation_peak_bytes"]`
-    when `record` is a dict (None: nothing is measured, the step runs as always)."""
+    when `record` is a dict (None: nothing is measured, the step runs as always); `recomputation`: the model's layers
+    are activation-checkpointed (`SavedActivations`)."""
     if record is None:
         yield None
         return
-    with SavedActivations() as saved:
+    with SavedActivations(recomputation=recomputation) as saved:
         yield saved
     record["activation_peak_bytes"] = saved.peak_bytes
 
