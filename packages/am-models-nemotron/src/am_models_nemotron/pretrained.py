@@ -5,8 +5,9 @@ What it is for, each part with one job:
     balancing recipe (am-moe), the PP and TP plans, `get_capabilities(config)` (am-capabilities, seed-documented) and
     `am_contract()` (am-model-contract), with the hooks the contract and NeMo AutoModel's protocols name (context
     parallelism's options, batch preparation and limits; expert parallelism; the FSDP hooks; pipeline stages);
-  - transformers' basics (`device`, `dtype`, the embeddings, gradient checkpointing) and loading and saving like
-    transformers (`from_pretrained` / `save_pretrained`, written in `checkpoint` on am-model-io);
+  - transformers' basics (the embeddings, gradient checkpointing; `device` and `dtype` are am-model-io's
+    `OwnCacheGenerationHooks`') and loading and saving like transformers (`from_pretrained` / `save_pretrained`,
+    written in `checkpoint` on am-model-io);
   - `generate(...)`: transformers' `GenerationMixin` with our hybrid cache (`generation.NemotronHGenerationMixin`).
 What it must not do: build modules or compute (the subclass `model.NemotronHForCausalLM` holds the backbone, the LM
 head, MTP, the forward and the loss), import am-pipelining or am-capabilities, or hold checkpoint logic itself.
@@ -106,17 +107,6 @@ class NemotronHPreTrainedModel(nn.Module, NemotronHGenerationMixin):
         return cls(config, backend, **kwargs)
 
     # transformers' basics
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        for param in self.parameters():
-            if param.is_floating_point():
-                return param.dtype
-        return torch.float32
 
     def get_input_embeddings(self) -> nn.Module | None:
         return self.model.embed_tokens
