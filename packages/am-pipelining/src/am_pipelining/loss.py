@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from am_context_parallel import MTPLossOutput, mtp_loss, mtp_targets, shift_packed_tensor
+from am_context_parallel.mtp_loss import roll_tensor
 
 from .outputs import pipeline_output_names, read_stage_output
 
@@ -33,20 +34,6 @@ __all__ = [
     "PipelineCausalLMLoss",
     "MTPLossConfig",
 ]
-
-
-def roll_tensor(t: torch.Tensor, shifts: int = -1, dim: int = -1) -> torch.Tensor:
-    """`torch.roll` that zero-fills the wrapped-around positions instead of wrapping.
-
-    Negative shifts (left) zero the trailing |shifts| positions, positive shifts the leading ones.
-    """
-    rolled = torch.roll(t, shifts=shifts, dims=dim)
-    size = t.shape[dim]
-    if shifts == 0 or size == 0:
-        return rolled
-    count = min(abs(shifts), size)
-    index = torch.arange(size - count, size) if shifts < 0 else torch.arange(0, count)
-    return rolled.index_fill(dim, index.to(t.device), 0)
 
 
 def get_mtp_loss_scaling_factor(model: Any, default: float = 0.1) -> float:
