@@ -10,8 +10,8 @@ import torch
 from am_nemotron_helpers import VOCAB, assert_close_rel, hf_model, randomize_, save_hf, tiny_hf_config, tokens
 from transformers import NemotronHForCausalLM as HFNemotronH
 
+from am_model_io import read_safetensors_folder
 from am_models_nemotron import NemotronHCausalLMOutputWithPast, NemotronHForCausalLM, NemotronStateDictAdapter
-from am_models_nemotron.checkpoint import read_safetensors_folder
 from am_precision import assert_fp32_contract, cast_model_to_dtype, fp32_report
 
 # fp32, same op order where it matters: logits agree to ~1e-7 relative; 1e-5 leaves room for summation order.

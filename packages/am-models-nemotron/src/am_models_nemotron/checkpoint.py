@@ -29,7 +29,6 @@ from am_model_io import (
     ShardedLoad,
     load_hf_config,
     load_sharded_tensors_,
-    read_safetensors_folder,
     resolve_checkpoint_folder,
     resolve_device,
     resolve_dtype,
@@ -48,7 +47,6 @@ __all__ = [
     "checkpoint_adapter",
     "load_pretrained",
     "load_sharded_checkpoint",
-    "read_safetensors_folder",
     "save_pretrained",
 ]
 

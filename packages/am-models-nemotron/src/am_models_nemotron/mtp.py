@@ -3,8 +3,9 @@
 What it is for: `MTPConfig` (depth count, per-depth block pattern, loss scale, repeated layer), `MTPModule` (a flat
 `layers` list of `physical_depths × len(pattern)` sublayers, checkpoint names `mtp.layers.{i}.*`; the first sublayer
 of each depth fuses `eh_proj([enorm(embedding), hnorm(hidden)])`, the last applies `final_layernorm`), the input
-shifts (`shift_within_documents`, `shift_labels`; `roll_tensor`: am-context-parallel's): depth k (0-based) at position t predicts token
-t + k + 2, never across a packed-sequence boundary. The loss is `loss.combined_causal_lm_loss` (one rule).
+shifts (`shift_within_documents`, `shift_labels`; `roll_tensor` is am-context-parallel's): depth k (0-based) at
+position t predicts token t + k + 2, never across a packed-sequence boundary. The loss is
+`loss.combined_causal_lm_loss` (one rule).
 What it must not do: import am-pipelining, or compute a loss (one implementation lives in `loss`).
 """
 
