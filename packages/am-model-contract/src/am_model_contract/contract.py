@@ -83,6 +83,9 @@ class ContextParallelContract:
         options: `() -> am_context_parallel.ContiguousCPOptions` for the contiguous layout (None: the defaults).
         problems: `(*, seq_len, local_seq_len, cp_size) -> list[str]`: what the model cannot honour under CP, asked
             before any collective (None: nothing).
+        prepare: `(batch, *, labels_shifted) -> batch`: what the model computes on the WHOLE sequences before they
+            are sharded (values that look across a block edge: document ids, multi-token-prediction inputs and
+            targets); the caller shards what it returns. None: the batch is sharded as it is.
 
     Raises:
         ValueError: listing every invalid field.
@@ -97,6 +100,7 @@ class ContextParallelContract:
     packed_attention_backends: tuple[str, ...] | None = None
     options: Callable[[], Any] | None = None
     problems: Callable[..., list[str]] | None = None
+    prepare: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -105,7 +109,7 @@ class ContextParallelContract:
         _check_bools(self, ("owns_attention", "sdpa_attention", "te_attention", "owns_packed_attention"), problems)
         for name in ("attention_backends", "packed_attention_backends"):
             object.__setattr__(self, name, _as_names(getattr(self, name), name, problems))
-        _check_callables(self, ("options", "problems"), problems)
+        _check_callables(self, ("options", "problems", "prepare"), problems)
         if self.options is not None and self.layout != "contiguous":
             problems.append('options are read only for layout="contiguous" (the load-balanced path takes none)')
         _raise("ContextParallelContract", problems)

@@ -87,7 +87,8 @@ class NemotronHPreTrainedModel(nn.Module, NemotronHGenerationMixin):
         - pp: its own forward is pipeline-aware (stages keep it); the last stage returns `(logits, *mtp_per_depth_h,
           seq_idx)` by these names (without MTP, bare logits).
         - cp: each rank one contiguous block (the Mamba2 recurrence passes its state rank to rank), with the MTP
-          keys (`get_cp_options`) and the shard-length and dropout limits (`cp_problems`).
+          keys (`get_cp_options`), the shard-length and dropout limits (`cp_problems`) and the whole-sequence
+          preparation before sharding (`prepare_batch_for_cp`: document ids, MTP inputs and targets).
         - ep: `apply_expert_parallel` when the config has MoE blocks.
         - tp: the declared plan (`tp_plan.py`; the Mamba2 mixers shard themselves).
         """
@@ -95,7 +96,12 @@ class NemotronHPreTrainedModel(nn.Module, NemotronHGenerationMixin):
         # Without MTP the last stage returns bare logits (no seq_idx tail): declare what it really returns.
         outputs = ("logits", "mtp_per_depth_h", "seq_idx") if self.num_mtp_depths else ("logits",)
         return ModelContract(
-            cp=ContextParallelContract(layout="contiguous", options=self.get_cp_options, problems=self.cp_problems),
+            cp=ContextParallelContract(
+                layout="contiguous",
+                options=self.get_cp_options,
+                problems=self.cp_problems,
+                prepare=self.prepare_batch_for_cp,
+            ),
             pp=PipelineContract(plan=self._pp_plan, keeps_own_forward=True, output_names=outputs),
             ep=ExpertParallelContract(is_moe=moe, apply=self.apply_expert_parallel if moe else None),
             tp=TensorParallelContract(plan=self._tp_plan),
