@@ -247,6 +247,7 @@ def test_contract_declares_pipeline_cp_and_expert_parallel() -> None:
     assert moe.cp.problems is not None
     assert moe.cp.problems(seq_len=16, local_seq_len=8, cp_size=2) == []
     assert moe.cp.prepare == moe_model.prepare_batch_for_cp  # whole sequences prepared before sharding
+    assert moe.pp.loss == moe_model.combined_loss  # the training-loss rule am-pipelining's loss calls
     assert moe.ep.is_moe
     assert moe.ep.apply is not None
     assert moe.ep.apply.__self__ is moe_model

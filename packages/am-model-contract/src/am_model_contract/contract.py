@@ -126,6 +126,10 @@ class PipelineContract:
         output_names: what each position of the last stage's tuple is, e.g. `("logits", "mtp_per_depth_h",
             "seq_idx")` (the MTP hidden states take every position between logits and seq_idx); None: a tuple is
             `(logits, *mtp_per_depth)`.
+        loss: the model's own training-loss rule for its output (e.g. next-token + MTP):
+            `(output, labels, *, loss_fn, labels_shifted, seq_idx, scaling_factor, ignore_index[,
+            mtp_per_depth_targets]) -> scalar`, called by am-pipelining's `PipelineCausalLMLoss` at every pipeline
+            size (None: its generic next-token + MTP rule).
 
     Raises:
         ValueError: listing every invalid field.
@@ -134,12 +138,14 @@ class PipelineContract:
     plan: Mapping[str, Any] | None = None
     keeps_own_forward: bool = False
     output_names: tuple[str, ...] | None = None
+    loss: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         problems: list[str] = []
         if self.plan is not None and not isinstance(self.plan, Mapping):
             problems.append(f"plan must be a mapping or None; got {self.plan!r}")
         _check_bools(self, ("keeps_own_forward",), problems)
+        _check_callables(self, ("loss",), problems)
         object.__setattr__(self, "output_names", _as_names(self.output_names, "output_names", problems))
         _raise("PipelineContract", problems)
 

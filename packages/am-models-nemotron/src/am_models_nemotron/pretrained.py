@@ -85,7 +85,7 @@ class NemotronHPreTrainedModel(nn.Module, NemotronHGenerationMixin):
         """What this model offers the infrastructure (am-model-contract).
 
         - pp: its own forward is pipeline-aware (stages keep it); the last stage returns `(logits, *mtp_per_depth_h,
-          seq_idx)` by these names (without MTP, bare logits).
+          seq_idx)` by these names (without MTP, bare logits); its loss is the model's rule (`combined_loss`).
         - cp: each rank one contiguous block (the Mamba2 recurrence passes its state rank to rank), with the MTP
           keys (`get_cp_options`), the shard-length and dropout limits (`cp_problems`) and the whole-sequence
           preparation before sharding (`prepare_batch_for_cp`: document ids, MTP inputs and targets).
@@ -102,7 +102,9 @@ class NemotronHPreTrainedModel(nn.Module, NemotronHGenerationMixin):
                 problems=self.cp_problems,
                 prepare=self.prepare_batch_for_cp,
             ),
-            pp=PipelineContract(plan=self._pp_plan, keeps_own_forward=True, output_names=outputs),
+            pp=PipelineContract(
+                plan=self._pp_plan, keeps_own_forward=True, output_names=outputs, loss=self.combined_loss
+            ),
             ep=ExpertParallelContract(is_moe=moe, apply=self.apply_expert_parallel if moe else None),
             tp=TensorParallelContract(plan=self._tp_plan),
         )
