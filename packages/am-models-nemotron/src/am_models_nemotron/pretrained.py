@@ -15,6 +15,7 @@ head, MTP, the forward and the loss), import am-pipelining or am-capabilities, o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar, Self
 
 import torch
@@ -47,7 +48,8 @@ __all__ = ["NemotronHPreTrainedModel"]
 class NemotronHPreTrainedModel(nn.Module, NemotronHGenerationMixin):
     """The base of `NemotronHForCausalLM` (see the module docstring): declarations, hooks, basics, loading. The
     subclass builds `model` (the backbone), `lm_head` and `mtp`, and sets `config`, `nemotron_config`, `backend`,
-    `mtp_config` and `compute_mtp_in_eval`; `num_mtp_depths` is the configured MTP depth count."""
+    `mtp_config` and `compute_mtp_in_eval` and defines `combined_loss`; `num_mtp_depths` is the configured MTP depth
+    count."""
 
     config: Any
     nemotron_config: NemotronConfig
@@ -57,6 +59,7 @@ class NemotronHPreTrainedModel(nn.Module, NemotronHGenerationMixin):
     mtp: MTPModule | None
     mtp_config: MTPConfig
     compute_mtp_in_eval: bool
+    combined_loss: Callable[..., torch.Tensor]  # the training-loss rule, defined by the subclass (contract: pp.loss)
 
     # The same list as the backbone's (one source: the keep list is defined once, on NemotronV3Model).
     _keep_in_fp32_modules_strict: ClassVar[list[str]] = NemotronV3Model._keep_in_fp32_modules_strict
