@@ -284,18 +284,19 @@ def shard_batch_for_cp(
 ) -> tuple[Any, dict]:
     """This rank's CP shard of `batch` and the context to run forward and backward in (am-context-parallel).
 
-    batch: `input_ids` [B, S] and `labels` [B, S], ALREADY shifted (the trainer's convention). A model with the
-    `prepare_batch_for_cp(batch, *, labels_shifted)` hook (Nemotron-H: document ids, padding mask, the per-depth MTP
-    inputs and targets) prepares the WHOLE sequences first, so everything that is shifted is right at block edges.
+    batch: `input_ids` [B, S] and `labels` [B, S], ALREADY shifted (the trainer's convention). A model whose contract
+    declares `cp.prepare` (Nemotron-H's `prepare_batch_for_cp`: document ids, padding mask, the per-depth MTP inputs
+    and targets) prepares the WHOLE sequences first, so everything that is shifted is right at block edges.
     `layout` is the run plan's `cp_layout`: "contiguous" (a model whose contract declares it) gets the contiguous
     shard and the ring context its layers read; "load_balanced" the head-tail layout with ring attention routed
     through transformers' attention registry. am-context-parallel checks the layout against the model, it does not
     derive it again. The model is never asked to shard. The returned context describes exactly these B rows.
     """
     from am_context_parallel import make_cp_batch_and_ctx
+    from am_model_contract import contract_of
 
-    prepare = getattr(model, "prepare_batch_for_cp", None)
-    if callable(prepare):
+    prepare = contract_of(model).cp.prepare
+    if prepare is not None:
         batch = prepare(batch, labels_shifted=True)
     return make_cp_batch_and_ctx(mesh, batch, model=model, layout=layout)
 

@@ -79,3 +79,12 @@ def test_model_contract_fields_are_typed() -> None:
 def test_contracts_are_frozen() -> None:
     with pytest.raises(AttributeError):
         ModelContract().cp.layout = "contiguous"  # type: ignore[misc]
+
+
+def test_prepare_and_loss_hooks_are_callables_or_none() -> None:
+    assert ContextParallelContract().prepare is None
+    assert PipelineContract().loss is None
+    with pytest.raises(ValueError, match="prepare must be a callable"):
+        ContextParallelContract(prepare="prepare_batch_for_cp")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="loss must be a callable"):
+        PipelineContract(loss="combined_loss")  # type: ignore[arg-type]

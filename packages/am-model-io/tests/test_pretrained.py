@@ -71,3 +71,19 @@ def test_own_cache_hooks_win_over_the_mixin_after_them() -> None:
     assert Model.can_generate()
     assert Model().get_experts_implementation() == {}
     assert Model().set_experts_implementation("grouped_mm") is None
+
+
+def test_own_cache_hooks_answer_device_and_dtype_from_the_parameters() -> None:
+    """`generate` reads `model.device` / `model.dtype`: the first parameter's device, the first floating dtype."""
+
+    class Model(OwnCacheGenerationHooks, nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+            self.weight = nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+
+    model = Model()
+    assert model.device == torch.device("cpu")
+    assert model.dtype == torch.bfloat16
+    model.weight = None  # type: ignore[assignment]
+    assert model.dtype == torch.float32  # no floating parameter left

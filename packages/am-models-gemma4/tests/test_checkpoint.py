@@ -10,7 +10,8 @@ from _g4_configs import perturb_, text_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from am_models_gemma4 import Gemma4ForCausalLM, read_safetensors_folder
+from am_model_io import read_safetensors_folder
+from am_models_gemma4 import Gemma4ForCausalLM
 from am_precision import fp32_keep_rules, match_keep_rule
 
 

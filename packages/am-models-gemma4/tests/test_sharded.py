@@ -19,12 +19,12 @@ import torch
 from _g4_configs import text_config, vlm_config
 from _g4_dist import case_result, run_cases, run_group
 
+from am_model_io import read_safetensors_folder
 from am_models_gemma4 import (
     Gemma4ForCausalLM,
     Gemma4ForConditionalGeneration,
     load_sharded_checkpoint,
     materialize_sharded,
-    read_safetensors_folder,
 )
 
 WORLD = 2

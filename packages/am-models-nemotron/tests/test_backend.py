@@ -214,7 +214,7 @@ def test_context_parallelism_refuses_a_kernel_the_ring_would_replace() -> None:
 def test_without_the_hf_adapter_checkpoints_hold_the_native_keys(tmp_path) -> None:
     """enable_hf_state_dict_adapter=False: save_pretrained writes model.state_dict()'s own keys (stacked experts,
     the fp32 holder) and from_pretrained reads them back exactly; the HF layout stays the default."""
-    from am_models_nemotron import read_safetensors_folder
+    from am_model_io import read_safetensors_folder
 
     native = default_backend().replace(enable_hf_state_dict_adapter=False)
     torch.manual_seed(0)

@@ -11,7 +11,8 @@ import torch
 from am_nemotron_helpers import assert_close_rel, hf_model, save_hf, tiny_hf_config, tokens
 from safetensors.torch import save_file
 
-from am_models_nemotron import NemotronHForCausalLM, NemotronStateDictAdapter, read_safetensors_folder
+from am_model_io import read_safetensors_folder
+from am_models_nemotron import NemotronHForCausalLM, NemotronStateDictAdapter
 from am_precision import fp32_keep_rules, match_keep_rule
 
 

@@ -10,8 +10,8 @@ import torch
 from am_nemotron_helpers import VOCAB, assert_close_rel, hf_model, randomize_, save_hf, tiny_hf_config, tokens
 from transformers import NemotronHForCausalLM as HFNemotronH
 
+from am_model_io import read_safetensors_folder
 from am_models_nemotron import NemotronHCausalLMOutputWithPast, NemotronHForCausalLM, NemotronStateDictAdapter
-from am_models_nemotron.checkpoint import read_safetensors_folder
 from am_precision import assert_fp32_contract, cast_model_to_dtype, fp32_report
 
 # fp32, same op order where it matters: logits agree to ~1e-7 relative; 1e-5 leaves room for summation order.
@@ -246,6 +246,8 @@ def test_contract_declares_pipeline_cp_and_expert_parallel() -> None:
     assert moe.cp.options() == moe_model.get_cp_options()
     assert moe.cp.problems is not None
     assert moe.cp.problems(seq_len=16, local_seq_len=8, cp_size=2) == []
+    assert moe.cp.prepare == moe_model.prepare_batch_for_cp  # whole sequences prepared before sharding
+    assert moe.pp.loss == moe_model.combined_loss  # the training-loss rule am-pipelining's loss calls
     assert moe.ep.is_moe
     assert moe.ep.apply is not None
     assert moe.ep.apply.__self__ is moe_model

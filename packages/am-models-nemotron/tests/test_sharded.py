@@ -18,11 +18,11 @@ import torch
 from am_nemotron_dist import case_result, run_cases, run_group
 from am_nemotron_helpers import tiny_hf_config
 
+from am_model_io import read_safetensors_folder
 from am_models_nemotron import (
     NemotronHForCausalLM,
     load_sharded_checkpoint,
     materialize_sharded,
-    read_safetensors_folder,
 )
 
 WORLD = 2

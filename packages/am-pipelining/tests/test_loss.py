@@ -3,12 +3,14 @@ computed independently here, plus PipelineCausalLMLoss on tensor and tuple outpu
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from _models import declare_output_names
 from torch import nn
 
-from am_model_contract import ModelContract, PipelineContract
+from am_model_contract import ModelContract, PipelineContract, conventional_contract
 from am_pipelining import (
     MTPLossConfig,
     PipelineCausalLMLoss,
@@ -218,13 +220,22 @@ def test_grad_reduce_group_is_refused_not_ignored():
     assert isinstance(MTPLossConfig().build(lambda logits, target: logits.sum(), None), PipelineCausalLMLoss)
 
 
+def _with_loss(model, loss):
+    """`model`'s conventional contract with `loss` as its declared training-loss rule (`pp.loss`)."""
+    contract = conventional_contract(model)
+    return dataclasses.replace(contract, pp=dataclasses.replace(contract.pp, loss=loss))
+
+
 class _OwnLossModel(_MTPModel):
-    """A stage module that owns its training-loss rule (the duck-typed `combined_loss` hook): here the generic rule
-    with every MTP depth weighted 3x, so a result computed without the hook differs."""
+    """A stage module that owns its training-loss rule (`combined_loss`, declared in its contract as `pp.loss`): here
+    the generic rule with every MTP depth weighted 3x, so a result computed without the hook differs."""
 
     def __init__(self):
         super().__init__()
         self.calls: list[dict] = []
+
+    def am_contract(self):
+        return _with_loss(self, self.combined_loss)
 
     def combined_loss(self, output, labels, *, loss_fn, labels_shifted, seq_idx, scaling_factor, ignore_index):
         self.calls.append(
@@ -295,6 +306,9 @@ def test_pipeline_loss_uses_given_mtp_targets_instead_of_rolling_the_labels():
     assert not torch.allclose(got, loss((logits, h1), labels)), "rolled targets differ from the given ones"
 
     class _Hook(_MTPModel):
+        def am_contract(self):
+            return _with_loss(self, self.combined_loss)
+
         def combined_loss(self, output, labels, *, mtp_per_depth_targets=None, seq_idx=None, **options):
             self.seen = (mtp_per_depth_targets, seq_idx)
             return output[0].sum()

@@ -10,6 +10,7 @@ last pipeline stage) and am-models-nemotron's `combined_causal_lm_loss` (the mod
 `combined_loss` hook). It lives here because context parallelism is where MTP targets must be computed on whole
 sequences before sharding (a shard cannot shift across a block edge), and both may import this package (models never
 import am-pipelining).
+`roll_tensor` (NeMo AutoModel's zero-filling roll) is here too, so that am-pipelining and Nemotron-H share one.
 What it must not do: communicate, or read a model (callers pass the projection and the loss function).
 """
 
@@ -21,7 +22,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["MTPLossOutput", "mtp_loss", "mtp_targets", "shift_packed_tensor"]
+__all__ = ["MTPLossOutput", "mtp_loss", "mtp_targets", "roll_tensor", "shift_packed_tensor"]
+
+
+def roll_tensor(t: torch.Tensor, shifts: int = -1, dim: int = -1, *, fill_value: Any = 0) -> torch.Tensor:
+    """`torch.roll` with the wrapped-around slice set to `fill_value` (NeMo AutoModel's MTP `roll_tensor`).
+
+    Negative shifts (left) fill the trailing |shifts| positions, positive shifts the leading ones; `shifts == 0` or
+    an empty `dim` returns `t` itself. Shape and dtype of `t`.
+    """
+    if shifts == 0 or t.shape[dim] == 0:
+        return t
+    rolled = torch.roll(t, shifts=shifts, dims=dim)
+    size = t.shape[dim]
+    count = min(abs(shifts), size)
+    start = size - count if shifts < 0 else 0
+    return rolled.index_fill(dim, torch.arange(start, start + count, device=t.device), fill_value)
 
 
 def shift_packed_tensor(

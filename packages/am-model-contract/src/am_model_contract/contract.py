@@ -83,6 +83,9 @@ class ContextParallelContract:
         options: `() -> am_context_parallel.ContiguousCPOptions` for the contiguous layout (None: the defaults).
         problems: `(*, seq_len, local_seq_len, cp_size) -> list[str]`: what the model cannot honour under CP, asked
             before any collective (None: nothing).
+        prepare: `(batch, *, labels_shifted) -> batch`: what the model computes on the WHOLE sequences before they
+            are sharded (values that look across a block edge: document ids, multi-token-prediction inputs and
+            targets); the caller shards what it returns. None: the batch is sharded as it is.
 
     Raises:
         ValueError: listing every invalid field.
@@ -97,6 +100,7 @@ class ContextParallelContract:
     packed_attention_backends: tuple[str, ...] | None = None
     options: Callable[[], Any] | None = None
     problems: Callable[..., list[str]] | None = None
+    prepare: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -105,7 +109,7 @@ class ContextParallelContract:
         _check_bools(self, ("owns_attention", "sdpa_attention", "te_attention", "owns_packed_attention"), problems)
         for name in ("attention_backends", "packed_attention_backends"):
             object.__setattr__(self, name, _as_names(getattr(self, name), name, problems))
-        _check_callables(self, ("options", "problems"), problems)
+        _check_callables(self, ("options", "problems", "prepare"), problems)
         if self.options is not None and self.layout != "contiguous":
             problems.append('options are read only for layout="contiguous" (the load-balanced path takes none)')
         _raise("ContextParallelContract", problems)
@@ -122,6 +126,10 @@ class PipelineContract:
         output_names: what each position of the last stage's tuple is, e.g. `("logits", "mtp_per_depth_h",
             "seq_idx")` (the MTP hidden states take every position between logits and seq_idx); None: a tuple is
             `(logits, *mtp_per_depth)`.
+        loss: the model's own training-loss rule for its output (e.g. next-token + MTP):
+            `(output, labels, *, loss_fn, labels_shifted, seq_idx, scaling_factor, ignore_index[,
+            mtp_per_depth_targets]) -> scalar`, called by am-pipelining's `PipelineCausalLMLoss` at every pipeline
+            size (None: its generic next-token + MTP rule).
 
     Raises:
         ValueError: listing every invalid field.
@@ -130,12 +138,14 @@ class PipelineContract:
     plan: Mapping[str, Any] | None = None
     keeps_own_forward: bool = False
     output_names: tuple[str, ...] | None = None
+    loss: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         problems: list[str] = []
         if self.plan is not None and not isinstance(self.plan, Mapping):
             problems.append(f"plan must be a mapping or None; got {self.plan!r}")
         _check_bools(self, ("keeps_own_forward",), problems)
+        _check_callables(self, ("loss",), problems)
         object.__setattr__(self, "output_names", _as_names(self.output_names, "output_names", problems))
         _raise("PipelineContract", problems)
 

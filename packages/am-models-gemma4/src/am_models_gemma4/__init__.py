@@ -14,7 +14,7 @@ from ._version import __version__
 from .attention import Gemma4Attention, SharedKVStates
 from .backend import backend_problems, resolve_backend
 from .cache import Gemma4HybridCache
-from .checkpoint import load_sharded_checkpoint, read_safetensors_folder
+from .checkpoint import load_sharded_checkpoint
 from .config import (
     is_moe_config,
     layer_head_dim,
@@ -63,7 +63,6 @@ __all__ = [
     "default_ring_kernel",
     # checkpoints
     "Gemma4StateDictAdapter",
-    "read_safetensors_folder",
     # real size: meta build, seeded per-rank materialization, sharded checkpoint loading
     "init_units",
     "materialize_sharded",

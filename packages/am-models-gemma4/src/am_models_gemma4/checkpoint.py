@@ -28,7 +28,6 @@ from am_model_io import (
     ShardedLoad,
     load_hf_config,
     load_sharded_tensors_,
-    read_safetensors_folder,
     resolve_checkpoint_folder,
     resolve_device,
     resolve_dtype,
@@ -42,7 +41,7 @@ from am_precision import cast_model_to_dtype
 from .config import kv_sharing_modes, text_config_of
 from .state_dict_adapter import Gemma4StateDictAdapter, NativeStateDictLayout, checkpoint_adapter
 
-__all__ = ["load_pretrained", "load_sharded_checkpoint", "read_safetensors_folder", "save_pretrained"]
+__all__ = ["load_pretrained", "load_sharded_checkpoint", "save_pretrained"]
 
 _SHARED_KV_KEY = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
 

@@ -28,7 +28,8 @@ __all__ = ["Gemma4GenerationMixin"]
 
 class Gemma4GenerationMixin(OwnCacheGenerationHooks, GenerationMixin):
     """transformers' `GenerationMixin` with the hooks a plain `nn.Module` must provide, and our cache
-    (`can_generate` and the experts-implementation hooks: am-model-io's `OwnCacheGenerationHooks`).
+    (`can_generate`, `device`, `dtype` and the experts-implementation hooks: am-model-io's
+    `OwnCacheGenerationHooks`).
 
     The model class calls `_init_generation_config(config)` in its `__init__`.
     """
@@ -44,17 +45,6 @@ class Gemma4GenerationMixin(OwnCacheGenerationHooks, GenerationMixin):
     def _init_generation_config(self, config: Any) -> None:
         """`generation_config` from the model config (bos/eos/pad ids), as transformers' models build theirs."""
         self.generation_config = GenerationConfig.from_model_config(config)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device  # type: ignore[attr-defined]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        for param in self.parameters():  # type: ignore[attr-defined]
-            if param.is_floating_point():
-                return param.dtype
-        return torch.float32
 
     def _prepare_cache_for_generation(
         self,

@@ -18,7 +18,7 @@ from .backbone import NemotronV3Model
 from .backend import SUPPORTED_BACKENDS, backend_problems, default_backend, resolve_backend
 from .blocks import NemotronBlock
 from .cache import NemotronHybridCache
-from .checkpoint import load_pretrained, load_sharded_checkpoint, read_safetensors_folder, save_pretrained
+from .checkpoint import load_pretrained, load_sharded_checkpoint, save_pretrained
 from .config import BLOCK_KINDS, NemotronConfig, as_hf_config, normalize_block_types
 from .inputs import BatchLayout, resolve_batch_layout
 from .loss import CombinedLoss, combined_causal_lm_loss
@@ -38,7 +38,7 @@ from .mamba2_cp import (
     ssd_chunked_scan_cp,
 )
 from .model import NemotronHForCausalLM
-from .moe import GroupedExperts, NemotronMLP, NemotronMoE, NemotronRouter, relu2
+from .moe import NemotronMLP, NemotronMoE, NemotronRouter, relu2
 from .mtp import (
     MTPConfig,
     MTPModule,
@@ -86,7 +86,6 @@ __all__ = [
     "NemotronMLP",
     "NemotronMoE",
     "NemotronRouter",
-    "GroupedExperts",
     "relu2",
     # SSD scan
     "ssd_chunked_scan",
@@ -113,7 +112,6 @@ __all__ = [
     "NemotronStateDictAdapter",
     "load_pretrained",
     "save_pretrained",
-    "read_safetensors_folder",
     # real size: meta build, seeded per-rank materialization, sharded checkpoint loading
     "init_units",
     "materialize_sharded",

@@ -30,7 +30,6 @@ from am_model_io import (
     fill_self_sharded_,
     load_hf_config,
     load_sharded_tensors_,
-    read_safetensors_folder,
     resolve_checkpoint_folder,
     resolve_device,
     resolve_dtype,
@@ -50,7 +49,6 @@ __all__ = [
     "checkpoint_adapter",
     "load_pretrained",
     "load_sharded_checkpoint",
-    "read_safetensors_folder",
     "save_pretrained",
 ]
 

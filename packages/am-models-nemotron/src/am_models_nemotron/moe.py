@@ -32,7 +32,7 @@ from .backend import EXPERTS_GROUPED_MM, LIBRARY_DISPATCHERS, moe_backend_proble
 from .config import NemotronConfig
 from .tp_plan import MLP_TP_PLAN, MOE_TP_PLAN
 
-__all__ = ["GroupedExperts", "NemotronMLP", "NemotronMoE", "NemotronRouter", "relu2"]
+__all__ = ["NemotronMLP", "NemotronMoE", "NemotronRouter", "relu2"]
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:

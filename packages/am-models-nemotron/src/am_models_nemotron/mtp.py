@@ -3,8 +3,9 @@
 What it is for: `MTPConfig` (depth count, per-depth block pattern, loss scale, repeated layer), `MTPModule` (a flat
 `layers` list of `physical_depths × len(pattern)` sublayers, checkpoint names `mtp.layers.{i}.*`; the first sublayer
 of each depth fuses `eh_proj([enorm(embedding), hnorm(hidden)])`, the last applies `final_layernorm`), the input
-shifts (`roll_tensor`, `shift_within_documents`, `shift_labels`): depth k (0-based) at position t predicts token
-t + k + 2, never across a packed-sequence boundary. The loss is `loss.combined_causal_lm_loss` (one rule).
+shifts (`shift_within_documents`, `shift_labels`; `roll_tensor` is am-context-parallel's): depth k (0-based) at
+position t predicts token t + k + 2, never across a packed-sequence boundary. The loss is
+`loss.combined_causal_lm_loss` (one rule).
 What it must not do: import am-pipelining, or compute a loss (one implementation lives in `loss`).
 """
 
@@ -17,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from am_context_parallel.mtp_loss import roll_tensor, shift_packed_tensor
 from am_precision import BackendConfig, initialize_linear_module, initialize_rms_norm_module
 
 from ._init import reset_linear_
@@ -74,27 +76,13 @@ class MTPConfig:
         return cls(depths, tuple(config.mtp_layers_block_type), float(loss_scaling_factor), use_repeated_layer)
 
 
-def roll_tensor(tensor: torch.Tensor, shifts: int = -1, dim: int = -1, *, fill_value: float = 0) -> torch.Tensor:
-    """torch.roll, with the wrapped-around slice replaced by `fill_value` (the trailing |shifts| for shifts < 0)."""
-    if shifts == 0 or tensor.shape[dim] == 0:
-        return tensor
-    rolled = torch.roll(tensor, shifts=shifts, dims=dim)
-    length = tensor.shape[dim]
-    count = min(abs(shifts), length)
-    start = length - count if shifts < 0 else 0
-    return rolled.index_fill(dim, torch.arange(start, start + count, device=tensor.device), fill_value)
-
-
 def shift_within_documents(
     tensor: torch.Tensor, shift: int, *, seq_idx: torch.Tensor | None = None, fill_value: float = 0
 ) -> torch.Tensor:
     """Shift left along dim 1 without crossing documents: out[:, t] = tensor[:, t + shift], or `fill_value` past the
-    end of the row or when position t + shift lies in another document. tensor: [B, S, ...]; seq_idx: [B, S]."""
-    out = roll_tensor(tensor, -shift, dim=1, fill_value=fill_value)
-    if seq_idx is not None:
-        crosses = roll_tensor(seq_idx, -shift, dim=1, fill_value=-1) != seq_idx
-        out = out.masked_fill(crosses.view(*crosses.shape, *([1] * (tensor.dim() - 2))), fill_value)
-    return out
+    end of the row or when position t + shift lies in another document. tensor: [B, S, ...]; seq_idx: [B, S];
+    shift > 0 (am-context-parallel's `shift_packed_tensor`, the one implementation)."""
+    return shift_packed_tensor(tensor, depth=shift, seq_idx=seq_idx, fill_value=fill_value)
 
 
 def shift_labels(

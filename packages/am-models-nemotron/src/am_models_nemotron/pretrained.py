@@ -5,8 +5,9 @@ What it is for, each part with one job:
     balancing recipe (am-moe), the PP and TP plans, `get_capabilities(config)` (am-capabilities, seed-documented) and
     `am_contract()` (am-model-contract), with the hooks the contract and NeMo AutoModel's protocols name (context
     parallelism's options, batch preparation and limits; expert parallelism; the FSDP hooks; pipeline stages);
-  - transformers' basics (`device`, `dtype`, the embeddings, gradient checkpointing) and loading and saving like
-    transformers (`from_pretrained` / `save_pretrained`, written in `checkpoint` on am-model-io);
+  - transformers' basics (the embeddings, gradient checkpointing; `device` and `dtype` are am-model-io's
+    `OwnCacheGenerationHooks`') and loading and saving like transformers (`from_pretrained` / `save_pretrained`,
+    written in `checkpoint` on am-model-io);
   - `generate(...)`: transformers' `GenerationMixin` with our hybrid cache (`generation.NemotronHGenerationMixin`).
 What it must not do: build modules or compute (the subclass `model.NemotronHForCausalLM` holds the backbone, the LM
 head, MTP, the forward and the loss), import am-pipelining or am-capabilities, or hold checkpoint logic itself.
@@ -14,6 +15,7 @@ head, MTP, the forward and the loss), import am-pipelining or am-capabilities, o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar, Self
 
 import torch
@@ -46,7 +48,8 @@ __all__ = ["NemotronHPreTrainedModel"]
 class NemotronHPreTrainedModel(nn.Module, NemotronHGenerationMixin):
     """The base of `NemotronHForCausalLM` (see the module docstring): declarations, hooks, basics, loading. The
     subclass builds `model` (the backbone), `lm_head` and `mtp`, and sets `config`, `nemotron_config`, `backend`,
-    `mtp_config` and `compute_mtp_in_eval`; `num_mtp_depths` is the configured MTP depth count."""
+    `mtp_config` and `compute_mtp_in_eval` and defines `combined_loss`; `num_mtp_depths` is the configured MTP depth
+    count."""
 
     config: Any
     nemotron_config: NemotronConfig
@@ -56,6 +59,7 @@ class NemotronHPreTrainedModel(nn.Module, NemotronHGenerationMixin):
     mtp: MTPModule | None
     mtp_config: MTPConfig
     compute_mtp_in_eval: bool
+    combined_loss: Callable[..., torch.Tensor]  # the training-loss rule, defined by the subclass (contract: pp.loss)
 
     # The same list as the backbone's (one source: the keep list is defined once, on NemotronV3Model).
     _keep_in_fp32_modules_strict: ClassVar[list[str]] = NemotronV3Model._keep_in_fp32_modules_strict
@@ -84,9 +88,10 @@ class NemotronHPreTrainedModel(nn.Module, NemotronHGenerationMixin):
         """What this model offers the infrastructure (am-model-contract).
 
         - pp: its own forward is pipeline-aware (stages keep it); the last stage returns `(logits, *mtp_per_depth_h,
-          seq_idx)` by these names (without MTP, bare logits).
+          seq_idx)` by these names (without MTP, bare logits); its loss is the model's rule (`combined_loss`).
         - cp: each rank one contiguous block (the Mamba2 recurrence passes its state rank to rank), with the MTP
-          keys (`get_cp_options`) and the shard-length and dropout limits (`cp_problems`).
+          keys (`get_cp_options`), the shard-length and dropout limits (`cp_problems`) and the whole-sequence
+          preparation before sharding (`prepare_batch_for_cp`: document ids, MTP inputs and targets).
         - ep: `apply_expert_parallel` when the config has MoE blocks.
         - tp: the declared plan (`tp_plan.py`; the Mamba2 mixers shard themselves).
         """
@@ -94,8 +99,15 @@ class NemotronHPreTrainedModel(nn.Module, NemotronHGenerationMixin):
         # Without MTP the last stage returns bare logits (no seq_idx tail): declare what it really returns.
         outputs = ("logits", "mtp_per_depth_h", "seq_idx") if self.num_mtp_depths else ("logits",)
         return ModelContract(
-            cp=ContextParallelContract(layout="contiguous", options=self.get_cp_options, problems=self.cp_problems),
-            pp=PipelineContract(plan=self._pp_plan, keeps_own_forward=True, output_names=outputs),
+            cp=ContextParallelContract(
+                layout="contiguous",
+                options=self.get_cp_options,
+                problems=self.cp_problems,
+                prepare=self.prepare_batch_for_cp,
+            ),
+            pp=PipelineContract(
+                plan=self._pp_plan, keeps_own_forward=True, output_names=outputs, loss=self.combined_loss
+            ),
             ep=ExpertParallelContract(is_moe=moe, apply=self.apply_expert_parallel if moe else None),
             tp=TensorParallelContract(plan=self._tp_plan),
         )
@@ -106,17 +118,6 @@ class NemotronHPreTrainedModel(nn.Module, NemotronHGenerationMixin):
         return cls(config, backend, **kwargs)
 
     # transformers' basics
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        for param in self.parameters():
-            if param.is_floating_point():
-                return param.dtype
-        return torch.float32
 
     def get_input_embeddings(self) -> nn.Module | None:
         return self.model.embed_tokens

@@ -379,7 +379,6 @@ class AllToAllDispatcher:
                 0, regroup, torch.arange(regroup.numel(), device=device)
             )
             rows = rows[regroup]
-        ends = torch.tensor(sizes, dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
         state = DispatchState(
             counts[:num_experts],
             hidden_states.shape[0],
@@ -391,7 +390,7 @@ class AllToAllDispatcher:
             inverse_regroup=inverse_regroup,
             group=self.group,
         )
-        return rows, GroupLayout(ends, sizes=sizes), state
+        return rows, GroupLayout.from_sizes(sizes, device=device), state
 
     def combine(
         self,

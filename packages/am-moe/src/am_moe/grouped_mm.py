@@ -66,6 +66,12 @@ class GroupLayout:
     sizes: list[int] | None = None
     valid_rows: torch.Tensor | None = None
 
+    @classmethod
+    def from_sizes(cls, sizes: list[int], *, device: torch.device) -> GroupLayout:
+        """The layout of rows grouped back to back with these host row counts per group (`ends` on `device`)."""
+        ends = torch.tensor(sizes, dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
+        return cls(ends, sizes=sizes)
+
 
 def select_grouped_mm_backend(
     *, device: torch.device | str, dtype: torch.dtype, sizes: tuple[int, ...], requested: str = "auto"

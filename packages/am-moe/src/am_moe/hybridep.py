@@ -138,9 +138,8 @@ class HybridEPDispatcher:
         box: dict[str, Any] = {"local": num_experts // self.ep_size}
         rows, row_probs = _HybridDispatch.apply(hidden_states, probs, routing_map, self, box)
         sizes = box["sizes"]
-        ends = torch.tensor(sizes, dtype=torch.int64, device=rows.device).cumsum(0).to(torch.int32)
         state = HybridState(counts, box["handle"], row_probs, self._buffer)
-        return rows, GroupLayout(ends, sizes=sizes), state
+        return rows, GroupLayout.from_sizes(sizes, device=rows.device), state
 
     def combine(
         self,

@@ -292,9 +292,8 @@ class TokenDispatcher:
         recv_x, recv_idx, recv_w = _Dispatch.apply(hidden_states, weights, idx, self.exchange, box)
         local = num_experts // self.ep_size
         rows, sizes, pair_rows, row_weights = _permute(recv_x, recv_idx, recv_w, local)
-        ends = torch.tensor(sizes, dtype=torch.int64, device=rows.device).cumsum(0).to(torch.int32)
         state = TokenState(counts, box["handle"], recv_x.shape[0], idx.shape[1], pair_rows, row_weights, self.exchange)
-        return rows, GroupLayout(ends, sizes=sizes), state
+        return rows, GroupLayout.from_sizes(sizes, device=rows.device), state
 
     def combine(
         self,

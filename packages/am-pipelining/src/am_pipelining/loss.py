@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from am_context_parallel import MTPLossOutput, mtp_loss, mtp_targets, shift_packed_tensor
+from am_context_parallel.mtp_loss import roll_tensor
+from am_model_contract import contract_of
 
 from .outputs import pipeline_output_names, read_stage_output
 
@@ -33,20 +35,6 @@ __all__ = [
     "PipelineCausalLMLoss",
     "MTPLossConfig",
 ]
-
-
-def roll_tensor(t: torch.Tensor, shifts: int = -1, dim: int = -1) -> torch.Tensor:
-    """`torch.roll` that zero-fills the wrapped-around positions instead of wrapping.
-
-    Negative shifts (left) zero the trailing |shifts| positions, positive shifts the leading ones.
-    """
-    rolled = torch.roll(t, shifts=shifts, dims=dim)
-    size = t.shape[dim]
-    if shifts == 0 or size == 0:
-        return rolled
-    count = min(abs(shifts), size)
-    index = torch.arange(size - count, size) if shifts < 0 else torch.arange(0, count)
-    return rolled.index_fill(dim, index.to(t.device), 0)
 
 
 def get_mtp_loss_scaling_factor(model: Any, default: float = 0.1) -> float:
@@ -187,9 +175,9 @@ class PipelineCausalLMLoss(nn.Module):
     MTP entries being hidden states (or logits when `model.mtp_outputs_are_logits`). Nothing is inferred from dtypes
     or shapes. MTP is added only while `model.training`.
 
-    A model that owns its training-loss rule (e.g. Nemotron-H's next-token + MTP loss) provides the duck-typed hook
-    `model.combined_loss(output, labels, *, loss_fn, labels_shifted, seq_idx, scaling_factor, ignore_index)`; the
-    loss then calls it (labels already shifted; seq_idx from the output's int32 tail or from `cu_seqlens`, else
+    A model that owns its training-loss rule (e.g. Nemotron-H's next-token + MTP loss) declares it in its contract,
+    `pp.loss(output, labels, *, loss_fn, labels_shifted, seq_idx, scaling_factor, ignore_index)`; the loss then
+    calls it (labels already shifted; seq_idx from the output's int32 tail or from `cu_seqlens`, else
     None; scaling_factor None means the model's own), so the pipeline, the single-process trainer and the model
     compute one rule (with `mtp_per_depth_targets=` when the caller gives precomputed MTP targets). Without the hook
     the generic rule below applies.
@@ -233,8 +221,8 @@ class PipelineCausalLMLoss(nn.Module):
         scaling = self.scaling_factor
         if scaling is None and not isinstance(output, (torch.Tensor, tuple, list)):
             scaling = getattr(output, "mtp_loss_scaling_factor", None)
-        combined_loss = getattr(model, "combined_loss", None)
-        if callable(combined_loss):
+        combined_loss = contract_of(model).pp.loss if model is not None else None
+        if combined_loss is not None:
             seq_idx = parts.seq_idx if mtp_per_depth_targets is None else None  # targets already respect documents
             if seq_idx is None and mtp_per_depth_targets is None and self.cu_seqlens is not None:
                 seq_idx = _resolve_seq_idx(labels, None, self.cu_seqlens)
