@@ -332,7 +332,7 @@ def _save(tmp_path, step: int, spec, model, optimizer, *, export_hf=None):  # ty
         model_parts=[model],
         optimizers=[optimizer],
         trainer_state={"losses": []},
-        export_hf=export_hf or make_hf_exporter([model]),
+        export_hf=export_hf or make_hf_exporter([model], file_layout=spec.file_layout),
     )
 
 

@@ -65,7 +65,14 @@ def config_only_spec(folder: str) -> Any:
     from transformers import AutoConfig
 
     from am_capabilities import find_model_class
-    from trainer.models import ModelSpec, _save_hf, hf_attention_implementation
+    from trainer.models import (
+        ModelSpec,
+        _package_function,
+        _save_hf,
+        _save_own,
+        _transformers_layout,
+        hf_attention_implementation,
+    )
 
     config_dict = json.loads((Path(folder) / "config.json").read_text())
     registered = find_model_class(config_dict.get("architectures"), config_dict.get("model_type") or None)
@@ -88,7 +95,11 @@ def config_only_spec(folder: str) -> Any:
         raise ValueError(f"--model-path {folder} holds only config.json: no weights to train (--dry-run only)")
 
     family = config_dict.get("model_type") or "hf"
-    return ModelSpec(family, build, _save_hf, vocab_size, loads_weights=True, materialize=no_weights)
+    if registered is not None:  # saved as the real run would (never called: a dry run writes no checkpoint)
+        save, layout = _save_own, _package_function(registered, "hf_file_layout")
+    else:
+        save, layout = _save_hf, _transformers_layout
+    return ModelSpec(family, build, save, vocab_size, layout, loads_weights=True, materialize=no_weights)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ pipeline stage (the stage's first rank: dp_cp rank 0 of tp rank 0); tensor by te
     dims and on other tp / expert-dp coordinates send nothing) sends its block point to point; a plain tensor is
     the writer's own; a module that shards itself under TP (plain-tensor shards, e.g. Mamba2) re-assembles its few
     tensors through its `tensor_parallel_full_state` (over tp, one module at a time);
-    the full value is converted to the file's names and dtypes (`FileLayout`: our models' state-dict adapter and
-    fp32 pins, transformers' tied weights and weight conversions) and handed to an am_model_io `ShardWriter`, which
+    the full value is converted to the file's names and dtypes (the model's `am_model_io.FileLayout`, the one its
+    own save uses: our model packages' `hf_file_layout`; transformers' tied weights and weight conversions in
+    `transformers_file_layout`) and handed to an am_model_io `ShardWriter`, which
     writes a file as soon as the next tensor would take it over the budget.
 Rank 0 then names the files (`model.safetensors`, or `model-0000i-of-0000n.safetensors` + the index) from what the
 writers report and writes config.json, holding no weight. Peak extra host memory of a writer: one budget of tensors
@@ -24,13 +25,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from am_model_io import FileLayout
 
 DEFAULT_SHARD_BYTES = 5 * 10**9  # our models' save_pretrained default ("5GB")
 
@@ -47,76 +49,7 @@ def shard_bytes(size: str | int) -> int:
     return parse_shard_size(int(text) if text.isdigit() else text)
 
 
-@dataclass(frozen=True)
-class FileLayout:
-    """How a model's own `save_pretrained` writes its tensors, applied tensor by tensor.
-
-    `to_file({internal name: full tensor})` -> the file's entries (names and dtypes as the save writes them; {} for
-    a tensor the save leaves out, e.g. a tied head); `write_metadata(folder)` writes what the save writes besides the
-    weights (config.json, generation_config.json), reading no weight."""
-
-    to_file: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
-    write_metadata: Callable[[Path], None]
-
-
-def _class_name(model: nn.Module) -> str:
-    # FSDP2 swaps in a class named "FSDP<cls>" (transformers strips the prefix the same way); stage classes keep theirs
-    return type(model).__name__.removeprefix("FSDP")
-
-
-def _own_package(model: nn.Module) -> str | None:
-    """The am-models package a model class comes from ("am_models_nemotron", ...), None for any other model."""
-    for cls in type(model).__mro__:
-        root = cls.__module__.split(".")[0]
-        if root.startswith("am_models_"):
-            return root
-    return None
-
-
-def _nemotron_layout(model: Any) -> FileLayout:
-    """`am_models_nemotron.save_pretrained`: NVIDIA's names (`checkpoint_adapter`), per-expert tensors, fp32 pins
-    stored as F32; config.json with the saved MTP depth."""
-    from am_models_nemotron.checkpoint import checkpoint_adapter
-    from am_models_nemotron.config import as_hf_config
-
-    adapter = checkpoint_adapter(model.config, model.backend)
-
-    def to_file(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: (v.float() if adapter.forced_fp32(k) else v) for k, v in adapter.to_hf(tensors).items()}
-
-    def write_metadata(folder: Path) -> None:
-        config = as_hf_config(copy.deepcopy(model.config))
-        config.architectures = ["NemotronHForCausalLM"]
-        # a pipeline stage may lack the MTP module its model has: the model's MTP config says what is saved
-        config.num_nextn_predict_layers = model.mtp_config.num_layers if model.mtp_config.enabled else 0
-        config.save_pretrained(str(folder))
-
-    return FileLayout(to_file, write_metadata)
-
-
-def _gemma4_layout(model: Any) -> FileLayout:
-    """`am_models_gemma4.save_pretrained`: transformers' names (`checkpoint_adapter`), the tied head left out."""
-    from am_models_gemma4.state_dict_adapter import checkpoint_adapter
-
-    backend = next(
-        (m.backend for m in model.modules() if hasattr(getattr(m, "backend", None), "enable_hf_state_dict_adapter")),
-        None,
-    )
-    layout = checkpoint_adapter(backend)
-    tied = bool(getattr(model.config, "tie_word_embeddings", True))
-
-    def to_file(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return layout.to_hf({k: v for k, v in tensors.items() if not (tied and k == "lm_head.weight")})
-
-    def write_metadata(folder: Path) -> None:
-        config = copy.deepcopy(model.config)
-        config.architectures = [_class_name(model)]
-        config.save_pretrained(str(folder))
-
-    return FileLayout(to_file, write_metadata)
-
-
-def _transformers_layout(model: Any) -> FileLayout:
+def transformers_file_layout(model: Any) -> FileLayout:
     """transformers' `save_pretrained`: the model's names, minus `_keys_to_ignore_on_save` and the targets of its
     tied weights (`all_tied_weights_keys`, what the config ties), with its weight conversions reverted (e.g. fused
     experts written back per expert); config.json with the model's dtype and class, generation_config.json when the
@@ -132,25 +65,13 @@ def _transformers_layout(model: Any) -> FileLayout:
     def write_metadata(folder: Path) -> None:
         config = copy.deepcopy(model.config)
         config.dtype = str(model.dtype).split(".")[1]
-        config.architectures = [_class_name(model)]
+        # FSDP2 swaps in a class named "FSDP<cls>" (transformers strips the prefix the same way)
+        config.architectures = [type(model).__name__.removeprefix("FSDP")]
         config.save_pretrained(str(folder))
         if model.can_generate():
             model.generation_config.save_pretrained(str(folder))
 
     return FileLayout(to_file, write_metadata)
-
-
-def file_layout(model: nn.Module) -> FileLayout:
-    """The `FileLayout` of the save `ModelSpec.save` calls for `model` (a whole model or a pipeline stage of it):
-    our model packages' `save_pretrained`, else transformers'."""
-    package = _own_package(model)
-    if package == "am_models_nemotron":
-        return _nemotron_layout(model)
-    if package == "am_models_gemma4":
-        return _gemma4_layout(model)
-    if package is not None:
-        raise ValueError(f"{_class_name(model)} ({package}): no streamed HF export layout is known for this package")
-    return _transformers_layout(model)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -269,6 +190,7 @@ def _full_tp_module(
 def make_hf_exporter(
     parts: list[nn.Module],
     *,
+    file_layout: Callable[[nn.Module], FileLayout],
     stage_ranks: Sequence[int] | None = None,
     tp_group: Any = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -279,6 +201,8 @@ def make_hf_exporter(
     the other ranks.
 
     parts: this rank's model parts (the whole model, or its pipeline stages), possibly FSDP2 / EP / TP-sharded.
+    file_layout: how the model's own save writes a part (`ModelSpec.file_layout`: our model packages'
+        `hf_file_layout`, `transformers_file_layout` for any other transformers model).
     stage_ranks: the global ranks holding this rank's stages, the writer first (None: this rank alone).
     tp_group: the tp process group when the parts hold plain-tensor TP shards.
     """
@@ -338,4 +262,4 @@ def make_hf_exporter(
     return export
 
 
-__all__ = ["DEFAULT_SHARD_BYTES", "FileLayout", "file_layout", "make_hf_exporter", "shard_bytes"]
+__all__ = ["DEFAULT_SHARD_BYTES", "make_hf_exporter", "shard_bytes", "transformers_file_layout"]

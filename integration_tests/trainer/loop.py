@@ -281,6 +281,7 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
     stage_ranks = meshes.mesh.mesh[meshes.mesh.get_local_rank("pp")].flatten().tolist()
     export_hf = make_hf_exporter(
         parts,
+        file_layout=validated.spec.file_layout,
         stage_ranks=stage_ranks,
         tp_group=meshes.tp.get_group() if meshes.tp is not None else None,
         max_shard_bytes=shard_bytes(cfg.hf_shard_size),

@@ -34,13 +34,15 @@ class ModelSpec:
     rank's blocks on `device`: the seeded per-unit init of a preset, the folder's weights of a `--model-path`
     (trainer/build.py) and returns what it read from the files (`am_model_io.ShardedLoad`; None: nothing read);
     `save(model, folder)` writes config.json + safetensors; `family` names the preset (or the folder's
-    architecture). `loads_weights`: `materialize` reads a folder's weights.
+    architecture). `loads_weights`: `materialize` reads a folder's weights. `file_layout(part)`: how `save` writes
+    a part tensor by tensor (`am_model_io.FileLayout`), which the streamed HF export follows.
     """
 
     family: str
     build: Callable[[], nn.Module]
     save: Callable[[nn.Module, Path], None]
     vocab_size: int
+    file_layout: Callable[[nn.Module], Any]
     loads_weights: bool = False
     materialize: Callable[[nn.Module, int, torch.device], Any] | None = None
 
@@ -235,6 +237,24 @@ def _save_hf(model: nn.Module, folder: Path) -> None:
     model.save_pretrained(str(folder), safe_serialization=True)  # type: ignore[operator]
 
 
+def _nemotron_layout(model: nn.Module) -> Any:
+    from am_models_nemotron import hf_file_layout
+
+    return hf_file_layout(model)
+
+
+def _gemma4_layout(model: nn.Module) -> Any:
+    from am_models_gemma4 import hf_file_layout
+
+    return hf_file_layout(model)
+
+
+def _transformers_layout(model: nn.Module) -> Any:
+    from trainer.export import transformers_file_layout
+
+    return transformers_file_layout(model)
+
+
 def preset_spec(
     name: str,
     *,
@@ -258,6 +278,7 @@ def preset_spec(
             _on_meta(lambda: _build_nemotron(config, backend)),
             _save_own,
             vocab,
+            _nemotron_layout,
             materialize=_seeded(_nemotron_init()),
         )
     if name in ("gemma4", "gemma4-moe"):
@@ -269,6 +290,7 @@ def preset_spec(
             _on_meta(lambda: _build_gemma4(config, backend)),
             _save_own,
             vocab,
+            _gemma4_layout,
             materialize=_seeded(_gemma4_init()),
         )
     if name in REAL_SIZE_MODELS:
@@ -278,7 +300,12 @@ def preset_spec(
             hidden_size=hidden_size, num_layers=num_layers, tie_embeddings=tie_embeddings, vocab_size=vocab
         )
         return ModelSpec(
-            name, _on_meta(lambda: _build_llama(config)), _save_hf, vocab, materialize=_seeded(_transformers_init())
+            name,
+            _on_meta(lambda: _build_llama(config)),
+            _save_hf,
+            vocab,
+            _transformers_layout,
+            materialize=_seeded(_transformers_init()),
         )
     raise ValueError(f"--model {name!r} is unknown; choose one of {', '.join(MODELS)}")
 
@@ -296,13 +323,14 @@ def real_size_spec(name: str, *, backend: Any = None) -> ModelSpec:
             _on_meta(lambda: _build_nemotron(config, backend)),
             _save_own,
             int(config.vocab_size),
+            _nemotron_layout,
             materialize=_seeded(_nemotron_init()),
         )
     from am_models_gemma4.presets import preset_config as gemma4_preset
 
     text = gemma4_preset(name, text_only=True)  # the text model: what Gemma4ForCausalLM trains
     build = _on_meta(lambda: _build_gemma4(text, backend))
-    return ModelSpec(name, build, _save_own, int(text.vocab_size), materialize=_seeded(_gemma4_init()))
+    return ModelSpec(name, build, _save_own, int(text.vocab_size), _gemma4_layout, materialize=_seeded(_gemma4_init()))
 
 
 def hf_attention_implementation(folder: str | Path) -> str:
@@ -376,13 +404,14 @@ def folder_spec(folder: str | Path) -> ModelSpec:
         def load_registered(part: nn.Module, seed: int, device: torch.device) -> Any:
             del seed  # every value comes from the folder
             part.to_empty(device=device)
-            return _package_loader(model_class)(part, folder)
+            return _package_function(model_class, "load_sharded_checkpoint")(part, folder)
 
         return ModelSpec(
             model_type or registered.__name__,
             build_registered,
             _save_own,
             vocab_size,
+            _package_function(model_class, "hf_file_layout"),
             loads_weights=True,
             materialize=load_registered,
         )
@@ -410,7 +439,15 @@ def folder_spec(folder: str | Path) -> ModelSpec:
             return None
         return load_transformers_blocks(part, folder, seed=seed, device=device)
 
-    return ModelSpec(model_type or "hf", build_hf, _save_hf, vocab_size, loads_weights=True, materialize=load_hf)
+    return ModelSpec(
+        model_type or "hf",
+        build_hf,
+        _save_hf,
+        vocab_size,
+        _transformers_layout,
+        loads_weights=True,
+        materialize=load_hf,
+    )
 
 
 def header_sources_needs_converter(folder: Path, config: Any) -> bool:
@@ -443,19 +480,20 @@ def _load_hf_whole(folder: Path) -> nn.Module:
     return model
 
 
-def _package_loader(model_class: Any) -> Callable[[nn.Module, Path], Any]:
-    """The `load_sharded_checkpoint(model, folder)` of the package that defines `model_class` (our model packages
-    export one: each rank reads only the blocks it holds)."""
+def _package_function(model_class: Any, name: str) -> Callable[..., Any]:
+    """The function `name` of the package that defines `model_class` (our model packages export
+    `load_sharded_checkpoint(model, folder)`: each rank reads only the blocks it holds, and `hf_file_layout(model)`:
+    how their save writes a model tensor by tensor)."""
     import importlib
 
     package = importlib.import_module(model_class.__module__.split(".")[0])
-    loader = getattr(package, "load_sharded_checkpoint", None)
-    if not callable(loader):
+    found = getattr(package, name, None)
+    if not callable(found):
         raise ValueError(
             f"{model_class.__name__} is registered for --model-path, but its package {package.__name__} exports no "
-            "load_sharded_checkpoint(model, folder) to load a sharded model; register a class whose package does"
+            f"{name}(...) to load or export a sharded model; register a class whose package does"
         )
-    return loader
+    return found
 
 
 # Keys a folder may lack, or hold in excess, without being refused (regular expressions on the file's key names).

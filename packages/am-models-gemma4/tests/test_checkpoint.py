@@ -150,3 +150,24 @@ def test_without_the_hf_adapter_the_native_keys_are_written_and_read(tmp_path: P
     _, hf_folder = _saved(tmp_path)
     with pytest.raises(ValueError, match=r"missing keys .*model\.layers\.0\.moe\.router\.per_expert_scale"):
         Gemma4ForCausalLM.from_pretrained(hf_folder, backend=native)
+
+
+def test_file_layout_one_tensor_at_a_time_writes_what_save_pretrained_writes(tmp_path: Path) -> None:
+    """`hf_file_layout` is what a streaming export (one tensor at a time) follows: its entries, tensor by tensor,
+    are exactly the saved file's (names, dtypes, values; the tied head left out)."""
+    from am_models_gemma4 import hf_file_layout
+
+    model, folder = _saved(tmp_path)
+    layout = hf_file_layout(model)
+    streamed: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        entries = layout.to_file({name: tensor})
+        assert not set(entries) & set(streamed), name
+        streamed.update(entries)
+    saved = read_safetensors_folder(folder)
+    assert streamed.keys() == saved.keys()
+    for key, tensor in saved.items():
+        assert streamed[key].dtype == tensor.dtype, key
+        assert torch.equal(streamed[key], tensor), key
+    layout.write_metadata(tmp_path / "meta")
+    assert (tmp_path / "meta" / "config.json").read_text() == (folder / "config.json").read_text()

@@ -141,3 +141,27 @@ def test_pinned_tensors_stored_in_bf16_elsewhere_load_as_fp32(tmp_path: Path) ->
         assert tensor.dtype == (torch.float32 if name in pinned else torch.bfloat16), name
     expected = model.model.layers["0"].mixer.A_log.to(torch.bfloat16).float()
     assert torch.equal(loaded.model.layers["0"].mixer.A_log, expected)
+
+
+def test_file_layout_one_tensor_at_a_time_writes_what_save_pretrained_writes(tmp_path: Path) -> None:
+    """`hf_file_layout` is what a streaming export (one tensor at a time) follows: its entries, tensor by tensor,
+    are exactly the saved file's (NVIDIA's per-expert names, F32 pins of a bf16 model, MTP included)."""
+    from am_models_nemotron import hf_file_layout
+    from am_precision import cast_model_to_dtype
+
+    model = NemotronHForCausalLM(tiny_hf_config("ME", mtp_depths=1))
+    cast_model_to_dtype(model, torch.bfloat16)
+    model.save_pretrained(tmp_path / "saved")
+    layout = hf_file_layout(model)
+    streamed: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        entries = layout.to_file({name: tensor})
+        assert not set(entries) & set(streamed), name
+        streamed.update(entries)
+    saved = read_safetensors_folder(tmp_path / "saved")
+    assert streamed.keys() == saved.keys()
+    for key, tensor in saved.items():
+        assert streamed[key].dtype == tensor.dtype, key
+        assert torch.equal(streamed[key], tensor), key
+    layout.write_metadata(tmp_path / "meta")
+    assert (tmp_path / "meta" / "config.json").read_text() == (tmp_path / "saved" / "config.json").read_text()

@@ -41,7 +41,7 @@ from .safetensors_files import (
     read_safetensors_folder,
     write_safetensors,
 )
-from .shard_writer import ShardFile, ShardWriter, finish_shard_files, parse_shard_size
+from .shard_writer import FileLayout, ShardFile, ShardWriter, finish_shard_files, parse_shard_size
 
 __all__ = [
     # safetensors folders
@@ -54,6 +54,7 @@ __all__ = [
     "SINGLE_FILE",
     # writing a folder tensor by tensor (a distributed export: one writer per writing rank)
     "ShardWriter",
+    "FileLayout",
     "ShardFile",
     "finish_shard_files",
     "parse_shard_size",

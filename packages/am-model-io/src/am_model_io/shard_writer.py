@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,21 @@ import torch
 
 from .safetensors_files import INDEX_FILE, SINGLE_FILE
 
-__all__ = ["ShardFile", "ShardWriter", "finish_shard_files", "parse_shard_size"]
+__all__ = ["FileLayout", "ShardFile", "ShardWriter", "finish_shard_files", "parse_shard_size"]
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """How a model's `save_pretrained` writes it, usable tensor by tensor (the model packages' `hf_file_layout`).
+
+    `to_file({model name: full tensor})` -> the file's entries (its names and dtypes; {} for a tensor the save leaves
+    out, e.g. a tied head): a streaming export calls it once per tensor (or per self-sharding module), a whole save
+    once with every tensor. `write_metadata(folder)` writes what the save writes besides the weights (config.json,
+    generation_config.json), reading no weight."""
+
+    to_file: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    write_metadata: Callable[[Path], None]
+
 
 _SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 

@@ -14,7 +14,7 @@ from ._version import __version__
 from .attention import Gemma4Attention, SharedKVStates
 from .backend import backend_problems, resolve_backend
 from .cache import Gemma4HybridCache
-from .checkpoint import load_sharded_checkpoint
+from .checkpoint import hf_file_layout, load_sharded_checkpoint
 from .config import (
     is_moe_config,
     layer_head_dim,
@@ -69,6 +69,7 @@ __all__ = [
     "meta_twin",
     "restore_constructed_buffers_",
     "load_sharded_checkpoint",
+    "hf_file_layout",
     # config and helpers
     "causal_lm_loss",
     "gemma4_capabilities",

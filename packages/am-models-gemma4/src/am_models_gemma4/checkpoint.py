@@ -13,6 +13,7 @@ the ones transformers skips too: a tied `lm_head.weight`, and K/V weights of KV-
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from am_model_io import (
+    FileLayout,
     HubOptions,
     LazyCheckpoint,
     ShardedLoad,
@@ -218,6 +220,27 @@ def load_sharded_checkpoint(
     return report
 
 
+def hf_file_layout(model: nn.Module) -> FileLayout:
+    """How `save_pretrained` writes `model` (a whole model or a pipeline stage of it), tensor by tensor:
+    transformers' names (the checkpoint adapter; the model's native keys when its backend says
+    `enable_hf_state_dict_adapter=False`), the tied LM head left out, and config.json naming the model's class. A
+    streaming export (one tensor at a time, e.g. the reference trainer's) uses it to write what `save_pretrained`
+    writes."""
+    config: Any = copy.deepcopy(model.config)
+    # FSDP2 swaps in a class named "FSDP<cls>": the file names the model's own class, as transformers does
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    tied = bool(getattr(config, "tie_word_embeddings", True))
+    adapter = checkpoint_adapter(_backend_of(model))
+
+    def to_file(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return adapter.to_hf({k: v for k, v in tensors.items() if not (tied and k == "lm_head.weight")})
+
+    def write_metadata(folder: Path) -> None:
+        config.save_pretrained(str(folder))
+
+    return FileLayout(to_file, write_metadata)
+
+
 def save_pretrained(
     model: nn.Module,
     save_directory: str | os.PathLike[str],
@@ -244,10 +267,6 @@ def save_pretrained(
     """
     tensors = state_dict_to_save(model, state_dict)
     root = save_folder(save_directory, safe_serialization=safe_serialization)
-    config: Any = model.config
-    config.architectures = [type(model).__name__]
-    config.save_pretrained(str(root))
-    tied = bool(getattr(config, "tie_word_embeddings", True))
-    state = {k: v for k, v in tensors.items() if not (tied and k == "lm_head.weight")}
-    layout = checkpoint_adapter(_backend_of(model))
-    write_safetensors(layout.to_hf(state), root, max_shard_size=max_shard_size, safe_serialization=True)
+    layout = hf_file_layout(model)
+    layout.write_metadata(root)
+    write_safetensors(layout.to_file(tensors), root, max_shard_size=max_shard_size, safe_serialization=True)

@@ -18,7 +18,7 @@ from .backbone import NemotronV3Model
 from .backend import SUPPORTED_BACKENDS, backend_problems, default_backend, resolve_backend
 from .blocks import NemotronBlock
 from .cache import NemotronHybridCache
-from .checkpoint import load_pretrained, load_sharded_checkpoint, save_pretrained
+from .checkpoint import hf_file_layout, load_pretrained, load_sharded_checkpoint, save_pretrained
 from .config import BLOCK_KINDS, NemotronConfig, as_hf_config, normalize_block_types
 from .inputs import BatchLayout, resolve_batch_layout
 from .loss import CombinedLoss, combined_causal_lm_loss
@@ -117,5 +117,6 @@ __all__ = [
     "materialize_sharded",
     "meta_twin",
     "load_sharded_checkpoint",
+    "hf_file_layout",
     "__version__",
 ]

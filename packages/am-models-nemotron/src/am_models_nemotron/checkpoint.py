@@ -14,6 +14,7 @@ into an unsharded model first (see `save_pretrained`).
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +25,7 @@ from torch import nn
 
 import am_moe
 from am_model_io import (
+    FileLayout,
     HubOptions,
     LazyCheckpoint,
     ShardedLoad,
@@ -241,6 +243,27 @@ def _materialize_unsaved_buffers(model: Any, device: torch.device) -> None:
         raise ValueError(f"{type(model).__name__}: tensors left uninitialized (meta) after loading: {left}")
 
 
+def hf_file_layout(model: Any) -> FileLayout:
+    """How `save_pretrained` writes `model` (a whole model or a pipeline stage of it), tensor by tensor: NVIDIA's
+    names (the checkpoint adapter: per-expert tensors), fp32-pinned tensors as F32, and config.json (transformers'
+    NemotronHConfig) whose MTP depth count is the model's (a stage may lack the MTP module its model has). A
+    streaming export (one tensor at a time, e.g. the reference trainer's) uses it to write what `save_pretrained`
+    writes."""
+    config = as_hf_config(copy.deepcopy(model.config))
+    config.architectures = ["NemotronHForCausalLM"]
+    # The constructor may override the MTP depth count; the saved config must describe the saved weights.
+    config.num_nextn_predict_layers = model.mtp_config.num_layers if model.mtp_config.enabled else 0
+    adapter = checkpoint_adapter(config, model.backend)
+
+    def to_file(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: (v.float() if adapter.forced_fp32(k) else v) for k, v in adapter.to_hf(tensors).items()}
+
+    def write_metadata(folder: Path) -> None:
+        config.save_pretrained(str(folder))
+
+    return FileLayout(to_file, write_metadata)
+
+
 def save_pretrained(
     model: Any,
     path: str | os.PathLike[str],
@@ -268,12 +291,7 @@ def save_pretrained(
     """
     tensors = state_dict_to_save(model, state_dict)
     folder = save_folder(path, safe_serialization=safe_serialization)
-    config = as_hf_config(model.config)
-    config.architectures = ["NemotronHForCausalLM"]
-    # The constructor may override the MTP depth count; the saved config must describe the saved weights.
-    config.num_nextn_predict_layers = model.mtp_config.num_layers if model.mtp is not None else 0
-    config.save_pretrained(str(folder))
-    adapter = checkpoint_adapter(config, model.backend)
-    tensors = adapter.to_hf(tensors)
-    tensors = {k: (v.float() if adapter.forced_fp32(k) else v) for k, v in tensors.items()}
+    layout = hf_file_layout(model)
+    layout.write_metadata(folder)
+    tensors = layout.to_file(tensors)
     write_safetensors(tensors, folder, max_shard_size=max_shard_size, safe_serialization=True)
