@@ -96,7 +96,7 @@ def config_only_spec(folder: str) -> Any:
 
     family = config_dict.get("model_type") or "hf"
     if registered is not None:  # saved as the real run would (never called: a dry run writes no checkpoint)
-        save, layout = _save_own, _package_function(registered, "hf_file_layout")
+        save, layout = _save_own, lambda part: _package_function(registered, "hf_file_layout")(part)
     else:
         save, layout = _save_hf, _transformers_layout
     return ModelSpec(family, build, save, vocab_size, layout, loads_weights=True, materialize=no_weights)

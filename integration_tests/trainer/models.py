@@ -411,7 +411,7 @@ def folder_spec(folder: str | Path) -> ModelSpec:
             build_registered,
             _save_own,
             vocab_size,
-            _package_function(model_class, "hf_file_layout"),
+            lambda part: _package_function(model_class, "hf_file_layout")(part),  # looked up when exporting
             loads_weights=True,
             materialize=load_registered,
         )
