@@ -49,6 +49,27 @@ def shard_bytes(size: str | int) -> int:
     return parse_shard_size(int(text) if text.isdigit() else text)
 
 
+def _conversion_lookup(model: Any) -> Any:
+    """The model transformers should look its weight conversions up on. transformers finds them by class name, and
+    FSDP2 (or a pipeline stage class) renames the class of a wrapped model: "FSDPGPTNeoXForCausalLM" has none, so
+    GPT-NeoX's `lm_head` would be written as `lm_head` instead of the file's `embed_out`. The model itself when its
+    class is transformers' own, else a meta-device twin of that class (same config; no storage), carrying the
+    conversions `from_pretrained` attached to the model, if any."""
+    from transformers import PreTrainedModel
+
+    own = next(
+        (c for c in type(model).__mro__ if issubclass(c, PreTrainedModel) and c.__module__.startswith("transformers")),
+        type(model),
+    )
+    if type(model) is own:
+        return model
+    with torch.device("meta"):
+        twin = own(copy.deepcopy(model.config))
+    if getattr(model, "_weight_conversions", None) is not None:
+        twin._weight_conversions = model._weight_conversions
+    return twin
+
+
 def transformers_file_layout(model: Any) -> FileLayout:
     """transformers' `save_pretrained`: the model's names, minus `_keys_to_ignore_on_save` and the targets of its
     tied weights (`all_tied_weights_keys`, what the config ties), with its weight conversions reverted (e.g. fused
@@ -57,10 +78,11 @@ def transformers_file_layout(model: Any) -> FileLayout:
     from transformers.core_model_loading import revert_weight_conversion
 
     dropped = set(getattr(model, "all_tied_weights_keys", None) or {}) | set(model._keys_to_ignore_on_save or ())
+    named = _conversion_lookup(model)
 
     def to_file(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         kept = {k: v for k, v in tensors.items() if k not in dropped}
-        return revert_weight_conversion(model, kept) if kept else {}
+        return revert_weight_conversion(named, kept) if kept else {}
 
     def write_metadata(folder: Path) -> None:
         config = copy.deepcopy(model.config)
