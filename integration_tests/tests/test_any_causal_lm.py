@@ -90,6 +90,37 @@ def _config(name: str) -> Any:
             num_experts_per_tok=2,
             **small,
         ),
+        # fused tensors transformers cuts apart on load (a WeightConverter re-indexing rows): read by blocks too
+        "hrm_text": lambda: t.HrmTextConfig(  # Chunk(0): gate_up_proj -> gate / up, gqkv_proj -> gate / q / k / v
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_layers_per_stack=2,
+            num_attention_heads=4,
+            head_dim=8,
+            intermediate_size=48,
+            H_cycles=1,
+            L_cycles=1,
+            **small,
+        ),
+        "inkling2_text": lambda: t.Inkling2TextConfig(  # Interleave(1): experts' w13_weight -> gate_up_proj
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            swa_num_attention_heads=4,
+            swa_num_key_value_heads=2,
+            swa_head_dim=8,
+            sliding_window_size=8,
+            d_rel=4,
+            rel_extent=8,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_layers_per_attn_res_block=1,
+            unpadded_vocab_size=256,
+            **small,
+        ),
     }[name]()
 
 
@@ -108,6 +139,8 @@ SWEEP = {
     "mixtral": ("MixtralForCausalLM", "sdpa", True),
     "qwen2_moe": ("Qwen2MoeForCausalLM", "sdpa", True),
     "olmoe": ("OlmoeForCausalLM", "sdpa", True),
+    "hrm_text": ("HrmTextForCausalLM", "sdpa", False),  # two stacks of layers (H and L modules)
+    "inkling2_text": ("Inkling2ForCausalLM", "eager", True),
 }
 
 
