@@ -270,3 +270,41 @@ def test_an_eager_only_model_is_still_refused_under_cp(folders: Path, name: str)
         validate(parse_args(args), world_size=2)
     expected = f"cp_size=2: {SWEEP[name][0]} cannot use context parallelism: it declares neither `_supports_sdpa"
     assert expected in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("name", ["hrm_text", "inkling2_text"])
+def test_fused_tensors_transformers_splits_are_read_row_block_by_row_block(folders: Path, name: str) -> None:
+    """HRM-Text's fused `gate_up_proj` / `gqkv_proj` (transformers `Chunk(0)`) and Inkling 2's interleaved expert
+    `w13_weight` (`Interleave(1)`) are no longer a reason to load the folder whole: `header_sources` maps each
+    target to rows of its file tensor, and in FSDP-like row splits over 2 and 3 ranks along every dim (across the
+    interleaved halves too) the blocks each rank reads make exactly the tensors transformers' `from_pretrained`
+    loads, every parameter, while each rank reads only its own rows (at most its rounded-up share of the tensor)."""
+    import transformers
+    from am_model_io import LazyCheckpoint
+    from trainer.build import _Reindexed, header_sources
+    from trainer.models import header_sources_needs_converter
+
+    folder = _folder(name, folders)
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+    assert not header_sources_needs_converter(folder, config)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    sources, info = header_sources(folder, meta)
+    assert not any(info.values()), info
+    fused = {target: entry[0] for target, entry in sources.items() if isinstance(entry[0], _Reindexed)}
+    assert fused, "no fused tensor found: the conversion is no longer exercised"
+    expected = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).state_dict()
+    assert set(sources) == set(expected)  # nothing left to a whole load
+    for ranks in (2, 3):
+        for target, source in fused.items():
+            full = expected[target]
+            for dim in range(full.dim()):
+                blocks = []
+                for rows in torch.arange(full.shape[dim]).chunk(ranks):
+                    offset = tuple(int(rows[0]) if d == dim else 0 for d in range(full.dim()))
+                    shape = tuple(rows.numel() if d == dim else n for d, n in enumerate(full.shape))
+                    with LazyCheckpoint(folder) as checkpoint:
+                        blocks.append(checkpoint.read_indexed(source.key, source.index(offset, shape)))
+                        share = -(-full.shape[dim] // ranks) * full.numel() // full.shape[dim]
+                        assert checkpoint.bytes_read <= share * full.element_size(), (target, dim, ranks)
+                assert torch.equal(torch.cat(blocks, dim=dim), full), f"{name} {target}: dim {dim} over {ranks} ranks"
