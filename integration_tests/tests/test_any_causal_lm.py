@@ -261,6 +261,40 @@ def test_a_model_refused_before_trains_and_dp2_equals_single_process(tmp_path: P
         assert error <= 1e-5, f"{key}: relative error {error.item():.2e}"
 
 
+
+def test_a_fused_checkpoint_at_dp2_equals_single_process_and_each_rank_reads_its_half(tmp_path: Path) -> None:
+    """HRM-Text, whose files hold fused `gate_up_proj` / `gqkv_proj` tensors transformers chunks on load (loaded
+    whole on every rank before): its dp 2 run equals the single process (losses, final weights, fp32), and each
+    rank reads only its FSDP2 rows of every fused tensor: the two ranks' bytes add up to the folder's exactly once,
+    neither reads more than its half plus one row of each tensor."""
+    import json
+
+    from am_model_io import LazyCheckpoint
+
+    folder = _folder("hrm_text", tmp_path)
+    args = [*without_preset_sizes(PARITY), "--model-path", str(folder)]
+    single = launch(args, nproc=1, out=tmp_path / "single").check()
+    report = tmp_path / "loading"
+    dp2 = launch(
+        [*args, "--dp", "2"], nproc=2, out=tmp_path / "dp2", env={"AM_TRAIN_MEMORY_REPORT": str(report)}
+    ).check()
+    got, want = torch.tensor(dp2.summary["losses"]), torch.tensor(single.summary["losses"])
+    assert bool(torch.isfinite(want).all()) and want[0] != want[-1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0.0)
+    expected, actual = single.final_weights(), dp2.final_weights()
+    assert actual.keys() == expected.keys()
+    for key, tensor in expected.items():
+        error = (actual[key].double() - tensor.double()).norm() / tensor.double().norm().clamp(min=1e-30)
+        assert error <= 1e-5, f"{key}: relative error {error.item():.2e}"
+    with LazyCheckpoint(folder) as checkpoint:
+        stored = checkpoint.meta_state_dict()
+    total = sum(t.numel() * t.element_size() for t in stored.values())
+    slack = sum(t[0].numel() * t.element_size() for t in stored.values() if t.dim())  # one row of each tensor
+    read = [json.loads((report / f"memory_rank{r}.json").read_text())["checkpoint_bytes_read"] for r in range(2)]
+    assert sum(read) == total, (read, total)  # every byte once: no rank reads the other's rows
+    assert all(r <= total / 2 + slack for r in read), (read, total)
+
+
 @pytest.mark.parametrize("name", ["gemma2", "xglm", "bloom"])
 def test_an_eager_only_model_is_still_refused_under_cp(folders: Path, name: str) -> None:
     """The eager fallback is for --cp 1: a class without SDPA cannot run the ring (am-capabilities' rule, asked up
