@@ -224,7 +224,7 @@ def header_sources(folder: Path, model: nn.Module) -> tuple[dict[str, list[Any]]
     with LazyCheckpoint(folder) as checkpoint:
         stored = {key: tuple(t.shape) for key, t in checkpoint.meta_state_dict().items()}
         renamed = _model_names(model, stored, expected)
-        by_name = {name: key for key, name in renamed.items() if isinstance(name, str)}
+        by_name: dict[str, str | _Reindexed] = {name: key for key, name in renamed.items() if isinstance(name, str)}
         # a fused tensor transformers splits / re-orders on load: each target is rows of one file key
         by_name.update({part.name: part for parts in renamed.values() if isinstance(parts, list) for part in parts})
         stacks: dict[str, dict[int, dict[int, str]]] = {}  # the model's name -> expert -> piece -> file key
@@ -253,7 +253,7 @@ def header_sources(folder: Path, model: nn.Module) -> tuple[dict[str, list[Any]]
                 sources[name] = [found]
             elif name == next(n for n in group if n in expected):  # a tied group missing entirely is named once
                 missing.append(name)
-        mismatched = []
+        mismatched: list[tuple[str, tuple[int, ...] | None, tuple[int, ...]]] = []
         for name, keys in sources.items():
             if isinstance(keys[0], _Reindexed):
                 if keys[0].shape != expected[name]:
@@ -396,7 +396,7 @@ def _reindexed(
     fresh.add_tensor(name, key, pattern, lambda: probe)
     try:
         targets = fresh.convert(name, model=model, config=getattr(model, "config", None))
-    except Exception:  # noqa: BLE001 - a probe the converter cannot handle: transformers loads the folder whole
+    except (ValueError, RuntimeError, TypeError, KeyError, AttributeError):  # a probe it cannot handle: loaded whole
         return None
     found = []
     for target, rows in targets.items():

@@ -160,7 +160,10 @@ class LazyCheckpoint:
             runs.append(_arithmetic_runs(distinct.tolist()))
             orders.append(None if torch.equal(distinct, wanted) else order)
         if any(not dim_runs for dim_runs in runs):  # no index on some dim: an empty block
-            sizes = [len(range(*e.indices(n))) if isinstance(e, slice) else e.numel() for e, n in zip(index, stored)]
+            sizes = [
+                len(range(*e.indices(n))) if isinstance(e, slice) else e.numel()
+                for e, n in zip(index, stored, strict=True)
+            ]
             return torch.empty(sizes, dtype=_SAFETENSORS_DTYPES.get(self._meta[key][1], torch.uint8))
 
         def assemble(dim: int, picked: tuple[slice, ...]) -> torch.Tensor:
@@ -179,10 +182,8 @@ class LazyCheckpoint:
         """`get_slice(key)[index]` (the whole tensor for `()`), counted in `bytes_read`; a damaged file named."""
         file = self.file_of[key]
         try:
-            if not index:
-                tensor = self._open(file).get_tensor(key)
-            else:
-                tensor = self._open(file).get_slice(key)[index]
+            handle = self._open(file)
+            tensor = handle.get_slice(key)[index] if index else handle.get_tensor(key)
         except (SafetensorError, OSError) as err:
             raise ValueError(
                 f"Cannot read tensor {key} from safetensors file {file}: {type(err).__name__}: {err}. The file is "
