@@ -343,3 +343,36 @@ def test_fused_tensors_transformers_splits_are_read_row_block_by_row_block(folde
                         share = -(-full.shape[dim] // ranks) * full.numel() // full.shape[dim]
                         assert checkpoint.bytes_read <= share * full.element_size(), (target, dim, ranks)
                 assert torch.equal(torch.cat(blocks, dim=dim), full), f"{name} {target}: dim {dim} over {ranks} ranks"
+
+
+def test_a_converter_chain_is_read_as_transformers_applies_it_and_a_transpose_is_not() -> None:
+    """Inkling's `mlp.w13_dn.weight` chain (`Interleave(0)` then `Chunk(0)` into gate / up) and the `shared_w13`
+    one along dim 1 give, row for row, what transformers' converter makes of a real tensor; a `Transpose` (Qwen3-VL
+    MoE's experts) is no re-indexing of rows: None, so such a folder stays on the whole-load path."""
+    from trainer.build import _reindexed
+    from transformers.core_model_loading import Chunk, Interleave, Transpose, WeightConverter
+
+    model = torch.nn.Linear(2, 2)  # the converters read no parameter
+    fused = torch.randn(12, 6)
+    cases = [
+        ("mlp.w13_dn.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [Interleave(dim=0), Chunk(dim=0)], 0),
+        ("shared_w13_weight", ["gate_proj", "up_proj"], [Interleave(dim=1), Chunk(dim=1)], 1),
+        ("w13_weight", ["gate_up_proj"], [Interleave(dim=0, inverse=True)], 0),
+    ]
+    for source, targets, operations, dim in cases:
+        converter = WeightConverter(source_patterns=source, target_patterns=targets, operations=operations)
+        key = f"layers.0.{source}"
+        name = f"layers.0.{targets[0]}"
+        reference = WeightConverter(source_patterns=source, target_patterns=targets, operations=operations)
+        reference.add_tensor(name, key, source, lambda: fused)
+        want = reference.convert(name, model=model)
+        found = _reindexed(key, name, source, converter, model, tuple(fused.shape))
+        assert found is not None
+        assert [part.name for part in found] == list(want)
+        for part in found:
+            assert part.dim == dim
+            assert part.shape == tuple(want[part.name].shape)
+            assert torch.equal(fused.index_select(dim, part.rows), want[part.name]), (source, part.name)
+    transpose = WeightConverter("mlp.experts.down_proj", "mlp.experts.down_proj", operations=[Transpose(1, 2)])
+    key = "layers.0.mlp.experts.down_proj"
+    assert _reindexed(key, key, "mlp.experts.down_proj", transpose, model, (4, 6, 8)) is None
