@@ -22,7 +22,9 @@ What it is for (issue 23 §1; torchtitan's order): no rank ever holds a whole mo
          of its own experts only); any other transformers causal LM whose files name its tensors as its modules do
          (what transformers' `save_pretrained` writes): the seeded init (for the buffers no file holds), then
          `am_model_io.load_sharded_tensors_` (each rank reads its own blocks with `get_slice`; a packed TP layout,
-         a slice of every packed part, is read run by run with `am_model_io.read_local`). Registered classes' loaders
+         a slice of every packed part, is read run by run with `am_model_io.read_local`; a tensor transformers cuts
+         out of a fused file tensor on load, by `Chunk` / `Interleave`, reads its rows of that tensor with
+         `LazyCheckpoint.read_indexed`). Registered classes' loaders
          fill a module that shards itself from its whole tensors, one module at a time (`fill_self_sharded_`);
        - a tied embedding whose two ends landed on different pipeline stages: the output copy takes the input's
          values (am-pipelining's `sync_tied_embedding_weights`, over the two ranks' pair group).
