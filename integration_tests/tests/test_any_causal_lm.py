@@ -376,3 +376,26 @@ def test_a_converter_chain_is_read_as_transformers_applies_it_and_a_transpose_is
     transpose = WeightConverter("mlp.experts.down_proj", "mlp.experts.down_proj", operations=[Transpose(1, 2)])
     key = "layers.0.mlp.experts.down_proj"
     assert _reindexed(key, key, "mlp.experts.down_proj", transpose, model, (4, 6, 8)) is None
+
+
+@pytest.mark.parametrize("name", ["hrm_text", "inkling2_text"])
+def test_the_streamed_export_writes_fused_tensors_as_save_pretrained(folders: Path, name: str) -> None:
+    """The trainer's HF export hands its layout one model tensor at a time; a file tensor transformers cuts into
+    several (HRM-Text's `gqkv_proj`: gate / q / k / v) is written once all its parts have come, equal to what
+    `save_pretrained` writes (it was written once per part, and refused as a repeated key)."""
+    import transformers
+    from am_model_io import read_safetensors_folder
+    from trainer.export import transformers_file_layout
+
+    folder = _folder(name, folders)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    layout = transformers_file_layout(model)
+    written: dict[str, torch.Tensor] = {}
+    for key, tensor in model.state_dict().items():
+        for file_key, value in layout.to_file({key: tensor}).items():
+            assert file_key not in written, f"{file_key} written twice"
+            written[file_key] = value
+    expected = read_safetensors_folder(folder)
+    assert sorted(written) == sorted(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(written[key], tensor), key
