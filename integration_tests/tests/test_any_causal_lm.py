@@ -384,8 +384,9 @@ def test_the_streamed_export_writes_fused_tensors_as_save_pretrained(folders: Pa
     several (HRM-Text's `gqkv_proj`: gate / q / k / v) is written once all its parts have come, equal to what
     `save_pretrained` writes (it was written once per part, and refused as a repeated key)."""
     import transformers
-    from am_model_io import read_safetensors_folder
     from trainer.export import transformers_file_layout
+
+    from am_model_io import read_safetensors_folder
 
     folder = _folder(name, folders)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
