@@ -96,7 +96,7 @@ def _fused_file_keys(model: Any) -> Callable[[str], tuple[str, int] | None]:
     from transformers.core_model_loading import WeightConverter, apply_converters
 
     forward = [t for t in get_model_conversion_mapping(model, add_legacy=False) if isinstance(t, WeightConverter)]
-    reverse = [t.reverse_transform() for t in forward[::-1] if len(t.target_patterns) > 1]
+    reverse: list[Any] = [t.reverse_transform() for t in forward[::-1] if len(t.target_patterns) > 1]
 
     def fused(name: str) -> tuple[str, int] | None:
         key, pattern = apply_converters(name, reverse)
