@@ -22,7 +22,9 @@ What it is for (issue 23 §1; torchtitan's order): no rank ever holds a whole mo
          of its own experts only); any other transformers causal LM whose files name its tensors as its modules do
          (what transformers' `save_pretrained` writes): the seeded init (for the buffers no file holds), then
          `am_model_io.load_sharded_tensors_` (each rank reads its own blocks with `get_slice`; a packed TP layout,
-         a slice of every packed part, is read run by run with `am_model_io.read_local`). Registered classes' loaders
+         a slice of every packed part, is read run by run with `am_model_io.read_local`; a tensor transformers cuts
+         out of a fused file tensor on load, by `Chunk` / `Interleave`, reads its rows of that tensor with
+         `LazyCheckpoint.read_indexed`). Registered classes' loaders
          fill a module that shards itself from its whole tensors, one module at a time (`fill_self_sharded_`);
        - a tied embedding whose two ends landed on different pipeline stages: the output copy takes the input's
          values (am-pipelining's `sync_tied_embedding_weights`, over the two ranks' pair group).
@@ -206,13 +208,17 @@ def header_sources(folder: Path, model: nn.Module) -> tuple[dict[str, list[Any]]
     A source is `[key]` for a tensor stored as itself, or one entry per expert for a stack transformers merges on
     load: a tuple of keys concatenated along dim 0 (`(experts.{e}.w1.weight, experts.{e}.w3.weight)` is row e of
     Mixtral's `[E, 2I, H]` `gate_up_proj`), which `am_model_io.load_sharded_tensors_` reads block by block: a rank
-    holding experts [a, b) reads only their files.
+    holding experts [a, b) reads only their files; or `[_Reindexed]` for a target transformers cuts out of one fused
+    tensor by re-indexing its rows (`Chunk`, `Interleave`: HRM-Text's `gqkv_proj` -> gate / q / k / v,
+    Inkling 2's interleaved `w13_weight` -> `gate_up_proj`), read by `load_transformers_blocks` with
+    `LazyCheckpoint.read_indexed`: a rank reads only its block's rows of the file's tensor.
 
     The loading info has transformers' form (`missing_keys`, `unexpected_keys`, `mismatched_keys` as `(key, file
     shape, model shape)`), for trainer/models.py's strict `check_loaded_keys`: every parameter and persistent buffer
     must be in the files (a tied group needs one of its names; a stack every expert's pieces), nothing else may be
     (models.py's `ALLOWED_UNEXPECTED` aside: that check filters). `converted_keys` lists the keys only a transformers
-    load can convert (a conversion other than stacking and concatenating): such a folder is loaded whole.
+    load can convert (a conversion other than stacking, concatenating and re-indexing rows, e.g. `Transpose`,
+    `PermuteForRope`): such a folder is loaded whole.
     """
     from am_model_io import LazyCheckpoint
 
@@ -220,7 +226,9 @@ def header_sources(folder: Path, model: nn.Module) -> tuple[dict[str, list[Any]]
     with LazyCheckpoint(folder) as checkpoint:
         stored = {key: tuple(t.shape) for key, t in checkpoint.meta_state_dict().items()}
         renamed = _model_names(model, stored, expected)
-        by_name = {name: key for key, name in renamed.items() if isinstance(name, str)}
+        by_name: dict[str, str | _Reindexed] = {name: key for key, name in renamed.items() if isinstance(name, str)}
+        # a fused tensor transformers splits / re-orders on load: each target is rows of one file key
+        by_name.update({part.name: part for parts in renamed.values() if isinstance(parts, list) for part in parts})
         stacks: dict[str, dict[int, dict[int, str]]] = {}  # the model's name -> expert -> piece -> file key
         for key, target in renamed.items():
             if isinstance(target, _Stacked) and target.name in expected:
@@ -230,6 +238,9 @@ def header_sources(folder: Path, model: nn.Module) -> tuple[dict[str, list[Any]]
         missing: list[str] = []
         unexpected = [key for key, name in renamed.items() if isinstance(name, str) and name not in expected]
         unexpected += [key for key, t in renamed.items() if isinstance(t, _Stacked) and t.name not in expected]
+        unexpected += sorted(
+            {key for key, t in renamed.items() if isinstance(t, list) and any(p.name not in expected for p in t)}
+        )
         for name in expected:
             if name in stacks:
                 rows, absent, extra = _stack_rows(stacks[name], renamed, experts=expected[name][0])
@@ -244,8 +255,12 @@ def header_sources(folder: Path, model: nn.Module) -> tuple[dict[str, list[Any]]
                 sources[name] = [found]
             elif name == next(n for n in group if n in expected):  # a tied group missing entirely is named once
                 missing.append(name)
-        mismatched = []
+        mismatched: list[tuple[str, tuple[int, ...] | None, tuple[int, ...]]] = []
         for name, keys in sources.items():
+            if isinstance(keys[0], _Reindexed):
+                if keys[0].shape != expected[name]:
+                    mismatched.append((keys[0].key, keys[0].shape, expected[name]))
+                continue
             single = len(keys) == 1 and isinstance(keys[0], str)
             shapes = [checkpoint.source_shape(entry) for entry in keys]
             shape = shapes[0] if single else (len(keys), *(shapes[0] or ()))
@@ -273,6 +288,26 @@ class _Stacked:
     span: tuple[int, int]
 
 
+@dataclass(frozen=True, eq=False)
+class _Reindexed:
+    """The model's tensor `name` as transformers cuts it out of the file's fused tensor `key` on load: along `dim`
+    its index i is the file tensor's index `rows[i]` (1-D int64, as long as the target's dim), every other dim is
+    the file tensor's whole; `shape` is the target's full shape."""
+
+    name: str
+    key: str
+    dim: int
+    rows: torch.Tensor
+    shape: tuple[int, ...]
+
+    def index(self, offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice | torch.Tensor, ...]:
+        """The file tensor's index of the target's block `[offset, offset + shape)` (`LazyCheckpoint.read_indexed`)."""
+        return tuple(
+            self.rows[o : o + n] if d == self.dim else slice(o, o + n)
+            for d, (o, n) in enumerate(zip(offset, shape, strict=True))
+        )
+
+
 def _stack_rows(
     by_expert: dict[int, dict[int, str]], renamed: dict[str, Any], *, experts: int
 ) -> tuple[list[tuple[str, ...]], list[str], list[str]]:
@@ -297,13 +332,15 @@ def _stack_rows(
 
 def _model_names(
     model: nn.Module, stored: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]
-) -> dict[str, str | _Stacked | None]:
+) -> dict[str, str | _Stacked | list[_Reindexed] | None]:
     """File key -> the model's name for it, by transformers' own renaming rules for the architecture (e.g. GPT-NeoX's
     `embed_out` is `lm_head`; the base-model prefix added or dropped). A per-expert key that a transformers
     `WeightConverter` stacks (`MergeModulelist(dim=0)`, then optionally `Concatenate(dim=1)` of several patterns:
     Mixtral's `experts.{e}.w1/w3.weight` -> `experts.gate_up_proj`, Qwen2-MoE's and OLMoE's `gate_proj/up_proj`) is
-    a `_Stacked` row piece, read block by block. None for a key only another conversion can load (tensors split or
-    transformed on load): such a key cannot be read block by block, and the folder is loaded whole."""
+    a `_Stacked` row piece, read block by block. A fused key that a converter only re-indexes along one dim
+    (`Chunk`, `Interleave` and their chains, see `_reindexed`) is a list of `_Reindexed` targets. None for a key only
+    another conversion can load (tensors transposed or computed on load): such a key cannot be read block by block,
+    and the folder is loaded whole."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -314,7 +351,7 @@ def _model_names(
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     prefix = getattr(model, "base_model_prefix", None) or None
-    names: dict[str, str | _Stacked | None] = {}
+    names: dict[str, str | _Stacked | list[_Reindexed] | None] = {}
     for key in stored:
         name, pattern = rename_source_key(
             key, renamings, converters, base_model_prefix=prefix, meta_state_dict=expected
@@ -323,8 +360,55 @@ def _model_names(
         if pattern is None or converter is None:
             names[key] = name
             continue
-        names[key] = _stacked_piece(key, name, pattern, converter)
+        stacked = _stacked_piece(key, name, pattern, converter)
+        names[key] = stacked if stacked is not None else _reindexed(key, name, pattern, converter, model, stored[key])
     return names
+
+
+def _reindexed(
+    key: str, name: str, pattern: str, converter: Any, model: nn.Module, shape: tuple[int, ...]
+) -> list[_Reindexed] | None:
+    """The targets a converter cuts out of the fused file tensor `key` (of `shape`) when each of its operations only
+    re-indexes one and the same dim (`Chunk`: equal parts, e.g. `[gate; q; k; v]` rows; `Interleave`: even rows,
+    then odd rows; chained as transformers lists them, e.g. `[Interleave(1), Chunk(1)]`). None otherwise.
+
+    The target rows are transformers' own: the converter runs on a probe, `arange(shape[dim])` laid along `dim` (size
+    1 on every other dim, so the probe is as small as one row index per row), and each target's probe values are
+    the file rows it is made of; names come from the converter too."""
+    import copy
+
+    from transformers.core_model_loading import Chunk, Interleave
+
+    operations = list(converter.operations)
+    dims = {getattr(op, "dim", None) for op in operations}
+    if (
+        len(converter.source_patterns) != 1
+        or not operations
+        or any(type(op) not in (Chunk, Interleave) for op in operations)
+        or len(dims) != 1
+    ):
+        return None
+    (dim,) = dims
+    if not isinstance(dim, int) or not 0 <= dim < len(shape):
+        return None
+    probe_shape = [1] * len(shape)
+    probe_shape[dim] = shape[dim]
+    probe = torch.arange(shape[dim], dtype=torch.int64).reshape(probe_shape)
+    fresh = copy.deepcopy(converter)  # its collected tensors are its own
+    fresh.add_tensor(name, key, pattern, lambda: probe)
+    try:
+        targets = fresh.convert(name, model=model, config=getattr(model, "config", None))
+    except (ValueError, RuntimeError, TypeError, KeyError, AttributeError):  # a probe it cannot handle: loaded whole
+        return None
+    found = []
+    for target, rows in targets.items():
+        if not isinstance(rows, torch.Tensor) or rows.dim() != len(shape):
+            return None
+        if any(size != 1 for d, size in enumerate(rows.shape) if d != dim):
+            return None
+        target_shape = (*shape[:dim], rows.shape[dim], *shape[dim + 1 :])
+        found.append(_Reindexed(target, key, dim, rows.reshape(-1).clone(), target_shape))
+    return found
 
 
 def _stacked_piece(key: str, name: str, pattern: str, converter: Any) -> _Stacked | None:
@@ -357,22 +441,31 @@ def load_transformers_blocks(part: nn.Module, folder: Path, *, seed: int, device
     if any(info.values()):  # validation refused these already: the folder changed since then
         raise ValueError(f"--model-path {folder} changed after validation: {info}")
     held = part.state_dict(keep_vars=True)
-    # A tensor whose rows on this rank are not one block (a packed `_StridedShard` TP layout: a slice of every part)
-    # is read run by run (`read_local`), the others block by block (`load_sharded_tensors_`).
-    strided = {name for name, tensor in held.items() if name in sources and not _one_block(tensor)}
+    # A tensor whose rows on this rank are not one block (a packed `_StridedShard` TP layout: a slice of every part),
+    # or that transformers cuts out of a fused file tensor (`_Reindexed`), is read run by run (`read_local`, each
+    # block through `read_indexed` for a re-indexed one); the others block by block (`load_sharded_tensors_`).
+    by_runs = {
+        name
+        for name, tensor in held.items()
+        if name in sources and (isinstance(sources[name][0], _Reindexed) or not _one_block(tensor))
+    }
     with LazyCheckpoint(folder) as checkpoint:
-        blocks = {name: keys for name, keys in sources.items() if name in held and name not in strided}
+        blocks = {name: keys for name, keys in sources.items() if name in held and name not in by_runs}
         loaded = load_sharded_tensors_(part, checkpoint, blocks)
         before = checkpoint.bytes_read
         with torch.no_grad():
-            for name in sorted(strided):
+            for name in sorted(by_runs):
                 (key,) = sources[name]  # a stack of per-expert files is never TP-sharded: experts stay whole under tp
 
                 def read_block(offset: tuple[int, ...], shape: tuple[int, ...], key: Any = key) -> torch.Tensor:
+                    if isinstance(key, _Reindexed):
+                        return checkpoint.read_indexed(key.key, key.index(offset, shape))
                     return checkpoint.read_source_block(key, offset, shape)
 
-                held[name].to_local().copy_(read_local(held[name], read_block))
-        return ShardedLoad(loaded.names + tuple(sorted(strided)), loaded.bytes_read + checkpoint.bytes_read - before)
+                tensor = held[name]
+                to_local = getattr(tensor, "to_local", None)
+                (to_local() if callable(to_local) else tensor).copy_(read_local(tensor, read_block))
+        return ShardedLoad(loaded.names + tuple(sorted(by_runs)), loaded.bytes_read + checkpoint.bytes_read - before)
 
 
 def _one_block(tensor: torch.Tensor) -> bool:

@@ -79,10 +79,25 @@ def transformers_file_layout(model: Any) -> FileLayout:
 
     dropped = set(getattr(model, "all_tied_weights_keys", None) or {}) | set(model._keys_to_ignore_on_save or ())
     named = _conversion_lookup(model)
+    fused = _fused_file_keys(named)
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # file key -> the model tensors of it seen so far
 
     def to_file(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         kept = {k: v for k, v in tensors.items() if k not in dropped}
-        return revert_weight_conversion(named, kept) if kept else {}
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in kept.items():
+            found = fused(name)
+            if found is None:
+                out.update(revert_weight_conversion(named, {name: tensor}))
+                continue
+            # a file tensor transformers cuts into several model tensors on load (`Chunk`: HRM-Text's gqkv_proj):
+            # written once all of them are here (siblings in one module, so on one stage's writer)
+            key, parts = found
+            group = pending.setdefault(key, {})
+            group[name] = tensor
+            if len(group) == parts:
+                out.update(revert_weight_conversion(named, pending.pop(key)))
+        return out
 
     def write_metadata(folder: Path) -> None:
         config = copy.deepcopy(model.config)
@@ -94,6 +109,25 @@ def transformers_file_layout(model: Any) -> FileLayout:
             model.generation_config.save_pretrained(str(folder))
 
     return FileLayout(to_file, write_metadata)
+
+
+def _fused_file_keys(model: Any) -> Callable[[str], tuple[str, int] | None]:
+    """`fused(name)`: (the file key, how many model tensors make it) for a model tensor that transformers' save joins
+    with others into one file tensor (the reverse of a load-time converter with several targets), else None."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, apply_converters
+
+    forward = [t for t in get_model_conversion_mapping(model, add_legacy=False) if isinstance(t, WeightConverter)]
+    reverse: list[Any] = [t.reverse_transform() for t in forward[::-1] if len(t.target_patterns) > 1]
+
+    def fused(name: str) -> tuple[str, int] | None:
+        key, pattern = apply_converters(name, reverse)
+        if pattern is None:
+            return None
+        converter = next(c for c in reverse if pattern in c.source_patterns)
+        return key, len(converter.source_patterns)
+
+    return fused
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -451,9 +451,10 @@ def folder_spec(folder: str | Path) -> ModelSpec:
 
 
 def header_sources_needs_converter(folder: Path, config: Any) -> bool:
-    """Whether transformers converts some of the folder's tensors on load in a way other than stacking per-expert
-    files (and fusing their patterns along the rows: Mixtral, Qwen2-MoE and OLMoE are read block by block, see
-    trainer/build.py `header_sources`), e.g. splitting a fused tensor: such a folder is loaded whole."""
+    """Whether transformers converts some of the folder's tensors on load in a way `header_sources` cannot read by
+    blocks: other than stacking per-expert files (and fusing their patterns along the rows: Mixtral, Qwen2-MoE,
+    OLMoE) or re-indexing the rows of a fused tensor along one dim (`Chunk`, `Interleave`: HRM-Text, Inkling 2),
+    e.g. a `Transpose` or `PermuteForRope`: such a folder is loaded whole."""
     from transformers import AutoModelForCausalLM
 
     from trainer.build import header_sources
@@ -465,7 +466,8 @@ def header_sources_needs_converter(folder: Path, config: Any) -> bool:
 
 def _load_hf_whole(folder: Path) -> nn.Module:
     """The whole model, every weight read by transformers (strict check through its loading info). Still whole on
-    every rank: only for folders whose tensors transformers converts on load other than by stacking experts."""
+    every rank: only for folders whose tensors transformers converts on load other than by stacking experts or
+    re-indexing a fused tensor's rows (`header_sources_needs_converter`)."""
     from transformers import AutoModelForCausalLM
 
     loaded: Any = AutoModelForCausalLM.from_pretrained(

@@ -154,6 +154,25 @@ def test_read_block_reads_only_the_block_and_counts_its_bytes(tmp_path: Path) ->
             checkpoint.read_block("a.weight", (0,), (4,))
 
 
+def test_read_indexed_reads_only_the_indexed_rows_in_the_asked_order(tmp_path: Path) -> None:
+    """Rows in any order (transformers' `Interleave`: even rows, then odd rows) are read as arithmetic runs, only
+    the indexed elements counted; repeated indices and an empty index work; the index must have the tensor's rank."""
+    tensors = _tensors()
+    write_safetensors(tensors, tmp_path, max_shard_size=4096, safe_serialization=True)
+    full = tensors["a.weight"]
+    with LazyCheckpoint(tmp_path) as checkpoint:
+        rows = torch.tensor([8, 10, 12, 14, 9, 11, 13, 15, 3, 3])
+        block = checkpoint.read_indexed("a.weight", (rows, slice(4, 12)))
+        assert torch.equal(block, full[rows][:, 4:12])
+        assert checkpoint.bytes_read == 9 * 8 * 4  # 9 distinct rows of 8 fp32 values
+        columns = torch.tensor([31, 0, 16])
+        assert torch.equal(checkpoint.read_indexed("a.weight", (slice(2, 5), columns)), full[2:5][:, columns])
+        empty = checkpoint.read_indexed("a.weight", (torch.tensor([], dtype=torch.int64), slice(0, 32)))
+        assert empty.shape == (0, 32)
+        with pytest.raises(ValueError, match="index of 1 dims"):
+            checkpoint.read_indexed("a.weight", (slice(0, 4),))
+
+
 class _Holder(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -127,30 +127,63 @@ class LazyCheckpoint:
 
     def read(self, key: str) -> torch.Tensor:
         """Materialise one tensor (CPU)."""
-        file = self.file_of[key]
-        try:
-            tensor = self._open(file).get_tensor(key)
-        except (SafetensorError, OSError) as err:
-            raise ValueError(
-                f"Cannot read tensor {key} from safetensors file {file}: {type(err).__name__}: {err}. The file is "
-                "truncated or corrupt; re-download or re-save the checkpoint."
-            ) from err
-        self.bytes_read += tensor.numel() * tensor.element_size()
-        return tensor
+        return self._read_slices(key, ())
 
     def read_block(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
         """Materialise the block `[offset[d] : offset[d] + shape[d]]` of one tensor (CPU), reading only its bytes
         (`safe_open(...).get_slice`); a 0-d tensor is read whole."""
-        file = self.file_of[key]
         stored = self._meta[key][0]
         if len(offset) != len(stored) or len(shape) != len(stored):
             raise ValueError(f"block {tuple(offset)} + {tuple(shape)} has the wrong rank for {key} of shape {stored}")
+        return self._read_slices(key, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True)))
+
+    def read_indexed(self, key: str, index: Sequence[slice | torch.Tensor]) -> torch.Tensor:
+        """Materialise `full[index]` of one tensor (CPU), dim by dim, reading only the indexed elements: `index` has
+        one entry per dim, a `slice` (step 1) or a 1-D integer tensor of indices in any order (a tensor whose rows
+        transformers re-orders on load, e.g. `Interleave`'s even rows then odd rows). The distinct indices of a
+        tensor entry are read in arithmetic runs (one stepped `get_slice` per run: `0, 2, 4, ..` is one read), then
+        put in the asked order; a 0-d tensor is read whole."""
+        stored = self._meta[key][0]
+        if len(index) != len(stored):
+            raise ValueError(f"index of {len(index)} dims for {key} of shape {stored}")
+        if not stored:
+            return self._read_slices(key, ())
+        runs: list[list[slice]] = []
+        orders: list[torch.Tensor | None] = []
+        for entry in index:
+            if isinstance(entry, slice):
+                runs.append([entry])
+                orders.append(None)
+                continue
+            wanted = entry.reshape(-1).to(torch.int64)
+            distinct, order = torch.unique(wanted, sorted=True, return_inverse=True)
+            runs.append(_arithmetic_runs(distinct.tolist()))
+            orders.append(None if torch.equal(distinct, wanted) else order)
+        if any(not dim_runs for dim_runs in runs):  # no index on some dim: an empty block
+            sizes = [
+                len(range(*e.indices(n))) if isinstance(e, slice) else e.numel()
+                for e, n in zip(index, stored, strict=True)
+            ]
+            return torch.empty(sizes, dtype=_SAFETENSORS_DTYPES.get(self._meta[key][1], torch.uint8))
+
+        def assemble(dim: int, picked: tuple[slice, ...]) -> torch.Tensor:
+            if dim == len(runs):
+                return self._read_slices(key, picked)
+            pieces = [assemble(dim + 1, (*picked, run)) for run in runs[dim]]
+            return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+
+        block = assemble(0, ())
+        for dim, order in enumerate(orders):
+            if order is not None:
+                block = block.index_select(dim, order)
+        return block
+
+    def _read_slices(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """`get_slice(key)[index]` (the whole tensor for `()`), counted in `bytes_read`; a damaged file named."""
+        file = self.file_of[key]
         try:
-            if not stored:
-                tensor = self._open(file).get_tensor(key)
-            else:
-                index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-                tensor = self._open(file).get_slice(key)[index]
+            handle = self._open(file)
+            tensor = handle.get_slice(key)[index] if index else handle.get_tensor(key)
         except (SafetensorError, OSError) as err:
             raise ValueError(
                 f"Cannot read tensor {key} from safetensors file {file}: {type(err).__name__}: {err}. The file is "
@@ -280,6 +313,24 @@ def load_sharded_tensors_(
         if following_file != checkpoint.file_of[_first_key(keys)]:
             checkpoint.close()  # reopened on the next read
     return ShardedLoad(tuple(names), checkpoint.bytes_read - start)
+
+
+def _arithmetic_runs(values: list[int]) -> list[slice]:
+    """Sorted distinct indices as the fewest greedy arithmetic runs, each a `slice(start, stop, step)`."""
+    runs: list[slice] = []
+    position = 0
+    while position < len(values):
+        start = values[position]
+        if position + 1 == len(values):
+            runs.append(slice(start, start + 1, 1))
+            break
+        step = values[position + 1] - start
+        end = position + 1
+        while end + 1 < len(values) and values[end + 1] - values[end] == step:
+            end += 1
+        runs.append(slice(start, values[end] + 1, step))
+        position = end + 1
+    return runs
 
 
 def _first_key(keys: Sequence[str | Sequence[str]]) -> str:
