@@ -28,14 +28,20 @@ def _full_model_bytes(layers: int = 16) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
-def test_each_rank_builds_only_its_share_at_dp4(tmp_path) -> None:
+def _run_and_measure(args: list[str], *, nproc: int, tmp_path) -> list[tuple[dict, int]]:
+    """Run the trainer with `AM_TRAIN_MEMORY_REPORT`; per rank: its memory facts and how many bytes its peak resident
+    memory grew by while it built and materialized the model (VmHWM minus the RSS before the build)."""
     report = tmp_path / "memory"
-    launch([*RUN, "--dp", "4"], nproc=4, out=tmp_path / "run", env={"AM_TRAIN_MEMORY_REPORT": str(report)}).check()
+    launch(args, nproc=nproc, out=tmp_path / "run", env={"AM_TRAIN_MEMORY_REPORT": str(report)}).check()
+    per_rank = [json.loads((report / f"memory_rank{rank}.json").read_text()) for rank in range(nproc)]
+    return [(facts, (facts["hwm_kib"] - facts["rss_start_kib"]) * 1024) for facts in per_rank]
+
+
+def test_each_rank_builds_only_its_share_at_dp4(tmp_path) -> None:
+    measured = _run_and_measure([*RUN, "--dp", "4"], nproc=4, tmp_path=tmp_path)
     full = _full_model_bytes()
     assert full > 140e6, full
-    for rank in range(4):
-        facts = json.loads((report / f"memory_rank{rank}.json").read_text())
-        grown = (facts["hwm_kib"] - facts["rss_start_kib"]) * 1024
+    for rank, (facts, grown) in enumerate(measured):
         # this rank's FSDP2 shards: a quarter of the model (layers split row-wise over 4 ranks)
         assert abs(facts["local_tensor_bytes"] - full / 4) < 0.02 * full, (rank, facts, full)
         # its shards (38 MB) plus one unit in full (~9 MB) and what the build imports and the allocator keeps
@@ -109,14 +115,11 @@ def test_each_rank_materializes_only_its_tp_shards_at_tp2(tmp_path) -> None:
     local tensors are half the model (embedding, attention, MLP and head split over 2 ranks; the replicated norms
     are ~0.1 %) and its peak grows by that half plus one unit, never by the whole model (the old order, each rank
     materializing its stage whole and TP splitting it afterwards, grew by at least the model)."""
-    report = tmp_path / "memory"
     run = [*RUN[RUN.index("--seq-len") :], "--model", "llama", "--hidden-size", "512", "--layers", "32", "--tp", "2"]
-    launch(run, nproc=2, out=tmp_path / "run", env={"AM_TRAIN_MEMORY_REPORT": str(report)}).check()
+    measured = _run_and_measure(run, nproc=2, tmp_path=tmp_path)
     full = _full_model_bytes(layers=32)  # ~76M parameters, 302 MB in fp32: large against the fixed import overhead
     assert full > 290e6, full
-    for rank in range(2):
-        facts = json.loads((report / f"memory_rank{rank}.json").read_text())
-        grown = (facts["hwm_kib"] - facts["rss_start_kib"]) * 1024
+    for rank, (facts, grown) in enumerate(measured):
         assert abs(facts["local_tensor_bytes"] - full / 2) < 0.02 * full, (rank, facts, full)
         # its half (151 MB) + one decoder layer (9 MB) + imports and the allocator (~20-50 MB): 0.6-0.7 of the model
         assert grown < 0.8 * full, f"rank {rank} grew by {grown / 1e6:.0f} MB building a {full / 1e6:.0f} MB model"
