@@ -25,13 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .hf_utils import (
-    _forward_plan,
-    create_pipeline_forward_causal_lm,
-    create_pipeline_forward_inner,
-    model_keeps_self_forward,
-    statically_defines,
-)
+from .hf_utils import _assign_pipeline_forwards, model_keeps_self_forward, statically_defines
 from .hf_validation import _uses_reentrant_checkpointing, check_forward_reproduction
 from .outputs import pipeline_output_names, read_stage_output
 
@@ -92,11 +86,6 @@ ForwardFactory = Callable[[], Callable[..., Any]]
 _STAGE_CLASSES: dict[tuple[type, ForwardFactory], type] = {}
 
 
-def _generic_text_forward() -> Callable[..., Any]:
-    """The text decoder's pipeline forward when the model's `PIPELINE_FORWARDS` entry names none."""
-    return create_pipeline_forward_inner("PipelineStage")
-
-
 def _stage_class(cls: type, factory: ForwardFactory, *, hidden_states_supported: bool = False) -> type:
     """The subclass of `cls` whose `forward` is `factory()` (made once per class and factory, then reused).
 
@@ -119,29 +108,10 @@ def _stage_class(cls: type, factory: ForwardFactory, *, hidden_states_supported:
     return found
 
 
-def _as_stage(module: nn.Module, factory: ForwardFactory, *, hidden_states_supported: bool = False) -> None:
+def _as_stage(module: nn.Module, factory: ForwardFactory, hidden_states_supported: bool = False) -> None:
     """Make `module` (a stage's own copy, never the caller's model) an instance of its stage class."""
     cls = getattr(type(module), "_am_pipeline_stage_of", type(module))
     module.__class__ = _stage_class(cls, factory, hidden_states_supported=hidden_states_supported)
-
-
-def _use_pipeline_forwards(stage_model: nn.Module, *, inner: bool, outer: bool) -> None:
-    """Give a stage copy its pipeline forwards, as `hf_utils._forward_plan` assigns them (the resolution
-    `patch_hf_model_for_pp` uses): the text decoder the text forward (`inner`), the top-level model of a causal LM
-    or VLM the outer forward (`outer`); a bare decoder is its own text decoder."""
-    plan = _forward_plan(stage_model)
-    text_factory = plan.text_factory or _generic_text_forward
-    if not plan.has_outer:
-        if inner:
-            _as_stage(stage_model, text_factory)
-        return
-    if inner:
-        _as_stage(plan.text_module, text_factory)
-    if outer:
-        if plan.outer_factory is not None:
-            _as_stage(stage_model, plan.outer_factory)
-        else:
-            _as_stage(stage_model, create_pipeline_forward_causal_lm, hidden_states_supported=True)
 
 
 def _check_activation_checkpointing(model: nn.Module) -> None:
@@ -229,7 +199,10 @@ def build_stage_modules(
             module.__dict__.pop("_pp_causal_mask_cache", None)
             module.__dict__.pop("_pp_mask_builds", None)
         if not keep_self_forward:
-            _use_pipeline_forwards(stage_model, inner=patch_inner_model, outer=patch_causal_lm_model)
+            # the forwards `patch_hf_model_for_pp` would bind, made the stage classes' own
+            _assign_pipeline_forwards(
+                stage_model, inner=patch_inner_model, outer=patch_causal_lm_model, assign=_as_stage
+            )
         stage_model._pp_stage_index = stage_id  # type: ignore[assignment]
         _emit_tensors_only(stage_model, stage_index=stage_id)
         stage_models.append(stage_model)
