@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .hf_masks import _build_or_reuse_pp_causal_mask, _layer_items
+from .hf_transforms import _text_config
 from .hf_utils import (
     _FLOAT_DTYPES,
     _default_positions,
@@ -24,7 +25,6 @@ from .hf_utils import (
     _first_tensor,
     _logits_or_hidden,
     _position_embeddings,
-    _text_config,
     register_pipeline_forward,
 )
 

@@ -100,11 +100,6 @@ def _config_of(module: Any) -> Any:
     return getattr(module, "config", None)
 
 
-def _text_config(config: Any) -> Any:
-    text_config = getattr(config, "text_config", None)
-    return text_config if text_config is not None else config
-
-
 # ------------------------------------------------------------------------------------------------------------
 # Shared pieces of the forwards
 # ------------------------------------------------------------------------------------------------------------

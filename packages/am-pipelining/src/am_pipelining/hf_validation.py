@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from ._compat import is_reentrant_checkpoint_wrapper
-from .hf_transforms import pipeline_forward_problems
+from .hf_transforms import _text_config, pipeline_forward_problems
 from .hf_utils import (
     PIPELINE_FORWARDS,
     _config_of,
@@ -21,7 +21,6 @@ from .hf_utils import (
     _is_vlm,
     _model_type,
     _pipeline_forward_for,
-    _text_config,
     model_keeps_self_forward,
 )
 
