@@ -78,8 +78,8 @@ def validate_hf_model_for_pipeline_support(model: nn.Module) -> None:
     """
     issues: list[str] = []
     config = _config_of(model)
+    name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None) or type(model).__name__
     if config is not None:
-        name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None) or type(model).__name__
         if getattr(config, "is_encoder_decoder", False):
             issues.append(
                 "Encoder-Decoder models with cross-attention are not supported yet for pipeline parallelism: the "
@@ -108,9 +108,6 @@ def validate_hf_model_for_pipeline_support(model: nn.Module) -> None:
                 "values cannot be placed on a different stage from it. Fix: use a variant without KV sharing or pp=1."
             )
         issues.extend(forward_reproduction_problems(model))
-        prefix = f"Model '{name}' is not compatible with pipeline parallelism:"
-    else:
-        prefix = f"Model '{type(model).__name__}' is not compatible with pipeline parallelism:"
     reentrant = _uses_reentrant_checkpointing(model)
     if reentrant:
         shown = ", ".join(reentrant[:4]) + (" ..." if len(reentrant) > 4 else "")
@@ -122,4 +119,4 @@ def validate_hf_model_for_pipeline_support(model: nn.Module) -> None:
         )
     if issues:
         numbered = "\n".join(f"{i}. {issue}" for i, issue in enumerate(issues, start=1))
-        raise ValueError(f"{prefix}\n\n{numbered}")
+        raise ValueError(f"Model '{name}' is not compatible with pipeline parallelism:\n\n{numbered}")

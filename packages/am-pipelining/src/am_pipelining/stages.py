@@ -280,14 +280,11 @@ def _attach_tied_embedding_copies(
     if tied is None:
         return
     embed_fqn, head_fqn = tied
-    owner = {}
-    for fqn in (embed_fqn, head_fqn):
-        module_fqn = fqn.rsplit(".", 1)[0]
-        owner[fqn] = next(
-            (s for s, names in enumerate(names_per_stage) if module_fqn in names),
-            None,
-        )
-    first_stage, last_stage = owner[embed_fqn], owner[head_fqn]
+
+    def owner(fqn: str) -> int | None:
+        return next((s for s, names in enumerate(names_per_stage) if fqn.rsplit(".", 1)[0] in names), None)
+
+    first_stage, last_stage = owner(embed_fqn), owner(head_fqn)
     if first_stage is None or last_stage is None or first_stage == last_stage:
         return  # one stage holds both (deepcopy kept them tied) or one end is absent
 
