@@ -125,12 +125,9 @@ def build_stages(
             "(plan_pipeline(num_layers, pp_size, schedule, ..., local_batch_size=, microbatch_size=)), "
             "or with plan_for_model for explicit stage lists."
         )
-    if explicit is not None:
-        names = explicit
-        problems = module_names_problems(model, layout, names)
-    else:  # generated from the plan, then edited by the model's hook: the hook must keep the model whole
-        names = _default_module_names(model, plan.stage_layers or (), layout)[0]
-        problems = module_names_problems(model, layout, names, explicit=False)
+    # generated lists come from the plan, then the model's hook edits them: the hook must keep the model whole
+    names = explicit if explicit is not None else _default_module_names(model, plan.stage_layers or (), layout)[0]
+    problems = module_names_problems(model, layout, names, explicit=explicit is not None)
     if problems:
         whose = (
             "module_names_per_stage"
