@@ -264,12 +264,11 @@ class AutoPipeline:
         unknown = [key for key in dims if key not in kwargs]
         if unknown:
             raise ValueError(f"Model PP chunk hook returned unknown kwarg: {', '.join(unknown)}")
-        spec: dict[str, Any] = {}
-        for key, value in kwargs.items():
-            spec[key] = TensorChunkSpec(0) if isinstance(value, torch.Tensor) else _compat.replicate_chunk_spec()
-        for key, dim in dims.items():
-            spec[key] = TensorChunkSpec(dim)
-        return spec
+        replicate = _compat.replicate_chunk_spec()
+        spec = {
+            key: TensorChunkSpec(0) if isinstance(value, torch.Tensor) else replicate for key, value in kwargs.items()
+        }
+        return spec | {key: TensorChunkSpec(dim) for key, dim in dims.items()}
 
     def step(
         self,
