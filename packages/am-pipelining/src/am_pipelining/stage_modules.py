@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .hf_utils import _assign_pipeline_forwards, model_keeps_self_forward, statically_defines
-from .hf_validation import _uses_reentrant_checkpointing, check_forward_reproduction
+from .hf_validation import _reentrant_checkpointing_problem, check_forward_reproduction
 from .outputs import pipeline_output_names, read_stage_output
 
 __all__ = ["build_stage_modules", "stage_metas"]
@@ -114,18 +114,6 @@ def _as_stage(module: nn.Module, factory: ForwardFactory, hidden_states_supporte
     module.__class__ = _stage_class(cls, factory, hidden_states_supported=hidden_states_supported)
 
 
-def _check_activation_checkpointing(model: nn.Module) -> None:
-    reentrant = _uses_reentrant_checkpointing(model)
-    if reentrant:
-        raise ValueError(
-            f"Reentrant activation checkpointing is enabled on {', '.join(reentrant[:4])}: pipeline stages run "
-            "torch.autograd.grad on their inputs, which reentrant checkpointing cannot serve (the stage backward "
-            "fails or hangs on stages 1..N-1). Fix: enable checkpointing with use_reentrant=False "
-            "(HF: activation_checkpointing_kwargs={'use_reentrant': False}; torch: "
-            "checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.NO_REENTRANT))."
-        )
-
-
 def _emit_tensors_only(stage_model: nn.Module, *, stage_index: int = -1) -> nn.Module:
     """Make the stage return tensors only: `ModelOutput` -> `.logits`; anything else that is not a tensor or a
     tuple of tensors raises a ValueError (it could not travel to the next stage). Idempotent.
@@ -188,7 +176,9 @@ def build_stage_modules(
         ValueError: listing every forward-level feature of `model` the pipeline forwards would not reproduce
             (`check_forward_reproduction`), before any stage is built.
     """
-    _check_activation_checkpointing(model)
+    reentrant = _reentrant_checkpointing_problem(model)
+    if reentrant is not None:
+        raise ValueError(reentrant)
     check_forward_reproduction(model)
     keep_self_forward = model_keeps_self_forward(model)
     stage_models = []
