@@ -36,6 +36,21 @@ from .registry import is_registered_model_class
 __all__ = ["ModelSupports", "attached_view"]
 
 
+def _mesh_size(axis: str) -> property:
+    """The mesh's ``<axis>_size`` (1 without a mesh)."""
+    return property(lambda self: 1 if self._mesh is None else getattr(self._mesh, f"{axis}_size"))
+
+
+def _declared_flag(name: str) -> property:
+    """The flag ``name`` of the class's capability declaration (False without one)."""
+
+    def read(self: ModelSupports) -> bool:
+        declared = _declared(self.model)
+        return declared is not None and bool(getattr(declared, name))
+
+    return property(read)
+
+
 class ModelSupports:
     """Capability flags of one live model, optionally for a given mesh.
 
@@ -109,21 +124,10 @@ class ModelSupports:
     def mesh(self) -> MeshContext | None:
         return self._mesh
 
-    @property
-    def tp_size(self) -> int:
-        return 1 if self._mesh is None else self._mesh.tp_size
-
-    @property
-    def pp_size(self) -> int:
-        return 1 if self._mesh is None else self._mesh.pp_size
-
-    @property
-    def cp_size(self) -> int:
-        return 1 if self._mesh is None else self._mesh.cp_size
-
-    @property
-    def ep_size(self) -> int:
-        return 1 if self._mesh is None else self._mesh.ep_size
+    tp_size = _mesh_size("tp")
+    pp_size = _mesh_size("pp")
+    cp_size = _mesh_size("cp")
+    ep_size = _mesh_size("ep")
 
     @property
     def declared_capabilities(self) -> ModelCapabilities | None:
@@ -165,25 +169,10 @@ class ModelSupports:
 
     # ---- declared-only flags ---------------------------------------------------------------------------------
 
-    def _declared_flag(self, name: str) -> bool:
-        declared = _declared(self.model)
-        return declared is not None and bool(getattr(declared, name))
-
-    @property
-    def supports_thd(self) -> bool:
-        return self._declared_flag("supports_thd")
-
-    @property
-    def supports_mtp_cp(self) -> bool:
-        return self._declared_flag("supports_mtp_cp")
-
-    @property
-    def supports_mtp_cp_pp(self) -> bool:
-        return self._declared_flag("supports_mtp_cp_pp")
-
-    @property
-    def supports_cp_vision_frame_sharding(self) -> bool:
-        return self._declared_flag("supports_cp_vision_frame_sharding")
+    supports_thd = _declared_flag("supports_thd")
+    supports_mtp_cp = _declared_flag("supports_mtp_cp")
+    supports_mtp_cp_pp = _declared_flag("supports_mtp_cp_pp")
+    supports_cp_vision_frame_sharding = _declared_flag("supports_cp_vision_frame_sharding")
 
     # ---- sequence packing ------------------------------------------------------------------------------------
 

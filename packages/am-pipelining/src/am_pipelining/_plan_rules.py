@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import _compat
@@ -93,17 +93,12 @@ def explicit_layer_problems(stage_layers: Sequence[Sequence[int]], num_layers: i
     return problems
 
 
-class Say:
-    """Names a request value the caller's way (`option_labels`, e.g. "--stages-per-rank 3"), else `name=value`."""
+Say = Callable[[str], str]
+"""Names a request value the caller's way (`option_labels`, e.g. "--stages-per-rank 3"), else `name=value`."""
 
-    def __init__(self, values: Mapping[str, Any], labels: Mapping[str, str] | None) -> None:
-        self.values = values
-        self.labels = dict(labels or {})
 
-    def __call__(self, name: str) -> str:
-        if name in self.labels:
-            return self.labels[name]
-        return f"{name}={self.values.get(name)!r}"
+def sayer(values: Mapping[str, Any], labels: Mapping[str, str] | None) -> Say:
+    return lambda name: (labels or {}).get(name, f"{name}={values.get(name)!r}")
 
 
 def resolve_schedule(schedule: str | type | None, csv: Any, problems: list[str], say: Say) -> type | None:

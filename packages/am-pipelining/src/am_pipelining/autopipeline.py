@@ -21,6 +21,7 @@ from . import _compat
 from .hf_utils import statically_defines, validate_hf_model_for_pipeline_support
 from .planning import plan_pipeline
 from .schedules import check_step_shapes, pipeline_model, reset_pp_stage_shapes
+from .stages import _pipeline_axis
 from .tied import sync_tied_embedding_grads
 
 __all__ = ["AutoPipeline", "PipelineConfig", "PipelineInfo"]
@@ -130,8 +131,7 @@ class AutoPipeline:
         if world_mesh is None:
             raise ValueError("world_mesh must be provided (DeviceMesh with 'pp' axis)")
         _refuse_unsupported_backward_options(patch_stage_backward_maybe_with_nosync, defer_fsdp_grad_sync)
-        names = getattr(world_mesh, "mesh_dim_names", None)
-        self.pp_mesh = world_mesh[pp_axis_name] if names is not None and len(names) > 1 else world_mesh
+        self.pp_mesh = _pipeline_axis(world_mesh, pp_axis_name)
         # Everything that can be checked without the model is checked now; layers_per_stage needs the model's
         # layer count and is planned in build().
         plan_pipeline(
@@ -264,12 +264,11 @@ class AutoPipeline:
         unknown = [key for key in dims if key not in kwargs]
         if unknown:
             raise ValueError(f"Model PP chunk hook returned unknown kwarg: {', '.join(unknown)}")
-        spec: dict[str, Any] = {}
-        for key, value in kwargs.items():
-            spec[key] = TensorChunkSpec(0) if isinstance(value, torch.Tensor) else _compat.replicate_chunk_spec()
-        for key, dim in dims.items():
-            spec[key] = TensorChunkSpec(dim)
-        return spec
+        replicate = _compat.replicate_chunk_spec()
+        spec = {
+            key: TensorChunkSpec(0) if isinstance(value, torch.Tensor) else replicate for key, value in kwargs.items()
+        }
+        return spec | {key: TensorChunkSpec(dim) for key, dim in dims.items()}
 
     def step(
         self,

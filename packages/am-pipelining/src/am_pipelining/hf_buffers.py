@@ -78,11 +78,8 @@ def init_hf_model_buffers(model: nn.Module, device: torch.device | str) -> None:
     """
     problems = []
     for name, module in model.named_modules():
-        is_rotary = type(module).__name__.endswith("RotaryEmbedding")
-        if not is_rotary and not _inv_freq_buffers(module):
-            continue
-        if is_rotary and not _inv_freq_buffers(module):
-            continue  # a rotary module without frequency buffers (computed on the fly): nothing to rebuild
+        if not _inv_freq_buffers(module):
+            continue  # no frequency buffers (also a rotary module that computes them on the fly): nothing to rebuild
         why = _rebuild(module, device)
         if why is not None:
             problems.append(f"{name or '<root>'} ({type(module).__name__}): {why}")

@@ -17,13 +17,14 @@ import torch
 from torch import nn
 
 from .hf_masks import _build_or_reuse_pp_causal_mask, _layer_items
+from .hf_transforms import _text_config
 from .hf_utils import (
     _FLOAT_DTYPES,
     _default_positions,
     _embed_or_take_hidden,
     _first_tensor,
     _logits_or_hidden,
-    _text_config,
+    _position_embeddings,
     register_pipeline_forward,
 )
 
@@ -97,14 +98,7 @@ def create_pipeline_forward_gemma4_text() -> Callable[..., Any]:
         mapping = _build_or_reuse_pp_causal_mask(
             self, hidden, attention_mask, cache_position, given_position_ids, mask_types=kinds
         )
-        rotary_emb = getattr(self, "rotary_emb", None)
-        position_embeddings: dict[str, Any] = {}
-        if rotary_emb is not None:
-            for kind in sorted(kinds):
-                try:
-                    position_embeddings[kind] = rotary_emb(hidden, position_ids, kind)
-                except TypeError:  # rotary without a layer-type argument
-                    position_embeddings[kind] = rotary_emb(hidden, position_ids)
+        position_embeddings = _position_embeddings(self, hidden, position_ids, kinds)
         shared_kv_states = _shared_kv_store()
         for index, layer in layers:
             kind = _gemma4_layer_type(config, index, layer)
@@ -113,7 +107,7 @@ def create_pipeline_forward_gemma4_text() -> Callable[..., Any]:
                     hidden,
                     None,
                     shared_kv_states=shared_kv_states,
-                    position_embeddings=position_embeddings.get(kind),
+                    position_embeddings=position_embeddings.get(kind, position_embeddings.get(None)),
                     attention_mask=mapping.get(kind),
                     position_ids=position_ids,
                     past_key_values=past_key_values,
@@ -159,6 +153,39 @@ def _scatter_features(embeds: torch.Tensor, mask: torch.Tensor, features: torch.
     return embeds.masked_scatter(expanded, features)
 
 
+def _pooled_image_features(output: Any) -> torch.Tensor:
+    """The `pooler_output` of `get_image_features(..., return_dict=True)` as one [N, H] tensor (per-image pieces
+    are concatenated)."""
+    features = output.pooler_output
+    return torch.cat(list(features), dim=0) if isinstance(features, (tuple, list)) else features
+
+
+def _vlm_stage_forward(
+    model: Any,
+    name: str,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    embed_first_stage: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    logits_to_keep: int | torch.Tensor,
+    **text_kwargs: Any,
+) -> torch.Tensor:
+    """What every VLM stage does around its modality-specific part: the first stage (the one holding the text
+    `embed_tokens`) embeds integer `input_ids` [B, S] with `embed_first_stage(embed_tokens, input_ids)`, a later
+    stage takes the previous stage's hidden states [B, S, H] from the `input_ids` slot; then the kept text layers
+    (`text_kwargs` go to the language model) and, on the last stage, the LM head and logit transforms."""
+    language_model = model.model.language_model
+    if inputs_embeds is None and getattr(language_model, "embed_tokens", None) is not None:
+        if input_ids is None or input_ids.dtype in _FLOAT_DTYPES:
+            raise ValueError(f"The first {name} VLM stage needs integer input_ids [B, S].")
+        inputs_embeds = embed_first_stage(language_model.embed_tokens, input_ids)
+    elif inputs_embeds is None:
+        if input_ids is None or input_ids.dtype not in _FLOAT_DTYPES:
+            raise ValueError("Expected float hidden states for non-first PP stage (in the input_ids slot).")
+        inputs_embeds = input_ids
+    hidden = _first_tensor(language_model(input_ids=None, inputs_embeds=inputs_embeds, **text_kwargs))
+    return _logits_or_hidden(model, hidden, logits_to_keep)
+
+
 def create_pipeline_forward_gemma4_vlm() -> Callable[..., Any]:
     """Forward for HF `Gemma4ForConditionalGeneration`.
 
@@ -184,48 +211,39 @@ def create_pipeline_forward_gemma4_vlm() -> Callable[..., Any]:
         **kwargs: Any,
     ) -> torch.Tensor:
         del labels
-        inner = self.model
-        language_model = inner.language_model
-        config = self.config
-        is_first = getattr(language_model, "embed_tokens", None) is not None
-        if is_first and inputs_embeds is None:
-            if input_ids is None or input_ids.dtype in _FLOAT_DTYPES:
-                raise ValueError("The first Gemma4 VLM stage needs integer input_ids [B, S].")
-            if pixel_values is None:
-                pixel_values, grid = _take_media_chunk(self, input_ids, getattr(config, "image_token_id", None))
-                if grid is not None and image_position_ids is None:
-                    image_position_ids = grid
+        inner, config = self.model, self.config
+
+        def embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+            pixels, positions = pixel_values, image_position_ids
+            if pixels is None:
+                pixels, grid = _take_media_chunk(self, input_ids, getattr(config, "image_token_id", None))
+                if grid is not None and positions is None:
+                    positions = grid
             media_mask = torch.zeros_like(input_ids, dtype=torch.bool)
             for token_attr in ("image_token_id", "video_token_id", "audio_token_id"):
                 token_id = getattr(config, token_attr, None)
                 if token_id is not None:
                     media_mask |= input_ids == token_id
             pad_id = getattr(_text_config(config), "pad_token_id", None) or 0
-            inputs_embeds = language_model.embed_tokens(torch.where(media_mask, pad_id, input_ids))
-            if pixel_values is not None and getattr(inner, "vision_tower", None) is not None:
-                features = inner.get_image_features(pixel_values, image_position_ids, return_dict=True).pooler_output
-                if isinstance(features, (tuple, list)):
-                    features = torch.cat(list(features), dim=0)
-                if mm_token_type_ids is not None:
-                    image_mask = mm_token_type_ids == 1
-                else:
-                    image_mask = input_ids == config.image_token_id
-                inputs_embeds = _scatter_features(inputs_embeds, image_mask, features)
-        elif inputs_embeds is None:
-            if input_ids is None or input_ids.dtype not in _FLOAT_DTYPES:
-                raise ValueError("Expected float hidden states for non-first PP stage (in the input_ids slot).")
-            inputs_embeds = input_ids
-        hidden = _first_tensor(
-            language_model(
-                input_ids=None,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                **kwargs,
-            )
+            embeds = embed_tokens(torch.where(media_mask, pad_id, input_ids))
+            if pixels is None or getattr(inner, "vision_tower", None) is None:
+                return embeds
+            features = _pooled_image_features(inner.get_image_features(pixels, positions, return_dict=True))
+            image_mask = mm_token_type_ids == 1 if mm_token_type_ids is not None else input_ids == config.image_token_id
+            return _scatter_features(embeds, image_mask, features)
+
+        return _vlm_stage_forward(
+            self,
+            "Gemma4",
+            input_ids,
+            inputs_embeds,
+            embed,
+            logits_to_keep,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            **kwargs,
         )
-        return _logits_or_hidden(self, hidden, logits_to_keep)
 
     return pipeline_forward_gemma4_vlm
 
@@ -254,44 +272,36 @@ def create_pipeline_forward_mistral3_vlm() -> Callable[..., Any]:
         **kwargs: Any,
     ) -> torch.Tensor:
         del labels
-        inner = self.model
-        language_model = inner.language_model
-        config = self.config
-        is_first = getattr(language_model, "embed_tokens", None) is not None
-        if is_first and inputs_embeds is None:
-            if input_ids is None or input_ids.dtype in _FLOAT_DTYPES:
-                raise ValueError("The first Mistral3 VLM stage needs integer input_ids [B, S].")
-            if pixel_values is None:
-                pixel_values, grid = _take_media_chunk(self, input_ids, getattr(config, "image_token_id", None))
+        inner, config = self.model, self.config
+
+        def embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+            pixels, sizes = pixel_values, image_sizes
+            if pixels is None:
+                pixels, grid = _take_media_chunk(self, input_ids, getattr(config, "image_token_id", None))
                 if grid is not None:
-                    image_sizes = grid
-            inputs_embeds = language_model.embed_tokens(input_ids)
-            if pixel_values is not None and getattr(inner, "vision_tower", None) is not None:
-                if vision_feature_layer is None:
-                    vision_feature_layer = getattr(config, "vision_feature_layer", -1)
-                features = inner.get_image_features(
-                    pixel_values=pixel_values,
-                    image_sizes=image_sizes,
-                    vision_feature_layer=vision_feature_layer,
-                    return_dict=True,
-                ).pooler_output
-                if isinstance(features, (tuple, list)):
-                    features = torch.cat(list(features), dim=0)
-                inputs_embeds = _scatter_features(inputs_embeds, input_ids == config.image_token_id, features)
-        elif inputs_embeds is None:
-            if input_ids is None or input_ids.dtype not in _FLOAT_DTYPES:
-                raise ValueError("Expected float hidden states for non-first PP stage (in the input_ids slot).")
-            inputs_embeds = input_ids
-        hidden = _first_tensor(
-            language_model(
-                input_ids=None,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
+                    sizes = grid
+            embeds = embed_tokens(input_ids)
+            if pixels is None or getattr(inner, "vision_tower", None) is None:
+                return embeds
+            layer = vision_feature_layer
+            if layer is None:
+                layer = getattr(config, "vision_feature_layer", -1)
+            output = inner.get_image_features(
+                pixel_values=pixels, image_sizes=sizes, vision_feature_layer=layer, return_dict=True
             )
+            return _scatter_features(embeds, input_ids == config.image_token_id, _pooled_image_features(output))
+
+        return _vlm_stage_forward(
+            self,
+            "Mistral3",
+            input_ids,
+            inputs_embeds,
+            embed,
+            logits_to_keep,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
         )
-        return _logits_or_hidden(self, hidden, logits_to_keep)
 
     return pipeline_forward_mistral3_vlm
 

@@ -140,15 +140,11 @@ def _text_config(config: Any) -> Any:
 
 
 def _config_items(config: Any) -> dict[str, Any]:
-    items: dict[str, Any] = {}
     if config is None:
-        return items
+        return {}
     to_dict = getattr(config, "to_dict", None)
     raw = to_dict() if callable(to_dict) else dict(getattr(config, "__dict__", {}))
-    for key, value in raw.items():
-        if not key.startswith("_"):
-            items[key] = value
-    return items
+    return {key: value for key, value in raw.items() if not key.startswith("_")}
 
 
 def active_forward_transforms(config: Any, where: str) -> list[tuple[ForwardTransform, Any]]:

@@ -100,11 +100,6 @@ def _config_of(module: Any) -> Any:
     return getattr(module, "config", None)
 
 
-def _text_config(config: Any) -> Any:
-    text_config = getattr(config, "text_config", None)
-    return text_config if text_config is not None else config
-
-
 # ------------------------------------------------------------------------------------------------------------
 # Shared pieces of the forwards
 # ------------------------------------------------------------------------------------------------------------
@@ -416,31 +411,50 @@ def _forward_plan(model: nn.Module) -> _ForwardPlan:
     return _ForwardPlan(model, "", text_factory, None, False)
 
 
+def _generic_text_forward() -> Callable[..., Any]:
+    """The text decoder's pipeline forward when the model's `PIPELINE_FORWARDS` entry names none."""
+    return create_pipeline_forward_inner("PipelineStage")
+
+
+def _assign_pipeline_forwards(
+    model: nn.Module, *, inner: bool, outer: bool, assign: Callable[[nn.Module, Callable[[], Any], bool], None]
+) -> None:
+    """Give `model`'s modules their pipeline forwards as `_forward_plan` resolves them, through
+    `assign(module, forward_factory, hidden_states_supported)`: the text decoder the text forward (`inner`), the
+    top-level model of a causal LM or VLM the outer forward (`outer`); a bare decoder is its own text decoder.
+    `hidden_states_supported`: the generic causal-LM forward can return hidden states."""
+    plan = _forward_plan(model)
+    text_factory = plan.text_factory or _generic_text_forward
+    if not plan.has_outer:
+        if inner:
+            assign(model, text_factory, False)
+        return
+    if inner:
+        assign(plan.text_module, text_factory, False)
+    if outer:
+        if plan.outer_factory is not None:
+            assign(model, plan.outer_factory, False)
+        else:
+            assign(model, create_pipeline_forward_causal_lm, True)
+
+
+def _bind_forward(module: nn.Module, factory: Callable[[], Any], hidden_states_supported: bool) -> None:
+    bind_method(module, "forward", factory())
+    if hidden_states_supported:
+        module._pp_return_hidden_states_supported = True  # type: ignore[assignment]
+
+
 def patch_hf_model_for_pp(model: Any, patch_inner_model: bool = True, patch_causal_lm_model: bool = True) -> nn.Module:
     """Bind pipeline-friendly forwards onto `model` (in place) and return it: upstream's API, kept for its callers.
     The stage builder does not patch: `build_stage_modules` gives its own copies the same forwards as their
-    classes' (`stage_modules._stage_class`), from the same resolution (`_forward_plan`).
+    classes' (`stage_modules._stage_class`), from the same resolution (`_assign_pipeline_forwards`).
 
     Skip this for models that keep their own forward (`model_keeps_self_forward`). The model's `PIPELINE_FORWARDS`
     entry (if any) picks the forwards: a multimodal entry patches `model.model.language_model` and the top-level
     model; otherwise the inner `.model` (causal LM) or the model itself (a bare decoder) gets the text forward, and a
     causal LM's top-level model the generic causal-LM forward.
     """
-    plan = _forward_plan(model)
-    factory = plan.text_factory
-    text_forward = factory() if factory is not None else create_pipeline_forward_inner("PipelineStage")
-    if not plan.has_outer:
-        if patch_inner_model:
-            bind_method(model, "forward", text_forward)
-        return model
-    if patch_inner_model:
-        bind_method(plan.text_module, "forward", text_forward)
-    if patch_causal_lm_model:
-        if plan.outer_factory is not None:
-            bind_method(model, "forward", plan.outer_factory())
-        else:
-            bind_method(model, "forward", create_pipeline_forward_causal_lm())
-            model._pp_return_hidden_states_supported = True
+    _assign_pipeline_forwards(model, inner=patch_inner_model, outer=patch_causal_lm_model, assign=_bind_forward)
     return model
 
 

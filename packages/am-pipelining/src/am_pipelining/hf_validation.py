@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from ._compat import is_reentrant_checkpoint_wrapper
-from .hf_transforms import pipeline_forward_problems
+from .hf_transforms import _text_config, pipeline_forward_problems
 from .hf_utils import (
     PIPELINE_FORWARDS,
     _config_of,
@@ -21,7 +21,6 @@ from .hf_utils import (
     _is_vlm,
     _model_type,
     _pipeline_forward_for,
-    _text_config,
     model_keeps_self_forward,
 )
 
@@ -44,8 +43,9 @@ def forward_reproduction_problems(model: nn.Module) -> list[str]:
     )
 
 
-def _uses_reentrant_checkpointing(model: nn.Module) -> list[str]:
-    """Names of modules that run reentrant activation checkpointing (torch wrapper or HF's setting)."""
+def _reentrant_checkpointing_problem(model: nn.Module) -> str | None:
+    """Why `model`'s activation checkpointing breaks the stage backward: the modules that run reentrant
+    checkpointing (torch wrapper or HF's setting) and the fix; None when none does."""
     found = []
     for name, module in model.named_modules():
         if is_reentrant_checkpoint_wrapper(module):
@@ -56,7 +56,15 @@ def _uses_reentrant_checkpointing(model: nn.Module) -> list[str]:
             keywords = getattr(func, "keywords", None) or {}
             if keywords.get("use_reentrant", False) is True:
                 found.append(name or "<root>")
-    return found
+    if not found:
+        return None
+    shown = ", ".join(found[:4]) + (" ..." if len(found) > 4 else "")
+    return (
+        f"Reentrant activation checkpointing is enabled on {shown}: the stage backward calls torch.autograd.grad on "
+        "stage inputs, which reentrant checkpointing does not support (the backward of stages 1..N-1 fails or "
+        "hangs). Fix: use `use_reentrant=False` (HF: activation_checkpointing_enable(activation_checkpointing_kwargs="
+        "{'use_reentrant': False}); torch: checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.NO_REENTRANT))."
+    )
 
 
 def check_forward_reproduction(model: nn.Module) -> None:
@@ -79,8 +87,8 @@ def validate_hf_model_for_pipeline_support(model: nn.Module) -> None:
     """
     issues: list[str] = []
     config = _config_of(model)
+    name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None) or type(model).__name__
     if config is not None:
-        name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None) or type(model).__name__
         if getattr(config, "is_encoder_decoder", False):
             issues.append(
                 "Encoder-Decoder models with cross-attention are not supported yet for pipeline parallelism: the "
@@ -109,18 +117,9 @@ def validate_hf_model_for_pipeline_support(model: nn.Module) -> None:
                 "values cannot be placed on a different stage from it. Fix: use a variant without KV sharing or pp=1."
             )
         issues.extend(forward_reproduction_problems(model))
-        prefix = f"Model '{name}' is not compatible with pipeline parallelism:"
-    else:
-        prefix = f"Model '{type(model).__name__}' is not compatible with pipeline parallelism:"
-    reentrant = _uses_reentrant_checkpointing(model)
-    if reentrant:
-        shown = ", ".join(reentrant[:4]) + (" ..." if len(reentrant) > 4 else "")
-        issues.append(
-            f"Reentrant activation checkpointing is enabled on {shown}: the stage backward calls "
-            "torch.autograd.grad on stage inputs, which reentrant checkpointing does not support. Fix: use "
-            "`use_reentrant=False` (HF: activation_checkpointing_enable(activation_checkpointing_kwargs="
-            "{'use_reentrant': False}); torch: checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.NO_REENTRANT))."
-        )
+    reentrant = _reentrant_checkpointing_problem(model)
+    if reentrant is not None:
+        issues.append(reentrant)
     if issues:
         numbered = "\n".join(f"{i}. {issue}" for i, issue in enumerate(issues, start=1))
-        raise ValueError(f"{prefix}\n\n{numbered}")
+        raise ValueError(f"Model '{name}' is not compatible with pipeline parallelism:\n\n{numbered}")

@@ -269,5 +269,6 @@ class MTPLossConfig:
     def build(
         self, loss_fn: Callable[..., torch.Tensor], model: Any, *, grad_reduce_group: Any = None
     ) -> PipelineCausalLMLoss:
-        _refuse_grad_reduce_group(grad_reduce_group)
-        return PipelineCausalLMLoss(loss_fn, model, self.scaling_factor, ignore_index=self.ignore_index)
+        return PipelineCausalLMLoss(
+            loss_fn, model, self.scaling_factor, ignore_index=self.ignore_index, grad_reduce_group=grad_reduce_group
+        )

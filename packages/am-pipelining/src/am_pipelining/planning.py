@@ -21,7 +21,6 @@ from typing import Any
 
 from . import _compat
 from ._plan_rules import (
-    Say,
     batch_problems,
     csv_problems,
     explicit_layer_problems,
@@ -29,6 +28,7 @@ from ._plan_rules import (
     per_rank_problems,
     place_stages,
     resolve_schedule,
+    sayer,
     schedule_placement_style,
     split_layer_ranges,
     stage_count,
@@ -185,7 +185,7 @@ def plan_pipeline(
         "local_batch_size": local_batch_size,
         "microbatch_size": microbatch_size,
     }
-    say = Say(values, option_labels)
+    say = sayer(values, option_labels)
     problems: list[str] = []
     schedule_class = resolve_schedule(schedule, csv, problems, say)
     problems += csv_problems(csv)

@@ -15,14 +15,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from . import _compat
 from .planning import PipelinePlan, csv_problems, plan_pipeline
 from .stage_names import plan_for_model
-from .stages import _set_static_shapes, build_stages
+from .stages import _pipeline_axis, _pp_rank_size_group, _set_static_shapes, build_stages
 
 __all__ = [
     "ParallelizeFnProtocol",
@@ -271,9 +270,8 @@ def pipeline_model(
             ep_axis_name=ep_axis_name,
             ep_shard_axis_names=ep_shard_axis_names,
         )
-    names = getattr(world_mesh, "mesh_dim_names", None)
-    pp_mesh = world_mesh[pp_axis_name] if names is not None and len(names) > 1 else world_mesh
-    pp_size = pp_mesh.size() if hasattr(pp_mesh, "size") else dist.get_world_size(pp_mesh)
+    pp_mesh = _pipeline_axis(world_mesh, pp_axis_name)
+    pp_size = _pp_rank_size_group(pp_mesh)[1]
     if pp_size <= 1:
         raise ValueError(f"Pipeline parallelism is not enabled: the {pp_axis_name!r} mesh axis has size {pp_size}.")
     # With a CSV, the schedule name (if any) still decides stages per rank and placement; without one, the CSV

@@ -25,14 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .hf_utils import (
-    _forward_plan,
-    create_pipeline_forward_causal_lm,
-    create_pipeline_forward_inner,
-    model_keeps_self_forward,
-    statically_defines,
-)
-from .hf_validation import _uses_reentrant_checkpointing, check_forward_reproduction
+from .hf_utils import _assign_pipeline_forwards, model_keeps_self_forward, statically_defines
+from .hf_validation import _reentrant_checkpointing_problem, check_forward_reproduction
 from .outputs import pipeline_output_names, read_stage_output
 
 __all__ = ["build_stage_modules", "stage_metas"]
@@ -92,11 +86,6 @@ ForwardFactory = Callable[[], Callable[..., Any]]
 _STAGE_CLASSES: dict[tuple[type, ForwardFactory], type] = {}
 
 
-def _generic_text_forward() -> Callable[..., Any]:
-    """The text decoder's pipeline forward when the model's `PIPELINE_FORWARDS` entry names none."""
-    return create_pipeline_forward_inner("PipelineStage")
-
-
 def _stage_class(cls: type, factory: ForwardFactory, *, hidden_states_supported: bool = False) -> type:
     """The subclass of `cls` whose `forward` is `factory()` (made once per class and factory, then reused).
 
@@ -119,41 +108,10 @@ def _stage_class(cls: type, factory: ForwardFactory, *, hidden_states_supported:
     return found
 
 
-def _as_stage(module: nn.Module, factory: ForwardFactory, *, hidden_states_supported: bool = False) -> None:
+def _as_stage(module: nn.Module, factory: ForwardFactory, hidden_states_supported: bool = False) -> None:
     """Make `module` (a stage's own copy, never the caller's model) an instance of its stage class."""
     cls = getattr(type(module), "_am_pipeline_stage_of", type(module))
     module.__class__ = _stage_class(cls, factory, hidden_states_supported=hidden_states_supported)
-
-
-def _use_pipeline_forwards(stage_model: nn.Module, *, inner: bool, outer: bool) -> None:
-    """Give a stage copy its pipeline forwards, as `hf_utils._forward_plan` assigns them (the resolution
-    `patch_hf_model_for_pp` uses): the text decoder the text forward (`inner`), the top-level model of a causal LM
-    or VLM the outer forward (`outer`); a bare decoder is its own text decoder."""
-    plan = _forward_plan(stage_model)
-    text_factory = plan.text_factory or _generic_text_forward
-    if not plan.has_outer:
-        if inner:
-            _as_stage(stage_model, text_factory)
-        return
-    if inner:
-        _as_stage(plan.text_module, text_factory)
-    if outer:
-        if plan.outer_factory is not None:
-            _as_stage(stage_model, plan.outer_factory)
-        else:
-            _as_stage(stage_model, create_pipeline_forward_causal_lm, hidden_states_supported=True)
-
-
-def _check_activation_checkpointing(model: nn.Module) -> None:
-    reentrant = _uses_reentrant_checkpointing(model)
-    if reentrant:
-        raise ValueError(
-            f"Reentrant activation checkpointing is enabled on {', '.join(reentrant[:4])}: pipeline stages run "
-            "torch.autograd.grad on their inputs, which reentrant checkpointing cannot serve (the stage backward "
-            "fails or hangs on stages 1..N-1). Fix: enable checkpointing with use_reentrant=False "
-            "(HF: activation_checkpointing_kwargs={'use_reentrant': False}; torch: "
-            "checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.NO_REENTRANT))."
-        )
 
 
 def _emit_tensors_only(stage_model: nn.Module, *, stage_index: int = -1) -> nn.Module:
@@ -218,7 +176,9 @@ def build_stage_modules(
         ValueError: listing every forward-level feature of `model` the pipeline forwards would not reproduce
             (`check_forward_reproduction`), before any stage is built.
     """
-    _check_activation_checkpointing(model)
+    reentrant = _reentrant_checkpointing_problem(model)
+    if reentrant is not None:
+        raise ValueError(reentrant)
     check_forward_reproduction(model)
     keep_self_forward = model_keeps_self_forward(model)
     stage_models = []
@@ -229,7 +189,10 @@ def build_stage_modules(
             module.__dict__.pop("_pp_causal_mask_cache", None)
             module.__dict__.pop("_pp_mask_builds", None)
         if not keep_self_forward:
-            _use_pipeline_forwards(stage_model, inner=patch_inner_model, outer=patch_causal_lm_model)
+            # the forwards `patch_hf_model_for_pp` would bind, made the stage classes' own
+            _assign_pipeline_forwards(
+                stage_model, inner=patch_inner_model, outer=patch_causal_lm_model, assign=_as_stage
+            )
         stage_model._pp_stage_index = stage_id  # type: ignore[assignment]
         _emit_tensors_only(stage_model, stage_index=stage_id)
         stage_models.append(stage_model)

@@ -44,21 +44,14 @@ def generate_hf_model_fqn_per_model_part(
     Raises:
         ValueError: fewer than 1 stage or more stages than layers.
     """
+    options = include_embeddings, include_lm_head, include_rotary_emb, include_multimodal_encoders
     return _module_names_for_layers(
-        split_layers(num_layers, num_stages),
-        include_embeddings=include_embeddings,
-        include_lm_head=include_lm_head,
-        include_rotary_emb=include_rotary_emb,
-        include_multimodal_encoders=include_multimodal_encoders,
-        extra_module_fqns=extra_module_fqns,
-        fqn_prefix=fqn_prefix,
-        lm_head_fqn=lm_head_fqn,
+        split_layers(num_layers, num_stages), *options, extra_module_fqns, fqn_prefix, lm_head_fqn
     )
 
 
 def _module_names_for_layers(
     stage_layers: Sequence[Sequence[int]],
-    *,
     include_embeddings: bool,
     include_lm_head: bool,
     include_rotary_emb: bool,
@@ -123,7 +116,7 @@ def _stage_layers_from_names(names_per_stage: Sequence[Sequence[str]], layout: D
         for name in names:
             if name == container:
                 layers.extend(all_layers)
-            elif name.startswith(container + ".") and name[len(container) + 1 :].isdigit():
+            elif _is_layer_name(name, container):
                 layers.append(int(name[len(container) + 1 :]))
         stage_layers.append(layers)
     return stage_layers

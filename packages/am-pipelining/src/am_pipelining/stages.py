@@ -125,12 +125,9 @@ def build_stages(
             "(plan_pipeline(num_layers, pp_size, schedule, ..., local_batch_size=, microbatch_size=)), "
             "or with plan_for_model for explicit stage lists."
         )
-    if explicit is not None:
-        names = explicit
-        problems = module_names_problems(model, layout, names)
-    else:  # generated from the plan, then edited by the model's hook: the hook must keep the model whole
-        names = _default_module_names(model, plan.stage_layers or (), layout)[0]
-        problems = module_names_problems(model, layout, names, explicit=False)
+    # generated lists come from the plan, then the model's hook edits them: the hook must keep the model whole
+    names = explicit if explicit is not None else _default_module_names(model, plan.stage_layers or (), layout)[0]
+    problems = module_names_problems(model, layout, names, explicit=explicit is not None)
     if problems:
         whose = (
             "module_names_per_stage"
@@ -280,14 +277,11 @@ def _attach_tied_embedding_copies(
     if tied is None:
         return
     embed_fqn, head_fqn = tied
-    owner = {}
-    for fqn in (embed_fqn, head_fqn):
-        module_fqn = fqn.rsplit(".", 1)[0]
-        owner[fqn] = next(
-            (s for s, names in enumerate(names_per_stage) if module_fqn in names),
-            None,
-        )
-    first_stage, last_stage = owner[embed_fqn], owner[head_fqn]
+
+    def owner(fqn: str) -> int | None:
+        return next((s for s, names in enumerate(names_per_stage) if fqn.rsplit(".", 1)[0] in names), None)
+
+    first_stage, last_stage = owner(embed_fqn), owner(head_fqn)
     if first_stage is None or last_stage is None or first_stage == last_stage:
         return  # one stage holds both (deepcopy kept them tied) or one end is absent
 
