@@ -34,7 +34,7 @@ from am_model_contract import (
     TensorParallelContract,
 )
 from am_moe import GroupedExperts, LoadBalancing
-from am_precision import compute_lm_head_logits
+from am_precision import compute_lm_head_logits, prepare_for_final_backward, prepare_for_grad_accumulation
 
 from . import checkpoint
 from .attention import Gemma4Attention
@@ -92,6 +92,7 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
     moe_load_balancing: ClassVar[LoadBalancing] = LoadBalancing()
     supports_gradient_checkpointing = True  # recomputation is exact, dense and MoE (trainer parity at dp 2 x ep 2)
     config: Any
+    model: nn.Module
     lm_head: nn.Linear
 
     @classmethod
@@ -157,6 +158,24 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
         backends = [m.backend for m in self.modules() if isinstance(m, Gemma4MoE)]  # one backend for every layer
         options = expert_parallel_options(backends[0] if backends else None, dispatcher=dispatcher)
         return am_moe.apply_expert_parallel(self, ep_mesh, **options)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()  # type: ignore[operator]  # the text embedding, in either model
+
+    def prepare_for_grad_accumulation(self, pp_enabled: bool = False) -> None:
+        """With `backend.enable_fsdp_optimizations` (upstream's MoE FSDP hook): before the first backward of an
+        optimizer step, defer every FSDP unit's reduce-scatter and resharding (`am_precision.fsdp_sync`; a no-op
+        under pipeline parallelism, without the option, or without a backend)."""
+        backend = getattr(self.model, "language_model", self.model).backend  # the text model's
+        if backend is not None and backend.enable_fsdp_optimizations:
+            prepare_for_grad_accumulation(self, pp_enabled=pp_enabled)
+
+    def prepare_for_final_backward(self, pp_enabled: bool = False) -> None:
+        """With `backend.enable_fsdp_optimizations`: before the last backward of an optimizer step, turn the
+        reduce-scatter and resharding back on (`am_precision.fsdp_sync`)."""
+        backend = getattr(self.model, "language_model", self.model).backend
+        if backend is not None and backend.enable_fsdp_optimizations:
+            prepare_for_final_backward(self, pp_enabled=pp_enabled)
 
     def logits_and_loss(
         self, hidden: torch.Tensor, labels: torch.Tensor | None, *, logits_to_keep: int = 0

@@ -32,7 +32,7 @@ from transformers.models.gemma4.modeling_gemma4 import (
     get_block_sequence_ids_for_mask,
 )
 
-from am_precision import BackendConfig, prepare_for_final_backward, prepare_for_grad_accumulation
+from am_precision import BackendConfig
 
 from .config import check_moe_config, normalize_text_config
 from .cp import active_ring_context, tokens_before_this_rank
@@ -167,24 +167,6 @@ class Gemma4ForConditionalGeneration(Gemma4PreTrainedModel):
             tied = getattr(self.config.text_config, "tie_word_embeddings", True)
         if tied:
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.model.language_model.embed_tokens
-
-    def prepare_for_grad_accumulation(self, pp_enabled: bool = False) -> None:
-        """With `backend.enable_fsdp_optimizations` (upstream's MoE FSDP hook): before the first backward of an
-        optimizer step, defer every FSDP unit's reduce-scatter and resharding (`am_precision.fsdp_sync`; a no-op
-        under pipeline parallelism, without the option, or without a backend)."""
-        backend = self.model.language_model.backend
-        if backend is not None and backend.enable_fsdp_optimizations:
-            prepare_for_grad_accumulation(self, pp_enabled=pp_enabled)
-
-    def prepare_for_final_backward(self, pp_enabled: bool = False) -> None:
-        """With `backend.enable_fsdp_optimizations`: before the last backward of an optimizer step, turn the
-        reduce-scatter and resharding back on (`am_precision.fsdp_sync`)."""
-        backend = self.model.language_model.backend
-        if backend is not None and backend.enable_fsdp_optimizations:
-            prepare_for_final_backward(self, pp_enabled=pp_enabled)
 
     def _media_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros_like(input_ids, dtype=torch.bool)
