@@ -117,39 +117,18 @@ class NemotronBlock(nn.Module):
         MLP / MoE are token-local."""
         fp8 = self.te_fp8.maybe_te_autocast() if self.te_fp8 is not None else contextlib.nullcontext()
         with fp8:
-            return self._forward(
-                hidden_states,
-                attention_mask=attention_mask,
-                mamba_mask=mamba_mask,
-                padding_mask=padding_mask,
-                seq_idx=seq_idx,
-                cache=cache,
-                cp=cp,
-            )
-
-    def _forward(
-        self,
-        hidden_states: torch.Tensor,
-        *,
-        attention_mask: torch.Tensor | None,
-        mamba_mask: torch.Tensor | None,
-        padding_mask: torch.Tensor | None,
-        seq_idx: torch.Tensor | None,
-        cache: Any | None,
-        cp: Any | None,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        normed = self.norm(hidden_states)
-        if self.block_type == "mamba":
-            mamba_cp = cp.mamba if cp is not None else None
-            out = self.mixer(normed, cache=cache, attention_mask=mamba_mask, seq_idx=seq_idx, cp=mamba_cp)
-        elif self.block_type == "attention":
-            ring = cp.ring if cp is not None else None
-            out = self.mixer(normed, attention_mask=attention_mask, cache=cache, ring=ring)
-        elif self.block_type == "moe":
-            out = self.mixer(normed, padding_mask=padding_mask)
-        else:
-            out = self.mixer(normed)
-        if self.residual_in_fp32:
-            return (residual.float() + out.float()).to(hidden_states.dtype)
-        return residual + out
+            residual = hidden_states
+            normed = self.norm(hidden_states)
+            if self.block_type == "mamba":
+                mamba_cp = cp.mamba if cp is not None else None
+                out = self.mixer(normed, cache=cache, attention_mask=mamba_mask, seq_idx=seq_idx, cp=mamba_cp)
+            elif self.block_type == "attention":
+                ring = cp.ring if cp is not None else None
+                out = self.mixer(normed, attention_mask=attention_mask, cache=cache, ring=ring)
+            elif self.block_type == "moe":
+                out = self.mixer(normed, padding_mask=padding_mask)
+            else:
+                out = self.mixer(normed)
+            if self.residual_in_fp32:
+                return (residual.float() + out.float()).to(hidden_states.dtype)
+            return residual + out
