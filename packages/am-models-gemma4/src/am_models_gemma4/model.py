@@ -345,13 +345,6 @@ class Gemma4ForCausalLM(Gemma4PreTrainedModel):
         self.tie_weights()
         self._init_generation_config(config)
 
-    def tie_weights(self) -> None:
-        """Point `lm_head.weight` at the input embedding when `tie_word_embeddings` (the Gemma 4 default). A pipeline
-        stage holding only one of the two (the other is None) is left alone: am-pipelining keeps the copies equal."""
-        head, embed = self.lm_head, getattr(self.model, "embed_tokens", None)
-        if getattr(self.config, "tie_word_embeddings", True) and head is not None and embed is not None:
-            head.weight = embed.weight
-
     def forward(
         self,
         input_ids: torch.Tensor | None = None,

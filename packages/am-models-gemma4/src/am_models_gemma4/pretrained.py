@@ -39,7 +39,7 @@ from am_precision import compute_lm_head_logits, prepare_for_final_backward, pre
 from . import checkpoint
 from .attention import Gemma4Attention
 from .backend import expert_parallel_options
-from .config import is_moe_config, text_config_of
+from .config import is_moe_config, text_config_of, ties_word_embeddings
 from .cp import active_ring_context
 from .generation import Gemma4GenerationMixin
 from .kernels import default_ring_kernel
@@ -158,6 +158,14 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
         backends = [m.backend for m in self.modules() if isinstance(m, Gemma4MoE)]  # one backend for every layer
         options = expert_parallel_options(backends[0] if backends else None, dispatcher=dispatcher)
         return am_moe.apply_expert_parallel(self, ep_mesh, **options)
+
+    def tie_weights(self) -> None:
+        """Point `lm_head.weight` at the text embedding when `tie_word_embeddings` (`config.ties_word_embeddings`). A
+        pipeline stage holding only one of the two (the other is None) is left alone: am-pipelining keeps the copies
+        equal."""
+        head, embed = self.lm_head, getattr(getattr(self.model, "language_model", self.model), "embed_tokens", None)
+        if ties_word_embeddings(self.config) and head is not None and embed is not None:
+            head.weight = embed.weight
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.get_input_embeddings()  # type: ignore[operator]  # the text embedding, in either model

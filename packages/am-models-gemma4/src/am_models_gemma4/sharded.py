@@ -24,7 +24,7 @@ from torch import nn
 import am_moe
 from am_model_io import InitUnit, materialize_sharded_
 
-from .config import text_config_of
+from .config import text_config_of, ties_word_embeddings
 from .model import init_module_weights
 
 __all__ = ["init_units", "materialize_sharded", "meta_twin", "restore_constructed_buffers_"]
@@ -64,7 +64,7 @@ def init_units(model: nn.Module) -> list[InitUnit]:
             units.append(InitUnit(f"{prefix}.{name}", tree))
     if getattr(model.model, "vision_tower", None) is not None:
         units += _vision_units(model)
-    if not _tied(model):
+    if not ties_word_embeddings(model.config):
         units.append(InitUnit("lm_head", tree))
     return units
 
@@ -92,13 +92,6 @@ def _vision_units(model: nn.Module) -> list[InitUnit]:
             units.append(InitUnit(full, vision))
     units.append(InitUnit("model.embed_vision", vision))
     return units
-
-
-def _tied(model: nn.Module) -> bool:
-    tied = getattr(model.config, "tie_word_embeddings", None)
-    if tied is None:
-        tied = getattr(text_config_of(model.config), "tie_word_embeddings", True)
-    return bool(tied)
 
 
 @torch.no_grad()

@@ -20,7 +20,6 @@ gradients, summed over the CP group, are the full-sequence gradients.
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Any, ClassVar
 
 import torch
@@ -49,9 +48,6 @@ _UNSUPPORTED_MEDIA_KWARGS = (
     "input_features_mask",
     "num_frames_per_video",
 )
-
-
-_logger = logging.getLogger(__name__)
 
 
 class Gemma4Model(nn.Module):
@@ -159,14 +155,6 @@ class Gemma4ForConditionalGeneration(Gemma4PreTrainedModel):
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_weights()
         self._init_generation_config(config)
-
-    def tie_weights(self) -> None:
-        """Point `lm_head.weight` at the text embedding when `tie_word_embeddings` (top-level flag wins)."""
-        tied = getattr(self.config, "tie_word_embeddings", None)
-        if tied is None:
-            tied = getattr(self.config.text_config, "tie_word_embeddings", True)
-        if tied:
-            self.lm_head.weight = self.model.language_model.embed_tokens.weight
 
     def _media_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros_like(input_ids, dtype=torch.bool)
