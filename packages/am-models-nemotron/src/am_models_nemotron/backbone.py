@@ -158,7 +158,7 @@ class NemotronV3Model(nn.Module):
                 past_length=past,
                 attention_mask=attention_mask,
                 causal_mask_mapping=causal_mask_mapping,
-                layout_kwargs=layout_kwargs,
+                **layout_kwargs,
                 cp_problems=lambda _cp: block_cp_problems(self.layers.values(), seqlen=seqlen, training=self.training),
             )
         elif layout_kwargs or attention_mask is not None or causal_mask_mapping is not None:
