@@ -92,7 +92,7 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
     moe_load_balancing: ClassVar[LoadBalancing] = LoadBalancing()
     supports_gradient_checkpointing = True  # recomputation is exact, dense and MoE (trainer parity at dp 2 x ep 2)
     config: Any
-    model: nn.Module
+    model: Any  # the subclass's: Gemma4TextModel, or Gemma4Model (text model as `language_model`)
     lm_head: nn.Linear
 
     @classmethod
@@ -168,7 +168,7 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
             head.weight = embed.weight
 
     def get_input_embeddings(self) -> nn.Module:
-        return self.model.get_input_embeddings()  # type: ignore[operator]  # the text embedding, in either model
+        return self.model.get_input_embeddings()  # the text embedding, in either model
 
     def prepare_for_grad_accumulation(self, pp_enabled: bool = False) -> None:
         """With `backend.enable_fsdp_optimizations` (upstream's MoE FSDP hook): before the first backward of an

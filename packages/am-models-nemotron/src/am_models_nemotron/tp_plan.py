@@ -220,7 +220,9 @@ def _gather_all(model: nn.Module, read: Any, group: Any) -> dict[str, torch.Tens
     full: dict[str, torch.Tensor] = {}
     for prefix, mixer in model.named_modules():
         segments = getattr(mixer, "_tp_full_segments", None)
-        for name, tensor in _mamba2_tensors(mixer, read) if segments is not None else []:
+        if segments is None:
+            continue
+        for name, tensor in _mamba2_tensors(mixer, read):
             if tensor is not None:
                 full[f"{prefix}.{name}"] = _gather_one(name, tensor, segments, group)
     return full
