@@ -18,6 +18,7 @@ embedding (and the vision tower, through the image rows a rank consumes) receive
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, ClassVar, Self
 
@@ -209,9 +210,7 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
     def from_config(cls, config: Any, *, device: torch.device | str | None = None, **kwargs: Any) -> Self:
         """A randomly initialized model from a config (`cls(config, **kwargs)`); `device="meta"` builds the full
         model without storage (then shard it and use `sharded.materialize_sharded` or `load_sharded_checkpoint`)."""
-        if device is None:
-            return cls(config, **kwargs)
-        with torch.device(device):
+        with torch.device(device) if device is not None else contextlib.nullcontext():
             return cls(config, **kwargs)
 
     @classmethod

@@ -37,10 +37,6 @@ def meta_twin(model: nn.Module) -> nn.Module:
         return type(model)(model.config)
 
 
-def _text_prefix(model: nn.Module) -> str:
-    return "model.language_model" if hasattr(model.model, "language_model") else "model"
-
-
 def init_units(model: nn.Module) -> list[InitUnit]:
     """The units of the seeded init of a `Gemma4ForCausalLM` or `Gemma4ForConditionalGeneration`: each decoder layer,
     every other child of the text model (embeddings, norm, per-layer-input modules, RoPE), and the LM head when it is
@@ -54,7 +50,7 @@ def init_units(model: nn.Module) -> list[InitUnit]:
             init_module_weights(sub, std=std)
         restore_constructed_buffers_(module, config=text)
 
-    prefix = _text_prefix(model)
+    prefix = "model.language_model" if hasattr(model.model, "language_model") else "model"
     units = []
     text_model: Any = model.get_submodule(prefix)
     for name, child in text_model.named_children():
