@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from am_moe import LoadBalancing
 from am_precision import BackendConfig, initialize_rms_norm_module
 
+from ._init import reset_linear_
 from .backend import resolve_backend
 from .blocks import NemotronBlock
 from .config import NemotronConfig
@@ -100,9 +101,7 @@ class NemotronV3Model(nn.Module):
             move_buffers_(self, buffer_device)
         if self.embed_tokens is not None:
             nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=cfg.initializer_range)
-        reset = getattr(self.norm, "reset_parameters", None)
-        if callable(reset):
-            reset()
+        reset_linear_(self.norm)
         for layer in self.layers.values():
             layer.init_weights(  # type: ignore[operator]
                 num_hidden_layers=cfg.num_hidden_layers, rescale_prenorm_residual=cfg.rescale_prenorm_residual

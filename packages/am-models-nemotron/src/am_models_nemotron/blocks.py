@@ -17,6 +17,7 @@ from torch import nn
 
 from am_precision import BackendConfig, initialize_rms_norm_module
 
+from ._init import reset_linear_
 from .attention import NemotronAttention
 from .backend import resolve_backend
 from .config import BLOCK_KINDS, NemotronConfig
@@ -90,9 +91,7 @@ class NemotronBlock(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, *, num_hidden_layers: int, rescale_prenorm_residual: bool) -> None:
-        reset = getattr(self.norm, "reset_parameters", None)
-        if callable(reset):
-            reset()
+        reset_linear_(self.norm)
         if isinstance(self.mixer, Mamba2Mixer):
             self.mixer.init_weights(
                 num_hidden_layers=num_hidden_layers, rescale_prenorm_residual=rescale_prenorm_residual
