@@ -179,7 +179,7 @@ def test_fused_rotary_tables_carry_the_angles_of_transformers_cos_and_sin() -> N
 def test_fsdp_optimizations_drive_the_fsdp_hooks_only_when_asked(monkeypatch) -> None:
     """enable_fsdp_optimizations: prepare_for_grad_accumulation / prepare_for_final_backward (upstream's hooks) call
     am-precision's deferred-sync functions (run on a 2-rank FSDP2 group in am-precision's test_fsdp2.py)."""
-    import am_models_gemma4.model as model_module
+    import am_models_gemma4.pretrained as model_module  # where the hooks look the functions up
 
     seen: list[tuple[str, bool]] = []
     monkeypatch.setattr(

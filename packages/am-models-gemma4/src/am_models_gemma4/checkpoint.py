@@ -13,6 +13,7 @@ the ones transformers skips too: a tied `lm_head.weight`, and K/V weights of KV-
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -162,22 +163,17 @@ def load_pretrained(
     built: dict[str, Any] = {} if backend is None else {"backend": backend}
     layout = checkpoint_adapter(backend)
     with LazyCheckpoint(root) as checkpoint:
-        if target.type == "meta":  # the layout only: every name and shape checked, no data read
-            with torch.device("meta"):
-                model = cls(config, **built)
-            _check_names_and_shapes(model, checkpoint, root, layout)
-            if target_dtype is not None and target_dtype != torch.float32:
-                cast_model_to_dtype(model, target_dtype)
-            return model
-        model = cls(config, **built)
+        # "meta": the layout only, every name and shape checked, no data read
+        with torch.device("meta") if target.type == "meta" else contextlib.nullcontext():
+            model = cls(config, **built)
         sources = _check_names_and_shapes(model, checkpoint, root, layout)
         state = model.state_dict()
         with torch.no_grad():
-            for name, key in sources.items():
+            for name, key in sources.items() if target.type != "meta" else ():
                 (tensor,) = layout.from_hf({key: checkpoint.read(key)}).values()
                 state[name].copy_(tensor)
                 del tensor  # before the next read: one tensor in flight at a time
-    if target.type != "cpu":
+    if target.type not in ("cpu", "meta"):
         model.to(target)
     if target_dtype is not None and target_dtype != torch.float32:
         cast_model_to_dtype(model, target_dtype)

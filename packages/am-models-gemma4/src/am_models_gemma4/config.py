@@ -21,6 +21,7 @@ __all__ = [
     "moe_intermediate_size",
     "normalize_text_config",
     "text_config_of",
+    "ties_word_embeddings",
     "validate_text_config",
 ]
 
@@ -32,6 +33,15 @@ def text_config_of(config: Any) -> Any:
     """The text sub-config of a `Gemma4Config`, or the config itself when it is already a text config."""
     text_config = getattr(config, "text_config", None)
     return text_config if text_config is not None else config
+
+
+def ties_word_embeddings(config: Any) -> bool:
+    """Whether the LM head is the input embedding: `tie_word_embeddings` of the config (a `Gemma4Config`'s top-level
+    flag wins), else of its text config (default True, Gemma 4's)."""
+    tied = getattr(config, "tie_word_embeddings", None)
+    if tied is None:
+        tied = getattr(text_config_of(config), "tie_word_embeddings", True)
+    return bool(tied)
 
 
 def _layer_override(config: Any, layer_idx: int, name: str) -> Any:

@@ -120,65 +120,45 @@ class Gemma4DecoderLayer(nn.Module):
         `backend.te_fp8` the layer runs inside `te_fp8.maybe_te_autocast()`.
         """
         del position_ids, kwargs  # positions arrive as position_embeddings; extra HF kwargs are not needed
-        fp8 = self.te_fp8.maybe_te_autocast() if self.te_fp8 is not None else contextlib.nullcontext()
-        with fp8:
-            return self._forward(
-                hidden_states,
-                per_layer_input,
-                position_embeddings=position_embeddings,
-                shared_kv_states=shared_kv_states,
-                attention_mask=attention_mask,
-                attention_inputs=attention_inputs,
-                padding_mask=padding_mask,
-                past_key_values=past_key_values,
-            )
-
-    def _forward(
-        self,
-        hidden_states: torch.Tensor,
-        per_layer_input: torch.Tensor | None,
-        *,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        shared_kv_states: Any,
-        attention_mask: torch.Tensor | None,
-        attention_inputs: AttentionInputs | None,
-        padding_mask: torch.Tensor | None,
-        past_key_values: Any,
-    ) -> torch.Tensor:
         if past_key_values is not None and not isinstance(past_key_values, Gemma4HybridCache):
             raise TypeError(
                 f"past_key_values is a {type(past_key_values).__name__}; am_models_gemma4 layers read and write only "
                 "a Gemma4HybridCache (pass None for training, or generate through Gemma4ForCausalLM)"
             )
-        residual = hidden_states
-        hidden_states = self.self_attn(
-            self.input_layernorm(hidden_states),
-            position_embeddings,
-            attention_mask=attention_mask,
-            shared_kv_states=shared_kv_states,
-            attention_inputs=attention_inputs,
-            cache=past_key_values,
-        )
-        hidden_states = residual + self.post_attention_layernorm(hidden_states)
-
-        residual = hidden_states
-        feed_forward = self.mlp(self.pre_feedforward_layernorm(hidden_states))
-        if self.enable_moe_block:
-            experts = self.moe(
-                self.pre_feedforward_layernorm_2(residual),
-                router_input=residual,
-                padding_mask=_moe_padding_mask(padding_mask, residual, attention_inputs),
-            )
-            feed_forward = self.post_feedforward_layernorm_1(feed_forward) + self.post_feedforward_layernorm_2(experts)
-        hidden_states = residual + self.post_feedforward_layernorm(feed_forward)
-
-        if self.hidden_size_per_layer_input:
-            if per_layer_input is None:
-                raise ValueError(
-                    f"layer {self.layer_idx} has per-layer inputs (hidden_size_per_layer_input="
-                    f"{self.hidden_size_per_layer_input}) but per_layer_input is None; call it through the text model"
-                )
+        fp8 = self.te_fp8.maybe_te_autocast() if self.te_fp8 is not None else contextlib.nullcontext()
+        with fp8:
             residual = hidden_states
-            gated = self.act_fn(self.per_layer_input_gate(hidden_states)) * per_layer_input
-            hidden_states = residual + self.post_per_layer_input_norm(self.per_layer_projection(gated))
-        return hidden_states * self.layer_scalar
+            hidden_states = self.self_attn(
+                self.input_layernorm(hidden_states),
+                position_embeddings,
+                attention_mask=attention_mask,
+                shared_kv_states=shared_kv_states,
+                attention_inputs=attention_inputs,
+                cache=past_key_values,
+            )
+            hidden_states = residual + self.post_attention_layernorm(hidden_states)
+
+            residual = hidden_states
+            feed_forward = self.mlp(self.pre_feedforward_layernorm(hidden_states))
+            if self.enable_moe_block:
+                experts = self.moe(
+                    self.pre_feedforward_layernorm_2(residual),
+                    router_input=residual,
+                    padding_mask=_moe_padding_mask(padding_mask, residual, attention_inputs),
+                )
+                feed_forward = self.post_feedforward_layernorm_1(feed_forward) + self.post_feedforward_layernorm_2(
+                    experts
+                )
+            hidden_states = residual + self.post_feedforward_layernorm(feed_forward)
+
+            if self.hidden_size_per_layer_input:
+                if per_layer_input is None:
+                    raise ValueError(
+                        f"layer {self.layer_idx} has per-layer inputs (hidden_size_per_layer_input="
+                        f"{self.hidden_size_per_layer_input}) but per_layer_input is None; call it through the text "
+                        "model"
+                    )
+                residual = hidden_states
+                gated = self.act_fn(self.per_layer_input_gate(hidden_states)) * per_layer_input
+                hidden_states = residual + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+            return hidden_states * self.layer_scalar

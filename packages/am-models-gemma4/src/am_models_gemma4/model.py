@@ -20,7 +20,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbedding
 
-from am_precision import BackendConfig, prepare_for_final_backward, prepare_for_grad_accumulation
+from am_precision import BackendConfig
 
 from .attention import SharedKVStates
 from .backend import resolve_backend
@@ -344,31 +344,6 @@ class Gemma4ForCausalLM(Gemma4PreTrainedModel):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self._init_generation_config(config)
-
-    def tie_weights(self) -> None:
-        """Point `lm_head.weight` at the input embedding when `tie_word_embeddings` (the Gemma 4 default). A pipeline
-        stage holding only one of the two (the other is None) is left alone: am-pipelining keeps the copies equal."""
-        head, embed = self.lm_head, getattr(self.model, "embed_tokens", None)
-        if getattr(self.config, "tie_word_embeddings", True) and head is not None and embed is not None:
-            head.weight = embed.weight
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def prepare_for_grad_accumulation(self, pp_enabled: bool = False) -> None:
-        """With `backend.enable_fsdp_optimizations` (upstream's MoE FSDP hook): before the first backward of an
-        optimizer step, defer every FSDP unit's reduce-scatter and resharding (`am_precision.fsdp_sync`; a no-op
-        under pipeline parallelism, without the option, or without a backend)."""
-        backend = self.model.backend
-        if backend is not None and backend.enable_fsdp_optimizations:
-            prepare_for_grad_accumulation(self, pp_enabled=pp_enabled)
-
-    def prepare_for_final_backward(self, pp_enabled: bool = False) -> None:
-        """With `backend.enable_fsdp_optimizations`: before the last backward of an optimizer step, turn the
-        reduce-scatter and resharding back on (`am_precision.fsdp_sync`)."""
-        backend = self.model.backend
-        if backend is not None and backend.enable_fsdp_optimizations:
-            prepare_for_final_backward(self, pp_enabled=pp_enabled)
 
     def forward(
         self,

@@ -18,6 +18,7 @@ embedding (and the vision tower, through the image rows a rank consumes) receive
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, ClassVar, Self
 
@@ -34,12 +35,12 @@ from am_model_contract import (
     TensorParallelContract,
 )
 from am_moe import GroupedExperts, LoadBalancing
-from am_precision import compute_lm_head_logits
+from am_precision import compute_lm_head_logits, prepare_for_final_backward, prepare_for_grad_accumulation
 
 from . import checkpoint
 from .attention import Gemma4Attention
 from .backend import expert_parallel_options
-from .config import is_moe_config, text_config_of
+from .config import is_moe_config, text_config_of, ties_word_embeddings
 from .cp import active_ring_context
 from .generation import Gemma4GenerationMixin
 from .kernels import default_ring_kernel
@@ -92,6 +93,7 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
     moe_load_balancing: ClassVar[LoadBalancing] = LoadBalancing()
     supports_gradient_checkpointing = True  # recomputation is exact, dense and MoE (trainer parity at dp 2 x ep 2)
     config: Any
+    model: Any  # the subclass's: Gemma4TextModel, or Gemma4Model (text model as `language_model`)
     lm_head: nn.Linear
 
     @classmethod
@@ -158,6 +160,32 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
         options = expert_parallel_options(backends[0] if backends else None, dispatcher=dispatcher)
         return am_moe.apply_expert_parallel(self, ep_mesh, **options)
 
+    def tie_weights(self) -> None:
+        """Point `lm_head.weight` at the text embedding when `tie_word_embeddings` (`config.ties_word_embeddings`). A
+        pipeline stage holding only one of the two (the other is None) is left alone: am-pipelining keeps the copies
+        equal."""
+        head, embed = self.lm_head, getattr(getattr(self.model, "language_model", self.model), "embed_tokens", None)
+        if ties_word_embeddings(self.config) and head is not None and embed is not None:
+            head.weight = embed.weight
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()  # the text embedding, in either model
+
+    def prepare_for_grad_accumulation(self, pp_enabled: bool = False) -> None:
+        """With `backend.enable_fsdp_optimizations` (upstream's MoE FSDP hook): before the first backward of an
+        optimizer step, defer every FSDP unit's reduce-scatter and resharding (`am_precision.fsdp_sync`; a no-op
+        under pipeline parallelism, without the option, or without a backend)."""
+        backend = getattr(self.model, "language_model", self.model).backend  # the text model's
+        if backend is not None and backend.enable_fsdp_optimizations:
+            prepare_for_grad_accumulation(self, pp_enabled=pp_enabled)
+
+    def prepare_for_final_backward(self, pp_enabled: bool = False) -> None:
+        """With `backend.enable_fsdp_optimizations`: before the last backward of an optimizer step, turn the
+        reduce-scatter and resharding back on (`am_precision.fsdp_sync`)."""
+        backend = getattr(self.model, "language_model", self.model).backend
+        if backend is not None and backend.enable_fsdp_optimizations:
+            prepare_for_final_backward(self, pp_enabled=pp_enabled)
+
     def logits_and_loss(
         self, hidden: torch.Tensor, labels: torch.Tensor | None, *, logits_to_keep: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -182,9 +210,7 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
     def from_config(cls, config: Any, *, device: torch.device | str | None = None, **kwargs: Any) -> Self:
         """A randomly initialized model from a config (`cls(config, **kwargs)`); `device="meta"` builds the full
         model without storage (then shard it and use `sharded.materialize_sharded` or `load_sharded_checkpoint`)."""
-        if device is None:
-            return cls(config, **kwargs)
-        with torch.device(device):
+        with torch.device(device) if device is not None else contextlib.nullcontext():
             return cls(config, **kwargs)
 
     @classmethod

@@ -24,7 +24,7 @@ from torch import nn
 import am_moe
 from am_model_io import InitUnit, materialize_sharded_
 
-from .config import text_config_of
+from .config import text_config_of, ties_word_embeddings
 from .model import init_module_weights
 
 __all__ = ["init_units", "materialize_sharded", "meta_twin", "restore_constructed_buffers_"]
@@ -35,10 +35,6 @@ def meta_twin(model: nn.Module) -> nn.Module:
     name with its full shape, for the strict checkpoint check and the per-unit init (no storage allocated)."""
     with torch.device("meta"):
         return type(model)(model.config)
-
-
-def _text_prefix(model: nn.Module) -> str:
-    return "model.language_model" if hasattr(model.model, "language_model") else "model"
 
 
 def init_units(model: nn.Module) -> list[InitUnit]:
@@ -54,7 +50,7 @@ def init_units(model: nn.Module) -> list[InitUnit]:
             init_module_weights(sub, std=std)
         restore_constructed_buffers_(module, config=text)
 
-    prefix = _text_prefix(model)
+    prefix = "model.language_model" if hasattr(model.model, "language_model") else "model"
     units = []
     text_model: Any = model.get_submodule(prefix)
     for name, child in text_model.named_children():
@@ -64,7 +60,7 @@ def init_units(model: nn.Module) -> list[InitUnit]:
             units.append(InitUnit(f"{prefix}.{name}", tree))
     if getattr(model.model, "vision_tower", None) is not None:
         units += _vision_units(model)
-    if not _tied(model):
+    if not ties_word_embeddings(model.config):
         units.append(InitUnit("lm_head", tree))
     return units
 
@@ -92,13 +88,6 @@ def _vision_units(model: nn.Module) -> list[InitUnit]:
             units.append(InitUnit(full, vision))
     units.append(InitUnit("model.embed_vision", vision))
     return units
-
-
-def _tied(model: nn.Module) -> bool:
-    tied = getattr(model.config, "tie_word_embeddings", None)
-    if tied is None:
-        tied = getattr(text_config_of(model.config), "tie_word_embeddings", True)
-    return bool(tied)
 
 
 @torch.no_grad()

@@ -50,17 +50,6 @@ __all__ = [
 _logger = logging.getLogger(__name__)
 
 
-def _log_backend(where: str, backend: Any) -> None:
-    # the same rule (and line) as Gemma4ForConditionalGeneration: our own kernels run whatever the backend says
-    if backend is not None:
-        _logger.info(
-            "%s runs its own PyTorch kernels; backend=%r changes only the MoE routing (gate_precision, "
-            "fake_balanced_gate, fake_gate_noise)",
-            where,
-            backend,
-        )
-
-
 class Gemma4MoEDecoderLayer(Gemma4DecoderLayer):
     """Upstream's MoE decoder layer: our `Gemma4DecoderLayer` (same parameters, same forward) built from
     `(config, layer_idx, moe_config=None, backend=None)`.
@@ -129,7 +118,13 @@ class Gemma4MoEStateDictAdapter:
         self, config: Any, moe_config: Any = None, backend: Any = None, dtype: torch.dtype | None = torch.float32
     ) -> None:
         check_moe_config(config, moe_config)
-        _log_backend(type(self).__name__, backend)
+        if backend is not None:  # the layout does not depend on it
+            _logger.info(
+                "%s runs its own PyTorch kernels; backend=%r changes only the MoE routing (gate_precision, "
+                "fake_balanced_gate, fake_gate_noise)",
+                type(self).__name__,
+                backend,
+            )
         self.config = config
         self.moe_config = moe_config
         self.backend = backend

@@ -20,7 +20,6 @@ gradients, summed over the CP group, are the full-sequence gradients.
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Any, ClassVar
 
 import torch
@@ -32,7 +31,7 @@ from transformers.models.gemma4.modeling_gemma4 import (
     get_block_sequence_ids_for_mask,
 )
 
-from am_precision import BackendConfig, prepare_for_final_backward, prepare_for_grad_accumulation
+from am_precision import BackendConfig
 
 from .config import check_moe_config, normalize_text_config
 from .cp import active_ring_context, tokens_before_this_rank
@@ -49,9 +48,6 @@ _UNSUPPORTED_MEDIA_KWARGS = (
     "input_features_mask",
     "num_frames_per_video",
 )
-
-
-_logger = logging.getLogger(__name__)
 
 
 class Gemma4Model(nn.Module):
@@ -159,32 +155,6 @@ class Gemma4ForConditionalGeneration(Gemma4PreTrainedModel):
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_weights()
         self._init_generation_config(config)
-
-    def tie_weights(self) -> None:
-        """Point `lm_head.weight` at the text embedding when `tie_word_embeddings` (top-level flag wins)."""
-        tied = getattr(self.config, "tie_word_embeddings", None)
-        if tied is None:
-            tied = getattr(self.config.text_config, "tie_word_embeddings", True)
-        if tied:
-            self.lm_head.weight = self.model.language_model.embed_tokens.weight
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.model.language_model.embed_tokens
-
-    def prepare_for_grad_accumulation(self, pp_enabled: bool = False) -> None:
-        """With `backend.enable_fsdp_optimizations` (upstream's MoE FSDP hook): before the first backward of an
-        optimizer step, defer every FSDP unit's reduce-scatter and resharding (`am_precision.fsdp_sync`; a no-op
-        under pipeline parallelism, without the option, or without a backend)."""
-        backend = self.model.language_model.backend
-        if backend is not None and backend.enable_fsdp_optimizations:
-            prepare_for_grad_accumulation(self, pp_enabled=pp_enabled)
-
-    def prepare_for_final_backward(self, pp_enabled: bool = False) -> None:
-        """With `backend.enable_fsdp_optimizations`: before the last backward of an optimizer step, turn the
-        reduce-scatter and resharding back on (`am_precision.fsdp_sync`)."""
-        backend = self.model.language_model.backend
-        if backend is not None and backend.enable_fsdp_optimizations:
-            prepare_for_final_backward(self, pp_enabled=pp_enabled)
 
     def _media_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros_like(input_ids, dtype=torch.bool)

@@ -11,15 +11,15 @@ from torch import nn
 
 
 @torch.no_grad()
-def reset_linear_(module: nn.Module | None, *, zero_bias: bool = True) -> None:
-    """`module.reset_parameters()` when it has one, then zero its bias."""
+def reset_linear_(module: nn.Module | None) -> None:
+    """`module.reset_parameters()` when it has one, then zero its bias (if any: norms have none, or reset it)."""
     if module is None:
         return
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
         reset()
     bias = getattr(module, "bias", None)
-    if zero_bias and isinstance(bias, torch.Tensor):
+    if isinstance(bias, torch.Tensor):
         bias.zero_()
 
 

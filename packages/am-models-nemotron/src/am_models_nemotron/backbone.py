@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from am_moe import LoadBalancing
 from am_precision import BackendConfig, initialize_rms_norm_module
 
+from ._init import reset_linear_
 from .backend import resolve_backend
 from .blocks import NemotronBlock
 from .config import NemotronConfig
@@ -100,9 +101,7 @@ class NemotronV3Model(nn.Module):
             move_buffers_(self, buffer_device)
         if self.embed_tokens is not None:
             nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=cfg.initializer_range)
-        reset = getattr(self.norm, "reset_parameters", None)
-        if callable(reset):
-            reset()
+        reset_linear_(self.norm)
         for layer in self.layers.values():
             layer.init_weights(  # type: ignore[operator]
                 num_hidden_layers=cfg.num_hidden_layers, rescale_prenorm_residual=cfg.rescale_prenorm_residual
@@ -158,7 +157,7 @@ class NemotronV3Model(nn.Module):
                 past_length=past,
                 attention_mask=attention_mask,
                 causal_mask_mapping=causal_mask_mapping,
-                layout_kwargs=layout_kwargs,
+                **layout_kwargs,
                 cp_problems=lambda _cp: block_cp_problems(self.layers.values(), seqlen=seqlen, training=self.training),
             )
         elif layout_kwargs or attention_mask is not None or causal_mask_mapping is not None:

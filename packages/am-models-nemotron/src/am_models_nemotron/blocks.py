@@ -17,6 +17,7 @@ from torch import nn
 
 from am_precision import BackendConfig, initialize_rms_norm_module
 
+from ._init import reset_linear_
 from .attention import NemotronAttention
 from .backend import resolve_backend
 from .config import BLOCK_KINDS, NemotronConfig
@@ -90,9 +91,7 @@ class NemotronBlock(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, *, num_hidden_layers: int, rescale_prenorm_residual: bool) -> None:
-        reset = getattr(self.norm, "reset_parameters", None)
-        if callable(reset):
-            reset()
+        reset_linear_(self.norm)
         if isinstance(self.mixer, Mamba2Mixer):
             self.mixer.init_weights(
                 num_hidden_layers=num_hidden_layers, rescale_prenorm_residual=rescale_prenorm_residual
@@ -117,39 +116,18 @@ class NemotronBlock(nn.Module):
         MLP / MoE are token-local."""
         fp8 = self.te_fp8.maybe_te_autocast() if self.te_fp8 is not None else contextlib.nullcontext()
         with fp8:
-            return self._forward(
-                hidden_states,
-                attention_mask=attention_mask,
-                mamba_mask=mamba_mask,
-                padding_mask=padding_mask,
-                seq_idx=seq_idx,
-                cache=cache,
-                cp=cp,
-            )
-
-    def _forward(
-        self,
-        hidden_states: torch.Tensor,
-        *,
-        attention_mask: torch.Tensor | None,
-        mamba_mask: torch.Tensor | None,
-        padding_mask: torch.Tensor | None,
-        seq_idx: torch.Tensor | None,
-        cache: Any | None,
-        cp: Any | None,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        normed = self.norm(hidden_states)
-        if self.block_type == "mamba":
-            mamba_cp = cp.mamba if cp is not None else None
-            out = self.mixer(normed, cache=cache, attention_mask=mamba_mask, seq_idx=seq_idx, cp=mamba_cp)
-        elif self.block_type == "attention":
-            ring = cp.ring if cp is not None else None
-            out = self.mixer(normed, attention_mask=attention_mask, cache=cache, ring=ring)
-        elif self.block_type == "moe":
-            out = self.mixer(normed, padding_mask=padding_mask)
-        else:
-            out = self.mixer(normed)
-        if self.residual_in_fp32:
-            return (residual.float() + out.float()).to(hidden_states.dtype)
-        return residual + out
+            residual = hidden_states
+            normed = self.norm(hidden_states)
+            if self.block_type == "mamba":
+                mamba_cp = cp.mamba if cp is not None else None
+                out = self.mixer(normed, cache=cache, attention_mask=mamba_mask, seq_idx=seq_idx, cp=mamba_cp)
+            elif self.block_type == "attention":
+                ring = cp.ring if cp is not None else None
+                out = self.mixer(normed, attention_mask=attention_mask, cache=cache, ring=ring)
+            elif self.block_type == "moe":
+                out = self.mixer(normed, padding_mask=padding_mask)
+            else:
+                out = self.mixer(normed)
+            if self.residual_in_fp32:
+                return (residual.float() + out.float()).to(hidden_states.dtype)
+            return residual + out

@@ -180,19 +180,16 @@ class NemotronConfig:
         """
         if isinstance(config, NemotronConfig):
             return config
-        if _has(config, "layers_block_type"):
-            kinds = normalize_block_types(_get(config, "layers_block_type", None))
-        elif _has(config, "hybrid_override_pattern"):
-            kinds = normalize_block_types(
-                _get(config, "hybrid_override_pattern", None), field="hybrid_override_pattern"
-            )
-        elif _has(config, "layer_types"):
-            kinds = normalize_block_types(_get(config, "layer_types", None), field="layer_types")
-        else:
+        # The first layout field the config sets, in this order of preference.
+        layout = [
+            name for name in ("layers_block_type", "hybrid_override_pattern", "layer_types") if _has(config, name)
+        ]
+        if not layout:
             raise ValueError(
                 "The config has no block layout: set layers_block_type (list), hybrid_override_pattern (e.g. 'M*-E') "
                 "or layer_types."
             )
+        kinds = normalize_block_types(_get(config, layout[0], None), field=layout[0])
         # transformers' NemotronHConfig derives the pattern property from the list: prefer the list.
         raw_mtp: Any = _get(config, "mtp_layers_block_type", None)
         if not raw_mtp:
@@ -271,10 +268,8 @@ def as_hf_config(config: Any) -> Any:
         to_dict = getattr(config, "to_dict", None)
         values = dict(to_dict()) if callable(to_dict) else dict(vars(config))
     normalized = NemotronConfig.from_any(values)
-    values.pop("hybrid_override_pattern", None)
-    values.pop("mtp_hybrid_override_pattern", None)
-    values.pop("layer_types", None)
-    values.pop("num_hidden_layers", None)
+    for derived in ("hybrid_override_pattern", "mtp_hybrid_override_pattern", "layer_types", "num_hidden_layers"):
+        values.pop(derived, None)  # NemotronHConfig derives them from the lists below
     values.pop("model_type", None)
     values["layers_block_type"] = [_HF_KIND_NAMES[k] for k in normalized.layers_block_type]
     values["mtp_layers_block_type"] = [_HF_KIND_NAMES[k] for k in normalized.mtp_layers_block_type]

@@ -222,30 +222,12 @@ def block_cp_problems(blocks: Any, *, seqlen: int, training: bool) -> list[str]:
 
 
 def resolve_layout(
-    *,
-    owner: str,
-    batch: int,
-    seqlen: int,
-    device: torch.device,
-    past_length: int = 0,
-    attention_mask: torch.Tensor | None = None,
-    causal_mask_mapping: Mapping[str, Any] | None = None,
-    layout_kwargs: dict[str, Any],
-    cp_problems: Callable[[NemotronCPContext], list[str]] | None = None,
+    *, owner: str, cp_problems: Callable[[NemotronCPContext], list[str]] | None = None, **arguments: Any
 ) -> BatchLayout:
-    """`resolve_batch_layout`, under context parallelism too: inside an entered ring context the layout carries the
-    `NemotronCPContext`, and every problem (the layout's and `cp_problems(cp)`'s) makes every rank raise before any
-    transfer."""
+    """`resolve_batch_layout(**arguments)`, under context parallelism too: inside an entered ring context the layout
+    carries the `NemotronCPContext`, and every problem (the layout's and `cp_problems(cp)`'s) makes every rank raise
+    before any transfer."""
     cp = active_cp_context(owner=owner)
-    arguments = {
-        "batch": batch,
-        "seqlen": seqlen,
-        "device": device,
-        "past_length": past_length,
-        "attention_mask": attention_mask,
-        "causal_mask_mapping": causal_mask_mapping,
-        **layout_kwargs,
-    }
     if cp is None:
         return resolve_batch_layout(**arguments)
     problems = list(cp_problems(cp)) if cp_problems is not None else []

@@ -138,7 +138,7 @@ def resolve_forward_inputs(
         past_length=past_key_values.get_seq_length() if past_key_values is not None else 0,
         attention_mask=attention_mask,
         causal_mask_mapping=causal_mask_mapping,
-        layout_kwargs=layout_kwargs,
+        **layout_kwargs,
         cp_problems=cp_problems,
     )
     if layout.cp is None and cp_kwarg_problems(cp_kwargs, 1, 0):

@@ -40,11 +40,6 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     return torch.square(F.relu(x))
 
 
-def _check_activation(name: str) -> None:
-    if name != "relu2":
-        raise ValueError(f"activation {name!r} is not supported; Nemotron-H uses 'relu2'.")
-
-
 class NemotronMLP(nn.Module):
     """down(relu(up(x))²), no gate projection. x: [..., H] -> [..., H]."""
 
@@ -62,7 +57,8 @@ class NemotronMLP(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        _check_activation(activation)
+        if activation != "relu2":
+            raise ValueError(f"activation {activation!r} is not supported; Nemotron-H uses 'relu2'.")
         self.up_proj = initialize_linear_module(
             backend.linear, hidden_size, intermediate_size, bias=bias, device=device, dtype=dtype
         )

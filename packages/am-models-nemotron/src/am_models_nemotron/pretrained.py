@@ -156,16 +156,7 @@ class NemotronHPreTrainedModel(nn.Module, NemotronHGenerationMixin):
 
     @classmethod
     def from_pretrained(
-        cls,
-        pretrained_model_name_or_path: Any,
-        backend: BackendConfig | None = None,
-        *,
-        torch_dtype: Any = None,
-        dtype: Any = None,
-        device_map: Any = None,
-        device: torch.device | str | None = None,
-        revision: str | None = None,
-        **kwargs: Any,
+        cls, pretrained_model_name_or_path: Any, backend: BackendConfig | None = None, **kwargs: Any
     ) -> Self:
         """Load an HF-format folder or hub id (config.json + safetensors, single or sharded) tensor by tensor.
 
@@ -175,8 +166,7 @@ class NemotronHPreTrainedModel(nn.Module, NemotronHGenerationMixin):
         """
         from .checkpoint import load_pretrained
 
-        options = {"torch_dtype": torch_dtype, "dtype": dtype, "device_map": device_map, "revision": revision}
-        return load_pretrained(cls, pretrained_model_name_or_path, backend=backend, device=device, **options, **kwargs)
+        return load_pretrained(cls, pretrained_model_name_or_path, backend=backend, **kwargs)
 
     def save_pretrained(
         self,

@@ -20,7 +20,7 @@ from torch import nn
 
 from am_model_io import InitUnit, materialize_sharded_
 
-from ._init import weight_of
+from ._init import reset_linear_, weight_of
 from .model import NemotronHForCausalLM
 
 __all__ = ["init_units", "materialize_sharded", "meta_twin"]
@@ -51,17 +51,12 @@ def init_units(model: NemotronHForCausalLM) -> list[InitUnit]:
     def embedding(module: nn.Module) -> None:
         nn.init.normal_(weight_of(module), mean=0.0, std=std)
 
-    def norm(module: nn.Module) -> None:
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            reset()
-
     def block(module: nn.Module) -> None:
         module.init_weights(  # type: ignore[operator]
             num_hidden_layers=cfg.num_hidden_layers, rescale_prenorm_residual=cfg.rescale_prenorm_residual
         )
 
-    units = [InitUnit("model.embed_tokens", embedding), InitUnit("model.norm", norm)]
+    units = [InitUnit("model.embed_tokens", embedding), InitUnit("model.norm", reset_linear_)]
     units += [InitUnit(f"model.layers.{key}", block) for key in model.model.layers]
     units.append(InitUnit("lm_head", embedding))
     if model.mtp is not None:

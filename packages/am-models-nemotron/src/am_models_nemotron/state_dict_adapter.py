@@ -29,7 +29,6 @@ __all__ = ["NemotronStateDictAdapter"]
 
 _PEFT_PREFIX = "base_model.model."
 _PER_EXPERT = re.compile(r"^(?P<owner>.*\.mixer\.experts)\.(?P<expert>\d+)\.(?P<proj>up_proj|down_proj)\.weight$")
-_HOLDER_PARAMS = ("A_log", "dt_bias", "D")
 
 
 class NemotronStateDictAdapter:

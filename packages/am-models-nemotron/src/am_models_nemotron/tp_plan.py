@@ -174,14 +174,7 @@ class Mamba2HeadParallel(ParallelStyle):
 def gather_mamba2_state_dict(model: nn.Module, *, group: Any = None) -> dict[str, torch.Tensor]:
     """The full tensors of every head-sharded Mamba2 mixer of `model`, by state-dict name (collective over the tp
     `group`: call on every tp rank). Merge into `model.state_dict()` before saving a checkpoint or comparing."""
-    full: dict[str, torch.Tensor] = {}
-    for prefix, mixer in model.named_modules():
-        segments = getattr(mixer, "_tp_full_segments", None)
-        if segments is None:
-            continue
-        for name, tensor in _mamba2_tensors(mixer, lambda p: p.detach()):
-            full[f"{prefix}.{name}"] = _gather_one(name, tensor, segments, group)
-    return full
+    return _gather_all(model, lambda p: p.detach(), group)
 
 
 def mamba2_full_state(mixer: Any, local: dict[str, torch.Tensor], *, group: Any = None) -> dict[str, torch.Tensor]:
@@ -219,14 +212,19 @@ def mamba2_shard_state(mixer: Any, full: dict[str, torch.Tensor]) -> dict[str, t
 
 def gather_mamba2_grads(model: nn.Module, *, group: Any = None) -> dict[str, torch.Tensor]:
     """`gather_mamba2_state_dict` for the parameters' gradients (collective; parameters without a gradient skipped)."""
+    return _gather_all(model, lambda p: p.grad, group)
+
+
+def _gather_all(model: nn.Module, read: Any, group: Any) -> dict[str, torch.Tensor]:
+    """`read(param)` of every head-sharded mixer's parameters, re-assembled by state-dict name (None skipped)."""
     full: dict[str, torch.Tensor] = {}
     for prefix, mixer in model.named_modules():
         segments = getattr(mixer, "_tp_full_segments", None)
         if segments is None:
             continue
-        for name, grad in _mamba2_tensors(mixer, lambda p: p.grad):
-            if grad is not None:
-                full[f"{prefix}.{name}"] = _gather_one(name, grad, segments, group)
+        for name, tensor in _mamba2_tensors(mixer, read):
+            if tensor is not None:
+                full[f"{prefix}.{name}"] = _gather_one(name, tensor, segments, group)
     return full
 
 
@@ -262,8 +260,4 @@ def _gather_one(name: str, tensor: torch.Tensor, segments: dict[str, dict[str, i
     if owner in segments:
         return gather_segments(tensor, segments[owner], group=group)
     dim = 1 if name == "out_proj.weight" else 0
-    return gather_segments(tensor, {"all": tensor.shape[dim] * _world(group)}, group=group, dim=dim)
-
-
-def _world(group: Any) -> int:
-    return dist.get_world_size(group)
+    return gather_segments(tensor, {"all": tensor.shape[dim] * dist.get_world_size(group)}, group=group, dim=dim)

@@ -163,21 +163,9 @@ def parse_mtp_layer_pattern(pattern: str) -> list[str]:
     return [PATTERN_SYMBOLS[symbol] for symbol in pattern]
 
 
-def build_mtp_config_from_hf(
-    config: Any,
-    *,
-    loss_scaling_factor: float = 0.1,
-    num_nextn_predict_layers: int | None = None,
-    use_repeated_layer: bool = False,
-) -> MTPConfig:
-    """`MTPConfig.from_config`: depths and per-depth kinds from an HF / NVIDIA / our config. `layer_pattern` holds the
-    kinds themselves (upstream: the pattern string, or "X" × n as a length sentinel for the list form)."""
-    return MTPConfig.from_config(
-        config,
-        num_nextn_predict_layers=num_nextn_predict_layers,
-        loss_scaling_factor=loss_scaling_factor,
-        use_repeated_layer=use_repeated_layer,
-    )
+# `MTPConfig.from_config` takes upstream's keywords: depths and per-depth kinds from an HF / NVIDIA / our config.
+# `layer_pattern` holds the kinds themselves (upstream: the pattern string, or "X" × n as a length sentinel).
+build_mtp_config_from_hf = MTPConfig.from_config
 
 
 class NemotronHForCausalLM(_NemotronHForCausalLM):
