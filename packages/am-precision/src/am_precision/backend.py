@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import flags
-from .backend_options import CudaGraphConfig, MoKBackendConfig
+from .backend_options import CudaGraphConfig, MoKBackendConfig, _raise_if_problems
 
 __all__ = [
     "ATTN_BACKENDS",
@@ -51,13 +51,6 @@ _A2A_DISPATCHERS = ("deepep", "hybridep", "uccl_ep", "mok")
 
 def _format_allowed(allowed: tuple[str, ...]) -> str:
     return ", ".join(repr(a) for a in allowed)
-
-
-def _raise_if_problems(owner: str, problems: list[str]) -> None:
-    if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
-        plural = "s" if len(problems) > 1 else ""
-        raise ValueError(f"Invalid {owner} ({len(problems)} problem{plural}):\n{lines}")
 
 
 @dataclass(frozen=True, kw_only=True)
