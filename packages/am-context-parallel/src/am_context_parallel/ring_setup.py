@@ -47,12 +47,7 @@ def _reachable(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool, window
     sorted_keys = torch.sort(k_pos, dim=-1).values
     far = torch.iinfo(torch.int64).max // 4
     low = q_pos - (window - 1) if window is not None else torch.full_like(q_pos, -far)
-    if causal:
-        high = q_pos
-    elif window is not None:
-        high = q_pos + (window - 1)
-    else:
-        high = torch.full_like(q_pos, far)
+    high = q_pos if causal or window is None else q_pos + (window - 1)  # window is set when not causal (above)
     count = torch.searchsorted(sorted_keys, high, right=True) - torch.searchsorted(sorted_keys, low, right=False)
     return bool((count > 0).any())
 
