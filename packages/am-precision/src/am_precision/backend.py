@@ -110,18 +110,6 @@ class TEFp8Config:
         return te.fp8_autocast(enabled=True, fp8_recipe=built)
 
 
-def _default_attn() -> str:
-    return "te" if flags.te_usable() else "sdpa"
-
-
-def _default_linear() -> str:
-    return "te" if flags.te_usable() else "torch"
-
-
-def _default_experts() -> str:
-    return "torch_mm" if torch.cuda.is_available() else "torch"
-
-
 def _default_dispatcher() -> str:
     if torch.cuda.is_available():
         if flags.HAVE_DEEP_EP:
@@ -225,12 +213,12 @@ class BackendConfig:
             lists every problem with the allowed values or the fix.
     """
 
-    attn: str = field(default_factory=_default_attn)
-    linear: str = field(default_factory=_default_linear)
+    attn: str = field(default_factory=lambda: "te" if flags.te_usable() else "sdpa")
+    linear: str = field(default_factory=lambda: "te" if flags.te_usable() else "torch")
     rms_norm: str = "torch_fp32"
     rope: str = "torch"
     rope_fusion: bool | None = None
-    experts: str = field(default_factory=_default_experts)
+    experts: str = field(default_factory=lambda: "torch_mm" if torch.cuda.is_available() else "torch")
     dispatcher: str = field(default_factory=_default_dispatcher)
     dispatcher_num_sms: int = 20
     dispatcher_share_token_dispatcher: bool = True
