@@ -86,13 +86,9 @@ def select_grouped_mm_backend(
         everything that is missing.
     """
     device = torch.device(device)
-    return _select(device.type, _capability(device), dtype, tuple(int(s) for s in sizes), requested)
-
-
-def _capability(device: torch.device) -> tuple[int, int] | None:
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability(device)
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    capability = torch.cuda.get_device_capability(device) if cuda else None
+    return _select(device.type, capability, dtype, tuple(int(s) for s in sizes), requested)
 
 
 @functools.cache
