@@ -25,7 +25,6 @@ from .batch_keys import (
     _doc_ids_for_ring,
     _ensure_position_ids,
     _padding_mask_from_attention_mask,
-    _SeqKey,
     _sequence_keys,
     _shard_keys,
 )
@@ -171,16 +170,11 @@ def shard_cp_batch(
         _check_model_for_ring(model)
 
     keys = _sequence_keys(batch, padding_token_id, extra_seq_buffers)
-    extra = list(extra_seq_buffers or [])
     if loss_mask is not None:
         batch["loss_mask"] = loss_mask
-    attention_mask = batch.get("attention_mask")
-    if attention_mask is not None and attention_mask.dim() == 2:  # a 4-D mask is only read for its diagonal below
-        keys["attention_mask"] = _SeqKey(1, 0, False)
-    _validate(batch, keys, needs_labels=True, extra_missing=[k for k in extra if k not in batch])
+    _validate(batch, keys, required=list(extra_seq_buffers or []))
 
     attention_mask = batch.pop("attention_mask", None)
-    keys.pop("attention_mask", None)
     primary = batch.get("input_ids", batch.get("inputs_embeds"))
     assert primary is not None
     _ensure_position_ids(batch, primary)

@@ -17,11 +17,14 @@ def _validate(
     batch: dict[str, Any],
     keys: dict[str, _SeqKey],
     *,
-    needs_labels: bool,
-    extra_missing: list[str],
+    required: list[str],
     primary_keys: tuple[str, ...] = _PRIMARY_KEYS,
 ) -> None:
-    """Raise one ValueError listing every problem with the batch (nothing has been modified yet)."""
+    """Raise one ValueError listing every problem with the batch (nothing has been modified yet): its sequence `keys`
+    (and a 2-D attention_mask; a 4-D one is only read for its diagonal) and the `required` keys it must hold."""
+    attention_mask = batch.get("attention_mask")
+    if attention_mask is not None and attention_mask.dim() == 2:
+        keys = {**keys, "attention_mask": _SeqKey(1, 0, False)}
     problems = []
     present = [k for k in _PRIMARY_KEYS if batch.get(k) is not None]
     if len(present) != 1:
@@ -35,12 +38,12 @@ def _validate(
             f"ContiguousCPOptions.primary_keys), got '{present[0]}': a model that embeds its own shard needs the "
             "token ids"
         )
-    if needs_labels and batch.get("labels") is None:
+    if batch.get("labels") is None:
         problems.append(
             "context parallelism requires 'labels' in the batch (or labels passed as `loss_mask`): the loss is "
             "computed on the sharded sequence, so labels must be sharded with it"
         )
-    problems += [f"sequence buffer '{key}' is missing from the batch" for key in extra_missing]
+    problems += [f"sequence buffer '{key}' is missing from the batch" for key in required if key not in batch]
     if len(present) == 1:
         reference_key = present[0]
         reference = batch[reference_key]

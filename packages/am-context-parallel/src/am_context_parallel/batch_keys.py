@@ -29,20 +29,6 @@ class _SeqKey:
     pad_value: Any
 
 
-def _default_pad(key: str, tensor: torch.Tensor, padding_token_id: int) -> Any:
-    if key == "input_ids":
-        return padding_token_id
-    if key == "labels":
-        return -100
-    if key == "padding_mask":
-        return True
-    if key == "attention_mask":
-        return False
-    if key == "position_ids":
-        return "continue"
-    return False if tensor.dtype == torch.bool else 0
-
-
 def _position_seq_dim(position_ids: torch.Tensor) -> int:
     return 2 if position_ids.dim() == 3 else 1
 
@@ -62,9 +48,10 @@ def _sequence_keys(
         **{key: _SeqKey(1, 0, 0) for key in model_keys},
     }
     _add_position_key(batch, keys)
+    # the keys above keep their pad values; any other buffer (an attention_mask included) pads with False / 0
     for key in extra_seq_buffers or []:
         if isinstance(batch.get(key), torch.Tensor):
-            keys.setdefault(key, _SeqKey(1, 0, _default_pad(key, batch[key], padding_token_id)))
+            keys.setdefault(key, _SeqKey(1, 0, False if batch[key].dtype == torch.bool else 0))
     return keys
 
 

@@ -119,18 +119,15 @@ class RingAttentionContext:
             f"local_tokens={self.positions.shape[-1]}, doc_ids={'yes' if self.doc_ids is not None else 'no'})"
         )
 
-    def _check_group(self) -> None:
+    @contextmanager
+    def __call__(self) -> Iterator[RingAttentionContext]:
+        """Activate ring attention for this thread (and HF attention dispatch) until exit."""
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         if world != self.layout.cp_size:
             raise ValueError(
                 f"the CP group has {world} ranks but the batch was sharded for {self.layout.cp_size} "
                 f"({self.layout!r}); use the same CP mesh for sharding and attention"
             )
-
-    @contextmanager
-    def __call__(self) -> Iterator[RingAttentionContext]:
-        """Activate ring attention for this thread (and HF attention dispatch) until exit."""
-        self._check_group()
         token = _CURRENT.set(self)
         coverage = self._coverage
         try:

@@ -68,7 +68,6 @@ def contiguous_shard(
     _refuse_function_in_batch(batch)
     seq_dims: dict[str, int] = dict(batch.pop("_cp_metadata_seq_dims", None) or {})
     pad_values: dict[str, Any] = dict(batch.pop("_cp_metadata_pad_values", None) or {})
-    attention_mask = batch.get("attention_mask")
     if batch.get("labels") is None and loss_mask is not None:
         batch["labels"] = loss_mask
         loss_mask = None
@@ -78,17 +77,7 @@ def contiguous_shard(
         keys[key] = _SeqKey(dim, 0, pad_value)
     for key, dim in seq_dims.items():
         keys[key] = _SeqKey(dim, 0, pad_values.get(key, 0))
-    required = [*seq_dims, *(extra_seq_buffers or [])]
-    if attention_mask is not None and attention_mask.dim() == 2:
-        keys["attention_mask"] = _SeqKey(1, 0, False)
-    _validate(
-        batch,
-        keys,
-        needs_labels=True,
-        extra_missing=[k for k in required if k not in batch],
-        primary_keys=options.primary_keys,
-    )
-    keys.pop("attention_mask", None)
+    _validate(batch, keys, required=[*seq_dims, *(extra_seq_buffers or [])], primary_keys=options.primary_keys)
 
     attention_mask = batch.pop("attention_mask", None)
     if "padding_mask" not in batch and attention_mask is not None:

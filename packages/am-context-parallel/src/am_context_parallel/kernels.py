@@ -203,11 +203,9 @@ class FlashCPUAttentionKernel:
             attn_mask=bias,
             scale=scale,
         )
-        group = q.shape[1] // k.shape[1]
-        if group > 1:
-            b, _, sk, d = dk.shape
-            dk = dk.reshape(b, k.shape[1], group, sk, d).sum(dim=2)
-            dv = dv.reshape(b, k.shape[1], group, sk, dv.shape[-1]).sum(dim=2)
+        # GQA: the gradients of a key/value head's repeats (adjacent query heads) summed back onto it
+        dk = dk.unflatten(1, (k.shape[1], -1)).sum(dim=2)
+        dv = dv.unflatten(1, (k.shape[1], -1)).sum(dim=2)
         return dq, dk, dv
 
 

@@ -13,6 +13,7 @@ Head-tail ("load-balanced") for C = 2, padded length 8 (chunks of 2 tokens): ran
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -58,6 +59,18 @@ def pad_sequence_dim(
     else:
         pad = torch.full(shape, pad_value, dtype=tensor.dtype, device=tensor.device)
     return torch.cat([tensor, pad], dim=seq_dim)
+
+
+def _head_tail(start: int, end: int, rank: int, cp_size: int) -> torch.Tensor:
+    """Positions of `[start, end)` (a multiple of 2C long) that rank `rank` keeps: chunks r and 2C−1−r of 2C."""
+    chunk = (end - start) // (2 * cp_size)
+    tail = 2 * cp_size - 1 - rank
+    return torch.cat(
+        [
+            torch.arange(start + rank * chunk, start + (rank + 1) * chunk),
+            torch.arange(start + tail * chunk, start + (tail + 1) * chunk),
+        ]
+    )
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -208,14 +221,7 @@ class LoadBalancedLayout(Layout):
         return _ceil_to(seq_len, 2 * self.cp_size)
 
     def indices_for_rank(self, rank: int, padded_len: int, *, device: torch.device | str | None = None) -> torch.Tensor:
-        chunk = padded_len // (2 * self.cp_size)
-        tail = 2 * self.cp_size - 1 - rank
-        return torch.cat(
-            [
-                torch.arange(rank * chunk, (rank + 1) * chunk, device=device),
-                torch.arange(tail * chunk, (tail + 1) * chunk, device=device),
-            ]
-        )
+        return _head_tail(0, padded_len, rank, self.cp_size).to(device=device)
 
 
 class ContiguousLayout(Layout):
@@ -278,10 +284,6 @@ class PackedLayout(Layout):
 
     def indices_for_rank(self, rank: int, padded_len: int, *, device: torch.device | str | None = None) -> torch.Tensor:
         self.padded_length(padded_len)
-        pieces = []
-        for start, end in zip(self.cu_seqlens_padded[:-1].tolist(), self.cu_seqlens_padded[1:].tolist(), strict=True):
-            chunk = (end - start) // (2 * self.cp_size)
-            tail = 2 * self.cp_size - 1 - rank
-            pieces.append(torch.arange(start + rank * chunk, start + (rank + 1) * chunk))
-            pieces.append(torch.arange(start + tail * chunk, start + (tail + 1) * chunk))
+        bounds = self.cu_seqlens_padded.tolist()
+        pieces = [_head_tail(start, end, rank, self.cp_size) for start, end in itertools.pairwise(bounds)]
         return torch.cat(pieces).to(device=device)

@@ -47,12 +47,7 @@ def _reachable(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool, window
     sorted_keys = torch.sort(k_pos, dim=-1).values
     far = torch.iinfo(torch.int64).max // 4
     low = q_pos - (window - 1) if window is not None else torch.full_like(q_pos, -far)
-    if causal:
-        high = q_pos
-    elif window is not None:
-        high = q_pos + (window - 1)
-    else:
-        high = torch.full_like(q_pos, far)
+    high = q_pos if causal or window is None else q_pos + (window - 1)  # window is set when not causal (above)
     count = torch.searchsorted(sorted_keys, high, right=True) - torch.searchsorted(sorted_keys, low, right=False)
     return bool((count > 0).any())
 
@@ -210,32 +205,19 @@ class _Plan:
 
 @dataclass(frozen=True)
 class RingSetup:
-    """Everything one ring call's forward and backward need (its autograd node keeps it for the backward)."""
+    """Everything one ring call's forward and backward need (its autograd node keeps it for the backward).
 
-    geometry: _Geometry
-    plan: _Plan
+    masks: owner rank -> the mask of this rank's queries against that rank's keys (in the kernel's prepared form);
+    an owner is absent when nothing in its chunk is visible (skipped).
+    """
+
+    group: Any
+    world: int
+    rank: int
+    needed: list[list[bool]]  # needed[r][s]: a query of rank r can see a key of rank s
+    masks: dict[int, Any]
     scale: float
     kernel: AttentionKernel
-
-    @property
-    def group(self) -> Any:
-        return self.geometry.group
-
-    @property
-    def world(self) -> int:
-        return self.geometry.world
-
-    @property
-    def rank(self) -> int:
-        return self.geometry.rank
-
-    @property
-    def needed(self) -> list[list[bool]]:
-        return self.plan.needed
-
-    def mask_for(self, owner: int) -> Any | None:
-        """The mask of this rank's queries against `owner`'s keys, or None when nothing in it is visible."""
-        return self.plan.masks.get(owner)
 
 
 @dataclass
@@ -274,10 +256,12 @@ class RingState:
                 when ranks disagree at the first call, or when a later call's B / S_local differ from the first.
         """
         problems = input_problems(q, k, v, self.positions, self.doc_ids, sliding_window)
-        if self._geometry is None:
-            self._geometry = self._gather(q, k, causal=causal, sliding_window=sliding_window, problems=problems)
+        geometry = self._geometry
+        if geometry is None:
+            geometry = self._geometry = self._gather(
+                q, k, causal=causal, sliding_window=sliding_window, problems=problems
+            )
         else:
-            geometry = self._geometry
             if not problems and (q.shape[0], q.shape[2]) != (geometry.batch, geometry.seq):
                 problems.append(
                     f"q has B={q.shape[0]}, S_local={q.shape[2]} but this batch's ring was set up for "
@@ -289,12 +273,8 @@ class RingState:
         plan = self._plans.get(key)
         if plan is None or plan.kernel is not kernel:
             plan = self._plans[key] = self._plan(causal=causal, window=sliding_window, kernel=kernel)
-        return RingSetup(
-            geometry=self._geometry,
-            plan=plan,
-            scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
-            kernel=kernel,
-        )
+        scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        return RingSetup(geometry.group, geometry.world, geometry.rank, plan.needed, plan.masks, scale, kernel)
 
     def _gather(
         self, q: torch.Tensor, k: torch.Tensor, *, causal: bool, sliding_window: int | None, problems: list[str]

@@ -143,19 +143,13 @@ def split_batch_into_thd_chunks(
         for c in chunks:
             # A chunk padded only at its end dropped the padded variant; its extended cu_seqlens is the same thing.
             c.setdefault("cu_seqlens_padded", c["cu_seqlens"])
-    out: dict[str, Any] = {}
-    for key, first in chunks[0].items():
-        values = [c[key] for c in chunks]
-        if not isinstance(first, torch.Tensor):
-            out[key] = first
-        elif key in ("cu_seqlens", "cu_seqlens_padded"):
-            width = max(v.numel() for v in values)
-            out[key] = torch.stack(
-                [torch.cat([v, v.new_full((width - v.numel(),), seq_lens_padding_value)]) for v in values]
-            )
-        else:
-            out[key] = torch.stack(values)
-    return out
+    # every chunk has the same shapes but for the ragged cu_seqlens rows, right-padded with the sentinel
+    return {
+        key: _stack_ragged([c[key] for c in chunks], seq_lens_padding_value)
+        if isinstance(first, torch.Tensor)
+        else first
+        for key, first in chunks[0].items()
+    }
 
 
 def make_cp_batch_for_te(

@@ -137,10 +137,15 @@ class _ProcessWideRing:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.ring, name)
 
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[RingAttentionContext]:
-        with self.ring() as ring, routed_hf_attention(), _sdpa_routed_to_ring():
-            yield ring
+    def __call__(self) -> contextlib.AbstractContextManager[RingAttentionContext]:
+        return _process_wide(self.ring)
+
+
+@contextlib.contextmanager
+def _process_wide(ring: RingAttentionContext) -> Iterator[RingAttentionContext]:
+    """The core ring context with upstream's process-wide routing while open (HF's registry entries and SDPA)."""
+    with ring() as entered, routed_hf_attention(), _RingSDPAMode():
+        yield entered
 
 
 def make_cp_batch_and_ctx(
@@ -265,12 +270,8 @@ class _BufferShardContext:
             keep = id(buffer) not in self._no_restore
             self._saved.append(buffer.detach().clone() if keep else None)
             buffer.data = local.contiguous()  # in place for every holder of `buffer` (no resize_ of grad tensors)
-        stack = contextlib.ExitStack()
-        ring = stack.enter_context(self._ring())
-        stack.enter_context(routed_hf_attention())
-        stack.enter_context(_sdpa_routed_to_ring())
-        self._stack = stack
-        return ring
+        self._stack = contextlib.ExitStack()
+        return self._stack.enter_context(_process_wide(self._ring))
 
     def __exit__(self, *exc: object) -> None:
         assert self._stack is not None
@@ -293,10 +294,6 @@ class _RingSDPAMode(TorchFunctionMode):
         if func is _SDPA:
             return _ring_sdpa(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
-
-
-def _sdpa_routed_to_ring() -> _RingSDPAMode:
-    return _RingSDPAMode()
 
 
 def create_context_parallel_ctx(

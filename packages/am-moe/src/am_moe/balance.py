@@ -126,7 +126,10 @@ def switch_aux_loss(
     pairs = hits.sum(0)  # [E], no gradient
     prob_sum = (probs.float() * real[:, None]).sum(0)  # [E]
     total = num_experts / top_k * (pairs * prob_sum).sum() / count.clamp(min=1) ** 2
-    return total if reduction == "mean" else _times(total, count, reduction)
+    if reduction == "mean":
+        return total
+    _check_reduction(reduction)
+    return total * count
 
 
 def sequence_aux_loss(
@@ -192,11 +195,6 @@ def router_z_loss(
 def _check_reduction(reduction: str) -> None:
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
-
-
-def _times(mean: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
-    _check_reduction(reduction)
-    return mean * count
 
 
 class _AllReduceSum(torch.autograd.Function):

@@ -36,11 +36,8 @@ class DeepEPExchange:
         self.group, self.module, self.num_sms, self.async_dispatch = group, module, num_sms, async_dispatch
         self._buffer: Any = None
 
-    def _lib(self) -> Any:
-        return importlib.import_module(self.module)  # the CUDA extension loads here, on first use only
-
     def _get_buffer(self, hidden_bytes: int) -> Any:
-        buffer_cls = self._lib().Buffer
+        buffer_cls = importlib.import_module(self.module).Buffer  # the CUDA extension loads here, on first use only
         buffer_cls.set_num_sms(self.num_sms)
         size = dist.get_world_size(self.group)
         nvl = rdma = 0

@@ -187,7 +187,36 @@ def combine_pairs(
     return weighted.sum(dim=1).to(out_dtype)
 
 
-class LocalDispatcher:
+def _with_padding_rows(sorted_out: torch.Tensor, state: DispatchState) -> torch.Tensor:
+    """`[N, H]` rows of the pairs that reached an expert (sorted order) -> `[T*K, H]`, the padding pairs' rows 0."""
+    missing = state.num_tokens * state.top_k - sorted_out.shape[0]
+    if missing:
+        sorted_out = torch.cat([sorted_out, sorted_out.new_zeros(missing, sorted_out.shape[1])])
+    return sorted_out
+
+
+class _PairCombine:
+    """The combine of both pair dispatchers: their `undispatch`, then the weighted sum on the tokens' rank."""
+
+    def undispatch(self, expert_out: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        raise NotImplementedError
+
+    def combine(
+        self,
+        expert_out: torch.Tensor,
+        state: DispatchState,
+        top_k_weights: torch.Tensor,
+        *,
+        out_dtype: torch.dtype,
+        combine_dtype: torch.dtype | None,
+    ) -> torch.Tensor:
+        """Expert rows `[N, H]` -> `[T, H]`: sum_k weight[t, k] * expert output of pair (t, k) (`combine_pairs`),
+        weighted on the tokens' rank."""
+        sorted_out = self.undispatch(expert_out, state)
+        return combine_pairs(sorted_out, state, top_k_weights, out_dtype=out_dtype, combine_dtype=combine_dtype)
+
+
+class LocalDispatcher(_PairCombine):
     """All experts live on this rank: the sorted pairs are the groups.
 
     With host sizes (CPU, or the loop backend, which needs them anyway) the padding rows are cut off exactly and index
@@ -228,25 +257,9 @@ class LocalDispatcher:
             valid = torch.arange(rows.shape[0], device=rows.device) < ends[-1]
         return rows, GroupLayout(ends, valid_rows=valid), state
 
-    def combine(
-        self,
-        expert_out: torch.Tensor,
-        state: DispatchState,
-        top_k_weights: torch.Tensor,
-        *,
-        out_dtype: torch.dtype,
-        combine_dtype: torch.dtype | None,
-    ) -> torch.Tensor:
-        """Expert rows `[N, H]` -> `[T, H]`: sum_k weight[t, k] * expert output of pair (t, k) (`combine_pairs`)."""
-        sorted_out = self.undispatch(expert_out, state)
-        return combine_pairs(sorted_out, state, top_k_weights, out_dtype=out_dtype, combine_dtype=combine_dtype)
-
     def undispatch(self, expert_out: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Expert rows -> `[T*K, H]` in sorted pair order, padding rows 0."""
-        missing = state.num_tokens * state.top_k - expert_out.shape[0]
-        if missing:
-            expert_out = torch.cat([expert_out, expert_out.new_zeros(missing, expert_out.shape[1])])
-        return expert_out
+        return _with_padding_rows(expert_out, state)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -322,7 +335,7 @@ def agree_on_input(
     return table
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(_PairCombine):
     """Experts sharded over the ranks of `group`: rank r owns experts `[r * E / ep, (r + 1) * E / ep)`.
 
     One all-gather of a small header (counts, flags), then one all-to-all of token rows each way, forward and
@@ -392,25 +405,9 @@ class AllToAllDispatcher:
         )
         return rows, GroupLayout.from_sizes(sizes, device=device), state
 
-    def combine(
-        self,
-        expert_out: torch.Tensor,
-        state: DispatchState,
-        top_k_weights: torch.Tensor,
-        *,
-        out_dtype: torch.dtype,
-        combine_dtype: torch.dtype | None,
-    ) -> torch.Tensor:
-        """Expert rows `[N, H]` -> `[T, H]` on the tokens' rank, weighted there (`combine_pairs`)."""
-        sorted_out = self.undispatch(expert_out, state)
-        return combine_pairs(sorted_out, state, top_k_weights, out_dtype=out_dtype, combine_dtype=combine_dtype)
-
     def undispatch(self, expert_out: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Expert rows (grouped by local expert) -> `[T*K, H]` on the tokens' rank, in sorted pair order."""
         if state.inverse_regroup is not None:
             expert_out = expert_out[state.inverse_regroup]
         back = _AllToAll.apply(expert_out, state.send_splits, state.recv_splits, self.group, "combine_bytes")
-        missing = state.num_tokens * state.top_k - back.shape[0]
-        if missing:
-            back = torch.cat([back, back.new_zeros(missing, back.shape[1])])
-        return back
+        return _with_padding_rows(back, state)

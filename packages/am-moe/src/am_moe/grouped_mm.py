@@ -86,13 +86,9 @@ def select_grouped_mm_backend(
         everything that is missing.
     """
     device = torch.device(device)
-    return _select(device.type, _capability(device), dtype, tuple(int(s) for s in sizes), requested)
-
-
-def _capability(device: torch.device) -> tuple[int, int] | None:
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability(device)
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    capability = torch.cuda.get_device_capability(device) if cuda else None
+    return _select(device.type, capability, dtype, tuple(int(s) for s in sizes), requested)
 
 
 @functools.cache
@@ -236,37 +232,25 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, layout: GroupLayout, *
     if backend == "grouped_mm":
         out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=layout.ends)
         out = _ContiguousGrad.apply(out)
-    elif backend == "loop":
+    elif backend in ("loop", "gmm", "te", "mxfp8"):
         if layout.sizes is None:
-            raise ValueError("the loop backend needs the group sizes on the host (GroupLayout.sizes)")
-        total = sum(layout.sizes)
-        parts = x[:total].split(layout.sizes)
-        # unbind, not weight[g]: the weight gradient is one stack, not a zero-filled [G, out, in] tensor per group.
-        # Empty groups are kept so every expert's weight gets a (zero) gradient even when no row reaches it.
-        outs = [F.linear(part, w) for part, w in zip(parts, weight.unbind(0), strict=True)]
-        if total < x.shape[0]:
-            outs.append(x.new_zeros(x.shape[0] - total, weight.shape[1]))
-        out = torch.cat(outs)
-    elif backend == "gmm":
-        if layout.sizes is None:
-            raise ValueError("the gmm backend needs the group sizes on the host (GroupLayout.sizes)")
-        total = sum(layout.sizes)
-        # grouped_gemm's public op: gmm(a [N, in], b [G, out, in], batch_sizes int64 on the host, trans_b=True).
-        batch_sizes = torch.tensor(layout.sizes, dtype=torch.int64)
-        out = _gmm_ops().gmm(x[:total], weight, batch_sizes, trans_b=True)
-        if total < x.shape[0]:
-            out = torch.cat([out, out.new_zeros(x.shape[0] - total, weight.shape[1])])
-    elif backend == "te":
-        if layout.sizes is None:
-            raise ValueError("the te backend needs the group sizes on the host (GroupLayout.sizes)")
-        total = sum(layout.sizes)
-        out = _te_linear(x[:total], weight, layout.sizes)
-        if total < x.shape[0]:
-            out = torch.cat([out, out.new_zeros(x.shape[0] - total, weight.shape[1])])
-    elif backend == "mxfp8":
-        if layout.sizes is None:
-            raise ValueError("the mxfp8 backend needs the group sizes on the host (GroupLayout.sizes)")
-        out = mxfp8_grouped_linear(x, weight, layout.sizes)
+            raise ValueError(f"the {backend} backend needs the group sizes on the host (GroupLayout.sizes)")
+        sizes, total = layout.sizes, sum(layout.sizes)
+        if backend == "loop":
+            # unbind, not weight[g]: the weight gradient is one stack, not a zero-filled [G, out, in] tensor per group.
+            # Empty groups are kept so every expert's weight gets a (zero) gradient even when no row reaches it.
+            out = torch.cat(
+                [F.linear(part, w) for part, w in zip(x[:total].split(sizes), weight.unbind(0), strict=True)]
+            )
+        elif backend == "gmm":
+            # grouped_gemm's public op: gmm(a [N, in], b [G, out, in], batch_sizes int64 on the host, trans_b=True).
+            out = _gmm_ops().gmm(x[:total], weight, torch.tensor(sizes, dtype=torch.int64), trans_b=True)
+        elif backend == "te":
+            out = _te_linear(x[:total], weight, sizes)
+        else:
+            out = mxfp8_grouped_linear(x, weight, sizes)
+        if out.shape[0] < x.shape[0]:  # rows past the last group (padding pairs) give 0
+            out = torch.cat([out, out.new_zeros(x.shape[0] - out.shape[0], weight.shape[1])])
     else:
         raise ValueError(
             f"grouped_linear backend must be 'grouped_mm', 'loop', 'gmm', 'te' or 'mxfp8', not {backend!r}"

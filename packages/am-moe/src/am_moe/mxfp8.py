@@ -32,6 +32,7 @@ alignment for MXFP8, the only one torch's tests run) before quantization; the pa
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -149,6 +150,7 @@ def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return plain.view(torch.float8_e8m0fnu) if is_e8m0 else plain
 
 
+@dataclass
 class MXFP8Operands:
     """The kernel's operands for one grouped GEMM (see the module docstring), and where the real rows went.
 
@@ -157,18 +159,13 @@ class MXFP8Operands:
     offs `[G]` int32 padded group ends, rows `[total]` int64: the padded row of each real row (in group order).
     """
 
-    def __init__(
-        self,
-        data_a: torch.Tensor,
-        scale_a: torch.Tensor,
-        data_b: torch.Tensor,
-        scale_b: torch.Tensor,
-        offs: torch.Tensor,
-        rows: torch.Tensor,
-        padded_sizes: list[int],
-    ) -> None:
-        self.data_a, self.scale_a, self.data_b, self.scale_b = data_a, scale_a, data_b, scale_b
-        self.offs, self.rows, self.padded_sizes = offs, rows, padded_sizes
+    data_a: torch.Tensor
+    scale_a: torch.Tensor
+    data_b: torch.Tensor
+    scale_b: torch.Tensor
+    offs: torch.Tensor
+    rows: torch.Tensor
+    padded_sizes: list[int]
 
 
 def mxfp8_operands(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> MXFP8Operands:

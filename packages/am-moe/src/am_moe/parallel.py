@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .experts import GroupedExperts
@@ -170,8 +169,6 @@ def apply_expert_parallel(
         raise ValueError("apply_expert_parallel:\n  - " + "\n  - ".join(problems))
     group = ep_mesh.get_group()
     shared: dict[str, Any] | None = {} if dispatcher_share_token_dispatcher else None
-    if dist.get_rank(group) != ep_mesh.get_local_rank():
-        raise RuntimeError("the ep mesh's process group does not rank ranks in mesh order")  # pragma: no cover
     for _, experts in found:
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])

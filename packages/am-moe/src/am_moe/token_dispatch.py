@@ -26,7 +26,6 @@ travels in the returned state, as in `dispatch.py`).
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .dispatch import _sort_pairs, agree_on_input
-from .grouped_mm import GroupLayout
+from .grouped_mm import GroupLayout, _installed
 from .routing import RoutingError
 
 __all__ = [
@@ -55,13 +54,6 @@ _INSTALL = {
     "deep_ep": "build DeepEP from source (https://github.com/deepseek-ai/DeepEP)",
     "uccl_ep": "`pip install uccl` (UCCL-EP)",
 }
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def dispatcher_problems(

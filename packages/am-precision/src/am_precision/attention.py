@@ -253,7 +253,7 @@ class AttentionKernel(nn.Module):
         dropout_p: float,
         enable_gqa: bool,
     ) -> torch.Tensor:
-        # one set of SDPA keywords for every kernel that takes them (the cuDNN and TE paths take them positionally)
+        # one set of SDPA keywords for every kernel that takes them (the TE path takes them positionally)
         options: dict[str, Any] = dict(
             attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa
         )
@@ -264,34 +264,12 @@ class AttentionKernel(nn.Module):
         if self.attn == "flex":
             return _flex_attention(q, k, v, **options, compiled=q.device.type == "cuda" and not self.compile_attn)
         if self.attn == "cudnn":
-            return self._cudnn(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa)
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            # Only the cuDNN kernel is allowed: torch raises rather than fall back when it cannot take these inputs.
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, v, **options)
         return self._te(q, k, v, attn_mask, is_causal, scale, dropout_p)
-
-    @staticmethod
-    def _cudnn(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        attn_mask: torch.Tensor | None,
-        is_causal: bool,
-        scale: float | None,
-        dropout_p: float,
-        enable_gqa: bool,
-    ) -> torch.Tensor:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        # Only the cuDNN kernel is allowed: torch raises rather than fall back when it cannot take these inputs.
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            return F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=attn_mask,
-                is_causal=is_causal,
-                scale=scale,
-                dropout_p=dropout_p,
-                enable_gqa=enable_gqa,
-            )
 
     def _te(
         self,

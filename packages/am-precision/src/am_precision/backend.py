@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import flags
-from .backend_options import CudaGraphConfig, MoKBackendConfig
+from .backend_options import CudaGraphConfig, MoKBackendConfig, _raise_if_problems
 
 __all__ = [
     "ATTN_BACKENDS",
@@ -51,13 +51,6 @@ _A2A_DISPATCHERS = ("deepep", "hybridep", "uccl_ep", "mok")
 
 def _format_allowed(allowed: tuple[str, ...]) -> str:
     return ", ".join(repr(a) for a in allowed)
-
-
-def _raise_if_problems(owner: str, problems: list[str]) -> None:
-    if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
-        plural = "s" if len(problems) > 1 else ""
-        raise ValueError(f"Invalid {owner} ({len(problems)} problem{plural}):\n{lines}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,18 +108,6 @@ class TEFp8Config:
             return autocast(enabled=True, recipe=built)
         # TE releases before `te.autocast` spell it fp8_autocast(fp8_recipe=...).
         return te.fp8_autocast(enabled=True, fp8_recipe=built)
-
-
-def _default_attn() -> str:
-    return "te" if flags.te_usable() else "sdpa"
-
-
-def _default_linear() -> str:
-    return "te" if flags.te_usable() else "torch"
-
-
-def _default_experts() -> str:
-    return "torch_mm" if torch.cuda.is_available() else "torch"
 
 
 def _default_dispatcher() -> str:
@@ -232,12 +213,12 @@ class BackendConfig:
             lists every problem with the allowed values or the fix.
     """
 
-    attn: str = field(default_factory=_default_attn)
-    linear: str = field(default_factory=_default_linear)
+    attn: str = field(default_factory=lambda: "te" if flags.te_usable() else "sdpa")
+    linear: str = field(default_factory=lambda: "te" if flags.te_usable() else "torch")
     rms_norm: str = "torch_fp32"
     rope: str = "torch"
     rope_fusion: bool | None = None
-    experts: str = field(default_factory=_default_experts)
+    experts: str = field(default_factory=lambda: "torch_mm" if torch.cuda.is_available() else "torch")
     dispatcher: str = field(default_factory=_default_dispatcher)
     dispatcher_num_sms: int = 20
     dispatcher_share_token_dispatcher: bool = True

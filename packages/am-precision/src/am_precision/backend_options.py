@@ -9,6 +9,7 @@ table), or import the optional MoK package anywhere but in `MoKBackendConfig.bui
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ __all__ = ["CUDA_GRAPH_MODULES", "CudaGraphConfig", "MoKBackendConfig"]
 CUDA_GRAPH_MODULES: tuple[str, ...] = ("attn", "te_dpa", "moe_router", "moe_preprocess")
 
 
-def _raise_value_problems(owner: str, problems: list[str]) -> None:
+def _raise_if_problems(owner: str, problems: list[str]) -> None:
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         plural = "s" if len(problems) > 1 else ""
@@ -59,7 +60,7 @@ class CudaGraphConfig:
             problems.append("modules: 'attn' already captures 'te_dpa'; list only one of them")
         if "moe_preprocess" in modules and "moe_router" not in modules:
             problems.append("modules: 'moe_preprocess' is captured together with the router; add 'moe_router'")
-        _raise_value_problems("CudaGraphConfig", problems)
+        _raise_if_problems("CudaGraphConfig", problems)
         object.__setattr__(self, "modules", tuple(modules))
 
     @property
@@ -122,7 +123,7 @@ class MoKBackendConfig:
             or multiplier <= 0
         ):
             problems.append(f"schedule_capacity_multiplier={multiplier!r} must be a positive finite number")
-        _raise_value_problems("MoKBackendConfig", problems)
+        _raise_if_problems("MoKBackendConfig", problems)
 
     def build(self) -> Any:
         """MoK's own config object (`mok.functional.MoKConfig`) with these values.
@@ -137,11 +138,4 @@ class MoKBackendConfig:
                 "MoKBackendConfig.build() needs the optional Mixture-of-Kittens package (`mok.functional`), which is "
                 "not installed; no am-* package runs the MoK dispatcher, so only build it for your own kernels."
             ) from err
-        return mok_functional.MoKConfig(
-            fwd_num_comm_sms=self.fwd_num_comm_sms,
-            bwd_num_comm_sms=self.bwd_num_comm_sms,
-            minibatch_size=self.minibatch_size,
-            macrobatch_size=self.macrobatch_size,
-            schedule_capacity_multiplier=self.schedule_capacity_multiplier,
-            all_gather_top_experts_chunk_bytes=self.all_gather_top_experts_chunk_bytes,
-        )
+        return mok_functional.MoKConfig(**dataclasses.asdict(self))

@@ -279,14 +279,9 @@ def cast_frozen_modules_to_compute_dtype(model: nn.Module, compute_dtype: torch.
         done.add(id(param))
         param.data = param.data.to(compute_dtype)
 
-    # Outermost subtrees that hold parameters but no trainable one.
+    # Subtrees that hold parameters but no trainable one (a buffer under any of them lies under the outermost one).
     with_params = {a for full_name, _ in params for a in _ancestors(full_name.rpartition(".")[0])}
-    frozen_roots = [
-        name
-        for name in sorted(with_params - trainable_ancestors, key=len)
-        if not any(_is_within(name, [other]) for other in with_params - trainable_ancestors if other != name)
-    ]
-    cast_roots = [*frozen_roots, *mixed]
+    cast_roots = [*(with_params - trainable_ancestors), *mixed]
     converted: dict[int, torch.Tensor] = {}
     for full_name, buffer in list(model.named_buffers(remove_duplicate=False)):
         owner_name, _, local = full_name.rpartition(".")

@@ -87,7 +87,4 @@ def fp32_keep_rules(model: nn.Module | type[nn.Module]) -> tuple[KeepRule, ...]:
 
 def match_keep_rule(name: str, rules: Iterable[KeepRule]) -> KeepRule | None:
     """The first rule (strict rules come first) whose keyword occurs in `name`, or None."""
-    for rule in rules:
-        if rule.matches(name):
-            return rule
-    return None
+    return next((rule for rule in rules if rule.matches(name)), None)

@@ -28,19 +28,13 @@ def _causal_lm_output_cls() -> Any:
     return CausalLMOutputWithPast
 
 
-def _fsdp_param_dtype(module: nn.Module) -> torch.dtype | None:
-    """The FSDP2 mixed-precision `param_dtype` of `module`, or None when it is not an FSDP2 module / has none."""
+def _head_compute_dtype(lm_head: nn.Module) -> torch.dtype | None:
+    """The FSDP2 mixed-precision `param_dtype` of `lm_head`, else its weight's dtype (None: neither)."""
     # FSDP2 exposes no public getter for its policy; read it defensively so a torch change degrades to the
     # weight dtype instead of failing.
-    get_state = getattr(module, "_get_fsdp_state", None)
-    if get_state is None:
-        return None
-    policy = getattr(get_state(), "_mp_policy", None)
-    return getattr(policy, "param_dtype", None)
-
-
-def _head_compute_dtype(lm_head: nn.Module) -> torch.dtype | None:
-    fsdp_dtype = _fsdp_param_dtype(lm_head)
+    get_state = getattr(lm_head, "_get_fsdp_state", None)
+    policy = getattr(get_state(), "_mp_policy", None) if get_state is not None else None
+    fsdp_dtype = getattr(policy, "param_dtype", None)
     if fsdp_dtype is not None:
         return fsdp_dtype
     weight = getattr(lm_head, "weight", None)

@@ -58,19 +58,13 @@ class Float32RMSNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}, weight_dtype={self.weight.dtype}"
 
 
-class _QuackRMSNorm(nn.Module):
+class _QuackRMSNorm(Float32RMSNorm):
     """RMSNorm backed by QuACK's CuTe kernel (CUDA only). x: [..., dim] -> [..., dim]."""
 
     def __init__(self, dim: int, eps: float, *, device: torch.device | str | None, dtype: torch.dtype) -> None:
-        super().__init__()
-        self._rmsnorm = _import_quack("rms_norm", "quack.rmsnorm").rmsnorm
-        self.dim = dim
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        rmsnorm = _import_quack("rms_norm", "quack.rmsnorm").rmsnorm  # before any parameter: a missing package raises
+        super().__init__(dim, eps, device=device, dtype=dtype)
+        self._rmsnorm = rmsnorm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._rmsnorm(x, self.weight, eps=self.eps)

@@ -10,7 +10,6 @@ ones upstream names), or decide what a model implements (a model adds its own re
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterable
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from . import flags
 from .attention import attention_backend_problem
 from .backend import BackendConfig
+from .flags import _installed
 
 __all__ = ["backend_runtime_problems"]
 
@@ -40,13 +40,6 @@ def _needs_te(what: str, *, cuda: bool) -> str | None:
     if not cuda:
         return f"{what} needs a CUDA GPU (Transformer Engine runs only on CUDA; torch.cuda.is_available() is False)"
     return None
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def _needs_package(what: str, module: str, install: str, *, cuda: bool) -> str | None:

@@ -86,17 +86,13 @@ def match_plan(model: nn.Module, plan: Mapping[str, str]) -> tuple[dict[str, str
     A pattern matches a module when it equals the module's name or its `layer_pattern`. A pattern naming a
     parameter (`...experts.gate_up_proj`) matches no module and is reported as unmatched.
     """
-    keys = set(plan)
     matched: dict[str, str] = {}
     used: set[str] = set()
     for name, _module in model.named_modules():
-        if not name:
-            continue
-        for key in (name, layer_pattern(name)):
-            if key in keys:
-                matched[name] = plan[key]
-                used.add(key)
-                break
+        key = next((k for k in (name, layer_pattern(name)) if k in plan), None) if name else None
+        if key is not None:
+            matched[name] = plan[key]
+            used.add(key)
     return matched, [key for key in plan if key not in used]
 
 

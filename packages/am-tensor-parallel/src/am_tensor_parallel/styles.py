@@ -124,17 +124,15 @@ def translate_style(name: str, *, sequence_parallel: bool = False, role: str = "
     # Under sequence parallelism the stream stays a DTensor between regions (so HF code reading `.shape` sees the
     # global sequence length); without it every activation is a plain local tensor, as in transformers.
     keep_dtensor = sequence_parallel
+    # a region's colwise input arrives replicated; the output head's is the stream (sequence-sharded under SP)
+    colwise_input = stream if role == "head" else Replicate()
     if style == "colwise":
-        if role == "head":
-            return ColwiseParallel(input_layouts=stream)
-        return ColwiseParallel()
+        return ColwiseParallel(input_layouts=colwise_input)
     if style == "colwise_rep":
-        if role == "head":
-            return ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
-        return ColwiseParallel(output_layouts=Replicate())
+        return ColwiseParallel(input_layouts=colwise_input, output_layouts=Replicate())
     if style == "rowwise":
         return RowwiseParallel(output_layouts=stream, use_local_output=not keep_dtensor)
-    if style == "rowwise_rep":
+    if style in ("rowwise_rep", "embedding_rowwise"):  # an embedding's vocabulary shard sums like a rowwise output
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=stream, use_local_output=not keep_dtensor)
     if style == "local_rowwise":
         return _LocalRowwise()
@@ -144,8 +142,6 @@ def translate_style(name: str, *, sequence_parallel: bool = False, role: str = "
         return _Packed(dim=0)
     if style == "packed_rowwise":
         return _Packed(dim=1, reduce_output=stream, keep_dtensor=keep_dtensor)
-    if style == "embedding_rowwise":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=stream, use_local_output=not keep_dtensor)
     if style == "embedding_colwise":
         return _EmbeddingColwise(output_layout=stream, keep_dtensor=keep_dtensor)
     if style == "sequence_parallel":

@@ -220,8 +220,9 @@ def _analyse(
             styles[head] = "colwise"
 
     # modules that open a TP region (parents of colwise projections): their input enters once for all projections
-    region_inputs = sorted({n.rpartition(".")[0] for n, s in styles.items() if s in COLWISE_STYLES and n != head})
-    region_inputs = [r for r in region_inputs if r]
+    region_inputs = sorted(
+        {n.rpartition(".")[0] for n, s in styles.items() if s in COLWISE_STYLES and n != head} - {""}
+    )
     norms: list[str] = []
     if not sequence_parallel:
         problems += [
@@ -229,7 +230,7 @@ def _analyse(
             for name, style in styles.items()
             if style == "sequence_parallel"
         ]
-    if sequence_parallel:
+    else:
         if not embedding:
             problems.append("sequence_parallel=True needs the model's input embedding (get_input_embeddings())")
         if not head or head not in styles:
