@@ -23,7 +23,7 @@ regions' inputs all-reduce their gradient; "sequence_gather" modules compute the
 gradient norm counts them once; DTensor shards count through their mesh; the plain-tensor shards of modules that shard
 themselves (Nemotron-H's Mamba2 mixer, am-tensor-parallel's "module" style) are summed over tp (`tp_local_names`,
 step_parts' `clip_grad_norm`). Checkpoints keep those shards under per-tp-rank keys (`rename_tp_local`) and the HF
-export re-assembles them through the module's `tensor_parallel_full_state` (`full_tp_state`).
+export re-assembles them through the module's `tensor_parallel_full_state` (trainer/export.py).
 What it must not do: decide another axis's rules, or name a model class (the plan and the hooks come from the model).
 """
 
@@ -176,27 +176,6 @@ def tp_local_parameters(parts: list[nn.Module]) -> set[int]:
     return found
 
 
-def full_tp_state(part: nn.Module, state: dict[str, Any], *, group: Any) -> dict[str, Any]:
-    """`state` (the part's full state dict over dp x cp: DTensor TP shards already gathered) with the plain-tensor
-    shards re-assembled by their modules' `tensor_parallel_full_state` (collective over the tp `group`, in module
-    order on every tp rank)."""
-    from am_tensor_parallel import FULL_STATE_METHOD
-
-    local = tp_local_names(part)
-    if local is None:
-        return state
-    full = dict(state)
-    for prefix, module in part.named_modules():
-        hook = getattr(module, FULL_STATE_METHOD, None)
-        owned = sorted(name for name in local.names if prefix and name.startswith(prefix + "."))
-        if not callable(hook) or not owned:
-            continue
-        relative = {name[len(prefix) + 1 :]: state[name] for name in owned}
-        for name, tensor in hook(relative, group=group).items():
-            full[f"{prefix}.{name}"] = tensor
-    return full
-
-
 def rename_tp_local(part: nn.Module, model_state: dict[str, Any], optim_state: dict[str, Any], *, back: bool) -> None:
     """Give the plain-tensor TP shards per-tp-rank keys in a checkpoint (`name` -> `name@tp<r>`, in the model state
     and in the flattened optimizer state: `state.<name>.<key>`, `param_groups.<name>.<key>`), or take them back
@@ -220,7 +199,6 @@ def rename_tp_local(part: nn.Module, model_state: dict[str, Any], optim_state: d
 __all__ = [
     "TPLocal",
     "apply_tensor_parallel_to_parts",
-    "full_tp_state",
     "reduce_partial_grads_of_parts",
     "rename_tp_local",
     "tensor_parallel_plan",
