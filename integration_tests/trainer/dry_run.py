@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 from typing import Any
 
@@ -128,57 +127,6 @@ def rank_coordinates(plan: RunPlan, rank: int) -> dict[str, int]:
     }
 
 
-def _local_numel(tensor: torch.Tensor, coords: dict[str, int] | None) -> int:
-    """Elements of `tensor`'s shard on the rank at `coords` (None: this rank's own local tensor)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(tensor, DTensor):
-        return tensor.numel()
-    if coords is None:
-        return tensor.to_local().numel()
-    shape = list(tensor.shape)
-    mesh = tensor.device_mesh
-    names = mesh.mesh_dim_names or ()
-    own = mesh.get_coordinate() or [0] * mesh.ndim
-    for i, placement in enumerate(tensor.placements):
-        if isinstance(placement, Shard):
-            n = mesh.size(i)
-            c = coords.get(names[i], own[i]) if i < len(names) else own[i]
-            length = shape[placement.dim]
-            full = (length + n - 1) // n
-            start = full * c
-            shape[placement.dim] = max(0, min(length, start + full) - start)
-    return math.prod(shape)
-
-
-def shard_bytes(parts: list[nn.Module], optimizers: list[Any], coords: dict[str, int] | None) -> dict[str, int]:
-    """{"parameter_bytes", "gradient_bytes", "optimizer_bytes"} of the rank at `coords` holding the same blocks as
-    this rank: each tensor's shard under its placements (a state tensor shaped like its parameter is sharded like
-    it; others, e.g. AdamW's step count, are whole)."""
-    totals = {"parameter_bytes": 0, "gradient_bytes": 0, "optimizer_bytes": 0}
-    states: dict[int, dict[str, Any]] = {}
-    for optimizer in optimizers:
-        for param, state in optimizer.state.items():
-            states[id(param)] = state
-    seen: set[int] = set()
-    for part in parts:
-        for param in part.parameters():
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            numel = _local_numel(param, coords)
-            totals["parameter_bytes"] += numel * param.element_size()
-            if param.grad is not None:
-                totals["gradient_bytes"] += _local_numel(param.grad, coords) * param.grad.element_size()
-            for value in states.get(id(param), {}).values():
-                if isinstance(value, torch.Tensor):
-                    same = tuple(value.shape) == tuple(param.shape)
-                    totals["optimizer_bytes"] += (_local_numel(value, coords) if same else value.numel()) * (
-                        value.element_size()
-                    )
-    return totals
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # One fake step for one rank position
 # ------------------------------------------------------------------------------------------------------------------
@@ -237,7 +185,7 @@ def fake_step(cfg: RunConfig, validated: ValidatedRun, *, rank: int, world_size:
     from trainer.data import BatchStream
     from trainer.dry_run_comm import CollectiveBytes, extra_flop_formulas
     from trainer.loop import build, make_meshes
-    from trainer.step_memory import SavedActivations
+    from trainer.step_memory import SavedActivations, state_bytes
     from trainer.step_parts import clip_grad_norm
 
     plan = validated.plan
@@ -271,7 +219,7 @@ def fake_step(cfg: RunConfig, validated: ValidatedRun, *, rank: int, world_size:
             stage_ranks = [
                 r for r in range(world_size) if rank_coordinates(plan, r)["pp"] == rank_coordinates(plan, rank)["pp"]
             ]
-            per_rank = {r: shard_bytes(built.parts, built.optimizers, rank_coordinates(plan, r)) for r in stage_ranks}
+            per_rank = {r: state_bytes(built.parts, built.optimizers, rank_coordinates(plan, r)) for r in stage_ranks}
         group_axis = {name: axis for name, axis in axis_of_group.items()}
         axes = {}
         for name, axis in group_axis.items():
@@ -432,4 +380,4 @@ def main(cfg: RunConfig) -> int:
     return 0
 
 
-__all__ = ["dry_run", "fake_step", "format_report", "main", "rank_coordinates", "shard_bytes"]
+__all__ = ["dry_run", "fake_step", "format_report", "main", "rank_coordinates"]
