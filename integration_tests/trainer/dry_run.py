@@ -132,30 +132,11 @@ def rank_coordinates(plan: RunPlan, rank: int) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _axis_names(meshes: Any) -> dict[str, str]:
-    """group_name -> the mesh axis it is, for the collectives' accounting."""
-    names: dict[str, str] = {}
+def _labelled_groups(meshes: Any) -> list[tuple[Any, str]]:
+    """(process group, the mesh axis it is) of every axis the trainer builds, for the collectives' accounting."""
     labelled = [(meshes.mesh[axis], axis) for axis in meshes.mesh.mesh_dim_names] + [(meshes.dp_cp, "dp_cp (FSDP2)")]
     labelled += [(m, label) for m, label in ((meshes.ep, "ep"), (meshes.expert_dp, "expert_dp")) if m is not None]
-    for mesh, label in labelled:  # one group may be several axes (dp 2 x ep 2: the dp group is the ep group)
-        if mesh.size() > 1:
-            name = mesh.get_group().group_name
-            names[name] = f"{names[name]} = {label}" if name in names else label
-    return names
-
-
-def _crosses_nodes(meshes: Any, group_name: str, gpus_per_node: int) -> bool:
-    for group in _groups(meshes):
-        if group.group_name == group_name:
-            ranks = dist.get_process_group_ranks(group)
-            return len({r // gpus_per_node for r in ranks}) > 1
-    return False
-
-
-def _groups(meshes: Any) -> list[Any]:
-    groups = [meshes.mesh[axis].get_group() for axis in meshes.mesh.mesh_dim_names] + [meshes.dp_cp.get_group()]
-    groups += [m.get_group() for m in (meshes.ep, meshes.expert_dp) if m is not None]
-    return groups
+    return [(mesh.get_group(), label) for mesh, label in labelled]
 
 
 def _fake_materialize(fake_mode: Any) -> Any:
@@ -199,7 +180,13 @@ def fake_step(cfg: RunConfig, validated: ValidatedRun, *, rank: int, world_size:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         spec = dataclasses.replace(validated.spec, materialize=_fake_materialize(fake_mode))
         built = build(cfg, dataclasses.replace(validated, spec=spec), meshes)
-        axis_of_group = _axis_names(meshes)
+        axis_of_group: dict[str, str] = {}  # group_name -> the mesh axis it is
+        groups = {}
+        for group, label in _labelled_groups(meshes):  # one group may be several axes (dp 2 x ep 2: dp is ep)
+            if group.size() > 1:
+                name = group.group_name
+                axis_of_group[name] = f"{axis_of_group[name]} = {label}" if name in axis_of_group else label
+                groups[name] = group
         traffic = CollectiveBytes(axis_of_group)
         flops = FlopCounterMode(display=False, custom_mapping=extra_flop_formulas())
         saved = SavedActivations(recomputation=cfg.activation_checkpointing)
@@ -220,13 +207,11 @@ def fake_step(cfg: RunConfig, validated: ValidatedRun, *, rank: int, world_size:
                 r for r in range(world_size) if rank_coordinates(plan, r)["pp"] == rank_coordinates(plan, rank)["pp"]
             ]
             per_rank = {r: state_bytes(built.parts, built.optimizers, rank_coordinates(plan, r)) for r in stage_ranks}
-        group_axis = {name: axis for name, axis in axis_of_group.items()}
         axes = {}
-        for name, axis in group_axis.items():
+        for name, axis in axis_of_group.items():
             if axis in traffic.axes and axis not in axes:
-                entry = traffic.axes[axis].to_json()
-                entry["crosses_nodes"] = _crosses_nodes(meshes, name, gpus_per_node)
-                axes[axis] = entry
+                nodes = {r // gpus_per_node for r in dist.get_process_group_ranks(groups[name])}
+                axes[axis] = traffic.axes[axis].to_json() | {"crosses_nodes": len(nodes) > 1}
         if "other" in traffic.axes:
             axes["other"] = traffic.axes["other"].to_json() | {"crosses_nodes": True}
         # FSDP2's transient buffers: the largest unsharded unit of each sharding axis, twice (the unit computing and
