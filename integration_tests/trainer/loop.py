@@ -68,7 +68,7 @@ from trainer.debug_hooks import BuildMemory, dump_fp32_tensors, maybe_inject_fau
 from trainer.evaluation import evaluate, validation_batches
 from trainer.expert_parallel import apply_expert_parallel, build_ep_meshes, reset_expert_counts, step_expert_imbalance
 from trainer.export import make_hf_exporter, shard_bytes
-from trainer.guards import EXIT_RUN_STOPPED, RunStopped, StepGuard
+from trainer.guards import EXIT_RUN_STOPPED, RunStopped, StepGuard, model_path_nonfinite_problems
 from trainer.layer_wrappers import apply_activation_checkpointing, apply_compile
 from trainer.moe_balance import MoEBalance
 from trainer.optim import build_optimizers, lr_at, set_lr
@@ -91,7 +91,6 @@ from trainer.tensor_parallel import apply_tensor_parallel_to_parts, reduce_parti
 from trainer.validation import (
     EXIT_BAD_INPUT,
     BadInput,
-    model_path_value_problems,
     refusal,
     resume_changes,
     validate,
@@ -174,13 +173,13 @@ def make_meshes(plan: RunPlan, *, device: torch.device, rank: int) -> Meshes:
 
 def refuse_nonfinite_weights(cfg: RunConfig) -> None:
     """Phase 2b (`--model-path`, N ranks; one process checks every tensor in `validate`): the NaN / inf check of the
-    folder's tensors, each rank reading its 1 / N share (validation's `model_path_value_problems`), the lines of
+    folder's tensors, each rank reading its 1 / N share (guards.py's `model_path_nonfinite_problems`), the lines of
     every rank gathered so that every rank refuses with the same message (BadInput, exit code 2) before anything is
     built. Collective over the world."""
     if cfg.model_path is None:
         return
     world_size = dist.get_world_size()
-    mine = model_path_value_problems(cfg, part=dist.get_rank(), parts=world_size)
+    mine = model_path_nonfinite_problems(cfg.model_path, part=dist.get_rank(), parts=world_size)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, mine)
     problems = sorted(line for lines in gathered for line in lines)  # the same order on every rank
