@@ -151,15 +151,6 @@ def apply_tensor_parallel_to_parts(parts: list[nn.Module], *, plan: Any, tp_mesh
         setattr(part, _TP_LOCAL_ATTR, TPLocal(rank=tp_mesh.get_local_rank(), names=local))
 
 
-def reduce_partial_grads_of_parts(parts: list[nn.Module]) -> None:
-    """After materializing the parts TP sharded on the meta device: install am-tensor-parallel's partial-gradient
-    reduction of their replicated DTensor parameters (materializing swaps the parameters' storage, dropping hooks)."""
-    from am_tensor_parallel import reduce_partial_grads
-
-    for part in parts:
-        reduce_partial_grads(part)
-
-
 def tp_local_names(part: nn.Module) -> TPLocal | None:
     """The part's plain-tensor TP shards (None: no TP, or none held)."""
     local = getattr(part, _TP_LOCAL_ATTR, None)
@@ -199,7 +190,6 @@ def rename_tp_local(part: nn.Module, model_state: dict[str, Any], optim_state: d
 __all__ = [
     "TPLocal",
     "apply_tensor_parallel_to_parts",
-    "reduce_partial_grads_of_parts",
     "rename_tp_local",
     "tensor_parallel_plan",
     "tensor_parallel_problems",
