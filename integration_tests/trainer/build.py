@@ -176,7 +176,7 @@ def materialize_seeded(part: nn.Module, *, init: SeededInit, seed: int, device: 
 def materialize_parts(
     parts: list[nn.Module],
     *,
-    materialize: Callable[[nn.Module, int, torch.device], ShardedLoad | None] | None,
+    materialize: Callable[[nn.Module, int, torch.device], ShardedLoad | None],
     seed: int,
     device: torch.device,
 ) -> int:
@@ -185,8 +185,6 @@ def materialize_parts(
     it, ranks without a copy do nothing). Returns the checkpoint bytes this rank read (0: a seeded init)."""
     from am_pipelining import sync_tied_embedding_weights
 
-    if materialize is None:
-        raise ValueError("the model spec has no materialize: it cannot be built piecewise")
     read = 0
     for part in parts:
         loaded = materialize(part, seed, device)

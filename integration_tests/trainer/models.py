@@ -43,8 +43,8 @@ class ModelSpec:
     save: Callable[[nn.Module, Path], None]
     vocab_size: int
     file_layout: Callable[[nn.Module], Any]
+    materialize: Callable[[nn.Module, int, torch.device], Any]
     loads_weights: bool = False
-    materialize: Callable[[nn.Module, int, torch.device], Any] | None = None
 
 
 def _nemotron_pattern(num_layers: int) -> str:
