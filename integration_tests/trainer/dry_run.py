@@ -51,56 +51,6 @@ def has_weights(folder: str) -> bool:
     return any(Path(folder).glob("*.safetensors"))
 
 
-def config_only_spec(folder: str) -> Any:
-    """The spec of a folder with only config.json, for the dry run: the class registered for its architecture (our
-    model packages) or transformers' causal LM for its `model_type`, built from the config on the meta device. It has
-    no weights to load, so a real run refuses it (its `materialize` raises); the dry run materializes fake storage.
-
-    Raises:
-        ValueError: the architecture is unknown to both (transformers' own message, naming the model type).
-    """
-    from pathlib import Path
-
-    from transformers import AutoConfig
-
-    from am_capabilities import find_model_class
-    from trainer.models import (
-        ModelSpec,
-        _package_function,
-        _save_hf,
-        _save_own,
-        _transformers_layout,
-        hf_attention_implementation,
-    )
-
-    config_dict = json.loads((Path(folder) / "config.json").read_text())
-    registered = find_model_class(config_dict.get("architectures"), config_dict.get("model_type") or None)
-    config = AutoConfig.from_pretrained(folder)  # an unknown model_type raises here, in transformers' words
-    text = getattr(config, "text_config", None) or config
-    vocab_size = int(text.vocab_size)
-
-    def build() -> nn.Module:
-        with torch.device("meta"):
-            if registered is not None:
-                model: nn.Module = registered.from_config(config)  # type: ignore[attr-defined]
-                return model
-            from transformers import AutoModelForCausalLM
-
-            return AutoModelForCausalLM.from_config(
-                config, dtype=torch.float32, attn_implementation=hf_attention_implementation(folder)
-            )
-
-    def no_weights(part: nn.Module, seed: int, device: torch.device) -> None:
-        raise ValueError(f"--model-path {folder} holds only config.json: no weights to train (--dry-run only)")
-
-    family = config_dict.get("model_type") or "hf"
-    if registered is not None:  # saved as the real run would (never called: a dry run writes no checkpoint)
-        save, layout = _save_own, lambda part: _package_function(registered, "hf_file_layout")(part)
-    else:
-        save, layout = _save_hf, _transformers_layout
-    return ModelSpec(family, build, save, vocab_size, layout, loads_weights=True, materialize=no_weights)
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # Rank coordinates and exact shard sizes
 # ------------------------------------------------------------------------------------------------------------------

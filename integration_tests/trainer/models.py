@@ -323,23 +323,40 @@ def model_path_weight_problems(folder: str | Path) -> list[str]:
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def folder_spec(folder: str | Path) -> ModelSpec:
+def folder_spec(folder: str | Path, *, config_only: bool = False) -> ModelSpec:
     """The spec of an HF-format folder: the model class registered for its `architectures` / `model_type` in the
     am-capabilities registry (our model packages register theirs through the `am_capabilities.models` entry
     points), else any transformers causal LM (`AutoModelForCausalLM`, with SDPA where the class supports it, else
-    eager: `hf_attention_implementation`). `family` is the config's `model_type`."""
+    eager: `hf_attention_implementation`). `family` is the config's `model_type`.
+
+    `config_only` (the dry run of a folder with only config.json): the same class built from the config alone on the
+    meta device. It has no weights to load, so a real run refuses it (its `materialize` raises); the dry run
+    materializes fake storage. An architecture unknown to both raises transformers' own message, naming the model
+    type."""
+    from transformers import AutoConfig
+
     from am_capabilities import find_model_class
 
     folder = Path(folder)
     config_dict = json.loads((folder / "config.json").read_text())
     model_type = config_dict.get("model_type") or None
-    # A composite (e.g. vision-language) config keeps the text settings in `text_config`.
-    vocab_size = int(config_dict.get("vocab_size") or config_dict.get("text_config", {})["vocab_size"])
     registered = find_model_class(config_dict.get("architectures"), model_type)
+    if config_only:  # an unknown model_type raises here, in transformers' words
+        config = AutoConfig.from_pretrained(str(folder))
+        vocab_size = int((getattr(config, "text_config", None) or config).vocab_size)
+    else:  # a composite (e.g. vision-language) config keeps the text settings in `text_config`
+        vocab_size = int(config_dict.get("vocab_size") or config_dict.get("text_config", {})["vocab_size"])
+
+    def no_weights(part: nn.Module, seed: int, device: torch.device) -> None:
+        raise ValueError(f"--model-path {folder} holds only config.json: no weights to train (--dry-run only)")
+
     if registered is not None:
         model_class: Any = registered
 
         def build_registered() -> nn.Module:
+            if config_only:
+                with torch.device("meta"):
+                    return model_class.from_config(config)
             # names and shapes checked against the files' headers by the class's own loader; no data is read
             return model_class.from_pretrained(folder, dtype=torch.float32, device_map="meta")
 
@@ -354,20 +371,23 @@ def folder_spec(folder: str | Path) -> ModelSpec:
             _save_own,
             vocab_size,
             lambda part: _package_function(model_class, "hf_file_layout")(part),  # looked up when exporting
+            no_weights if config_only else load_registered,
             loads_weights=True,
-            materialize=load_registered,
         )
 
     def build_hf() -> nn.Module:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         from trainer.build import header_sources
 
-        config = AutoConfig.from_pretrained(str(folder))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
-                config, dtype=torch.float32, attn_implementation=hf_attention_implementation(folder)
+                AutoConfig.from_pretrained(str(folder)),
+                dtype=torch.float32,
+                attn_implementation=hf_attention_implementation(folder),
             )
+        if config_only:
+            return model
         info = header_sources(folder, model)[1]  # the headers only: no data is read
         # Tensors transformers converts on load in a way `header_sources` cannot read by blocks: other than stacking
         # per-expert files (and fusing their patterns along the rows: Mixtral, Qwen2-MoE, OLMoE) or re-indexing the
@@ -386,14 +406,9 @@ def folder_spec(folder: str | Path) -> ModelSpec:
             return None
         return load_transformers_blocks(part, folder, seed=seed, device=device)
 
+    materialize = no_weights if config_only else load_hf
     return ModelSpec(
-        model_type or "hf",
-        build_hf,
-        _save_hf,
-        vocab_size,
-        _transformers_layout,
-        loads_weights=True,
-        materialize=load_hf,
+        model_type or "hf", build_hf, _save_hf, vocab_size, _transformers_layout, materialize, loads_weights=True
     )
 
 

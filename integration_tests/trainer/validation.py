@@ -54,11 +54,10 @@ class BadInput(Exception):
 
 def model_spec(cfg: RunConfig, *, vocab_size: int | None = None) -> ModelSpec:
     if cfg.model_path is not None:
-        from trainer.dry_run import config_only_spec, has_weights
+        from trainer.dry_run import has_weights
 
-        if cfg.dry_run and not has_weights(cfg.model_path):  # config.json alone: the dry run needs no weights
-            return config_only_spec(cfg.model_path)
-        return folder_spec(cfg.model_path)
+        # config.json alone: the dry run needs no weights
+        return folder_spec(cfg.model_path, config_only=cfg.dry_run and not has_weights(cfg.model_path))
     return preset_spec(
         cfg.model,
         hidden_size=cfg.hidden_size if cfg.hidden_size is not None else PRESET_HIDDEN_SIZE,
