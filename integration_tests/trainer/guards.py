@@ -156,11 +156,10 @@ def checkpoint_bytes_estimate(parts: Iterable[nn.Module], optimizers: Iterable[t
     """Bytes this rank writes into a checkpoint, estimated: its parameters, buffers and optimizer state (local
     shards, plus a per-tensor overhead), and its parameters once more for the HF export (streamed by one writer per
     stage, trainer/export.py; the sum over ranks covers it)."""
-    from torch.distributed.tensor import DTensor
+    from trainer.step_memory import local_numel
 
     def nbytes(tensor: torch.Tensor) -> int:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        return local.numel() * local.element_size() + _BYTES_PER_TENSOR
+        return local_numel(tensor) * tensor.element_size() + _BYTES_PER_TENSOR
 
     total = 0
     for part in parts:
