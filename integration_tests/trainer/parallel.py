@@ -301,16 +301,12 @@ def shard_batch_for_cp(
     return make_cp_batch_and_ctx(mesh, batch, model=model, layout=layout)
 
 
-# Keys of a CP-sharded batch that are not forward inputs: the main labels, MTP targets (both go to the loss) and the
-# load-balanced path's loss mask.
-_TARGET_KEYS = ("labels", "mtp_per_depth_targets", "loss_mask")
-
-
 def split_cp_targets(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     """Pop the loss targets from a CP-sharded batch: (labels [B, S_local], D MTP targets [B, S_local] or None).
 
     The MTP targets were computed on the whole sequences (`prepare_batch_for_cp`); the loss must use them instead of
-    rolling the local labels, which would be wrong at block edges."""
+    rolling the local labels, which would be wrong at block edges. The load-balanced path's `loss_mask` is dropped
+    too: none of these keys is a forward input."""
     labels = batch.pop("labels")
     mtp = batch.pop("mtp_per_depth_targets", None)
     batch.pop("loss_mask", None)

@@ -37,12 +37,6 @@ from torch import nn
 if TYPE_CHECKING:
     from trainer.config import RunConfig
 
-# What --tp does not compose with yet: refused up front, with the reason (nothing runs half-supported).
-_UNSUPPORTED_WITH_TP = {
-    "compile": "--compile is not run over DTensor (TP) layers: torch.compile would trace the regions' redistribute "
-    "hooks and DTensor collectives, which no test runs on this CPU/gloo stack; drop --compile with --tp",
-}
-
 
 def tensor_parallel_problems(cfg: RunConfig, model: nn.Module) -> list[str]:
     """Every reason `--tp` cannot run `model` as asked (at tp 1: only `--sequence-parallel` / `--loss-parallel`
@@ -74,8 +68,12 @@ def tensor_parallel_problems(cfg: RunConfig, model: nn.Module) -> list[str]:
             f"--sequence-parallel shards the sequence over --tp {cfg.tp}, but --seq-len {cfg.seq_len} is not a "
             f"multiple of {cfg.tp}: choose a --seq-len divisible by {cfg.tp}"
         )
-    asked = {"compile": cfg.compile}
-    problems += [f"--tp {cfg.tp}: {_UNSUPPORTED_WITH_TP[name]}" for name, on in asked.items() if on]
+    if cfg.compile:  # what --tp does not compose with yet: refused up front, with the reason
+        problems.append(
+            f"--tp {cfg.tp}: --compile is not run over DTensor (TP) layers: torch.compile would trace the regions' "
+            "redistribute hooks and DTensor collectives, which no test runs on this CPU/gloo stack; drop --compile "
+            "with --tp"
+        )
     modules = dict(model.named_modules())
     styles, _ = match_plan(model, plan or {})
     for name, style in styles.items():
