@@ -33,10 +33,6 @@ class RunStopped(Exception):
     to do. Raised on every rank at the same point (the values it is raised for are the same on every rank)."""
 
 
-def _fmt(value: float) -> str:
-    return repr(float(value))  # 'nan', 'inf', '-inf', or the number
-
-
 class StepGuard:
     """Checks one step's loss and gradient norm; counts the steps skipped under `--skip-nonfinite-steps`.
 
@@ -56,7 +52,8 @@ class StepGuard:
             RunStopped: a non-finite loss or gradient norm, with no skip left.
         """
         values = (("loss", loss), ("gradient norm", grad_norm))
-        bad = [f"{name} {_fmt(value)}" for name, value in values if not math.isfinite(value)]
+        # repr: 'nan', 'inf', '-inf', or the number
+        bad = [f"{name} {float(value)!r}" for name, value in values if not math.isfinite(value)]
         if not bad:
             return True
         self.last_problem = f"step {step}: non-finite {' and '.join(bad)}"

@@ -262,21 +262,15 @@ def apply_fsdp(
     return model
 
 
-def cp_layout_name(model: nn.Module) -> str:
-    """The CP layout `model` runs under (am-context-parallel's `model_cp_options`): "contiguous" for a model that
-    declares `cp.layout="contiguous"` in its contract (Gemma 4, Nemotron-H), else "load_balanced" (head-tail)."""
-    from am_context_parallel import model_cp_options
-
-    return "contiguous" if model_cp_options(model) is not None else "load_balanced"
-
-
-def cp_pad_multiple(model: nn.Module) -> int:
-    """Sequences are padded to a multiple of `cp_pad_multiple(model) x cp` before sharding (2 unless the model's
-    contiguous options say otherwise; the load-balanced layout needs 2 chunks per rank)."""
+def model_cp_layout(model: nn.Module) -> tuple[str, int]:
+    """(layout, pad multiple) of `model` under CP (am-context-parallel's `model_cp_options`): "contiguous" for a model
+    that declares `cp.layout="contiguous"` in its contract (Gemma 4, Nemotron-H), else "load_balanced" (head-tail).
+    Sequences are padded to a multiple of pad multiple x cp before sharding (2 unless the model's contiguous options
+    say otherwise; the load-balanced layout needs 2 chunks per rank)."""
     from am_context_parallel import model_cp_options
 
     options = model_cp_options(model)
-    return options.pad_multiple if options is not None else 2
+    return ("contiguous", options.pad_multiple) if options is not None else ("load_balanced", 2)
 
 
 def shard_batch_for_cp(

@@ -41,7 +41,7 @@ from trainer.data import Corpus, load_tokens
 from trainer.guards import model_path_nonfinite_problems
 from trainer.models import ModelSpec, build_meta_model, folder_spec, model_path_weight_problems, preset_spec
 from trainer.moe_balance import balancing_plan, balancing_problems
-from trainer.parallel import cp_layout_name, cp_pad_multiple, decoder_layers, layer_feature_problems
+from trainer.parallel import decoder_layers, layer_feature_problems, model_cp_layout
 from trainer.plan import ValidatedRun, make_plan
 from trainer.tensor_parallel import tensor_parallel_plan, tensor_parallel_problems
 
@@ -227,7 +227,7 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
     cp_layout, pad_multiple = None, 2
     if model is not None and cfg.cp > 1:
         try:
-            cp_layout, pad_multiple = cp_layout_name(model), cp_pad_multiple(model)
+            cp_layout, pad_multiple = model_cp_layout(model)
         except (TypeError, ValueError) as exc:  # a malformed CP declaration on the model
             problems.append(str(exc))
     problems += cp_problems(cfg, cp_layout=cp_layout, pad_multiple=pad_multiple)
