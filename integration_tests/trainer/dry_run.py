@@ -217,8 +217,7 @@ def dry_run(cfg: RunConfig) -> dict[str, Any]:
     for position_index, position in enumerate(positions):
         for r in position["stage_ranks"]:
             entry: dict[str, Any] = {"rank": r, "position": position_index} | position["per_rank"][r]
-            entry["activation_peak_bytes"] = position["activation_peak_bytes"]
-            entry["buffer_bytes"] = position["buffer_bytes"]
+            entry |= {item: position[item] for item in ("activation_peak_bytes", "buffer_bytes")}
             entry["total_bytes"] = sum(entry[item] for item in _ITEMS)
             ranks.append(entry)
     ranks.sort(key=lambda e: e["rank"])
@@ -240,14 +239,8 @@ def dry_run(cfg: RunConfig) -> dict[str, Any]:
         "plan": plan.to_json(),
         "ranks": ranks,
         "positions": [
-            {
-                "stage": i,
-                "ranks": p["stage_ranks"],
-                "flops": p["flops"],
-                "activation_peak_bytes": p["activation_peak_bytes"],
-                "buffer_bytes": p["buffer_bytes"],
-                "axes": p["axes"],
-            }
+            {"stage": i, "ranks": p["stage_ranks"]}
+            | {key: p[key] for key in ("flops", "activation_peak_bytes", "buffer_bytes", "axes")}
             for i, p in enumerate(positions)
         ],
         "predicted": prediction,
