@@ -50,7 +50,12 @@ DEFAULT_GPU = "h100-sxm"
 def hardware(*, gpu: str, tflops: float | None, nvlink_gbps: float | None, network_gbps: float | None,
              gpus_per_node: int | None) -> Hardware:  # fmt: skip
     """The named GPU (`GPUS`) with any figure the caller gives instead."""
-    given = {"tflops": tflops, "nvlink_gbps": nvlink_gbps, "network_gbps": network_gbps, "gpus_per_node": gpus_per_node}
+    given: dict[str, Any] = {
+        "tflops": tflops,
+        "nvlink_gbps": nvlink_gbps,
+        "network_gbps": network_gbps,
+        "gpus_per_node": gpus_per_node,
+    }
     return replace(GPUS[gpu], **{name: value for name, value in given.items() if value is not None})
 
 
