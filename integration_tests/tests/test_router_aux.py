@@ -284,7 +284,7 @@ def test_a_router_loss_of_another_rule_is_refused_before_any_process_group() -> 
     """Doge adds a router loss of its own (not the Switch-Transformer function the trainer reproduces): refused by
     validation with the way out, never trained on cross-entropy alone."""
     from trainer.step_parts import router_aux_problems
-    from trainer.validation import router_aux_model_problems
+    from trainer.validation import _feature_model_problems
 
     model = _tiny("doge")
     assert router_aux_spec(model) is None
@@ -297,7 +297,7 @@ def test_a_router_loss_of_another_rule_is_refused_before_any_process_group() -> 
     assert 'set "output_router_logits": false' in problem
     from trainer.config import parse_args
 
-    assert router_aux_model_problems(parse_args(["--pp", "1"]), model, router_aux=None) == [problem]
+    assert _feature_model_problems(parse_args(["--pp", "1"]), model=model, plan=None) == [problem]
     assert router_aux_problems(_tiny("mixtral")) == []
 
 

@@ -28,7 +28,7 @@ FORBIDDEN = [
     ("am_context_parallel", "model_cp_options"), ("am_context_parallel", "cp_local_seq_len"),
     ("trainer.config", "pipeline_plan"), ("trainer.config", "expert_parallel_plan"),
     ("trainer.config", "mesh_context"), ("trainer.plan", "make_plan"), ("trainer.plan", "uses_fsdp"),
-    ("trainer.parallel", "cp_layout_name"), ("trainer.parallel", "cp_pad_multiple"),
+    ("trainer.parallel", "model_cp_layout"),
     ("trainer.parallel", "fsdp_grouping"), ("trainer.models", "attn_implementation"),
     ("trainer.expert_parallel", "has_experts"), ("trainer.step_parts", "router_aux_spec"),
     ("trainer.moe_balance", "balancing_plan"), ("trainer.moe_balance", "recipe_of"),

@@ -122,13 +122,6 @@ def _module_of(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
-def _has_module(model: nn.Module, name: str) -> bool:
-    try:
-        return model.get_submodule(name) is not None
-    except AttributeError:
-        return False
-
-
 def _retie(part: nn.Module, groups: list[list[str]]) -> None:
     """Tie again, by identity, the tied tensors (`groups`: `tied_groups` of the whole model) `part` holds both ends
     of (`to_empty` makes each a tensor of its own); the first name's tensor is the one the units initialized."""
@@ -150,11 +143,11 @@ def _tied_copy_units(part: nn.Module, groups: list[list[str]], units: list[InitU
             tensor.zero_()
 
     extra = []
+    params = dict(part.named_parameters(remove_duplicate=False))
+    modules = {name for name, _ in part.named_modules(remove_duplicate=False)}
     for group in groups:
-        params = dict(part.named_parameters(remove_duplicate=False))
         held = [name for name in group if name in params]
-        owner = _module_of(group[0])
-        if held and not _has_module(part, owner):
+        if held and _module_of(group[0]) not in modules:
             module = _module_of(held[0])
             if module not in names:
                 extra.append(InitUnit(module, zero))
@@ -176,7 +169,7 @@ def materialize_seeded(part: nn.Module, *, init: SeededInit, seed: int, device: 
 def materialize_parts(
     parts: list[nn.Module],
     *,
-    materialize: Callable[[nn.Module, int, torch.device], ShardedLoad | None] | None,
+    materialize: Callable[[nn.Module, int, torch.device], ShardedLoad | None],
     seed: int,
     device: torch.device,
 ) -> int:
@@ -185,8 +178,6 @@ def materialize_parts(
     it, ranks without a copy do nothing). Returns the checkpoint bytes this rank read (0: a seeded init)."""
     from am_pipelining import sync_tied_embedding_weights
 
-    if materialize is None:
-        raise ValueError("the model spec has no materialize: it cannot be built piecewise")
     read = 0
     for part in parts:
         loaded = materialize(part, seed, device)

@@ -249,15 +249,11 @@ def _join_negative_numbers(parser: argparse.ArgumentParser, argv: list[str]) -> 
     an exponent), so the value would never reach validation, which says what is wrong with it."""
     valued = {flag for action in parser._actions if action.nargs is None for flag in action.option_strings}
     joined: list[str] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if token in valued and i + 1 < len(argv) and argv[i + 1].startswith("-") and _is_number(argv[i + 1]):
-            joined.append(f"{token}={argv[i + 1]}")
-            i += 2
-            continue
-        joined.append(token)
-        i += 1
+    for token in argv:
+        if joined and joined[-1] in valued and token.startswith("-") and _is_number(token):
+            joined[-1] = f"{joined[-1]}={token}"
+        else:
+            joined.append(token)
     return joined
 
 
@@ -470,8 +466,7 @@ def find_problems(cfg: RunConfig, *, world_size: int) -> list[str]:
     if cfg.model_path is not None and not (Path(cfg.model_path) / "config.json").is_file():
         problems.append(f"--model-path {cfg.model_path}: no config.json there (expected an HF-format folder)")
     if cfg.model_path is None and cfg.model in REAL_SIZE_MODELS:
-        sized = [f"{flag} {value}" for flag, value in (("--hidden-size", cfg.hidden_size), ("--layers", cfg.layers))]
-        sized = [text for text, value in zip(sized, (cfg.hidden_size, cfg.layers), strict=True) if value is not None]
+        sized = list(preset_sizes)
         if cfg.model.startswith("nemotron") and cfg.mtp_depths != 1:
             sized.append(f"--mtp-depths {cfg.mtp_depths}")
         if sized:

@@ -84,12 +84,10 @@ class BuildMemory:
             return
         import json
 
-        local = 0
-        for part in parts:
-            for tensor in [*part.parameters(), *part.buffers()]:
-                to_local = getattr(tensor, "to_local", None)
-                piece = to_local() if callable(to_local) else tensor
-                local += piece.numel() * piece.element_size()
+        from trainer.step_memory import local_numel
+
+        tensors = [tensor for part in parts for tensor in [*part.parameters(), *part.buffers()]]
+        local = sum(local_numel(tensor) * tensor.element_size() for tensor in tensors)
         facts = {
             "rss_start_kib": self.start_kib,
             "hwm_kib": _status_kib("VmHWM"),

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 from typing import Any
 
@@ -50,56 +49,6 @@ def has_weights(folder: str) -> bool:
     from pathlib import Path
 
     return any(Path(folder).glob("*.safetensors"))
-
-
-def config_only_spec(folder: str) -> Any:
-    """The spec of a folder with only config.json, for the dry run: the class registered for its architecture (our
-    model packages) or transformers' causal LM for its `model_type`, built from the config on the meta device. It has
-    no weights to load, so a real run refuses it (its `materialize` raises); the dry run materializes fake storage.
-
-    Raises:
-        ValueError: the architecture is unknown to both (transformers' own message, naming the model type).
-    """
-    from pathlib import Path
-
-    from transformers import AutoConfig
-
-    from am_capabilities import find_model_class
-    from trainer.models import (
-        ModelSpec,
-        _package_function,
-        _save_hf,
-        _save_own,
-        _transformers_layout,
-        hf_attention_implementation,
-    )
-
-    config_dict = json.loads((Path(folder) / "config.json").read_text())
-    registered = find_model_class(config_dict.get("architectures"), config_dict.get("model_type") or None)
-    config = AutoConfig.from_pretrained(folder)  # an unknown model_type raises here, in transformers' words
-    text = getattr(config, "text_config", None) or config
-    vocab_size = int(text.vocab_size)
-
-    def build() -> nn.Module:
-        with torch.device("meta"):
-            if registered is not None:
-                model: nn.Module = registered.from_config(config)  # type: ignore[attr-defined]
-                return model
-            from transformers import AutoModelForCausalLM
-
-            return AutoModelForCausalLM.from_config(
-                config, dtype=torch.float32, attn_implementation=hf_attention_implementation(folder)
-            )
-
-    def no_weights(part: nn.Module, seed: int, device: torch.device) -> None:
-        raise ValueError(f"--model-path {folder} holds only config.json: no weights to train (--dry-run only)")
-
-    family = config_dict.get("model_type") or "hf"
-    if registered is not None:  # saved as the real run would (never called: a dry run writes no checkpoint)
-        save, layout = _save_own, lambda part: _package_function(registered, "hf_file_layout")(part)
-    else:
-        save, layout = _save_hf, _transformers_layout
-    return ModelSpec(family, build, save, vocab_size, layout, loads_weights=True, materialize=no_weights)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -128,86 +77,16 @@ def rank_coordinates(plan: RunPlan, rank: int) -> dict[str, int]:
     }
 
 
-def _local_numel(tensor: torch.Tensor, coords: dict[str, int] | None) -> int:
-    """Elements of `tensor`'s shard on the rank at `coords` (None: this rank's own local tensor)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(tensor, DTensor):
-        return tensor.numel()
-    if coords is None:
-        return tensor.to_local().numel()
-    shape = list(tensor.shape)
-    mesh = tensor.device_mesh
-    names = mesh.mesh_dim_names or ()
-    own = mesh.get_coordinate() or [0] * mesh.ndim
-    for i, placement in enumerate(tensor.placements):
-        if isinstance(placement, Shard):
-            n = mesh.size(i)
-            c = coords.get(names[i], own[i]) if i < len(names) else own[i]
-            length = shape[placement.dim]
-            full = (length + n - 1) // n
-            start = full * c
-            shape[placement.dim] = max(0, min(length, start + full) - start)
-    return math.prod(shape)
-
-
-def shard_bytes(parts: list[nn.Module], optimizers: list[Any], coords: dict[str, int] | None) -> dict[str, int]:
-    """{"parameter_bytes", "gradient_bytes", "optimizer_bytes"} of the rank at `coords` holding the same blocks as
-    this rank: each tensor's shard under its placements (a state tensor shaped like its parameter is sharded like
-    it; others, e.g. AdamW's step count, are whole)."""
-    totals = {"parameter_bytes": 0, "gradient_bytes": 0, "optimizer_bytes": 0}
-    states: dict[int, dict[str, Any]] = {}
-    for optimizer in optimizers:
-        for param, state in optimizer.state.items():
-            states[id(param)] = state
-    seen: set[int] = set()
-    for part in parts:
-        for param in part.parameters():
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            numel = _local_numel(param, coords)
-            totals["parameter_bytes"] += numel * param.element_size()
-            if param.grad is not None:
-                totals["gradient_bytes"] += _local_numel(param.grad, coords) * param.grad.element_size()
-            for value in states.get(id(param), {}).values():
-                if isinstance(value, torch.Tensor):
-                    same = tuple(value.shape) == tuple(param.shape)
-                    totals["optimizer_bytes"] += (_local_numel(value, coords) if same else value.numel()) * (
-                        value.element_size()
-                    )
-    return totals
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # One fake step for one rank position
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _axis_names(meshes: Any) -> dict[str, str]:
-    """group_name -> the mesh axis it is, for the collectives' accounting."""
-    names: dict[str, str] = {}
+def _labelled_groups(meshes: Any) -> list[tuple[Any, str]]:
+    """(process group, the mesh axis it is) of every axis the trainer builds, for the collectives' accounting."""
     labelled = [(meshes.mesh[axis], axis) for axis in meshes.mesh.mesh_dim_names] + [(meshes.dp_cp, "dp_cp (FSDP2)")]
     labelled += [(m, label) for m, label in ((meshes.ep, "ep"), (meshes.expert_dp, "expert_dp")) if m is not None]
-    for mesh, label in labelled:  # one group may be several axes (dp 2 x ep 2: the dp group is the ep group)
-        if mesh.size() > 1:
-            name = mesh.get_group().group_name
-            names[name] = f"{names[name]} = {label}" if name in names else label
-    return names
-
-
-def _crosses_nodes(meshes: Any, group_name: str, gpus_per_node: int) -> bool:
-    for group in _groups(meshes):
-        if group.group_name == group_name:
-            ranks = dist.get_process_group_ranks(group)
-            return len({r // gpus_per_node for r in ranks}) > 1
-    return False
-
-
-def _groups(meshes: Any) -> list[Any]:
-    groups = [meshes.mesh[axis].get_group() for axis in meshes.mesh.mesh_dim_names] + [meshes.dp_cp.get_group()]
-    groups += [m.get_group() for m in (meshes.ep, meshes.expert_dp) if m is not None]
-    return groups
+    return [(mesh.get_group(), label) for mesh, label in labelled]
 
 
 def _fake_materialize(fake_mode: Any) -> Any:
@@ -237,7 +116,7 @@ def fake_step(cfg: RunConfig, validated: ValidatedRun, *, rank: int, world_size:
     from trainer.data import BatchStream
     from trainer.dry_run_comm import CollectiveBytes, extra_flop_formulas
     from trainer.loop import build, make_meshes
-    from trainer.step_memory import SavedActivations
+    from trainer.step_memory import SavedActivations, state_bytes
     from trainer.step_parts import clip_grad_norm
 
     plan = validated.plan
@@ -251,7 +130,13 @@ def fake_step(cfg: RunConfig, validated: ValidatedRun, *, rank: int, world_size:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         spec = dataclasses.replace(validated.spec, materialize=_fake_materialize(fake_mode))
         built = build(cfg, dataclasses.replace(validated, spec=spec), meshes)
-        axis_of_group = _axis_names(meshes)
+        axis_of_group: dict[str, str] = {}  # group_name -> the mesh axis it is
+        groups = {}
+        for group, label in _labelled_groups(meshes):  # one group may be several axes (dp 2 x ep 2: dp is ep)
+            if group.size() > 1:
+                name = group.group_name
+                axis_of_group[name] = f"{axis_of_group[name]} = {label}" if name in axis_of_group else label
+                groups[name] = group
         traffic = CollectiveBytes(axis_of_group)
         flops = FlopCounterMode(display=False, custom_mapping=extra_flop_formulas())
         saved = SavedActivations(recomputation=cfg.activation_checkpointing)
@@ -271,14 +156,12 @@ def fake_step(cfg: RunConfig, validated: ValidatedRun, *, rank: int, world_size:
             stage_ranks = [
                 r for r in range(world_size) if rank_coordinates(plan, r)["pp"] == rank_coordinates(plan, rank)["pp"]
             ]
-            per_rank = {r: shard_bytes(built.parts, built.optimizers, rank_coordinates(plan, r)) for r in stage_ranks}
-        group_axis = {name: axis for name, axis in axis_of_group.items()}
+            per_rank = {r: state_bytes(built.parts, built.optimizers, rank_coordinates(plan, r)) for r in stage_ranks}
         axes = {}
-        for name, axis in group_axis.items():
+        for name, axis in axis_of_group.items():
             if axis in traffic.axes and axis not in axes:
-                entry = traffic.axes[axis].to_json()
-                entry["crosses_nodes"] = _crosses_nodes(meshes, name, gpus_per_node)
-                axes[axis] = entry
+                nodes = {r // gpus_per_node for r in dist.get_process_group_ranks(groups[name])}
+                axes[axis] = traffic.axes[axis].to_json() | {"crosses_nodes": len(nodes) > 1}
         if "other" in traffic.axes:
             axes["other"] = traffic.axes["other"].to_json() | {"crosses_nodes": True}
         # FSDP2's transient buffers: the largest unsharded unit of each sharding axis, twice (the unit computing and
@@ -334,8 +217,7 @@ def dry_run(cfg: RunConfig) -> dict[str, Any]:
     for position_index, position in enumerate(positions):
         for r in position["stage_ranks"]:
             entry: dict[str, Any] = {"rank": r, "position": position_index} | position["per_rank"][r]
-            entry["activation_peak_bytes"] = position["activation_peak_bytes"]
-            entry["buffer_bytes"] = position["buffer_bytes"]
+            entry |= {item: position[item] for item in ("activation_peak_bytes", "buffer_bytes")}
             entry["total_bytes"] = sum(entry[item] for item in _ITEMS)
             ranks.append(entry)
     ranks.sort(key=lambda e: e["rank"])
@@ -357,14 +239,8 @@ def dry_run(cfg: RunConfig) -> dict[str, Any]:
         "plan": plan.to_json(),
         "ranks": ranks,
         "positions": [
-            {
-                "stage": i,
-                "ranks": p["stage_ranks"],
-                "flops": p["flops"],
-                "activation_peak_bytes": p["activation_peak_bytes"],
-                "buffer_bytes": p["buffer_bytes"],
-                "axes": p["axes"],
-            }
+            {"stage": i, "ranks": p["stage_ranks"]}
+            | {key: p[key] for key in ("flops", "activation_peak_bytes", "buffer_bytes", "axes")}
             for i, p in enumerate(positions)
         ],
         "predicted": prediction,
@@ -432,4 +308,4 @@ def main(cfg: RunConfig) -> int:
     return 0
 
 
-__all__ = ["dry_run", "fake_step", "format_report", "main", "rank_coordinates", "shard_bytes"]
+__all__ = ["dry_run", "fake_step", "format_report", "main", "rank_coordinates"]

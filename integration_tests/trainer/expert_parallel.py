@@ -34,17 +34,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 
-def build_ep_meshes(dp_cp_mesh: DeviceMesh, *, plan: Any) -> tuple[DeviceMesh | None, DeviceMesh | None]:
-    """(ep mesh, expert_dp mesh) carved out of this stage's flattened "dp_cp" mesh, ep innermost, as the run plan's
-    `expert_parallel` (am-moe's `ExpertParallelPlan`) lays them out; (None, None) without one (ep = 1). Collective
-    (creates the process groups): every rank calls it, after validation made the plan."""
-    if plan is None:
-        return None, None
-    from am_moe import build_expert_meshes
-
-    return build_expert_meshes(dp_cp_mesh, plan)
-
-
 def has_experts(model: nn.Module) -> bool:
     """Whether `model` computes experts through am-moe (`GroupedExperts`): the load statistics exist only then."""
     from am_moe import expert_modules
@@ -99,19 +88,8 @@ def step_expert_imbalance(
     return value if value >= 0 else math.nan
 
 
-def reset_expert_counts(parts: list[nn.Module]) -> None:
-    """Zero the experts' load counters (am-moe's `reset_expert_load`) after a forward that is not training, e.g. a
-    validation pass, so the next step's load counts its training tokens only. Local, no collective."""
-    from am_moe import reset_expert_load
-
-    for part in parts:
-        reset_expert_load(part)
-
-
 __all__ = [
     "apply_expert_parallel",
-    "build_ep_meshes",
     "has_experts",
-    "reset_expert_counts",
     "step_expert_imbalance",
 ]

@@ -33,10 +33,6 @@ class RunStopped(Exception):
     to do. Raised on every rank at the same point (the values it is raised for are the same on every rank)."""
 
 
-def _fmt(value: float) -> str:
-    return repr(float(value))  # 'nan', 'inf', '-inf', or the number
-
-
 class StepGuard:
     """Checks one step's loss and gradient norm; counts the steps skipped under `--skip-nonfinite-steps`.
 
@@ -56,7 +52,8 @@ class StepGuard:
             RunStopped: a non-finite loss or gradient norm, with no skip left.
         """
         values = (("loss", loss), ("gradient norm", grad_norm))
-        bad = [f"{name} {_fmt(value)}" for name, value in values if not math.isfinite(value)]
+        # repr: 'nan', 'inf', '-inf', or the number
+        bad = [f"{name} {float(value)!r}" for name, value in values if not math.isfinite(value)]
         if not bad:
             return True
         self.last_problem = f"step {step}: non-finite {' and '.join(bad)}"
@@ -156,11 +153,10 @@ def checkpoint_bytes_estimate(parts: Iterable[nn.Module], optimizers: Iterable[t
     """Bytes this rank writes into a checkpoint, estimated: its parameters, buffers and optimizer state (local
     shards, plus a per-tensor overhead), and its parameters once more for the HF export (streamed by one writer per
     stage, trainer/export.py; the sum over ranks covers it)."""
-    from torch.distributed.tensor import DTensor
+    from trainer.step_memory import local_numel
 
     def nbytes(tensor: torch.Tensor) -> int:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        return local.numel() * local.element_size() + _BYTES_PER_TENSOR
+        return local_numel(tensor) * tensor.element_size() + _BYTES_PER_TENSOR
 
     total = 0
     for part in parts:

@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from am_moe import build_expert_meshes, reset_expert_load
 from trainer import checkpoint as ckpt
 from trainer.batch_step import BatchStep
 from trainer.build import materialize_parts
@@ -66,9 +67,9 @@ from trainer.config import RunConfig
 from trainer.data import BatchStream, Corpus
 from trainer.debug_hooks import BuildMemory, dump_fp32_tensors, maybe_inject_fault
 from trainer.evaluation import evaluate, validation_batches
-from trainer.expert_parallel import apply_expert_parallel, build_ep_meshes, reset_expert_counts, step_expert_imbalance
+from trainer.expert_parallel import apply_expert_parallel, step_expert_imbalance
 from trainer.export import make_hf_exporter, shard_bytes
-from trainer.guards import EXIT_RUN_STOPPED, RunStopped, StepGuard
+from trainer.guards import EXIT_RUN_STOPPED, RunStopped, StepGuard, model_path_nonfinite_problems
 from trainer.layer_wrappers import apply_activation_checkpointing, apply_compile
 from trainer.moe_balance import MoEBalance
 from trainer.optim import build_optimizers, lr_at, set_lr
@@ -87,11 +88,10 @@ from trainer.router_aux_pipeline import PipelineRouterAux
 from trainer.step_memory import measured_step, state_bytes
 from trainer.step_parts import RouterAuxLoss, TokenSumLoss, clip_grad_norm
 from trainer.tb_logging import TensorBoardLog
-from trainer.tensor_parallel import apply_tensor_parallel_to_parts, reduce_partial_grads_of_parts
+from trainer.tensor_parallel import apply_tensor_parallel_to_parts
 from trainer.validation import (
     EXIT_BAD_INPUT,
     BadInput,
-    model_path_value_problems,
     refusal,
     resume_changes,
     validate,
@@ -167,20 +167,21 @@ def setup_mesh(cfg: RunConfig, plan: RunPlan) -> Meshes:
 def make_meshes(plan: RunPlan, *, device: torch.device, rank: int) -> Meshes:
     """The plan's meshes over the started process group (a real one, or the dry run's fake one)."""
     mesh, dp_cp = build_mesh(plan, device=device)
-    ep_mesh, expert_dp = build_ep_meshes(dp_cp, plan=plan.expert_parallel)  # (None, None) at ep = 1
+    # ep > 1: the ep and expert_dp meshes carved out of dp_cp, ep innermost (trainer/expert_parallel.py)
+    ep_mesh, expert_dp = build_expert_meshes(dp_cp, plan.expert_parallel) if plan.expert_parallel else (None, None)
     tp = mesh["tp"] if plan.tp > 1 else None
     return Meshes(device=device, rank=rank, mesh=mesh, dp_cp=dp_cp, ep=ep_mesh, expert_dp=expert_dp, tp=tp)
 
 
 def refuse_nonfinite_weights(cfg: RunConfig) -> None:
     """Phase 2b (`--model-path`, N ranks; one process checks every tensor in `validate`): the NaN / inf check of the
-    folder's tensors, each rank reading its 1 / N share (validation's `model_path_value_problems`), the lines of
+    folder's tensors, each rank reading its 1 / N share (guards.py's `model_path_nonfinite_problems`), the lines of
     every rank gathered so that every rank refuses with the same message (BadInput, exit code 2) before anything is
     built. Collective over the world."""
     if cfg.model_path is None:
         return
     world_size = dist.get_world_size()
-    mine = model_path_value_problems(cfg, part=dist.get_rank(), parts=world_size)
+    mine = model_path_nonfinite_problems(cfg.model_path, part=dist.get_rank(), parts=world_size)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, mine)
     problems = sorted(line for lines in gathered for line in lines)  # the same order on every rank
@@ -248,7 +249,10 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
     # single process. Every tensor is still on the meta device here (materialize_sharded_ refuses any that is not).
     read = materialize_parts(parts, materialize=validated.spec.materialize, seed=cfg.seed, device=device)
     if meshes.tp is not None:  # the replicated TP parameters' gradient sums, on the materialized parameters
-        reduce_partial_grads_of_parts(parts)
+        from am_tensor_parallel import reduce_partial_grads
+
+        for part in parts:  # (materializing swaps the parameters' storage, dropping hooks)
+            reduce_partial_grads(part)
     memory.finish(parts, meshes.rank, checkpoint_bytes_read=read)
     if os.environ.get("AM_TRAIN_FP32_REPORT"):
         dump_fp32_tensors(parts, os.environ["AM_TRAIN_FP32_REPORT"], meshes.rank, storage_dtype=plan.precision.storage)
@@ -411,7 +415,8 @@ def train(
             val_loss = evaluate(val_batches, run_batch=built.run_batch, loss_fn=built.loss_fn, model_parts=parts)
             history.val_losses.append((step, val_loss))
             if plan.moe:
-                reset_expert_counts(parts)  # the next step's load counts training tokens only
+                for part in parts:  # the next step's load counts training tokens only
+                    reset_expert_load(part)
             if balance is not None:
                 balance.reset()  # and its balancing terms too
         skipped = len(history.guard.skipped) if cfg.skip_nonfinite_steps else None

@@ -43,8 +43,8 @@ class ModelSpec:
     save: Callable[[nn.Module, Path], None]
     vocab_size: int
     file_layout: Callable[[nn.Module], Any]
+    materialize: Callable[[nn.Module, int, torch.device], Any]
     loads_weights: bool = False
-    materialize: Callable[[nn.Module, int, torch.device], Any] | None = None
 
 
 def _nemotron_pattern(num_layers: int) -> str:
@@ -166,28 +166,29 @@ def preset_backend(name: str, *, fsdp_optimizations: bool) -> Any:
     )
 
 
-def _build_nemotron(config: Any, backend: Any = None) -> nn.Module:
-    from am_models_nemotron import NemotronHForCausalLM
+def _am_models_spec(name: str, config: Any, backend: Any) -> ModelSpec:
+    """The spec of an am-models model from `config` (Nemotron-H for a `nemotron*` name, else Gemma 4's text model):
+    built on the meta device, materialized with its package's seeded per-unit init, saved with its package's
+    `save_pretrained` and file layout. Its vocabulary is the config's."""
+    import importlib
 
-    # fp32 master weights whatever the config's torch_dtype says (the published configs say bfloat16, which the
-    # model would otherwise be built in); the precision policy decides the storage dtype later (apply_precision).
-    return NemotronHForCausalLM(config, backend, dtype=torch.float32)
+    from trainer.build import SeededInit
 
+    nemotron = name.startswith("nemotron")
+    package: Any = importlib.import_module("am_models_nemotron" if nemotron else "am_models_gemma4")
 
-def _build_gemma4(config: Any, backend: Any = None) -> nn.Module:
-    from am_models_gemma4 import Gemma4ForCausalLM
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            if nemotron:
+                # fp32 master weights whatever the config's torch_dtype says (the published configs say bfloat16,
+                # which the model would otherwise be built in); the precision policy decides the storage dtype later
+                # (apply_precision).
+                return package.NemotronHForCausalLM(config, backend, dtype=torch.float32)
+            return package.Gemma4ForCausalLM(config, backend=backend)
 
-    model = Gemma4ForCausalLM(config, backend=backend)
-    init = getattr(model.model, "init_weights", None)
-    if callable(init):
-        init()
-    return model
-
-
-def _build_llama(config: Any) -> nn.Module:
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM(config)
+    init = SeededInit(meta_twin=package.meta_twin, init_units=package.init_units)
+    vocab = int(config.vocab_size)
+    return ModelSpec(name, build, _save_own, vocab, package.hf_file_layout, materialize=_seeded(init))
 
 
 def _seeded(init: Any) -> Callable[[nn.Module, int, torch.device], None]:
@@ -201,52 +202,12 @@ def _seeded(init: Any) -> Callable[[nn.Module, int, torch.device], None]:
     return materialize
 
 
-def _nemotron_init() -> Any:
-    from am_models_nemotron import init_units, meta_twin
-    from trainer.build import SeededInit
-
-    return SeededInit(meta_twin=meta_twin, init_units=init_units)  # type: ignore[arg-type]
-
-
-def _gemma4_init() -> Any:
-    from am_models_gemma4 import init_units, meta_twin
-    from trainer.build import SeededInit
-
-    return SeededInit(meta_twin=meta_twin, init_units=init_units)
-
-
-def _transformers_init() -> Any:
-    from trainer.build import TRANSFORMERS_INIT
-
-    return TRANSFORMERS_INIT
-
-
-def _on_meta(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    def build_meta() -> nn.Module:
-        with torch.device("meta"):
-            return build()
-
-    return build_meta
-
-
 def _save_own(model: nn.Module, folder: Path) -> None:
     model.save_pretrained(folder)  # type: ignore[operator]
 
 
 def _save_hf(model: nn.Module, folder: Path) -> None:
     model.save_pretrained(str(folder), safe_serialization=True)  # type: ignore[operator]
-
-
-def _nemotron_layout(model: nn.Module) -> Any:
-    from am_models_nemotron import hf_file_layout
-
-    return hf_file_layout(model)
-
-
-def _gemma4_layout(model: nn.Module) -> Any:
-    from am_models_gemma4 import hf_file_layout
-
-    return hf_file_layout(model)
 
 
 def _transformers_layout(model: nn.Module) -> Any:
@@ -273,39 +234,29 @@ def preset_spec(
         config = nemotron_config(
             hidden_size=hidden_size, num_layers=num_layers, mtp_depths=mtp_depths, vocab_size=vocab
         )
-        return ModelSpec(
-            name,
-            _on_meta(lambda: _build_nemotron(config, backend)),
-            _save_own,
-            vocab,
-            _nemotron_layout,
-            materialize=_seeded(_nemotron_init()),
-        )
+        return _am_models_spec(name, config, backend)
     if name in ("gemma4", "gemma4-moe"):
         config = gemma4_config(
             hidden_size=hidden_size, num_layers=num_layers, moe=name == "gemma4-moe", vocab_size=vocab
         )
-        return ModelSpec(
-            name,
-            _on_meta(lambda: _build_gemma4(config, backend)),
-            _save_own,
-            vocab,
-            _gemma4_layout,
-            materialize=_seeded(_gemma4_init()),
-        )
+        return _am_models_spec(name, config, backend)
     if name in REAL_SIZE_MODELS:
         return real_size_spec(name, backend=backend)
     if name == "llama":
+        from trainer.build import TRANSFORMERS_INIT
+
         config = llama_config(
             hidden_size=hidden_size, num_layers=num_layers, tie_embeddings=tie_embeddings, vocab_size=vocab
         )
+
+        def build_llama() -> nn.Module:
+            from transformers import LlamaForCausalLM
+
+            with torch.device("meta"):
+                return LlamaForCausalLM(config)
+
         return ModelSpec(
-            name,
-            _on_meta(lambda: _build_llama(config)),
-            _save_hf,
-            vocab,
-            _transformers_layout,
-            materialize=_seeded(_transformers_init()),
+            name, build_llama, _save_hf, vocab, _transformers_layout, materialize=_seeded(TRANSFORMERS_INIT)
         )
     raise ValueError(f"--model {name!r} is unknown; choose one of {', '.join(MODELS)}")
 
@@ -317,20 +268,11 @@ def real_size_spec(name: str, *, backend: Any = None) -> ModelSpec:
     if name.startswith("nemotron"):
         from am_models_nemotron.presets import preset_config
 
-        config = preset_config(name)
-        return ModelSpec(
-            name,
-            _on_meta(lambda: _build_nemotron(config, backend)),
-            _save_own,
-            int(config.vocab_size),
-            _nemotron_layout,
-            materialize=_seeded(_nemotron_init()),
-        )
+        return _am_models_spec(name, preset_config(name), backend)
     from am_models_gemma4.presets import preset_config as gemma4_preset
 
-    text = gemma4_preset(name, text_only=True)  # the text model: what Gemma4ForCausalLM trains
-    build = _on_meta(lambda: _build_gemma4(text, backend))
-    return ModelSpec(name, build, _save_own, int(text.vocab_size), _gemma4_layout, materialize=_seeded(_gemma4_init()))
+    # the text model: what Gemma4ForCausalLM trains
+    return _am_models_spec(name, gemma4_preset(name, text_only=True), backend)
 
 
 def hf_attention_implementation(folder: str | Path) -> str:
@@ -381,23 +323,40 @@ def model_path_weight_problems(folder: str | Path) -> list[str]:
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def folder_spec(folder: str | Path) -> ModelSpec:
+def folder_spec(folder: str | Path, *, config_only: bool = False) -> ModelSpec:
     """The spec of an HF-format folder: the model class registered for its `architectures` / `model_type` in the
     am-capabilities registry (our model packages register theirs through the `am_capabilities.models` entry
     points), else any transformers causal LM (`AutoModelForCausalLM`, with SDPA where the class supports it, else
-    eager: `hf_attention_implementation`). `family` is the config's `model_type`."""
+    eager: `hf_attention_implementation`). `family` is the config's `model_type`.
+
+    `config_only` (the dry run of a folder with only config.json): the same class built from the config alone on the
+    meta device. It has no weights to load, so a real run refuses it (its `materialize` raises); the dry run
+    materializes fake storage. An architecture unknown to both raises transformers' own message, naming the model
+    type."""
+    from transformers import AutoConfig
+
     from am_capabilities import find_model_class
 
     folder = Path(folder)
     config_dict = json.loads((folder / "config.json").read_text())
     model_type = config_dict.get("model_type") or None
-    # A composite (e.g. vision-language) config keeps the text settings in `text_config`.
-    vocab_size = int(config_dict.get("vocab_size") or config_dict.get("text_config", {})["vocab_size"])
     registered = find_model_class(config_dict.get("architectures"), model_type)
+    if config_only:  # an unknown model_type raises here, in transformers' words
+        config = AutoConfig.from_pretrained(str(folder))
+        vocab_size = int((getattr(config, "text_config", None) or config).vocab_size)
+    else:  # a composite (e.g. vision-language) config keeps the text settings in `text_config`
+        vocab_size = int(config_dict.get("vocab_size") or config_dict.get("text_config", {})["vocab_size"])
+
+    def no_weights(part: nn.Module, seed: int, device: torch.device) -> None:
+        raise ValueError(f"--model-path {folder} holds only config.json: no weights to train (--dry-run only)")
+
     if registered is not None:
         model_class: Any = registered
 
         def build_registered() -> nn.Module:
+            if config_only:
+                with torch.device("meta"):
+                    return model_class.from_config(config)
             # names and shapes checked against the files' headers by the class's own loader; no data is read
             return model_class.from_pretrained(folder, dtype=torch.float32, device_map="meta")
 
@@ -412,23 +371,31 @@ def folder_spec(folder: str | Path) -> ModelSpec:
             _save_own,
             vocab_size,
             lambda part: _package_function(model_class, "hf_file_layout")(part),  # looked up when exporting
+            no_weights if config_only else load_registered,
             loads_weights=True,
-            materialize=load_registered,
         )
 
     def build_hf() -> nn.Module:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         from trainer.build import header_sources
 
-        config = AutoConfig.from_pretrained(str(folder))
-        if header_sources_needs_converter(folder, config):
-            return _load_hf_whole(folder)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
-                config, dtype=torch.float32, attn_implementation=hf_attention_implementation(folder)
+                AutoConfig.from_pretrained(str(folder)),
+                dtype=torch.float32,
+                attn_implementation=hf_attention_implementation(folder),
             )
-        check_loaded_keys(folder, header_sources(folder, model)[1])  # the headers only: no data is read
+        if config_only:
+            return model
+        info = header_sources(folder, model)[1]  # the headers only: no data is read
+        # Tensors transformers converts on load in a way `header_sources` cannot read by blocks: other than stacking
+        # per-expert files (and fusing their patterns along the rows: Mixtral, Qwen2-MoE, OLMoE) or re-indexing the
+        # rows of a fused tensor along one dim (`Chunk`, `Interleave`: HRM-Text, Inkling 2), e.g. a `Transpose` or
+        # `PermuteForRope`: such a folder is loaded whole.
+        if info["converted_keys"]:
+            return _load_hf_whole(folder)
+        check_loaded_keys(folder, info)
         return model
 
     def load_hf(part: nn.Module, seed: int, device: torch.device) -> Any:
@@ -439,35 +406,16 @@ def folder_spec(folder: str | Path) -> ModelSpec:
             return None
         return load_transformers_blocks(part, folder, seed=seed, device=device)
 
+    materialize = no_weights if config_only else load_hf
     return ModelSpec(
-        model_type or "hf",
-        build_hf,
-        _save_hf,
-        vocab_size,
-        _transformers_layout,
-        loads_weights=True,
-        materialize=load_hf,
+        model_type or "hf", build_hf, _save_hf, vocab_size, _transformers_layout, materialize, loads_weights=True
     )
-
-
-def header_sources_needs_converter(folder: Path, config: Any) -> bool:
-    """Whether transformers converts some of the folder's tensors on load in a way `header_sources` cannot read by
-    blocks: other than stacking per-expert files (and fusing their patterns along the rows: Mixtral, Qwen2-MoE,
-    OLMoE) or re-indexing the rows of a fused tensor along one dim (`Chunk`, `Interleave`: HRM-Text, Inkling 2),
-    e.g. a `Transpose` or `PermuteForRope`: such a folder is loaded whole."""
-    from transformers import AutoModelForCausalLM
-
-    from trainer.build import header_sources
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return bool(header_sources(folder, model)[1]["converted_keys"])
 
 
 def _load_hf_whole(folder: Path) -> nn.Module:
     """The whole model, every weight read by transformers (strict check through its loading info). Still whole on
     every rank: only for folders whose tensors transformers converts on load other than by stacking experts or
-    re-indexing a fused tensor's rows (`header_sources_needs_converter`)."""
+    re-indexing a fused tensor's rows (`folder_spec`'s `build_hf`)."""
     from transformers import AutoModelForCausalLM
 
     loaded: Any = AutoModelForCausalLM.from_pretrained(

@@ -80,12 +80,6 @@ def _has_balancers(model: nn.Module) -> bool:
     return any(isinstance(m, RouterBalancer) for m in model.modules())
 
 
-def _selection_bias_missing(model: nn.Module) -> bool:
-    from am_moe import RouterBalancer
-
-    return any(isinstance(m, RouterBalancer) and m.bias_name is None for m in model.modules())
-
-
 def recipe_of(model: nn.Module) -> LoadBalancing:
     """The model's declared balancing recipe (`type(model).moe_load_balancing`; all off when it declares none)."""
     from am_moe import LoadBalancing
@@ -114,8 +108,11 @@ def balancing_problems(cfg: RunConfig, model: nn.Module | None) -> list[str]:
             "model whose router loss is its config's router_aux_loss_coef); drop the --moe-* options"
         )
         return problems
+    from am_moe import RouterBalancer
+
     rate = given.get("moe_bias_update_rate")
-    if rate is not None and rate > 0 and _selection_bias_missing(model):
+    unbiased = any(isinstance(m, RouterBalancer) and m.bias_name is None for m in model.modules())
+    if rate is not None and rate > 0 and unbiased:
         problems.append(
             f"--moe-bias-update-rate {rate}: {type(model).__name__}'s routers have no selection bias (softmax "
             "routing, as its upstream training), so the auxiliary-loss-free update has nothing to move; use "

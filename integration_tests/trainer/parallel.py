@@ -262,21 +262,15 @@ def apply_fsdp(
     return model
 
 
-def cp_layout_name(model: nn.Module) -> str:
-    """The CP layout `model` runs under (am-context-parallel's `model_cp_options`): "contiguous" for a model that
-    declares `cp.layout="contiguous"` in its contract (Gemma 4, Nemotron-H), else "load_balanced" (head-tail)."""
-    from am_context_parallel import model_cp_options
-
-    return "contiguous" if model_cp_options(model) is not None else "load_balanced"
-
-
-def cp_pad_multiple(model: nn.Module) -> int:
-    """Sequences are padded to a multiple of `cp_pad_multiple(model) x cp` before sharding (2 unless the model's
-    contiguous options say otherwise; the load-balanced layout needs 2 chunks per rank)."""
+def model_cp_layout(model: nn.Module) -> tuple[str, int]:
+    """(layout, pad multiple) of `model` under CP (am-context-parallel's `model_cp_options`): "contiguous" for a model
+    that declares `cp.layout="contiguous"` in its contract (Gemma 4, Nemotron-H), else "load_balanced" (head-tail).
+    Sequences are padded to a multiple of pad multiple x cp before sharding (2 unless the model's contiguous options
+    say otherwise; the load-balanced layout needs 2 chunks per rank)."""
     from am_context_parallel import model_cp_options
 
     options = model_cp_options(model)
-    return options.pad_multiple if options is not None else 2
+    return ("contiguous", options.pad_multiple) if options is not None else ("load_balanced", 2)
 
 
 def shard_batch_for_cp(
@@ -301,16 +295,12 @@ def shard_batch_for_cp(
     return make_cp_batch_and_ctx(mesh, batch, model=model, layout=layout)
 
 
-# Keys of a CP-sharded batch that are not forward inputs: the main labels, MTP targets (both go to the loss) and the
-# load-balanced path's loss mask.
-_TARGET_KEYS = ("labels", "mtp_per_depth_targets", "loss_mask")
-
-
 def split_cp_targets(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     """Pop the loss targets from a CP-sharded batch: (labels [B, S_local], D MTP targets [B, S_local] or None).
 
     The MTP targets were computed on the whole sequences (`prepare_batch_for_cp`); the loss must use them instead of
-    rolling the local labels, which would be wrong at block edges."""
+    rolling the local labels, which would be wrong at block edges. The load-balanced path's `loss_mask` is dropped
+    too: none of these keys is a forward input."""
     labels = batch.pop("labels")
     mtp = batch.pop("mtp_per_depth_targets", None)
     batch.pop("loss_mask", None)

@@ -161,11 +161,7 @@ class RunPlan:
                 "seq_len": self.seq_len,
                 "local_seq_len": self.local_seq_len,
             },
-            "precision": {"dtype": self.dtype}
-            | {
-                key: str(getattr(self.precision, key)).removeprefix("torch.")
-                for key in ("storage", "compute", "reduce")
-            },
+            "precision": {"dtype": self.dtype} | self.precision.to_json(),
             "fsdp": self.fsdp,
             "fsdp_grouping": self.fsdp_grouping if self.fsdp else None,
             "fsdp_optimizations": self.fsdp_optimizations,

@@ -67,8 +67,6 @@ class Progress:
             self._val_loss = val_loss
         if self._bar is None:
             return
-        elapsed = time.perf_counter() - self.start_time
-        tokens_per_s = self.steps_done * self.tokens_per_step / max(elapsed, 1e-9)
         fields = {"loss": f"{loss:.4f}"}
         if aux_loss is not None:
             fields["aux_loss"] = f"{aux_loss:.4f}"
@@ -80,7 +78,7 @@ class Progress:
             fields["val_loss"] = f"{self._val_loss:.4f}"
         if skipped is not None:
             fields["skipped"] = str(skipped)
-        fields.update(lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
+        fields.update(lr=f"{lr:.2e}", tok_s=f"{self.tokens_per_second():,.0f}")
         self._bar.set_postfix(fields, refresh=False)
         self._bar.update(1)
 

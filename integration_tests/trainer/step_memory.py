@@ -22,6 +22,7 @@ What it must not do: change what the step computes (the hooks hand every saved t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -39,36 +40,54 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of `tensors`' local shards: numel x element size, each distinct tensor once (a tied weight is one)."""
+def local_numel(tensor: torch.Tensor, coords: dict[str, int] | None = None) -> int:
+    """Elements of `tensor`'s shard on the rank at mesh `coords` (None: this rank's own local tensor; the dry run
+    asks for every rank of a stage: each Shard placement's block, uneven FSDP2 shards included)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tensor.numel()
+    if coords is None:
+        return tensor.to_local().numel()
+    shape = list(tensor.shape)
+    mesh = tensor.device_mesh
+    names = mesh.mesh_dim_names or ()
+    own = mesh.get_coordinate() or [0] * mesh.ndim
+    for i, placement in enumerate(tensor.placements):
+        if isinstance(placement, Shard):
+            n = mesh.size(i)
+            c = coords.get(names[i], own[i]) if i < len(names) else own[i]
+            length = shape[placement.dim]
+            full = (length + n - 1) // n
+            start = full * c
+            shape[placement.dim] = max(0, min(length, start + full) - start)
+    return math.prod(shape)
+
+
+def state_bytes(
+    parts: list[nn.Module], optimizers: Iterable[torch.optim.Optimizer], coords: dict[str, int] | None = None
+) -> dict[str, int]:
+    """{"parameter_bytes", "gradient_bytes", "optimizer_bytes"} of this rank: its parts' parameters (each once: a
+    tied weight is one), their `.grad` (call after backward, before `zero_grad`) and the optimizers' state tensors
+    (after their first `step`), each tensor by its local shard. `coords` (the dry run): of the rank at these mesh
+    coordinates holding the same blocks as this rank, each tensor's shard under its placements (`local_numel`; a
+    state tensor shaped like its parameter is sharded like it, others, e.g. AdamW's step count, are whole)."""
+    totals = {"parameter_bytes": 0, "gradient_bytes": 0, "optimizer_bytes": 0}
+    states = {id(param): state for optimizer in optimizers for param, state in optimizer.state.items()}
     seen: set[int] = set()
-    total = 0
-    for tensor in tensors:
-        if id(tensor) in seen:  # the tensor itself, alive while iterated (a temporary's id could be reused)
-            continue
-        seen.add(id(tensor))
-        local = _local(tensor)
-        total += local.numel() * local.element_size()
-    return total
-
-
-def _optimizer_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
-    for optimizer in optimizers:
-        for state in optimizer.state.values():
-            for value in state.values():
+    for part in parts:
+        for param in part.parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            totals["parameter_bytes"] += local_numel(param, coords) * param.element_size()
+            if param.grad is not None:
+                totals["gradient_bytes"] += local_numel(param.grad, coords) * param.grad.element_size()
+            for value in states.get(id(param), {}).values():
                 if isinstance(value, torch.Tensor):
-                    yield value
-
-
-def state_bytes(parts: list[nn.Module], optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, int]:
-    """{"parameter_bytes", "gradient_bytes", "optimizer_bytes"} of this rank: its parts' parameters, their `.grad`
-    (call after backward, before `zero_grad`) and the optimizers' state tensors (after their first `step`)."""
-    params = [p for part in parts for p in part.parameters()]
-    return {
-        "parameter_bytes": tensor_bytes(params),
-        "gradient_bytes": tensor_bytes(p.grad for p in params if p.grad is not None),
-        "optimizer_bytes": tensor_bytes(_optimizer_tensors(optimizers)),
-    }
+                    numel = local_numel(value, coords) if value.shape == param.shape else value.numel()
+                    totals["optimizer_bytes"] += numel * value.element_size()
+    return totals
 
 
 def _is_weight_view(tensor: torch.Tensor, storage_key: int, *, depth: int = 8) -> bool:
@@ -239,4 +258,4 @@ def measured_step(record: dict[str, int] | None, *, recomputation: bool = False)
     record["activation_peak_bytes"] = saved.peak_bytes
 
 
-__all__ = ["SavedActivations", "measured_step", "state_bytes", "tensor_bytes"]
+__all__ = ["SavedActivations", "local_numel", "measured_step", "state_bytes"]

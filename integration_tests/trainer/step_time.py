@@ -16,7 +16,7 @@ What it must not do: pretend to be a measurement (every number is labelled "pred
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 
@@ -50,15 +50,13 @@ DEFAULT_GPU = "h100-sxm"
 def hardware(*, gpu: str, tflops: float | None, nvlink_gbps: float | None, network_gbps: float | None,
              gpus_per_node: int | None) -> Hardware:  # fmt: skip
     """The named GPU (`GPUS`) with any figure the caller gives instead."""
-    base = GPUS[gpu]
-    return Hardware(
-        name=base.name,
-        tflops=tflops if tflops is not None else base.tflops,
-        nvlink_gbps=nvlink_gbps if nvlink_gbps is not None else base.nvlink_gbps,
-        network_gbps=network_gbps if network_gbps is not None else base.network_gbps,
-        gpus_per_node=gpus_per_node if gpus_per_node is not None else base.gpus_per_node,
-        memory_gib=base.memory_gib,
-    )
+    given: dict[str, Any] = {
+        "tflops": tflops,
+        "nvlink_gbps": nvlink_gbps,
+        "network_gbps": network_gbps,
+        "gpus_per_node": gpus_per_node,
+    }
+    return replace(GPUS[gpu], **{name: value for name, value in given.items() if value is not None})
 
 
 def predict_step_time(

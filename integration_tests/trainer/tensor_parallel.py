@@ -23,7 +23,7 @@ regions' inputs all-reduce their gradient; "sequence_gather" modules compute the
 gradient norm counts them once; DTensor shards count through their mesh; the plain-tensor shards of modules that shard
 themselves (Nemotron-H's Mamba2 mixer, am-tensor-parallel's "module" style) are summed over tp (`tp_local_names`,
 step_parts' `clip_grad_norm`). Checkpoints keep those shards under per-tp-rank keys (`rename_tp_local`) and the HF
-export re-assembles them through the module's `tensor_parallel_full_state` (`full_tp_state`).
+export re-assembles them through the module's `tensor_parallel_full_state` (trainer/export.py).
 What it must not do: decide another axis's rules, or name a model class (the plan and the hooks come from the model).
 """
 
@@ -36,12 +36,6 @@ from torch import nn
 
 if TYPE_CHECKING:
     from trainer.config import RunConfig
-
-# What --tp does not compose with yet: refused up front, with the reason (nothing runs half-supported).
-_UNSUPPORTED_WITH_TP = {
-    "compile": "--compile is not run over DTensor (TP) layers: torch.compile would trace the regions' redistribute "
-    "hooks and DTensor collectives, which no test runs on this CPU/gloo stack; drop --compile with --tp",
-}
 
 
 def tensor_parallel_problems(cfg: RunConfig, model: nn.Module) -> list[str]:
@@ -74,8 +68,12 @@ def tensor_parallel_problems(cfg: RunConfig, model: nn.Module) -> list[str]:
             f"--sequence-parallel shards the sequence over --tp {cfg.tp}, but --seq-len {cfg.seq_len} is not a "
             f"multiple of {cfg.tp}: choose a --seq-len divisible by {cfg.tp}"
         )
-    asked = {"compile": cfg.compile}
-    problems += [f"--tp {cfg.tp}: {_UNSUPPORTED_WITH_TP[name]}" for name, on in asked.items() if on]
+    if cfg.compile:  # what --tp does not compose with yet: refused up front, with the reason
+        problems.append(
+            f"--tp {cfg.tp}: --compile is not run over DTensor (TP) layers: torch.compile would trace the regions' "
+            "redistribute hooks and DTensor collectives, which no test runs on this CPU/gloo stack; drop --compile "
+            "with --tp"
+        )
     modules = dict(model.named_modules())
     styles, _ = match_plan(model, plan or {})
     for name, style in styles.items():
@@ -151,15 +149,6 @@ def apply_tensor_parallel_to_parts(parts: list[nn.Module], *, plan: Any, tp_mesh
         setattr(part, _TP_LOCAL_ATTR, TPLocal(rank=tp_mesh.get_local_rank(), names=local))
 
 
-def reduce_partial_grads_of_parts(parts: list[nn.Module]) -> None:
-    """After materializing the parts TP sharded on the meta device: install am-tensor-parallel's partial-gradient
-    reduction of their replicated DTensor parameters (materializing swaps the parameters' storage, dropping hooks)."""
-    from am_tensor_parallel import reduce_partial_grads
-
-    for part in parts:
-        reduce_partial_grads(part)
-
-
 def tp_local_names(part: nn.Module) -> TPLocal | None:
     """The part's plain-tensor TP shards (None: no TP, or none held)."""
     local = getattr(part, _TP_LOCAL_ATTR, None)
@@ -174,27 +163,6 @@ def tp_local_parameters(parts: list[nn.Module]) -> set[int]:
         if local is not None:
             found |= {id(p) for name, p in part.named_parameters() if name in local.names}
     return found
-
-
-def full_tp_state(part: nn.Module, state: dict[str, Any], *, group: Any) -> dict[str, Any]:
-    """`state` (the part's full state dict over dp x cp: DTensor TP shards already gathered) with the plain-tensor
-    shards re-assembled by their modules' `tensor_parallel_full_state` (collective over the tp `group`, in module
-    order on every tp rank)."""
-    from am_tensor_parallel import FULL_STATE_METHOD
-
-    local = tp_local_names(part)
-    if local is None:
-        return state
-    full = dict(state)
-    for prefix, module in part.named_modules():
-        hook = getattr(module, FULL_STATE_METHOD, None)
-        owned = sorted(name for name in local.names if prefix and name.startswith(prefix + "."))
-        if not callable(hook) or not owned:
-            continue
-        relative = {name[len(prefix) + 1 :]: state[name] for name in owned}
-        for name, tensor in hook(relative, group=group).items():
-            full[f"{prefix}.{name}"] = tensor
-    return full
 
 
 def rename_tp_local(part: nn.Module, model_state: dict[str, Any], optim_state: dict[str, Any], *, back: bool) -> None:
@@ -220,8 +188,6 @@ def rename_tp_local(part: nn.Module, model_state: dict[str, Any], optim_state: d
 __all__ = [
     "TPLocal",
     "apply_tensor_parallel_to_parts",
-    "full_tp_state",
-    "reduce_partial_grads_of_parts",
     "rename_tp_local",
     "tensor_parallel_plan",
     "tensor_parallel_problems",

@@ -105,16 +105,6 @@ def read_jsonl(path: Path, *, field: str, label: str = "--data") -> list[str]:
     return documents
 
 
-def _import_datasets() -> Any:
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError(
-            f"HF datasets need the `datasets` package, which is not installed: {INSTALL_DATASETS}"
-        ) from None
-    return datasets
-
-
 def read_dataset(source: str, *, field: str, split: str, label: str = "--data") -> list[str]:
     """The `field` column of an HF dataset: a folder written by `save_to_disk` (`load_from_disk`), a folder of data
     files or a hub name (`load_dataset`), taking `split` of a dataset dictionary.
@@ -122,7 +112,12 @@ def read_dataset(source: str, *, field: str, split: str, label: str = "--data") 
     Raises:
         ValueError: `datasets` is missing, the dataset cannot be loaded, or has no such split or string column.
     """
-    datasets = _import_datasets()
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(
+            f"HF datasets need the `datasets` package, which is not installed: {INSTALL_DATASETS}"
+        ) from None
     path = Path(source)
     try:
         if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):

@@ -41,7 +41,7 @@ from trainer.data import Corpus, load_tokens
 from trainer.guards import model_path_nonfinite_problems
 from trainer.models import ModelSpec, build_meta_model, folder_spec, model_path_weight_problems, preset_spec
 from trainer.moe_balance import balancing_plan, balancing_problems
-from trainer.parallel import cp_layout_name, cp_pad_multiple, decoder_layers, layer_feature_problems
+from trainer.parallel import decoder_layers, layer_feature_problems, model_cp_layout
 from trainer.plan import ValidatedRun, make_plan
 from trainer.tensor_parallel import tensor_parallel_plan, tensor_parallel_problems
 
@@ -54,11 +54,10 @@ class BadInput(Exception):
 
 def model_spec(cfg: RunConfig, *, vocab_size: int | None = None) -> ModelSpec:
     if cfg.model_path is not None:
-        from trainer.dry_run import config_only_spec, has_weights
+        from trainer.dry_run import has_weights
 
-        if cfg.dry_run and not has_weights(cfg.model_path):  # config.json alone: the dry run needs no weights
-            return config_only_spec(cfg.model_path)
-        return folder_spec(cfg.model_path)
+        # config.json alone: the dry run needs no weights
+        return folder_spec(cfg.model_path, config_only=cfg.dry_run and not has_weights(cfg.model_path))
     return preset_spec(
         cfg.model,
         hidden_size=cfg.hidden_size if cfg.hidden_size is not None else PRESET_HIDDEN_SIZE,
@@ -192,11 +191,13 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
     """
     from am_capabilities import validate_for_mesh
     from trainer.step_parts import router_aux_spec
+    from trainer.text_sources import tokenizer_vocab_size
 
     problems = find_problems(cfg, world_size=world_size)
     problems += out_problems(cfg)
     tokenizer, found = tokenizer_problems(cfg)
     problems += found
+    tokenizer_vocab = tokenizer_vocab_size(tokenizer) if tokenizer is not None else None
     spec = model = None
     # a --model-path folder without safetensors weights: said once, in its own words, and nothing to build from
     # (the dry run reads only config.json: it needs no weights)
@@ -204,14 +205,16 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
     problems += weights
     try:
         if not weights:
-            spec = model_spec(cfg, vocab_size=_tokenizer_vocab(tokenizer))
+            spec = model_spec(cfg, vocab_size=tokenizer_vocab)
             # On the meta device (no weights: a rank never holds a whole model); a folder's names and shapes are
             # checked strictly on its safetensors headers (every tensor present, none unexpected), no data read.
             model = build_meta_model(spec)
     except Exception as exc:  # a broken --model-path folder or preset: report it with the rest
         problems.append(f"cannot build the model: {type(exc).__name__}: {exc}")
-    if model is not None and world_size == 1:  # N ranks share this check after the process group: see below
-        problems += model_path_value_problems(cfg, part=0, parts=1)
+    # NaN / inf in a --model-path folder's tensors: one process checks every tensor here; N ranks share the check
+    # right after the process group (the loop's `refuse_nonfinite_weights`), each reading 1 / N of the files
+    if model is not None and world_size == 1 and cfg.model_path is not None:
+        problems += model_path_nonfinite_problems(cfg.model_path)
     num_layers = None
     if model is not None:  # only the per-layer features need the layers (pp > 1, checkpointing, compile)
         layers = decoder_layers(model)
@@ -224,7 +227,7 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
     cp_layout, pad_multiple = None, 2
     if model is not None and cfg.cp > 1:
         try:
-            cp_layout, pad_multiple = cp_layout_name(model), cp_pad_multiple(model)
+            cp_layout, pad_multiple = model_cp_layout(model)
         except (TypeError, ValueError) as exc:  # a malformed CP declaration on the model
             problems.append(str(exc))
     problems += cp_problems(cfg, cp_layout=cp_layout, pad_multiple=pad_multiple)
@@ -241,10 +244,10 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
         problems += tensor_parallel_problems(cfg, model)
     problems += vocab_problems(cfg, tokenizer=tokenizer, spec=spec)
     router_aux = router_aux_spec(model) if model is not None else None
-    problems += _feature_model_problems(cfg, model=model, plan=pipeline, router_aux=router_aux)
+    problems += _feature_model_problems(cfg, model=model, plan=pipeline)
     problems += balancing_problems(cfg, model)  # the --moe-* options: numbers, and against the model's routers
     problems += fsdp_optimization_problems(cfg, model)
-    vocab = spec.vocab_size if spec is not None else (_tokenizer_vocab(tokenizer) or 256)
+    vocab = spec.vocab_size if spec is not None else (tokenizer_vocab or 256)
     tokens, found = data_problems(cfg, vocab_size=vocab, tokenizer=tokenizer)
     problems += found
     resume_dir = None
@@ -329,18 +332,6 @@ def fsdp_optimization_problems(cfg: RunConfig, model: nn.Module | None) -> list[
     return problems
 
 
-def model_path_value_problems(cfg: RunConfig, *, part: int, parts: int) -> list[str]:
-    """NaN / inf in a `--model-path` folder's safetensors files, per tensor and file (read one tensor at a time), in
-    this rank's share (`part` of `parts`) of the tensors.
-
-    One process (`parts` 1) checks every tensor in `validate`, with the other problems. An N-rank job checks the
-    values after the process group exists and before anything is built (the loop's `refuse_nonfinite_weights`): each
-    rank reads 1 / N of the checkpoint instead of all of it, and every rank refuses with the lines of all of them."""
-    if cfg.model_path is None:
-        return []
-    return model_path_nonfinite_problems(cfg.model_path, part=part, parts=parts)
-
-
 def refusal(problems: list[str]) -> BadInput:
     """The one message of a refused run: every problem, listed."""
     listed = "\n".join(f"  - {p}" for p in problems)
@@ -359,37 +350,20 @@ def resume_changes(cfg: RunConfig, state: dict[str, Any]) -> list[str]:
     ]
 
 
-def _tokenizer_vocab(tokenizer: Any) -> int | None:
-    from trainer.text_sources import tokenizer_vocab_size
-
-    return tokenizer_vocab_size(tokenizer) if tokenizer is not None else None
-
-
-def _feature_model_problems(
-    cfg: RunConfig, *, model: nn.Module | None, plan: Any, router_aux: tuple[int, int, float, bool] | None
-) -> list[str]:
+def _feature_model_problems(cfg: RunConfig, *, model: nn.Module | None, plan: Any) -> list[str]:
     """Feature options against the model and the pipeline: activation checkpointing (am-capabilities' rule), a
-    schedule that can evaluate (`--val-every` at pp > 1), and the router's auxiliary loss (`router_aux`: its spec)."""
+    schedule that can evaluate (`--val-every` at pp > 1), and a transformers MoE model whose training objective
+    includes a router loss the trainer cannot reproduce (`router_aux_problems`): refused rather than dropping the
+    term. (Transformers' own load-balancing loss runs in every layout: step_parts.RouterAuxLoss at pp 1,
+    trainer/router_aux_pipeline.py at pp > 1.)"""
     from trainer.evaluation import pipeline_eval_problems
     from trainer.layer_wrappers import activation_checkpointing_problems
+    from trainer.step_parts import router_aux_problems
 
-    problems = pipeline_eval_problems(cfg, plan) + router_aux_model_problems(cfg, model, router_aux=router_aux)
+    problems = pipeline_eval_problems(cfg, plan) + (router_aux_problems(model) if model is not None else [])
     if cfg.activation_checkpointing and model is not None and min(cfg.pp, cfg.dp, cfg.cp, cfg.ep) >= 1:
         problems += activation_checkpointing_problems(model, mesh=mesh_context(cfg), compile=cfg.compile)
     return problems
-
-
-def router_aux_model_problems(
-    cfg: RunConfig, model: nn.Module | None, *, router_aux: tuple[int, int, float, bool] | None
-) -> list[str]:
-    """A transformers MoE model whose training objective includes a router loss the trainer cannot reproduce
-    (`router_aux_problems`): refused rather than dropping the term. (Transformers' own load-balancing loss runs in
-    every layout: step_parts.RouterAuxLoss at pp 1, trainer/router_aux_pipeline.py at pp > 1.)"""
-    from trainer.step_parts import router_aux_problems
-
-    if model is None:
-        return []
-    return router_aux_problems(model)
 
 
 def _resume_mismatches(cfg: RunConfig, state: dict[str, Any]) -> list[str]:
