@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from am_pipelining import (
     AutoPipeline,
@@ -540,6 +541,104 @@ def fsdp_update_seq_len_case() -> None:
     _compare(ref_model, pipe.parts, losses, ref_losses, pipe.info.has_last_stage)
 
 
+class _CountingReduceScatter(DefaultReduceScatter):
+    """FSDP2's own reduce-scatter (`set_custom_reduce_scatter`), counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return super().__call__(*args, **kwargs)
+
+
+def _count_reduce_scatters(modules: list[Any]) -> list[_CountingReduceScatter]:
+    counters = []
+    for module in modules:
+        counters.append(_CountingReduceScatter())
+        module.set_custom_reduce_scatter(counters[-1])
+    return counters
+
+
+def fsdp_reduce_per_microbatch_case() -> None:
+    """pp=2 × dp=2, FSDP2 on each stage module, `AutoPipeline(defer_fsdp_grad_sync=False)`: every one of the 4
+    microbatches reduce-scatters (torch's stage would reduce once), and the gradients equal the unsplit model's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    ref_model = M.llama(4)
+    data = M.batch("llama", 4)
+    ref_losses = _reference(ref_model, "llama", data, 1)
+
+    def parallelize(part: nn.Module, *, world_mesh: Any, dp_axis_names: tuple[str, ...], **_: Any) -> nn.Module:
+        fully_shard(part, mesh=world_mesh[dp_axis_names[0]])
+        return part
+
+    pipe = AutoPipeline(world_mesh=mesh, pp_batch_size=4, pp_seq_len=M.SEQ, defer_fsdp_grad_sync=False)
+    pipe.build(copy.deepcopy(ref_model), loss_fn=M.mean_ce, parallelize_fn=parallelize)
+    counters = _count_reduce_scatters(pipe.parts)
+    for step in (1, 2):  # the second step shows that the first left FSDP2's state ready for the next
+        pipe.parts[0].zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        pipe.step(data["input_ids"], target=data["labels"], losses=losses)
+        assert [c.calls for c in counters] == [4 * step], f"reduce-scatters per stage: {[c.calls for c in counters]}"
+        _compare(ref_model, pipe.parts, losses, ref_losses, pipe.info.has_last_stage)
+
+
+def fsdp_nested_deferred_case() -> None:
+    """pp=2 × dp=2, FSDP2 on each decoder layer only (the stage module is plain), with
+    `patch_stage_backward_maybe_with_nosync=True`: each layer reduce-scatters once per step (torch's stage leaves
+    nested FSDP2 modules reducing every microbatch: 4 times), and the gradients equal the unsplit model's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    ref_model = M.llama(4)
+    data = M.batch("llama", 4)
+    ref_losses = _reference(ref_model, "llama", data, 1)
+    sharded: list[Any] = []
+
+    def parallelize(part: nn.Module, *, world_mesh: Any, dp_axis_names: tuple[str, ...], **_: Any) -> nn.Module:
+        for name, module in list(part.named_modules()):
+            if name.rsplit(".", 1)[0].endswith("layers") and name.rsplit(".", 1)[-1].isdigit():
+                sharded.append(fully_shard(module, mesh=world_mesh[dp_axis_names[0]]))
+        return part
+
+    schedule, parts, has_first, has_last, _ = pipeline_model(
+        copy.deepcopy(ref_model),
+        mesh,
+        pipeline_parallel_schedule="1F1B",
+        local_batch_size=4,
+        loss_fn=M.mean_ce,
+        parallelize_fn=parallelize,
+        seq_len=M.SEQ,
+        patch_stage_backward_maybe_with_nosync=True,
+    )
+    assert len(sharded) == 2, f"{len(sharded)} sharded layers on this rank"
+    counters = _count_reduce_scatters(sharded)
+    for step in (1, 2):  # the second step shows that the first left FSDP2's state ready for the next
+        parts[0].zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        schedule.step(*((data["input_ids"],) if has_first else ()), target=data["labels"], losses=losses)
+        assert [c.calls for c in counters] == [step, step], f"reduce-scatters per layer: {[c.calls for c in counters]}"
+        _compare(ref_model, parts, losses, ref_losses, has_last)
+
+
+def reduce_per_microbatch_split_backward_refused_case() -> None:
+    """A zero-bubble schedule splits each backward into input and weight parts: per-microbatch reduction is
+    refused on every rank when the schedule is built, before any step."""
+    with pytest.raises(ValueError, match="splits backward into input and weight parts"):
+        pipeline_model(
+            M.llama(8),
+            _mesh(),
+            pipeline_parallel_schedule="ZBVZeroBubble",
+            local_batch_size=8,
+            loss_fn=M.mean_ce,
+            reduce_grad_per_microbatch=True,
+        )
+
+
 def cases_4ranks() -> dict[str, Callable[[], None]]:
     cases: dict[str, Callable[[], None]] = {}
     for model in MODELS:
@@ -556,4 +655,7 @@ def cases_4ranks() -> dict[str, Callable[[], None]]:
     cases["fsdp2-pp2xdp2-llama"] = functools.partial(fsdp_case, "llama")
     cases["fsdp2-pp2xdp2-llama_tied"] = functools.partial(fsdp_case, "llama_tied")
     cases["fsdp2-pp2xdp2-update-seq-len-accumulates"] = fsdp_update_seq_len_case
+    cases["fsdp2-pp2xdp2-reduce-per-microbatch"] = fsdp_reduce_per_microbatch_case
+    cases["fsdp2-pp2xdp2-nested-fsdp-reduces-once"] = fsdp_nested_deferred_case
+    cases["reduce-per-microbatch-split-backward-refused"] = reduce_per_microbatch_split_backward_refused_case
     return cases

@@ -80,14 +80,19 @@ def test_param_count_deduplicates_tied_weights():
     assert AutoPipeline._count_parameters(model, trainable_only=True) == 16
 
 
-def test_options_torch_decides_are_refused_not_ignored():
-    with pytest.raises(ValueError, match="patch_stage_backward_maybe_with_nosync=True is not supported"):
-        AutoPipeline(world_mesh=_FakeMesh(), pp_batch_size=2, patch_stage_backward_maybe_with_nosync=True)
-    with pytest.raises(ValueError, match="defer_fsdp_grad_sync=False is not supported"):
-        AutoPipeline(world_mesh=_FakeMesh(), pp_batch_size=2, defer_fsdp_grad_sync=False)
+def test_backward_options_are_kept_for_build():
+    """Both stage-backward options are accepted (also via PipelineConfig) and kept for `build`, which passes them to
+    `pipeline_model`; what they do is checked on real ranks (the fsdp2 cases of test_pipeline_4ranks.py)."""
+    pipe = AutoPipeline(
+        world_mesh=_FakeMesh(),
+        pp_batch_size=2,
+        patch_stage_backward_maybe_with_nosync=True,
+        defer_fsdp_grad_sync=False,
+    )
+    assert pipe.patch_stage_backward_maybe_with_nosync
+    assert not pipe.defer_fsdp_grad_sync
     config = PipelineConfig(pp_batch_size=2, patch_stage_backward_maybe_with_nosync=True)
-    with pytest.raises(ValueError, match="patch_stage_backward_maybe_with_nosync"):
-        AutoPipeline.from_config(config, world_mesh=_FakeMesh())
+    assert AutoPipeline.from_config(config, world_mesh=_FakeMesh()).patch_stage_backward_maybe_with_nosync
 
 
 def test_config_loss_fn_is_used_by_build():

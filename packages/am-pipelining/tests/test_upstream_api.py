@@ -116,8 +116,6 @@ def test_pipeline_model_accepts_upstream_keywords():
     ]
     assert set(upstream) <= set(params)
     assert list(params)[:3] == ["model", "world_mesh", "moe_mesh"]
-    with pytest.raises(ValueError, match="reduce_grad_per_microbatch=True are not supported"):
-        am_pipelining.pipeline_model(M.llama(2), object(), reduce_grad_per_microbatch=True)
 
 
 def test_get_text_module():

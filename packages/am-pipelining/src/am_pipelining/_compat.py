@@ -36,6 +36,7 @@ __all__ = [
     "set_stage_metas",
     "has_static_meta_api",
     "is_reentrant_checkpoint_wrapper",
+    "full_stage_backward",
 ]
 
 ComputeAction = tuple[int, str, int]
@@ -270,6 +271,15 @@ def preserve_grads_across_stage_reinit(stage: Any) -> None:
 
     cleanup._am_pp_preserves_grads = True  # type: ignore[attr-defined]
     stage._post_metadata_inference_cleanup = cleanup
+
+
+def full_stage_backward(bwd_kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, ...]:
+    """One microbatch's full backward as `PipelineStage.backward_maybe_with_nosync` runs it (weights and inputs
+    together); `bwd_kwargs` holds the stage's "stage_output", "output_grads" and "input_values". Returns the
+    gradients of the stage inputs."""
+    from torch.distributed.pipelining._backward import stage_backward
+
+    return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -29,26 +29,6 @@ __all__ = ["AutoPipeline", "PipelineConfig", "PipelineInfo"]
 logger = logging.getLogger(__name__)
 
 
-def _refuse_unsupported_backward_options(patch_stage_backward: bool, defer_fsdp_grad_sync: bool) -> None:
-    """Upstream's stage-backward options that torch.distributed.pipelining decides itself (kept in the signature,
-    refused when set to what we cannot honour)."""
-    problems = []
-    if patch_stage_backward:
-        problems.append(
-            "patch_stage_backward_maybe_with_nosync=True is not supported: torch's PipelineStage already runs every "
-            "microbatch's backward without FSDP gradient sync and reduces once after the last one; there is no "
-            "MoE-specific replacement to install. Leave it False."
-        )
-    if not defer_fsdp_grad_sync:
-        problems.append(
-            "defer_fsdp_grad_sync=False is not supported: torch's pipeline schedules always defer the FSDP gradient "
-            "reduce-scatter to after the last microbatch (one reduction per step), and cannot reduce per microbatch. "
-            "Leave it True."
-        )
-    if problems:
-        raise ValueError("\n".join(problems))
-
-
 @dataclass
 class PipelineConfig:
     """Pipeline options as one dataclass (the mesh is passed separately)."""
@@ -63,7 +43,8 @@ class PipelineConfig:
     patch_inner_model: bool = True
     patch_causal_lm_model: bool = True
     patch_stage_backward_maybe_with_nosync: bool = False
-    """Must stay False (torch already defers FSDP gradient sync to the last microbatch); True is refused."""
+    """FSDP2 modules nested below a non-FSDP2 stage module (e.g. separately sharded experts) follow the stage's
+    gradient-sync choice too (`AutoPipeline`'s `defer_fsdp_grad_sync`) instead of reducing every microbatch."""
     dtype: torch.dtype | None = None
     scale_grads_in_schedule: bool = False
     loss_fn: Callable[..., torch.Tensor] | None = None
@@ -94,6 +75,11 @@ class AutoPipeline:
         pipe.build(model, loss_fn=loss_fn)
         losses = pipe.step(input_ids, target=labels)   # also sums tied-embedding grads
         optimizer.step()
+
+    Gradient sync with FSDP2 stages: `defer_fsdp_grad_sync=True` (default) reduce-scatters once after the last
+    microbatch, False after every microbatch (lower peak memory, more communication; same gradients, needs a
+    schedule without split backward). `patch_stage_backward_maybe_with_nosync=True` applies that choice to FSDP2
+    modules nested below a non-FSDP2 stage module too (otherwise they reduce after every microbatch).
 
     Raises (constructor):
         ValueError: neither schedule nor CSV, batch not divisible by microbatch size, no mesh.
@@ -130,7 +116,6 @@ class AutoPipeline:
     ) -> None:
         if world_mesh is None:
             raise ValueError("world_mesh must be provided (DeviceMesh with 'pp' axis)")
-        _refuse_unsupported_backward_options(patch_stage_backward_maybe_with_nosync, defer_fsdp_grad_sync)
         self.pp_mesh = _pipeline_axis(world_mesh, pp_axis_name)
         # Everything that can be checked without the model is checked now; layers_per_stage needs the model's
         # layer count and is planned in build().
@@ -232,6 +217,8 @@ class AutoPipeline:
             seq_len=self.pp_seq_len,
             tensor_dtype=self.dtype,
             stages_per_rank=self.stages_per_rank,
+            patch_stage_backward_maybe_with_nosync=self.patch_stage_backward_maybe_with_nosync,
+            reduce_grad_per_microbatch=not self.defer_fsdp_grad_sync,
         )
         self._info = PipelineInfo(True, schedule, has_first, has_last, parts, stages)
         self._model_config = getattr(model, "config", None)

@@ -60,10 +60,12 @@ def build_schedule(
     With `scale_grads=False` gradients are the sum over microbatches. `loss_fn` must be the same kind on EVERY
     pipeline rank, including ranks that hold no last stage: a callable gives a training schedule (forward +
     backward); None gives a forward-only (inference) schedule. Mixing the two across ranks makes the ranks
-    disagree about backward sends and deadlocks, so None logs a warning.
+    disagree about backward sends and deadlocks, so None logs a warning. Stages that reduce gradients per
+    microbatch (`build_stages(reduce_grad_per_microbatch=True)`) need a schedule without split backward.
 
     Raises:
-        ValueError: a plan without a batch, or stages that are not the plan's (count on this rank, total count).
+        ValueError: a plan without a batch, stages that are not the plan's (count on this rank, total count), or
+            per-microbatch gradient reduction with a split-backward schedule.
     """
     if plan.n_microbatches is None:
         raise ValueError(
@@ -98,9 +100,26 @@ def build_schedule(
     )
     if plan.csv is not None:
         _compat.load_schedule_csv(schedule, plan.csv)
+    _refuse_split_backward_per_microbatch(schedule, stages, plan)
     if any(getattr(stage, "_am_static_shape", None) is not None for stage in stages):
         _check_shapes_before_each_step(schedule, stages, plan.n_microbatches)
     return schedule
+
+
+def _refuse_split_backward_per_microbatch(schedule: Any, stages: Sequence[PipelineStage], plan: PipelinePlan) -> None:
+    """FSDP2 can reduce per microbatch only after a full backward: a schedule that splits a microbatch's backward
+    into input and weight parts (zero-bubble kinds) leaves the weight gradients of its last part unreduced."""
+    if not any(getattr(stage, "reduce_grad_per_microbatch", False) for stage in stages):
+        return
+    actions = _compat.schedule_compute_actions(
+        schedule, pp_size=plan.pp_size, n_microbatches=plan.n_microbatches or 1, stages_per_rank=plan.stages_per_rank
+    )
+    if any(kind in ("I", "W") for rank_actions in actions.values() for _, kind, _ in rank_actions):
+        raise ValueError(
+            f"reduce_grad_per_microbatch=True (defer_fsdp_grad_sync=False) needs one full backward per microbatch, "
+            f"but {plan.csv or plan.schedule} splits backward into input and weight parts. Use GPipe, 1F1B, "
+            "Interleaved1F1B or LoopedBFS, or defer the reduction to the last microbatch."
+        )
 
 
 def build_pipeline_schedule(
@@ -250,17 +269,14 @@ def pipeline_model(
     Returns:
         (schedule, model_parts, has_first_stage, has_last_stage, stages) for this rank.
 
+    `reduce_grad_per_microbatch=True` makes FSDP2 stage modules reduce their gradients after every microbatch;
+    `patch_stage_backward_maybe_with_nosync=True` makes FSDP2 modules nested below a non-FSDP2 stage module follow
+    the same choice (`build_stages`'s `reduce_grad_per_microbatch` / `cover_nested_fsdp`).
+
     Raises:
-        ValueError: the pipeline axis has size 1, `patch_stage_backward_maybe_with_nosync` or
-            `reduce_grad_per_microbatch` is True (upstream options torch's stage already covers), or any error of
-            `plan_for_model` / `build_stages` / `build_schedule`.
+        ValueError: the pipeline axis has size 1, or any error of `plan_for_model` / `build_stages` /
+            `build_schedule`.
     """
-    if patch_stage_backward_maybe_with_nosync or reduce_grad_per_microbatch:
-        raise ValueError(
-            "patch_stage_backward_maybe_with_nosync=True / reduce_grad_per_microbatch=True are not supported: torch's "
-            "PipelineStage already runs every microbatch's backward without FSDP gradient sync and reduces once "
-            "after the last one. Leave both False."
-        )
     if parallelize_fn is None:
         _refuse_options_without_parallelize_fn(
             moe_mesh=moe_mesh,
@@ -299,6 +315,8 @@ def pipeline_model(
         dtype=tensor_dtype if seq_len is not None else None,
         patch_inner_model=patch_inner_model,
         patch_causal_lm_model=patch_causal_lm_model,
+        reduce_grad_per_microbatch=reduce_grad_per_microbatch,
+        cover_nested_fsdp=patch_stage_backward_maybe_with_nosync,
     )
     if parallelize_fn is not None:
         for i, part in enumerate(model_parts):

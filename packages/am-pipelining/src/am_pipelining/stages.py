@@ -2,7 +2,8 @@
 
 What it is for: the module lists of the stages (`stage_names`: generated from the plan's layer split, or given
 explicitly and validated), building this rank's stage modules (`stage_modules`), marking tied-embedding copies,
-wrapping each stage module into a `PipelineStage`, and static shapes (`_set_static_shapes`).
+wrapping each stage module into a `PipelineStage` (a `GradSyncStage` for the gradient-reduction choices), and
+static shapes (`_set_static_shapes`).
 `split_model_into_stages` keeps upstream's signature: it plans from its options, then calls `build_stages`.
 
 What it must not do: re-derive a stage count, a placement or a layer split from a given plan (ask `planning`), or
@@ -20,6 +21,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from . import _compat
+from .grad_sync import GradSyncStage
 from .hf_validation import check_forward_reproduction
 from .layers import DecoderLayers, find_layers, module_at
 from .outputs import output_names_problems, pipeline_output_names
@@ -77,6 +79,8 @@ def build_stages(
     dtype: torch.dtype | None = None,
     patch_inner_model: bool = True,
     patch_causal_lm_model: bool = True,
+    reduce_grad_per_microbatch: bool = False,
+    cover_nested_fsdp: bool = False,
 ) -> tuple[list[PipelineStage], list[nn.Module]]:
     """This rank's `PipelineStage`s and their modules, in stage order, exactly as `plan` lays them out.
 
@@ -94,6 +98,12 @@ def build_stages(
             (default: the stage's parameter dtype); the plan must then have a batch.
         patch_inner_model / patch_causal_lm_model: run the pipeline forward in the text decoder / the top-level model
             (upstream's names; the stage copies become instances of stage classes, `build_stage_modules`).
+        reduce_grad_per_microbatch: an FSDP2 stage module reduce-scatters its gradients after every microbatch's
+            backward instead of once after the last (lower peak memory, more communication; same gradients).
+        cover_nested_fsdp: the outermost FSDP2 modules below a stage module that is not one (e.g. separately
+            sharded experts) follow the stage's choice too: one reduction after the last microbatch, or one per
+            microbatch with `reduce_grad_per_microbatch` (without it they reduce every microbatch, as in torch).
+            With either option the stages are `GradSyncStage`s (`am_pipelining.grad_sync`), else `PipelineStage`s.
 
     Raises:
         ValueError: a plan for another group size or layer count, stage lists that do not hold the plan's layers,
@@ -148,7 +158,18 @@ def build_stages(
         )
     stages = []
     for stage_id, stage_model in zip(stage_ids, models, strict=True):
-        stage = PipelineStage(stage_model, stage_id, plan.num_stages, torch.device(device), group=group)
+        if reduce_grad_per_microbatch or cover_nested_fsdp:
+            stage: PipelineStage = GradSyncStage(
+                stage_model,
+                stage_id,
+                plan.num_stages,
+                torch.device(device),
+                group=group,
+                reduce_grad_per_microbatch=reduce_grad_per_microbatch,
+                cover_nested_fsdp=cover_nested_fsdp,
+            )
+        else:
+            stage = PipelineStage(stage_model, stage_id, plan.num_stages, torch.device(device), group=group)
         _compat.preserve_grads_across_stage_reinit(stage)
         stage._am_pipeline_plan = plan  # type: ignore[attr-defined]  # build_pipeline_schedule reads it back
         stages.append(stage)
