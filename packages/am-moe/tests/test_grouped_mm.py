@@ -120,7 +120,7 @@ def test_gmm_is_refused_naming_what_is_missing(monkeypatch) -> None:
     """`grouped_gemm` needs the package, CUDA and bf16: every missing piece in one message, never a fallback."""
     from am_moe import grouped_mm as module
 
-    monkeypatch.setattr(module, "_gmm_installed", lambda: False)
+    monkeypatch.setattr(module, "_installed", lambda package: package != "grouped_gemm")
     with pytest.raises(ValueError, match="'gmm' cannot run here") as err:
         select_grouped_mm_backend(device="cpu", dtype=torch.float32, sizes=(16,), requested="gmm")
     message = str(err.value)
@@ -160,7 +160,7 @@ def test_te_is_refused_naming_what_is_missing(monkeypatch) -> None:
     """experts 'te' (Transformer Engine GroupedLinear) needs TE and CUDA: both named in one message, no fallback."""
     from am_moe import grouped_mm as module
 
-    monkeypatch.setattr(module, "_te_installed", lambda: False)
+    monkeypatch.setattr(module, "_installed", lambda package: package != "transformer_engine")
     with pytest.raises(ValueError, match="'te' cannot run here") as err:
         select_grouped_mm_backend(device="cpu", dtype=torch.float32, sizes=(16,), requested="te")
     message = str(err.value)

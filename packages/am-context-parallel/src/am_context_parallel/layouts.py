@@ -167,14 +167,17 @@ class Layout(ABC):
         Raises:
             ValueError: when the group's size is not this layout's `cp_size`.
         """
+        return self.assemble(self._gather(local, group=group, grad=grad), seq_dim=seq_dim, seq_len=seq_len)
+
+    def _gather(self, local: torch.Tensor, *, group: Any, grad: Literal["slice", "sum"]) -> list[torch.Tensor]:
+        """Every rank's `local`, in rank order (`unshard`'s all-gather over `group`)."""
         world = dist.get_world_size(group)
         if world != self.cp_size:
             raise ValueError(
                 f"{self!r}.unshard got a CP group of {world} ranks, but the layout shards over {self.cp_size}; pass "
                 "the CP group the batch was sharded for (device_mesh['cp'].get_group())"
             )
-        stacked = _GatherSequence.apply(local, group, world, dist.get_rank(group), grad == "sum")
-        return self.assemble(list(stacked.unbind(0)), seq_dim=seq_dim, seq_len=seq_len)
+        return list(_GatherSequence.apply(local, group, world, dist.get_rank(group), grad == "sum").unbind(0))
 
 
 class IdentityLayout(Layout):
@@ -200,16 +203,8 @@ class IdentityLayout(Layout):
         full = parts[0]
         return full if seq_len is None else full.narrow(seq_dim % full.dim(), 0, seq_len)
 
-    def unshard(
-        self,
-        local: torch.Tensor,
-        *,
-        seq_dim: int,
-        group: Any,
-        seq_len: int | None = None,
-        grad: Literal["slice", "sum"] = "slice",
-    ) -> torch.Tensor:
-        return self.assemble([local], seq_dim=seq_dim, seq_len=seq_len)
+    def _gather(self, local: torch.Tensor, *, group: Any, grad: Literal["slice", "sum"]) -> list[torch.Tensor]:
+        return [local]  # every rank already holds every token: nothing to gather, whatever the group
 
 
 class LoadBalancedLayout(Layout):

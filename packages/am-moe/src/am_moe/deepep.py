@@ -36,7 +36,9 @@ class DeepEPExchange:
         self.group, self.module, self.num_sms, self.async_dispatch = group, module, num_sms, async_dispatch
         self._buffer: Any = None
 
-    def _get_buffer(self, hidden_bytes: int) -> Any:
+    def _get_buffer(self, x: torch.Tensor) -> Any:
+        """The communication buffer, (re)built large enough for rows like `x`'s `[*, H]` (sized as bf16 at least)."""
+        hidden_bytes = x.shape[1] * max(x.element_size(), 2)
         buffer_cls = importlib.import_module(self.module).Buffer  # the CUDA extension loads here, on first use only
         buffer_cls.set_num_sms(self.num_sms)
         size = dist.get_world_size(self.group)
@@ -62,8 +64,7 @@ class DeepEPExchange:
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-        buffer = self._get_buffer(x.shape[1] * max(x.element_size(), 2))
-        events = self._events()
+        buffer, events = self._get_buffer(x), self._events()
         per_rank, per_rdma_rank, per_expert, in_rank, event = buffer.get_dispatch_layout(
             topk_idx, num_experts, **events
         )
@@ -86,8 +87,7 @@ class DeepEPExchange:
     def combine(
         self, y: torch.Tensor, handle: Any, weights: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        buffer = self._get_buffer(y.shape[1] * max(y.element_size(), 2))
-        events = self._events()
+        buffer, events = self._get_buffer(y), self._events()
         out, out_w, after = buffer.combine(
             y.contiguous(), handle, topk_weights=None if weights is None else weights.float(), **events
         )
@@ -96,8 +96,7 @@ class DeepEPExchange:
         return out, out_w
 
     def dispatch_cached(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
-        buffer = self._get_buffer(x.shape[1] * max(x.element_size(), 2))
-        events = self._events()
+        buffer, events = self._get_buffer(x), self._events()
         recv_x, *_, after = buffer.dispatch(x.contiguous(), handle=handle, **events)
         if events:
             after.current_stream_wait()

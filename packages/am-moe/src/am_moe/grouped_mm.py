@@ -145,17 +145,9 @@ def _installed(package: str) -> bool:
         return False
 
 
-def _gmm_installed() -> bool:
-    return _installed("grouped_gemm")
-
-
-def _te_installed() -> bool:
-    return _installed("transformer_engine")
-
-
 def _select_te(device_type: str, dtype: torch.dtype) -> GroupedMMChoice:
     refusals = []
-    if not _te_installed():
+    if not _installed("transformer_engine"):
         refusals.append(
             "Transformer Engine is not installed (`transformer_engine.pytorch`; "
             "`pip install transformer_engine[pytorch]` on a CUDA machine)"
@@ -189,7 +181,7 @@ def _te_linear(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> torch
 
 def _select_gmm(device_type: str, dtype: torch.dtype) -> GroupedMMChoice:
     refusals = []
-    if not _gmm_installed():
+    if not _installed("grouped_gemm"):
         refusals.append("the `grouped_gemm` package is not installed (`pip install grouped_gemm` on a CUDA machine)")
     if device_type != "cuda":
         refusals.append(f"grouped_gemm runs only on CUDA, not {device_type!r}")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .grouped_mm import GroupLayout
-from .token_dispatch import prepare_token_routing
+from .token_dispatch import _TokenLevelDispatcher
 
 __all__ = ["HybridEPDispatcher", "HybridState"]
 
@@ -76,7 +76,7 @@ class HybridState:
     buffer: Any
 
 
-class HybridEPDispatcher:
+class HybridEPDispatcher(_TokenLevelDispatcher[HybridState]):
     """HybridEP (`deep_ep.HybridEPBuffer`): the library permutes received tokens into local-expert groups itself
     (`dispatch_with_permute`, one row per (token, local expert), with its probability) and sums them back
     (`combine_with_unpermute`). Validation, padding, weighting and the autograd rule are this module's (see top).
@@ -85,8 +85,8 @@ class HybridEPDispatcher:
     """
 
     def __init__(self, group: dist.ProcessGroup, *, num_sms: int = 20) -> None:
-        self.group, self.num_sms, self.name = group, num_sms, "hybridep"
-        self.ep_size = dist.get_world_size(group)
+        super().__init__(group, name="hybridep")
+        self.num_sms = num_sms
         self._buffer: Any = None
         self._capacity = (0, 0, 0)
 
@@ -106,51 +106,23 @@ class HybridEPDispatcher:
             self._capacity = (tokens, hidden, local)
         return self._buffer
 
-    def dispatch(
-        self,
-        hidden_states: torch.Tensor,
-        top_k_index: torch.Tensor,
-        token_mask: torch.Tensor | None,
-        *,
-        num_experts: int,
-        problems: list[str],
-        host_sizes: bool,
-        top_k_weights: torch.Tensor | None = None,
+    def _send(
+        self, x: torch.Tensor, counts: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, num_experts: int
     ) -> tuple[torch.Tensor, GroupLayout, HybridState]:
-        del host_sizes
-        counts, idx, weights = prepare_token_routing(
-            self.name,
-            hidden_states,
-            top_k_index,
-            token_mask,
-            top_k_weights,
-            num_experts=num_experts,
-            problems=problems,
-            group=self.group,
-        )
         valid = idx >= 0
         slot = idx.clamp(min=0)
-        tokens = hidden_states.shape[0]
+        tokens = x.shape[0]
         routing_map = torch.zeros(tokens, num_experts, dtype=torch.bool, device=idx.device).scatter(1, slot, valid)
         probs = torch.zeros(tokens, num_experts, dtype=torch.float32, device=idx.device).scatter(
             1, slot, torch.where(valid, weights.float(), 0.0)
         )
         box: dict[str, Any] = {"local": num_experts // self.ep_size}
-        rows, row_probs = _HybridDispatch.apply(hidden_states, probs, routing_map, self, box)
+        rows, row_probs = _HybridDispatch.apply(x, probs, routing_map, self, box)
         sizes = box["sizes"]
         state = HybridState(counts, box["handle"], row_probs, self._buffer)
         return rows, GroupLayout.from_sizes(sizes, device=rows.device), state
 
-    def combine(
-        self,
-        expert_out: torch.Tensor,
-        state: HybridState,
-        top_k_weights: torch.Tensor,
-        *,
-        out_dtype: torch.dtype,
-        combine_dtype: torch.dtype | None,
-    ) -> torch.Tensor:
-        del top_k_weights  # applied here, on the experts' rank (the probabilities travelled with the rows)
-        dtype = combine_dtype if combine_dtype is not None else expert_out.dtype
+    def _combine(self, expert_out: torch.Tensor, state: HybridState, dtype: torch.dtype) -> torch.Tensor:
+        # weighted here, on the experts' rank (the probabilities travelled with the rows)
         weighted = (expert_out.to(dtype) * state.row_weights.to(dtype).unsqueeze(-1)).to(expert_out.dtype)
-        return _HybridCombine.apply(weighted, state.buffer, state.handle).to(out_dtype)
+        return _HybridCombine.apply(weighted, state.buffer, state.handle)

@@ -27,7 +27,7 @@ travels in the returned state, as in `dispatch.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ __all__ = [
 # "torch": pairs over all_to_all_single (dispatch.py); "torch_token": the token-level protocol in plain torch;
 # the others: the libraries. Upstream's BackendConfig names, plus "torch_token".
 DISPATCHERS: tuple[str, ...] = ("torch", "torch_token", "deepep", "uccl_ep", "hybridep")
+_State = TypeVar("_State")  # what a token-level dispatcher's `dispatch` hands to its `combine`
 _LIBRARY = {"deepep": "deep_ep", "uccl_ep": "uccl_ep", "hybridep": "deep_ep"}
 _INSTALL = {
     "deep_ep": "build DeepEP from source (https://github.com/deepseek-ai/DeepEP)",
@@ -249,13 +250,12 @@ def prepare_token_routing(
     return counts[:num_experts], idx, weights
 
 
-class TokenDispatcher:
-    """Experts sharded over `group` (rank r owns experts `[r * E / ep, (r + 1) * E / ep)`), tokens moved by a
-    `TokenExchange` (DeepEP's protocol). The `GroupedExperts` dispatcher interface: dispatch -> rows grouped by local
-    expert; combine -> `[T, H]`. Routing weights are applied on the experts' rank (the libraries sum there)."""
+class _TokenLevelDispatcher(Generic[_State]):
+    """What the token-level dispatchers share: `prepare_token_routing` before the subclass's `_send` (checked, masked
+    routing -> rows, layout, state); `_combine` weights in `combine_dtype` (the rows' dtype by default) -> `[T, H]`."""
 
-    def __init__(self, group: dist.ProcessGroup, exchange: TokenExchange, *, name: str) -> None:
-        self.group, self.exchange, self.name = group, exchange, name
+    def __init__(self, group: dist.ProcessGroup, *, name: str) -> None:
+        self.group, self.name = group, name
         self.ep_size = dist.get_world_size(group)
 
     def dispatch(
@@ -268,7 +268,7 @@ class TokenDispatcher:
         problems: list[str],
         host_sizes: bool,
         top_k_weights: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, GroupLayout, TokenState]:
+    ) -> tuple[torch.Tensor, GroupLayout, _State]:
         del host_sizes  # the received counts reach the host anyway (grouped GEMM sizes)
         counts, idx, weights = prepare_token_routing(
             self.name,
@@ -280,17 +280,12 @@ class TokenDispatcher:
             problems=problems,
             group=self.group,
         )
-        box: dict[str, Any] = {"num_experts": num_experts}
-        recv_x, recv_idx, recv_w = _Dispatch.apply(hidden_states, weights, idx, self.exchange, box)
-        local = num_experts // self.ep_size
-        rows, sizes, pair_rows, row_weights = _permute(recv_x, recv_idx, recv_w, local)
-        state = TokenState(counts, box["handle"], recv_x.shape[0], idx.shape[1], pair_rows, row_weights, self.exchange)
-        return rows, GroupLayout.from_sizes(sizes, device=rows.device), state
+        return self._send(hidden_states, counts, idx, weights, num_experts)
 
     def combine(
         self,
         expert_out: torch.Tensor,
-        state: TokenState,
+        state: _State,
         top_k_weights: torch.Tensor,
         *,
         out_dtype: torch.dtype,
@@ -299,9 +294,40 @@ class TokenDispatcher:
         """Expert rows `[n, H]` -> `[T, H]`: weighted on this rank, summed per token, sent home and summed there."""
         del top_k_weights  # already applied on the experts' rank (they travelled with the tokens)
         dtype = combine_dtype if combine_dtype is not None else expert_out.dtype
+        return self._combine(expert_out, state, dtype).to(out_dtype)
+
+    def _send(
+        self, x: torch.Tensor, counts: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, GroupLayout, _State]:
+        raise NotImplementedError
+
+    def _combine(self, expert_out: torch.Tensor, state: _State, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TokenDispatcher(_TokenLevelDispatcher[TokenState]):
+    """Experts sharded over `group` (rank r owns experts `[r * E / ep, (r + 1) * E / ep)`), tokens moved by a
+    `TokenExchange` (DeepEP's protocol). The `GroupedExperts` dispatcher interface: dispatch -> rows grouped by local
+    expert; combine -> `[T, H]`. Routing weights are applied on the experts' rank (the libraries sum there)."""
+
+    def __init__(self, group: dist.ProcessGroup, exchange: TokenExchange, *, name: str) -> None:
+        super().__init__(group, name=name)
+        self.exchange = exchange
+
+    def _send(
+        self, x: torch.Tensor, counts: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, GroupLayout, TokenState]:
+        box: dict[str, Any] = {"num_experts": num_experts}
+        recv_x, recv_idx, recv_w = _Dispatch.apply(x, weights, idx, self.exchange, box)
+        local = num_experts // self.ep_size
+        rows, sizes, pair_rows, row_weights = _permute(recv_x, recv_idx, recv_w, local)
+        state = TokenState(counts, box["handle"], recv_x.shape[0], idx.shape[1], pair_rows, row_weights, self.exchange)
+        return rows, GroupLayout.from_sizes(sizes, device=rows.device), state
+
+    def _combine(self, expert_out: torch.Tensor, state: TokenState, dtype: torch.dtype) -> torch.Tensor:
         # the exchange moves rows in the experts' dtype (bf16 for DeepEP): the per-rank partial sums round there
         per_token = _unpermute(expert_out, state, dtype, expert_out.dtype)
-        return _Combine.apply(per_token, state.exchange, state.handle).to(out_dtype)
+        return _Combine.apply(per_token, state.exchange, state.handle)
 
 
 def make_dispatcher(

@@ -237,26 +237,13 @@ class AttentionKernel(nn.Module):
             if self._compiled is None:
                 self._compiled = torch.compile(self._run, dynamic=None)
             run = self._compiled
-        return run(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa
-        )
-
-    def _run(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        attn_mask: torch.Tensor | None,
-        is_causal: bool,
-        scale: float | None,
-        dropout_p: float,
-        enable_gqa: bool,
-    ) -> torch.Tensor:
         # one set of SDPA keywords for every kernel that takes them (the TE path takes them positionally)
         options: dict[str, Any] = dict(
             attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa
         )
+        return run(q, k, v, options)
+
+    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
         if self.attn == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, **options)
         if self.attn == "eager":
@@ -269,7 +256,7 @@ class AttentionKernel(nn.Module):
             # Only the cuDNN kernel is allowed: torch raises rather than fall back when it cannot take these inputs.
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 return F.scaled_dot_product_attention(q, k, v, **options)
-        return self._te(q, k, v, attn_mask, is_causal, scale, dropout_p)
+        return self._te(q, k, v, options["attn_mask"], options["is_causal"], options["scale"], options["dropout_p"])
 
     def _te(
         self,
