@@ -4,7 +4,7 @@ HuggingFace model; NeMo AutoModel's class flags)."""
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -15,7 +15,9 @@ from am_model_contract import (
     ExpertParallelContract,
     ModelContract,
     PipelineContract,
+    TensorParallelContract,
     contract_of,
+    declared_tp_plan,
     declares_contract,
 )
 
@@ -125,3 +127,40 @@ def test_a_plain_module_declares_nothing() -> None:
     empty_plan = nn.Linear(2, 2)
     empty_plan._pp_plan = {}  # transformers sets `{}` on models without a plan: it declares nothing
     assert contract_of(empty_plan).pp.plan is None
+
+
+class _Attention(nn.Module):
+    _tp_plan: ClassVar[dict[str, str]] = {"q": "colwise", "o": "rowwise"}  # patterns relative to this module
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+        self.o = nn.Linear(4, 4)
+
+
+class _Mixer(nn.Module):
+    _tp_plan: ClassVar[dict[str, str]] = {"": "module"}  # "" names the module itself
+
+
+class _Stack(nn.Module):
+    _tp_plan: ClassVar[dict[str, str]] = {"head": "colwise_rep"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Attention(), _Mixer()])
+        self.head = nn.Linear(4, 4)
+
+    def am_contract(self) -> ModelContract:
+        return ModelContract(tp=TensorParallelContract(plan=declared_tp_plan(self)))
+
+
+def test_tp_plan_merges_every_module_class_plan_under_its_name() -> None:
+    """A declared contract's `tp.plan` from `declared_tp_plan` is the whole model's plan: each class's `_tp_plan`
+    under the module's name ("" = the module itself), not only the top-level class's (`head`)."""
+    plan = contract_of(_Stack()).tp.plan
+    assert plan == {"head": "colwise_rep", "layers.0.q": "colwise", "layers.0.o": "rowwise", "layers.1": "module"}
+    # an instance plan set by hand is the fallback of a model whose classes declare none
+    plain = nn.Linear(2, 2)
+    assert declared_tp_plan(plain) is None
+    plain._tp_plan = {"": "colwise"}  # type: ignore[assignment]
+    assert contract_of(plain).tp.plan == {"": "colwise"}

@@ -186,6 +186,9 @@ def test_contract_declares_contiguous_cp_and_the_expert_parallel_hook() -> None:
     assert moe.ep.is_moe
     assert moe.ep.apply is not None
     assert moe.ep.apply.__self__ is moe_model
+    # the whole model's plan (the text model's `_tp_plan` under `model.`), the one am-tensor-parallel applies
+    assert dense.tp.plan is not None
+    assert any(key.startswith("model.layers.") for key in dense.tp.plan)
     assert not hasattr(Gemma4ForCausalLM, "_cp_layout")
     assert not hasattr(Gemma4ForCausalLM, "_owns_cp_attention")
 

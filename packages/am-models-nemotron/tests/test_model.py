@@ -252,6 +252,10 @@ def test_contract_declares_pipeline_cp_and_expert_parallel() -> None:
     assert moe.ep.apply is not None
     assert moe.ep.apply.__self__ is moe_model
     assert (dense.ep.is_moe, dense.ep.apply) == (False, None)
+    # the whole model's plan (each mixer class's `_tp_plan` under its layer), the one am-tensor-parallel applies
+    assert moe.tp.plan is not None
+    assert "lm_head" in moe.tp.plan
+    assert any(key.startswith("model.layers.") for key in moe.tp.plan)
     for old in ("_cp_layout", "_pp_keep_self_forward", "pipeline_output_names"):
         assert not hasattr(NemotronHForCausalLM, old)
 

@@ -205,18 +205,14 @@ def tp_split_problem(model: nn.Module, tp_size: int) -> str | None:
     ``tp_size`` 1).
 
     The rule is am-tensor-parallel's ``tp_problems`` (the one that ``plan_tensor_parallel`` enforces before any
-    collective): the plan the model declares (``_tp_plan`` class attributes and ``config.base_model_tp_plan``,
-    merged as transformers does; else an instance ``_tp_plan``) must exist, name supported styles and existing
-    modules, and every sharded size must divide (features, vocabulary, attention and KV heads, the model's own
-    checks such as Mamba2 groups). Reads the model only (works on the meta device).
+    collective): the plan the model declares (its contract's ``tp.plan``: ``_tp_plan`` class attributes and
+    ``config.base_model_tp_plan`` merged as transformers does; else an instance ``_tp_plan``) must exist, name
+    supported styles and existing modules, and every sharded size must divide (features, vocabulary, attention and
+    KV heads, the model's own checks such as Mamba2 groups). Reads the model only (works on the meta device).
     """
     if tp_size <= 1:
         return None
-    plan = declared_plan(model)
-    if plan is None:
-        own = getattr(model, "_tp_plan", None)
-        plan = dict(own) if isinstance(own, Mapping) and own else None
-    problems = tp_problems(model, tp_size, plan)
+    problems = tp_problems(model, tp_size, declared_plan(model))
     if not problems:
         return None
     return f"its tensor-parallel plan cannot shard it over tp_size={tp_size} ({'; '.join(problems)})"

@@ -16,7 +16,7 @@ from .contract import (
     PipelineContract,
     TensorParallelContract,
 )
-from .conventions import conventional_contract
+from .conventions import conventional_contract, declared_tp_plan
 from .reader import contract_of, declares_contract
 
 __all__ = [
@@ -32,5 +32,6 @@ __all__ = [
     "contract_of",
     "declares_contract",
     "conventional_contract",
+    "declared_tp_plan",
     "__version__",
 ]

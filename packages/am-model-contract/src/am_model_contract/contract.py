@@ -175,10 +175,11 @@ class ExpertParallelContract:
 
 @dataclass(frozen=True)
 class TensorParallelContract:
-    """What a model offers tensor parallelism (read by am-capabilities).
+    """What a model offers tensor parallelism (read by am-tensor-parallel and am-capabilities).
 
     Attributes:
-        plan: `{module-name pattern: style}` (transformers' `_tp_plan`), None when the model has none.
+        plan: `{module-name pattern: style}` of the whole model, every module's declared `_tp_plan` merged as
+            transformers merges them (`declared_tp_plan(model)`); None when the model has none.
 
     Raises:
         ValueError: the plan is not a mapping.

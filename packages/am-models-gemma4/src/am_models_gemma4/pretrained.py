@@ -33,6 +33,7 @@ from am_model_contract import (
     ExpertParallelContract,
     ModelContract,
     TensorParallelContract,
+    declared_tp_plan,
 )
 from am_moe import GroupedExperts, LoadBalancing
 from am_precision import compute_lm_head_logits, prepare_for_final_backward, prepare_for_grad_accumulation
@@ -110,7 +111,7 @@ class Gemma4PreTrainedModel(nn.Module, Gemma4GenerationMixin):
                 layout="contiguous", owns_attention=True, options=self.get_cp_options, problems=self.cp_problems
             ),
             ep=ExpertParallelContract(is_moe=moe, apply=self.apply_expert_parallel if moe else None),
-            tp=TensorParallelContract(plan=getattr(self, "_tp_plan", None)),
+            tp=TensorParallelContract(plan=declared_tp_plan(self)),
         )
 
     def get_cp_options(self) -> ContiguousCPOptions:

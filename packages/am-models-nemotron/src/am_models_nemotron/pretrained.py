@@ -29,6 +29,7 @@ from am_model_contract import (
     ModelContract,
     PipelineContract,
     TensorParallelContract,
+    declared_tp_plan,
 )
 from am_moe import GroupedExperts, LoadBalancing
 from am_precision import BackendConfig, prepare_for_final_backward, prepare_for_grad_accumulation
@@ -109,7 +110,7 @@ class NemotronHPreTrainedModel(nn.Module, NemotronHGenerationMixin):
                 plan=self._pp_plan, keeps_own_forward=True, output_names=outputs, loss=self.combined_loss
             ),
             ep=ExpertParallelContract(is_moe=moe, apply=self.apply_expert_parallel if moe else None),
-            tp=TensorParallelContract(plan=self._tp_plan),
+            tp=TensorParallelContract(plan=declared_tp_plan(self)),
         )
 
     @classmethod

@@ -4,7 +4,8 @@ A plan maps module-name patterns to transformers' style names (`{"layers.*.self_
 `plan` reads a model's declared plan and matches it, `validate` lists every problem before any collective and
 freezes a `TensorParallelPlan`, `styles` translates style names to torch `ParallelStyle`s, `apply` shards the model
 over a `tp` mesh dimension with `parallelize_module`, `loss` is the cross-entropy over a vocabulary-sharded head.
-Depends on torch only; never imports a model package or transformers.
+Depends on torch and am-model-contract (a model's plan is its contract's `tp.plan`); never imports a model package or
+transformers.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A plan maps module-name patterns to style names, as transformers writes them: `"layers.*.self_attn.q_proj":
 "colwise"`, where `*` stands for a layer index (a number between dots) and nothing else. `declared_plan(model)`
-reads what a model declares, the way transformers' `init_parallel_plans` merges it (the class's `_tp_plan`, the base
+reads what a model declares (its contract's `tp.plan`: transformers' merge of the classes' `_tp_plan`, the base
 model's `config.base_model_tp_plan` under its prefix, `embed_tokens` made vocabulary-parallel); `plan_tensor_parallel`
 validates a plan against a model and a tp size and returns a frozen `TensorParallelPlan` naming every module once.
 
@@ -18,6 +18,8 @@ from types import MappingProxyType
 from typing import Any
 
 from torch import nn
+
+from am_model_contract import contract_of
 
 __all__ = [
     "TensorParallelPlan",
@@ -37,29 +39,12 @@ def layer_pattern(name: str) -> str:
 def declared_plan(model: nn.Module) -> dict[str, str] | None:
     """The tensor-parallel plan a model declares, with full module-name patterns; None when it declares none.
 
-    Mirrors transformers' merge: a module's class attribute `_tp_plan` (patterns relative to it; the key `""` is the
-    module itself), plus, for a base
-    model (an HF `PreTrainedModel` whose `base_model` is itself), `config.base_model_tp_plan`, with
-    `embed_tokens: embedding_rowwise` first when the plan is not empty and `embed_tokens` is an `nn.Embedding` (as
-    transformers adds it). Children contribute under their names (`model.layers.*...` in a `...ForCausalLM`).
+    Its contract's `tp.plan` (`am_model_contract.contract_of`): for a model without `am_contract`, transformers'
+    merge of every module class's `_tp_plan` and the base model's `config.base_model_tp_plan`
+    (`am_model_contract.declared_tp_plan`), which our models also declare.
     """
-    plan = _declared(model, "")
-    return plan or None
-
-
-def _declared(module: nn.Module, prefix: str) -> dict[str, str]:
-    plan: dict[str, str] = {}
-    own = dict(getattr(type(module), "_tp_plan", None) or {})
-    config = getattr(module, "config", None)
-    if hasattr(module, "base_model_prefix") and getattr(module, "base_model", None) is module and config is not None:
-        own.update(getattr(config, "base_model_tp_plan", None) or {})
-        if own and isinstance(getattr(module, "embed_tokens", None), nn.Embedding) and "embed_tokens" not in own:
-            own = {"embed_tokens": "embedding_rowwise", **own}
-    # "" names the module itself (a module whose class declares how it shards as a whole, style "module")
-    plan.update({(prefix + key) if key else prefix.rstrip("."): style for key, style in own.items()})
-    for name, child in module.named_children():
-        plan.update(_declared(child, f"{prefix}{name}."))
-    return plan
+    plan = contract_of(model).tp.plan
+    return dict(plan) if plan else None
 
 
 def experts_whole(plan: Mapping[str, str]) -> dict[str, str]:
