@@ -173,8 +173,7 @@ def _query_config(config: Any) -> ModelCapabilities:
             f"Config of type {type(config).__name__} has no 'architectures' field (got {architectures!r}), so the "
             "model class is unknown; set config.architectures = ['<ModelClassName>'] or query the model class."
         )
-    cls = get_model_class(architectures[0])
-    return _require_declaration(cls, config)
+    return _require_declaration(get_model_class(architectures[0]), config)
 
 
 def _load_hf_config(model_id: str, *, trust_remote_code: bool) -> Any:

@@ -70,8 +70,6 @@ class _Verdict(NamedTuple):
 
 def _field(obj: Any, name: str) -> Any:
     """``obj.name`` or ``obj[name]`` for mapping-shaped configs; ``None`` when absent."""
-    if obj is None:
-        return None
     if isinstance(obj, Mapping):
         return obj.get(name)
     return getattr(obj, name, None)
@@ -122,14 +120,12 @@ def is_hybrid_model(model: nn.Module) -> bool:
 
 def _attn_backend(model: nn.Module) -> str | None:
     """``model.backend.attn`` for custom models; ``None`` for models without a backend (HuggingFace)."""
-    backend = getattr(model, "backend", None)
-    attn = getattr(backend, "attn", None) if backend is not None else None
+    attn = getattr(getattr(model, "backend", None), "attn", None)
     return None if attn is None else str(attn)
 
 
 def _has_backend(model: nn.Module) -> bool:
-    backend = getattr(model, "backend", None)
-    return backend is not None and hasattr(backend, "attn")
+    return hasattr(getattr(model, "backend", None), "attn")
 
 
 def _uses_te_attention(model: nn.Module, contract: ModelContract | None = None) -> bool:
@@ -233,8 +229,7 @@ def _decide_pp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
 
 
 def _decide_ep(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:
-    vetoed = _veto(declared, "supports_ep", "ep")
-    if vetoed is not None:
+    if (vetoed := _veto(declared, "supports_ep", "ep")) is not None:
         return vetoed
     if implements_expert_parallelism(model):
         return _Verdict(True)
@@ -276,8 +271,7 @@ def _expert_counts(model: nn.Module) -> Iterator[tuple[str, int]]:
 
 
 def _decide_cp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:
-    vetoed = _veto(declared, "supports_cp", "cp")
-    if vetoed is not None:
+    if (vetoed := _veto(declared, "supports_cp", "cp")) is not None:
         return vetoed
     cp = (contract := contract_of(model)).cp
     if cp.owns_attention:
@@ -286,12 +280,7 @@ def _decide_cp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
     hybrid = is_hybrid_model(model)
     if _has_backend(model):
         own_backends = cp.attention_backends
-        if own_backends is not None:
-            allowed = own_backends
-        elif hybrid:
-            allowed = (_TE, "sdpa")
-        else:
-            allowed = (_TE, _MAGI)
+        allowed = own_backends if own_backends is not None else (_TE, "sdpa") if hybrid else (_TE, _MAGI)
         if attn in allowed or (_TE in allowed and _uses_te_attention(model, contract)):
             return _Verdict(True)
         kind = "hybrid model" if hybrid and own_backends is None else "model"
