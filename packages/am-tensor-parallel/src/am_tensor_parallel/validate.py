@@ -9,7 +9,7 @@ KV heads is refused (sharding `k_proj` by features would cut heads in half), as 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from torch import nn
 
@@ -186,9 +186,7 @@ def _analyse(
                 f"heads; replicating KV heads is not supported); choose a tp that divides {kv_heads}"
             )
         local = {
-            attr: value // tp
-            for attr in HEAD_COUNT_ATTRIBUTES
-            if isinstance(value := getattr(attention, attr, None), int) and not isinstance(value, bool)
+            attr: value // tp for attr in HEAD_COUNT_ATTRIBUTES if _is_count(value := getattr(attention, attr, None))
         }
         if local:
             head_counts[parent] = local
@@ -279,15 +277,13 @@ def _head_counts(attention: nn.Module | None, config: Any) -> tuple[Any, Any]:
     return heads, kv_heads
 
 
-def _is_count(value: Any) -> bool:
+def _is_count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _text_config(model: nn.Module) -> Any:
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        return config.get_text_config()
-    return config
+    config: Any = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _named(model: nn.Module, getter: str, modules: dict[str, nn.Module]) -> str:
@@ -295,10 +291,8 @@ def _named(model: nn.Module, getter: str, modules: dict[str, nn.Module]) -> str:
     conventional `lm_head` (a model need not define `get_output_embeddings` to have its tied head found)."""
     fn = getattr(model, getter, None)
     target = fn() if callable(fn) else None
-    if target is None and getter == "get_output_embeddings" and isinstance(modules.get("lm_head"), nn.Linear):
-        return "lm_head"
     if target is None:
-        return ""
+        return "lm_head" if getter == "get_output_embeddings" and isinstance(modules.get("lm_head"), nn.Linear) else ""
     return next((name for name, module in modules.items() if module is target and name), "")
 
 
