@@ -128,18 +128,12 @@ def _has_backend(model: nn.Module) -> bool:
     return hasattr(getattr(model, "backend", None), "attn")
 
 
-def _uses_te_attention(model: nn.Module, contract: ModelContract | None = None) -> bool:
-    contract = contract_of(model) if contract is None else contract
+def _uses_te_attention(model: nn.Module, contract: ModelContract) -> bool:
     return _attn_backend(model) == _TE or contract.cp.te_attention
 
 
 def _uses_magi_attention(model: nn.Module) -> bool:
     return _attn_backend(model) == _MAGI
-
-
-def _has_plan(plan: Any) -> bool:
-    # transformers >= 5 always sets an instance plan, `{}` when the model has none: an empty plan declares nothing.
-    return plan is not None and (len(plan) > 0 if isinstance(plan, Mapping) else bool(plan))
 
 
 def implements_expert_parallelism(model: nn.Module) -> bool:
@@ -187,7 +181,7 @@ def _veto(declared: ModelCapabilities | None, flag: str, axis: str) -> _Verdict 
 def _decide_tp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:
     if declared is not None:
         return _veto(declared, "supports_tp", "tp") or _Verdict(True)
-    if _has_plan(contract_of(model).tp.plan):
+    if contract_of(model).tp.plan:  # an empty plan (`{}`) declares nothing
         return _Verdict(True)
     return _Verdict(
         False,
@@ -218,7 +212,7 @@ def _decide_pp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
     if declared is not None:
         return _veto(declared, "supports_pp", "pp") or _Verdict(True)
     contract = contract_of(model)
-    if _has_plan(contract.pp.plan) or contract.ep.is_moe:
+    if contract.pp.plan or contract.ep.is_moe:
         return _Verdict(True)
     return _Verdict(
         False,

@@ -192,9 +192,7 @@ class ModelSupports:
         cp = (contract := contract_of(model)).cp
         if cp.packed_attention_backends is not None:
             return _supports_seq_lens(model) and _attn_backend(model) in cp.packed_attention_backends
-        if cp.owns_attention:
-            return True
-        return _uses_te_attention(model, contract) or _uses_magi_attention(model)
+        return cp.owns_attention or _uses_te_attention(model, contract) or _uses_magi_attention(model)
 
     # ---- training / inference features -----------------------------------------------------------------------
 

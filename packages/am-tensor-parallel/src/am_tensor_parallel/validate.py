@@ -90,14 +90,12 @@ def _analyse(
         return [f"tp must be a positive int, got {tp!r}"], None
     raw = dict(plan) if plan is not None else declared_plan(model)
     if not raw:
-        where = (
-            "the plan passed is empty"
-            if plan is not None
-            else (
+        where = "the plan passed is empty"
+        if plan is None:
+            where = (
                 f"{type(model).__name__} declares no tensor-parallel plan (no `_tp_plan` class attribute, no "
                 "`config.base_model_tp_plan`)"
             )
-        )
         return [f"{where}: pass plan={{module pattern: style}} or run with tp=1"], None
     problems: list[str] = []
     for key, style in raw.items():
@@ -120,15 +118,12 @@ def _analyse(
                 problems.append(f"{name}: style {style!r} shards nn.Linear modules, not {type(module).__name__}")
                 continue
             parts = 2 if style.startswith("packed") else 1
-            if style in COLWISE_STYLES:
-                size, what = module.out_features, "output features"
-            else:
-                size, what = module.in_features, "input features"
+            size, side = (module.out_features, "output") if style in COLWISE_STYLES else (module.in_features, "input")
             if size % (tp * parts):
                 extra = f" ({parts} packed parts, each split over tp)" if parts > 1 else ""
                 problems.append(
-                    f"{name}: {style!r} splits its {size} {what} over tp={tp}{extra}: not divisible; choose a tp "
-                    f"that divides {size // parts} or give it 'replicate'"
+                    f"{name}: {style!r} splits its {size} {side} features over tp={tp}{extra}: not divisible; choose a "
+                    f"tp that divides {size // parts} or give it 'replicate'"
                 )
         elif style in EMBEDDING_STYLES:
             if not isinstance(module, nn.Embedding):
