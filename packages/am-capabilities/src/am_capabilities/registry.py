@@ -119,10 +119,8 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         ModelRegistryError: the entry point fails to import, or does not name an ``nn.Module`` subclass.
     """
     with _lock:
-        if architecture in _explicit:
-            return _explicit[architecture]
-        if architecture in _loaded:
-            return _loaded[architecture]
+        if (found := _explicit.get(architecture) or _loaded.get(architecture)) is not None:
+            return found
         record = _scan_entry_points().get(architecture)
         if record is None:
             known = registered_architectures()

@@ -45,12 +45,7 @@ def _decided(axis: str, doc: str) -> property:
 
 def _declared_flag(name: str) -> property:
     """The flag ``name`` of the class's capability declaration (False without one)."""
-
-    def read(self: ModelSupports) -> bool:
-        declared = _declared(self.model)
-        return declared is not None and bool(getattr(declared, name))
-
-    return property(read)
+    return property(lambda self: getattr(_declared(self.model), name, False))
 
 
 class ModelSupports:
