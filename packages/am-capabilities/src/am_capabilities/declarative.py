@@ -157,8 +157,7 @@ def _to_canonical(obj: Any, *, source: str) -> ModelCapabilities:
         values = dict(obj)
     else:
         values = {name: getattr(obj, name) for name in dir(obj) if name.startswith("supports_")}
-    unknown = sorted(set(values) - _FLAGS)
-    if unknown:
+    if unknown := sorted(set(values) - _FLAGS):
         raise TypeError(f"{source} declares unknown capability flags {unknown}; known flags are {sorted(_FLAGS)}.")
     try:
         return ModelCapabilities(**values)

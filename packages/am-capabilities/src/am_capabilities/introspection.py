@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch.nn as nn
 
 from am_model_contract import ModelContract, contract_of
-from am_tensor_parallel import declared_plan, tp_problems
+from am_tensor_parallel import tp_problems
 
 from .declarative import ModelCapabilities, declared_capabilities
 
@@ -200,10 +200,7 @@ def tp_split_problem(model: nn.Module, tp_size: int) -> str | None:
     supported styles and existing modules, and every sharded size must divide (features, vocabulary, attention and
     KV heads, the model's own checks such as Mamba2 groups). Reads the model only (works on the meta device).
     """
-    if tp_size <= 1:
-        return None
-    problems = tp_problems(model, tp_size, declared_plan(model))
-    if not problems:
+    if tp_size <= 1 or not (problems := tp_problems(model, tp_size)):  # the plan the model declares
         return None
     return f"its tensor-parallel plan cannot shard it over tp_size={tp_size} ({'; '.join(problems)})"
 
