@@ -104,8 +104,7 @@ def _analyse(
         elif style not in STYLES:
             problems.append(f"{key!r}: unknown style {style!r}; known styles: {', '.join(sorted(STYLES))}")
     styles, unmatched = match_plan(model, raw)
-    for key in unmatched:
-        problems.append(f"plan pattern {key!r} ({raw[key]!r}) matches no module of {type(model).__name__}")
+    problems += [f"plan pattern {k!r} ({raw[k]!r}) matches no module of {type(model).__name__}" for k in unmatched]
     modules = dict(model.named_modules())
 
     # module kinds and sizes
