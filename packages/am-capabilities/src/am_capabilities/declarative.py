@@ -157,8 +157,7 @@ def _to_canonical(obj: Any, *, source: str) -> ModelCapabilities:
         values = dict(obj)
     else:
         values = {name: getattr(obj, name) for name in dir(obj) if name.startswith("supports_")}
-    unknown = sorted(set(values) - _FLAGS)
-    if unknown:
+    if unknown := sorted(set(values) - _FLAGS):
         raise TypeError(f"{source} declares unknown capability flags {unknown}; known flags are {sorted(_FLAGS)}.")
     try:
         return ModelCapabilities(**values)
@@ -173,8 +172,7 @@ def _query_config(config: Any) -> ModelCapabilities:
             f"Config of type {type(config).__name__} has no 'architectures' field (got {architectures!r}), so the "
             "model class is unknown; set config.architectures = ['<ModelClassName>'] or query the model class."
         )
-    cls = get_model_class(architectures[0])
-    return _require_declaration(cls, config)
+    return _require_declaration(get_model_class(architectures[0]), config)
 
 
 def _load_hf_config(model_id: str, *, trust_remote_code: bool) -> Any:

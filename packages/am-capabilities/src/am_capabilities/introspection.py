@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch.nn as nn
 
 from am_model_contract import ModelContract, contract_of
-from am_tensor_parallel import declared_plan, tp_problems
+from am_tensor_parallel import tp_problems
 
 from .declarative import ModelCapabilities, declared_capabilities
 
@@ -70,8 +70,6 @@ class _Verdict(NamedTuple):
 
 def _field(obj: Any, name: str) -> Any:
     """``obj.name`` or ``obj[name]`` for mapping-shaped configs; ``None`` when absent."""
-    if obj is None:
-        return None
     if isinstance(obj, Mapping):
         return obj.get(name)
     return getattr(obj, name, None)
@@ -122,28 +120,20 @@ def is_hybrid_model(model: nn.Module) -> bool:
 
 def _attn_backend(model: nn.Module) -> str | None:
     """``model.backend.attn`` for custom models; ``None`` for models without a backend (HuggingFace)."""
-    backend = getattr(model, "backend", None)
-    attn = getattr(backend, "attn", None) if backend is not None else None
+    attn = getattr(getattr(model, "backend", None), "attn", None)
     return None if attn is None else str(attn)
 
 
 def _has_backend(model: nn.Module) -> bool:
-    backend = getattr(model, "backend", None)
-    return backend is not None and hasattr(backend, "attn")
+    return hasattr(getattr(model, "backend", None), "attn")
 
 
-def _uses_te_attention(model: nn.Module, contract: ModelContract | None = None) -> bool:
-    contract = contract_of(model) if contract is None else contract
+def _uses_te_attention(model: nn.Module, contract: ModelContract) -> bool:
     return _attn_backend(model) == _TE or contract.cp.te_attention
 
 
 def _uses_magi_attention(model: nn.Module) -> bool:
     return _attn_backend(model) == _MAGI
-
-
-def _has_plan(plan: Any) -> bool:
-    # transformers >= 5 always sets an instance plan, `{}` when the model has none: an empty plan declares nothing.
-    return plan is not None and (len(plan) > 0 if isinstance(plan, Mapping) else bool(plan))
 
 
 def implements_expert_parallelism(model: nn.Module) -> bool:
@@ -191,7 +181,7 @@ def _veto(declared: ModelCapabilities | None, flag: str, axis: str) -> _Verdict 
 def _decide_tp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:
     if declared is not None:
         return _veto(declared, "supports_tp", "tp") or _Verdict(True)
-    if _has_plan(contract_of(model).tp.plan):
+    if contract_of(model).tp.plan:  # an empty plan (`{}`) declares nothing
         return _Verdict(True)
     return _Verdict(
         False,
@@ -210,10 +200,7 @@ def tp_split_problem(model: nn.Module, tp_size: int) -> str | None:
     supported styles and existing modules, and every sharded size must divide (features, vocabulary, attention and
     KV heads, the model's own checks such as Mamba2 groups). Reads the model only (works on the meta device).
     """
-    if tp_size <= 1:
-        return None
-    problems = tp_problems(model, tp_size, declared_plan(model))
-    if not problems:
+    if tp_size <= 1 or not (problems := tp_problems(model, tp_size)):  # the plan the model declares
         return None
     return f"its tensor-parallel plan cannot shard it over tp_size={tp_size} ({'; '.join(problems)})"
 
@@ -222,7 +209,7 @@ def _decide_pp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
     if declared is not None:
         return _veto(declared, "supports_pp", "pp") or _Verdict(True)
     contract = contract_of(model)
-    if _has_plan(contract.pp.plan) or contract.ep.is_moe:
+    if contract.pp.plan or contract.ep.is_moe:
         return _Verdict(True)
     return _Verdict(
         False,
@@ -233,8 +220,7 @@ def _decide_pp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
 
 
 def _decide_ep(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:
-    vetoed = _veto(declared, "supports_ep", "ep")
-    if vetoed is not None:
+    if (vetoed := _veto(declared, "supports_ep", "ep")) is not None:
         return vetoed
     if implements_expert_parallelism(model):
         return _Verdict(True)
@@ -276,8 +262,7 @@ def _expert_counts(model: nn.Module) -> Iterator[tuple[str, int]]:
 
 
 def _decide_cp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict:
-    vetoed = _veto(declared, "supports_cp", "cp")
-    if vetoed is not None:
+    if (vetoed := _veto(declared, "supports_cp", "cp")) is not None:
         return vetoed
     cp = (contract := contract_of(model)).cp
     if cp.owns_attention:
@@ -286,12 +271,7 @@ def _decide_cp(model: nn.Module, declared: ModelCapabilities | None) -> _Verdict
     hybrid = is_hybrid_model(model)
     if _has_backend(model):
         own_backends = cp.attention_backends
-        if own_backends is not None:
-            allowed = own_backends
-        elif hybrid:
-            allowed = (_TE, "sdpa")
-        else:
-            allowed = (_TE, _MAGI)
+        allowed = own_backends if own_backends is not None else (_TE, "sdpa") if hybrid else (_TE, _MAGI)
         if attn in allowed or (_TE in allowed and _uses_te_attention(model, contract)):
             return _Verdict(True)
         kind = "hybrid model" if hybrid and own_backends is None else "model"

@@ -22,15 +22,7 @@ _ALL_AXES: tuple[str, ...] = (*MODEL_AXES, "dp")
 
 # DeviceMesh dimension names understood without aliases. HSDP meshes split dp into replicate/shard dims;
 # their product is the data-parallel size.
-_DEFAULT_DIM_AXES: dict[str, str] = {
-    "tp": "tp",
-    "pp": "pp",
-    "cp": "cp",
-    "ep": "ep",
-    "dp": "dp",
-    "dp_replicate": "dp",
-    "dp_shard": "dp",
-}
+_DEFAULT_DIM_AXES: dict[str, str] = {**{axis: axis for axis in _ALL_AXES}, "dp_replicate": "dp", "dp_shard": "dp"}
 
 
 @dataclass(frozen=True)

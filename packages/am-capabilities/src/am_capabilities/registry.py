@@ -119,13 +119,11 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         ModelRegistryError: the entry point fails to import, or does not name an ``nn.Module`` subclass.
     """
     with _lock:
-        if architecture in _explicit:
-            return _explicit[architecture]
-        if architecture in _loaded:
-            return _loaded[architecture]
+        if (found := _explicit.get(architecture) or _loaded.get(architecture)) is not None:
+            return found
         record = _scan_entry_points().get(architecture)
         if record is None:
-            known = sorted(set(_explicit) | set(_scan_entry_points()))
+            known = registered_architectures()
             raise KeyError(
                 f"Architecture {architecture!r} is not registered (known: {known}). A model package registers it "
                 f"with an entry point in group '{ENTRY_POINT_GROUP}' named {architecture!r}, "
@@ -153,8 +151,7 @@ def find_model_class(architectures: Iterable[str] | None, model_type: str | None
     names = [str(name) for name in architectures or ()]
     if not names and model_type:
         names = _causal_lm_architectures(model_type)
-    with _lock:
-        known = set(_explicit) | set(_scan_entry_points())
+    known = set(registered_architectures())
     for name in names:
         if name in known:
             return get_model_class(name)

@@ -16,10 +16,7 @@ from am_model_contract import contract_of
 from .declarative import ModelCapabilities
 from .introspection import (
     _attn_backend,
-    _decide_cp,
-    _decide_ep,
-    _decide_pp,
-    _decide_tp,
+    _decide,
     _declared,
     _has_backend,
     _has_packing_attention,
@@ -41,14 +38,14 @@ def _mesh_size(axis: str) -> property:
     return property(lambda self: 1 if self._mesh is None else getattr(self._mesh, f"{axis}_size"))
 
 
+def _decided(axis: str, doc: str) -> property:
+    """Whether the model may use ``axis`` (its ``introspection._decide_<axis>`` verdict), documented by ``doc``."""
+    return property(lambda self: _decide[axis](self.model, _declared(self.model)).ok, doc=doc)
+
+
 def _declared_flag(name: str) -> property:
     """The flag ``name`` of the class's capability declaration (False without one)."""
-
-    def read(self: ModelSupports) -> bool:
-        declared = _declared(self.model)
-        return declared is not None and bool(getattr(declared, name))
-
-    return property(read)
+    return property(lambda self: getattr(_declared(self.model), name, False))
 
 
 class ModelSupports:
@@ -141,26 +138,17 @@ class ModelSupports:
         """Declared, or a non-empty TP plan (contract ``tp.plan``: transformers' ``_tp_plan``); with a mesh whose
         ``tp_size > 1``, also a plan whose sizes divide by it (``tp_split_problem``)."""
         model = self.model
-        return _decide_tp(model, _declared(model)).ok and tp_split_problem(model, self.tp_size) is None
+        return _decide["tp"](model, _declared(model)).ok and tp_split_problem(model, self.tp_size) is None
 
-    @property
-    def supports_pp(self) -> bool:
+    supports_pp = _decided(
+        "pp",
         """Declared, or a non-empty PP plan (contract ``pp.plan``), or an MoE model (``ep.is_moe``) that pipelines
-        itself."""
-        model = self.model
-        return _decide_pp(model, _declared(model)).ok
-
-    @property
-    def supports_cp(self) -> bool:
-        """Not vetoed by a declaration, and a CP-capable attention path (see ``_decide_cp``)."""
-        model = self.model
-        return _decide_cp(model, _declared(model)).ok
-
-    @property
-    def supports_ep(self) -> bool:
-        """The model implements expert parallelism (contract ``ep.apply``) and no declaration says otherwise."""
-        model = self.model
-        return _decide_ep(model, _declared(model)).ok
+        itself.""",
+    )
+    supports_cp = _decided("cp", "Not vetoed by a declaration, and a CP-capable attention path (see ``_decide_cp``).")
+    supports_ep = _decided(
+        "ep", "The model implements expert parallelism (contract ``ep.apply``) and no declaration says otherwise."
+    )
 
     # The seed documents these two aliases on ModelSupports itself, so they stay on the class, not in an upstream
     # module; they are not package-root names.
@@ -199,9 +187,7 @@ class ModelSupports:
         cp = (contract := contract_of(model)).cp
         if cp.packed_attention_backends is not None:
             return _supports_seq_lens(model) and _attn_backend(model) in cp.packed_attention_backends
-        if cp.owns_attention:
-            return True
-        return _uses_te_attention(model, contract) or _uses_magi_attention(model)
+        return cp.owns_attention or _uses_te_attention(model, contract) or _uses_magi_attention(model)
 
     # ---- training / inference features -----------------------------------------------------------------------
 
@@ -259,11 +245,8 @@ class ModelSupports:
 def attached_view(model: nn.Module, mesh: MeshContext | None) -> ModelSupports:
     """The ``ModelSupports`` that ``attach_capabilities_and_validate`` stores on ``model``: it refers to the model
     weakly, so the model is still freed by reference counting alone."""
-    view = ModelSupports.__new__(ModelSupports)
-    view._strong = None
-    view._weak = weakref.ref(model)
-    view._model_cls = type(model)
-    view._mesh = mesh
+    view = ModelSupports(model)
+    view._strong, view._weak, view._mesh = None, weakref.ref(model), mesh
     return view
 
 

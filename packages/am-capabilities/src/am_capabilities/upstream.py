@@ -18,7 +18,6 @@ from typing import Any
 
 from torch import nn
 
-from .introspection import _decide_ep, _declared
 from .supports import ModelSupports as _CoreModelSupports
 from .validation import attach_capabilities_and_validate as _attach
 
@@ -33,10 +32,7 @@ class ModelSupports(_CoreModelSupports):
 
     @property
     def supports_gradient_checkpointing(self) -> bool:
-        model = self.model
-        if self.ep_size > 1 and _decide_ep(model, _declared(model)).ok:
-            return False
-        return super().supports_gradient_checkpointing
+        return not (self.ep_size > 1 and self.supports_ep) and super().supports_gradient_checkpointing
 
 
 # Upstream forwards every `supports_*` flag and `is_custom_model`.

@@ -49,23 +49,19 @@ def validate_for_mesh(model: nn.Module, mesh: Any) -> None:
     # Read the declaration only when an axis is used: a mesh of size-1 axes never errors, not even for a model
     # whose dynamic declaration cannot be evaluated (e.g. no config).
     declared: ModelCapabilities | None = _declared(model) if used else None
+    # an axis the model supports may still not divide its sizes: (why not, fix)
+    splits = {
+        "tp": (tp_split_problem, "choose a tp_size that divides these sizes, or set tp_size=1"),
+        "ep": (expert_split_problem, "choose an ep_size that divides the number of experts"),
+    }
     for axis in used:
-        size = sizes[axis]
-        verdict = _decide[axis](model, declared)
+        size, verdict = sizes[axis], _decide[axis](model, declared)
+        if verdict.ok and axis in splits and (unsplit := splits[axis][0](model, size)) is not None:
+            verdict = verdict._replace(ok=False, reason=unsplit, fix=splits[axis][1])
         if not verdict.ok:
             problems.append(
                 f"{axis}_size={size}: {name} cannot use {titles[axis]} parallelism: {verdict.reason}. "
                 f"Fix: {verdict.fix}."
-            )
-        elif axis == "tp" and (unsplit := tp_split_problem(model, size)) is not None:
-            problems.append(
-                f"tp_size={size}: {name} cannot use tensor parallelism: {unsplit}. Fix: choose a tp_size that "
-                "divides these sizes, or set tp_size=1."
-            )
-        elif axis == "ep" and (uneven := expert_split_problem(model, size)) is not None:
-            problems.append(
-                f"ep_size={size}: {name} cannot use expert parallelism: {uneven}. Fix: choose an ep_size that "
-                "divides the number of experts."
             )
     if problems:
         count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"

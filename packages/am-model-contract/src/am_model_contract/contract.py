@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 
 __all__ = [
     "CONTRACT_HOOK",
@@ -46,10 +46,7 @@ def _as_names(value: Any, name: str, problems: list[str]) -> tuple[str, ...] | N
 
 
 def _check_bools(obj: Any, names: Sequence[str], problems: list[str]) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if type(value) is not bool:
-            problems.append(f"{name} must be a bool; got {value!r}")
+    problems.extend(f"{n} must be a bool; got {v!r}" for n in names if type(v := getattr(obj, n)) is not bool)
 
 
 def _check_callables(obj: Any, names: Sequence[str], problems: list[str]) -> None:
@@ -215,12 +212,8 @@ class ModelContract:
     tp: TensorParallelContract = field(default_factory=TensorParallelContract)
 
     def __post_init__(self) -> None:
-        kinds: dict[str, type] = {
-            "cp": ContextParallelContract,
-            "pp": PipelineContract,
-            "ep": ExpertParallelContract,
-            "tp": TensorParallelContract,
-        }
+        # each field's default factory is its sub-contract class
+        kinds = {f.name: cast(type, f.default_factory) for f in fields(self)}
         wrong = [
             f"{f.name} must be a {kinds[f.name].__name__}; got {type(getattr(self, f.name)).__name__}"
             for f in fields(self)

@@ -19,12 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .contract import (
-    ContextParallelContract,
-    ModelContract,
-    PipelineContract,
-    TensorParallelContract,
-)
+from .contract import ContextParallelContract, ModelContract, PipelineContract, TensorParallelContract
 
 __all__ = ["conventional_contract", "declared_tp_plan"]
 

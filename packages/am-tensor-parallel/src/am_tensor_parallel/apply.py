@@ -66,6 +66,7 @@ def apply_tensor_parallel(
         ValueError: the plan's problems (before any collective), or a mesh whose tp size differs from the plan's.
     """
     tp_mesh = tp_submesh(mesh)
+    tp = tp_mesh.size()
     if isinstance(plan, TensorParallelPlan):
         if sequence_parallel or loss_parallel:
             raise ValueError(
@@ -74,10 +75,10 @@ def apply_tensor_parallel(
         frozen = plan
     else:
         frozen = plan_tensor_parallel(
-            model, tp=tp_mesh.size(), plan=plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
+            model, tp=tp, plan=plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
         )
-    if frozen.tp != tp_mesh.size():
-        raise ValueError(f"the plan was made for tp={frozen.tp}, but the mesh's tp dimension has {tp_mesh.size()}")
+    if frozen.tp != tp:
+        raise ValueError(f"the plan was made for tp={frozen.tp}, but the mesh's tp dimension has {tp}")
     sp = frozen.sequence_parallel
     modules = dict(model.named_modules())
 
@@ -85,18 +86,16 @@ def apply_tensor_parallel(
     gathered = [name for name, style in frozen.styles.items() if style == "sequence_gather"]
     styles: dict[str, ParallelStyle] = {}
     for name, style in frozen.styles.items():
-        whole = any(name.startswith(g + ".") for g in gathered)
+        seq = sp and not any(name.startswith(g + ".") for g in gathered)
         if style == "module":  # the module's own layout (validated by its `tensor_parallel_problems`)
-            styles[name] = getattr(modules[name], MODULE_STYLE_METHOD)(sequence_parallel=sp and not whole)
+            styles[name] = getattr(modules[name], MODULE_STYLE_METHOD)(sequence_parallel=seq)
             continue
-        role = "head" if name == frozen.output_head else ""
-        styles[name] = translate_style(style, sequence_parallel=sp and not whole, role=role)
+        styles[name] = translate_style(style, sequence_parallel=seq, role="head" if name == frozen.output_head else "")
     for name in frozen.norms:
         styles[name] = translate_style("sequence_parallel", sequence_parallel=True)
     if sp and frozen.input_embedding not in frozen.styles:
         styles[frozen.input_embedding] = ShardSequence()
-    if sp and frozen.input_embedding in frozen.styles:
-        tp = tp_mesh.size()
+    elif sp:
         modules[frozen.input_embedding].register_forward_pre_hook(
             lambda _m, args: check_sequence_divisible(args[0].unsqueeze(-1), tp)
         )

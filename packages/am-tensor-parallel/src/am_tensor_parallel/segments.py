@@ -18,7 +18,7 @@ Generic: nothing here knows a model; model packages describe their layouts with 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -63,8 +63,7 @@ def shard_segments(
         raise ValueError(
             f"segments {dict(segments)} add up to {sum(sizes)}, but dim {dim} of the tensor has {tensor.shape[dim]}"
         )
-    problems = segment_sizes_problems(segments, tp, where="shard_segments")
-    if problems:
+    if problems := segment_sizes_problems(segments, tp, where="shard_segments"):
         raise ValueError("; ".join(problems))
     parts = torch.split(tensor, sizes, dim=dim)
     return torch.cat([part.chunk(tp, dim=dim)[rank] for part in parts], dim=dim).contiguous()
@@ -95,8 +94,7 @@ def region_input(hidden: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     if isinstance(hidden, DTensor):
         full = hidden.redistribute(device_mesh=hidden.device_mesh, placements=[Replicate()])
         return full.to_local(grad_placements=[Partial()])
-    out: torch.Tensor = _AllReduceBackward.apply(hidden, mesh.get_group())
-    return out
+    return cast(torch.Tensor, _AllReduceBackward.apply(hidden, mesh.get_group()))
 
 
 def region_output(partial: torch.Tensor, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> torch.Tensor:
@@ -109,8 +107,7 @@ def region_output(partial: torch.Tensor, mesh: DeviceMesh, *, sequence_parallel:
     if sequence_parallel:
         summed = DTensor.from_local(partial, mesh, [Partial()], run_check=False)
         return summed.redistribute(placements=[Shard(1)])
-    out: torch.Tensor = _AllReduceForward.apply(partial, mesh.get_group())
-    return out
+    return cast(torch.Tensor, _AllReduceForward.apply(partial, mesh.get_group()))
 
 
 class SummedLinear(nn.Linear):

@@ -123,7 +123,6 @@ def translate_style(name: str, *, sequence_parallel: bool = False, role: str = "
     stream: Any = Shard(1) if sequence_parallel else Replicate()
     # Under sequence parallelism the stream stays a DTensor between regions (so HF code reading `.shape` sees the
     # global sequence length); without it every activation is a plain local tensor, as in transformers.
-    keep_dtensor = sequence_parallel
     # a region's colwise input arrives replicated; the output head's is the stream (sequence-sharded under SP)
     colwise_input = stream if role == "head" else Replicate()
     if style == "colwise":
@@ -131,9 +130,9 @@ def translate_style(name: str, *, sequence_parallel: bool = False, role: str = "
     if style == "colwise_rep":
         return ColwiseParallel(input_layouts=colwise_input, output_layouts=Replicate())
     if style == "rowwise":
-        return RowwiseParallel(output_layouts=stream, use_local_output=not keep_dtensor)
+        return RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel)
     if style in ("rowwise_rep", "embedding_rowwise"):  # an embedding's vocabulary shard sums like a rowwise output
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=stream, use_local_output=not keep_dtensor)
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=stream, use_local_output=not sequence_parallel)
     if style == "local_rowwise":
         return _LocalRowwise()
     if style == "gather":
@@ -141,9 +140,9 @@ def translate_style(name: str, *, sequence_parallel: bool = False, role: str = "
     if style == "packed_colwise":
         return _Packed(dim=0)
     if style == "packed_rowwise":
-        return _Packed(dim=1, reduce_output=stream, keep_dtensor=keep_dtensor)
+        return _Packed(dim=1, reduce_output=stream, keep_dtensor=sequence_parallel)
     if style == "embedding_colwise":
-        return _EmbeddingColwise(output_layout=stream, keep_dtensor=keep_dtensor)
+        return _EmbeddingColwise(output_layout=stream, keep_dtensor=sequence_parallel)
     if style == "sequence_parallel":
         return SequenceParallel(sequence_dim=1, use_local_output=False)
     if style == "replicated_with_grad_allreduce":
@@ -324,8 +323,7 @@ class _ReplicatedGradAllReduce(ParallelStyle):
                 mod.register_parameter(pname, nn.Parameter(DTensor.from_local(param, mesh, [Replicate()])))
 
         def pre(_mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-            x = inputs[0]
-            return (DTensor.from_local(x, mesh, [Shard(0)], run_check=False), *inputs[1:])
+            return (DTensor.from_local(inputs[0], mesh, [Shard(0)], run_check=False), *inputs[1:])
 
         def post(_mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
             return out.to_local()

@@ -9,7 +9,7 @@ KV heads is refused (sharding `k_proj` by features would cut heads in half), as 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from torch import nn
 
@@ -90,14 +90,12 @@ def _analyse(
         return [f"tp must be a positive int, got {tp!r}"], None
     raw = dict(plan) if plan is not None else declared_plan(model)
     if not raw:
-        where = (
-            "the plan passed is empty"
-            if plan is not None
-            else (
+        where = "the plan passed is empty"
+        if plan is None:
+            where = (
                 f"{type(model).__name__} declares no tensor-parallel plan (no `_tp_plan` class attribute, no "
                 "`config.base_model_tp_plan`)"
             )
-        )
         return [f"{where}: pass plan={{module pattern: style}} or run with tp=1"], None
     problems: list[str] = []
     for key, style in raw.items():
@@ -106,8 +104,7 @@ def _analyse(
         elif style not in STYLES:
             problems.append(f"{key!r}: unknown style {style!r}; known styles: {', '.join(sorted(STYLES))}")
     styles, unmatched = match_plan(model, raw)
-    for key in unmatched:
-        problems.append(f"plan pattern {key!r} ({raw[key]!r}) matches no module of {type(model).__name__}")
+    problems += [f"plan pattern {k!r} ({raw[k]!r}) matches no module of {type(model).__name__}" for k in unmatched]
     modules = dict(model.named_modules())
 
     # module kinds and sizes
@@ -120,15 +117,12 @@ def _analyse(
                 problems.append(f"{name}: style {style!r} shards nn.Linear modules, not {type(module).__name__}")
                 continue
             parts = 2 if style.startswith("packed") else 1
-            if style in COLWISE_STYLES:
-                size, what = module.out_features, "output features"
-            else:
-                size, what = module.in_features, "input features"
+            size, side = (module.out_features, "output") if style in COLWISE_STYLES else (module.in_features, "input")
             if size % (tp * parts):
                 extra = f" ({parts} packed parts, each split over tp)" if parts > 1 else ""
                 problems.append(
-                    f"{name}: {style!r} splits its {size} {what} over tp={tp}{extra}: not divisible; choose a tp "
-                    f"that divides {size // parts} or give it 'replicate'"
+                    f"{name}: {style!r} splits its {size} {side} features over tp={tp}{extra}: not divisible; choose a "
+                    f"tp that divides {size // parts} or give it 'replicate'"
                 )
         elif style in EMBEDDING_STYLES:
             if not isinstance(module, nn.Embedding):
@@ -186,9 +180,7 @@ def _analyse(
                 f"heads; replicating KV heads is not supported); choose a tp that divides {kv_heads}"
             )
         local = {
-            attr: value // tp
-            for attr in HEAD_COUNT_ATTRIBUTES
-            if isinstance(value := getattr(attention, attr, None), int) and not isinstance(value, bool)
+            attr: value // tp for attr in HEAD_COUNT_ATTRIBUTES if _is_count(value := getattr(attention, attr, None))
         }
         if local:
             head_counts[parent] = local
@@ -279,15 +271,13 @@ def _head_counts(attention: nn.Module | None, config: Any) -> tuple[Any, Any]:
     return heads, kv_heads
 
 
-def _is_count(value: Any) -> bool:
+def _is_count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _text_config(model: nn.Module) -> Any:
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        return config.get_text_config()
-    return config
+    config: Any = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _named(model: nn.Module, getter: str, modules: dict[str, nn.Module]) -> str:
@@ -295,10 +285,8 @@ def _named(model: nn.Module, getter: str, modules: dict[str, nn.Module]) -> str:
     conventional `lm_head` (a model need not define `get_output_embeddings` to have its tied head found)."""
     fn = getattr(model, getter, None)
     target = fn() if callable(fn) else None
-    if target is None and getter == "get_output_embeddings" and isinstance(modules.get("lm_head"), nn.Linear):
-        return "lm_head"
     if target is None:
-        return ""
+        return "lm_head" if getter == "get_output_embeddings" and isinstance(modules.get("lm_head"), nn.Linear) else ""
     return next((name for name, module in modules.items() if module is target and name), "")
 
 
