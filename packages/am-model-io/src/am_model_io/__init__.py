@@ -25,6 +25,7 @@ from .materialize import (
 from .pretrained import (
     HubOptions,
     load_hf_config,
+    pretrained_saver,
     resolve_checkpoint_folder,
     resolve_device,
     resolve_dtype,
@@ -37,6 +38,7 @@ from .safetensors_files import (
     SINGLE_FILE,
     LazyCheckpoint,
     ShardedLoad,
+    checked_sources,
     load_sharded_tensors_,
     read_safetensors_folder,
     write_safetensors,
@@ -47,6 +49,7 @@ __all__ = [
     # safetensors folders
     "LazyCheckpoint",
     "ShardedLoad",
+    "checked_sources",
     "load_sharded_tensors_",
     "read_safetensors_folder",
     "write_safetensors",
@@ -67,6 +70,7 @@ __all__ = [
     "load_hf_config",
     "state_dict_to_save",
     "save_folder",
+    "pretrained_saver",
     # materializing a meta-built, sharded model (seeded, layout-independent)
     "InitUnit",
     "materialize_sharded_",

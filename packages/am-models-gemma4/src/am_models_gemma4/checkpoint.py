@@ -17,7 +17,6 @@ import contextlib
 import copy
 import os
 import re
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar, Unpack
 
@@ -29,15 +28,14 @@ from am_model_io import (
     HubOptions,
     LazyCheckpoint,
     ShardedLoad,
+    checked_sources,
     load_hf_config,
     load_sharded_tensors_,
+    pretrained_saver,
     resolve_checkpoint_folder,
     resolve_device,
     resolve_dtype,
-    save_folder,
     split_pretrained_kwargs,
-    state_dict_to_save,
-    write_safetensors,
 )
 from am_precision import cast_model_to_dtype
 
@@ -76,43 +74,20 @@ def _backend_of(model: nn.Module) -> Any:
 
 def _check_names_and_shapes(
     model: nn.Module, checkpoint: LazyCheckpoint, folder: Path, layout: Layout = Gemma4StateDictAdapter
-) -> dict[str, str]:
+) -> dict[str, list[str]]:
     """Our name -> the checkpoint key it is read from, after checking every name and shape (file headers only)."""
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", True))
     expected = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    source = {}
+    sources: dict[str, list[str]] = {}
     for key in checkpoint.names():
         name = layout.internal_key(key)
         if name in expected or not _skippable(key, config, tied):
-            source[name] = key
-    provided = layout.from_hf(checkpoint.meta_state_dict(source.values()))
-    missing = sorted(set(expected) - set(provided))
-    unexpected = sorted(set(provided) - set(expected))
-    mismatched = [
-        f"{k}: checkpoint {tuple(provided[k].shape)} vs model {tuple(expected[k].shape)}"
-        for k in sorted(set(expected) & set(provided))
-        if tuple(provided[k].shape) != tuple(expected[k].shape)
-    ]
-    problems = []
-    if missing:
-        named = [_both(k, next(iter(layout.to_hf({k: expected[k]})))) for k in missing]
-        problems.append(f"missing keys ({len(missing)}): {named}")
-    if unexpected:
-        problems.append(f"unexpected keys ({len(unexpected)}): {[_both(k, source[k]) for k in unexpected]}")
-    if mismatched:
-        problems.append(f"shape mismatches ({len(mismatched)}): {mismatched}")
-    if problems:
-        raise ValueError(
-            f"checkpoint {folder} does not match {type(model).__name__} built from its config.json:\n  - "
-            + "\n  - ".join(problems)
-        )
-    return {name: source[name] for name in expected}
-
-
-def _both(name: str, file_key: str) -> str:
-    """A key in the file's naming, with ours when it differs."""
-    return file_key if file_key == name else f"{file_key} (model: {name})"
+            sources[name] = [key]
+    provided = layout.from_hf(checkpoint.meta_state_dict(key for keys in sources.values() for key in keys))
+    return checked_sources(
+        folder, type(model).__name__, expected=expected, provided=provided, sources=sources, file_keys=layout.to_hf
+    )
 
 
 def load_pretrained(
@@ -169,7 +144,7 @@ def load_pretrained(
         sources = _check_names_and_shapes(model, checkpoint, root, layout)
         state = model.state_dict()
         with torch.no_grad():
-            for name, key in sources.items() if target.type != "meta" else ():
+            for name, (key,) in sources.items() if target.type != "meta" else ():
                 (tensor,) = layout.from_hf({key: checkpoint.read(key)}).values()
                 state[name].copy_(tensor)
                 del tensor  # before the next read: one tensor in flight at a time
@@ -210,7 +185,7 @@ def load_sharded_checkpoint(
     root = resolve_checkpoint_folder(pretrained_model_name_or_path, **hub)
     with LazyCheckpoint(root) as checkpoint:
         sources = _check_names_and_shapes(meta_twin(model), checkpoint, root, checkpoint_adapter(_backend_of(model)))
-        report = load_sharded_tensors_(model, checkpoint, {name: [key] for name, key in sources.items()})
+        report = load_sharded_tensors_(model, checkpoint, sources)
     restore_constructed_buffers_(model)
     model.tie_weights()  # type: ignore[operator]  # ties only when the config says so; to_empty untied it
     return report
@@ -237,32 +212,5 @@ def hf_file_layout(model: nn.Module) -> FileLayout:
     return FileLayout(to_file, write_metadata)
 
 
-def save_pretrained(
-    model: nn.Module,
-    save_directory: str | os.PathLike[str],
-    *,
-    max_shard_size: int | str | None = "5GB",
-    safe_serialization: bool = True,
-    state_dict: Mapping[str, torch.Tensor] | None = None,
-) -> None:
-    """Write `config.json` and the weights with transformers' names (tied LM head once; the model's native keys when
-    its backend says `enable_hf_state_dict_adapter=False`).
-
-    Args:
-        max_shard_size: above it ("5GB", "200MB" or bytes) the weights are split into
-            `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`; None: one file.
-        safe_serialization: only True (safetensors) is supported; False is refused.
-        state_dict: the full state dict to write instead of `model.state_dict()` (transformers' `save_pretrained`
-            option). For an expert-parallel model every rank calls
-            `full = {**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` (collective: the experts are
-            gathered back to `[E, out, in]`), then one rank calls `model.save_pretrained(folder, state_dict=full)`.
-
-    Raises:
-        ValueError: sharded DTensors (expert parallel / FSDP2) in what would be written, or a state_dict whose keys
-            differ from the model's (all listed); safe_serialization=False.
-    """
-    tensors = state_dict_to_save(model, state_dict)
-    root = save_folder(save_directory, safe_serialization=safe_serialization)
-    layout = hf_file_layout(model)
-    layout.write_metadata(root)
-    write_safetensors(layout.to_file(tensors), root, max_shard_size=max_shard_size, safe_serialization=True)
+# (model, save_directory, *, max_shard_size="5GB", safe_serialization=True, state_dict=None): what hf_file_layout says
+save_pretrained = pretrained_saver(hf_file_layout)
