@@ -29,9 +29,7 @@ from .pretrained import (
     resolve_checkpoint_folder,
     resolve_device,
     resolve_dtype,
-    save_folder,
     split_pretrained_kwargs,
-    state_dict_to_save,
 )
 from .safetensors_files import (
     INDEX_FILE,
@@ -68,8 +66,6 @@ __all__ = [
     "resolve_dtype",
     "resolve_device",
     "load_hf_config",
-    "state_dict_to_save",
-    "save_folder",
     "pretrained_saver",
     # materializing a meta-built, sharded model (seeded, layout-independent)
     "InitUnit",
