@@ -241,27 +241,41 @@ def test_fused_rows_concatenate_their_keys_and_read_only_the_rows_a_block_covers
     assert expected + "[('experts.0.w1.weight', (3, 5)), ('experts.0.w3.weight', (3, 4))]" in str(info.value)
 
 
-def test_checked_sources_lists_every_problem_in_the_files_naming() -> None:
-    def meta(*shape: int) -> torch.Tensor:
-        return torch.empty(shape, device="meta")
+class _StackingAdapter:
+    """A toy checkpoint layout: file keys are ours prefixed with "file.", and "file.e.{i}.w" are the rows of our
+    stacked "stack.w"."""
 
-    expected = {"x.w": meta(2, 3), "stack.w": meta(4, 3), "gone.w": meta(1)}
-    provided = {"x.w": meta(2, 3), "stack.w": meta(5, 3), "extra.w": meta(1)}
-    sources = {"x.w": ["file.x.w"], "stack.w": [f"file.e.{i}.w" for i in range(5)], "extra.w": ["file.extra.w"]}
+    @staticmethod
+    def internal_key(key: str) -> str:
+        name = key.removeprefix("file.")
+        return "stack.w" if name.startswith("e.") else name
 
-    def file_keys(tensors: dict[str, torch.Tensor]) -> list[str]:
-        return [f"file.{name}" for name in tensors]
+    @staticmethod
+    def from_hf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rows = [t for k, t in tensors.items() if k.startswith("file.e.")]
+        out = {_StackingAdapter.internal_key(k): t for k, t in tensors.items() if not k.startswith("file.e.")}
+        return {**out, "stack.w": torch.stack(rows)} if rows else out
 
-    with pytest.raises(ValueError, match="does not match Net") as info:
-        checked_sources(Path("ckpt"), "Net", expected=expected, provided=provided, sources=sources, file_keys=file_keys)
-    assert str(info.value) == (
-        "checkpoint ckpt does not match Net built from its config.json:\n"
-        "  - missing keys (1): ['file.gone.w']\n"
-        "  - unexpected keys (1): ['file.extra.w']\n"
-        "  - shape mismatches (1): ['file.e.0.w .. file.e.4.w (5 tensors): checkpoint (5, 3) vs model (4, 3)']"
-    )
-    del expected["gone.w"], provided["extra.w"]
-    provided["stack.w"] = meta(4, 3)
-    kept = {"x.w": ["file.x.w"], "stack.w": sources["stack.w"]}
-    got = checked_sources(Path("c"), "Net", expected=expected, provided=provided, sources=sources, file_keys=file_keys)
-    assert got == kept  # the model's names only
+    @staticmethod
+    def to_hf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {f"file.{name}": t for name, t in tensors.items()}
+
+
+def test_checked_sources_lists_every_problem_in_the_files_naming(tmp_path: Path) -> None:
+    stored = {"file.x.w": torch.zeros(2, 3), "file.extra.w": torch.zeros(1), "file.skipped.w": torch.zeros(1)}
+    stored |= {f"file.e.{i}.w": torch.zeros(3) for i in range(5)}
+    write_safetensors(stored, tmp_path, max_shard_size=None)
+    expected = {"x.w": torch.empty(2, 3, device="meta"), "stack.w": torch.empty(4, 3, device="meta")}
+    expected["gone.w"] = torch.empty(1, device="meta")
+    skip = "file.skipped.w".__eq__  # ignored unless expected
+    with LazyCheckpoint(tmp_path) as checkpoint, pytest.raises(ValueError, match="does not match Net") as info:
+        checked_sources(checkpoint, "Net", expected=expected, adapter=_StackingAdapter, skip=skip)
+    assert str(info.value).splitlines()[1:] == [
+        "  - missing keys (1): ['file.gone.w']",
+        "  - unexpected keys (1): ['file.extra.w']",
+        "  - shape mismatches (1): ['file.e.0.w .. file.e.4.w (5 tensors): checkpoint (5, 3) vs model (4, 3)']",
+    ]
+    expected = {"x.w": expected["x.w"], "stack.w": torch.empty(5, 3, device="meta"), "extra.w": torch.empty(1)}
+    with LazyCheckpoint(tmp_path) as checkpoint:
+        got = checked_sources(checkpoint, "Net", expected=expected, adapter=_StackingAdapter, skip=skip)
+    assert got == {"x.w": ["file.x.w"], "stack.w": [f"file.e.{i}.w" for i in range(5)], "extra.w": ["file.extra.w"]}

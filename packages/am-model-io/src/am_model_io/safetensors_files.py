@@ -247,31 +247,36 @@ class ShardedLoad:
 
 
 def checked_sources(
-    folder: Path,
+    checkpoint: LazyCheckpoint,
     model_name: str,
     *,
     expected: Mapping[str, torch.Tensor],
-    provided: Mapping[str, torch.Tensor],
-    sources: Mapping[str, Sequence[str]],
-    file_keys: Callable[[dict[str, torch.Tensor]], Iterable[str]],
+    adapter: Any,
+    skip: Callable[[str], bool] | None = None,
 ) -> dict[str, list[str]]:
     """The model's name -> the checkpoint keys it is read from, for every tensor of `expected`, after the strict check
-    (`load_state_dict(strict=True)`'s rule) of every name and shape; shapes only, so meta tensors suffice.
+    (`load_state_dict(strict=True)`'s rule) of every name and shape, from the file headers (no data read).
 
     Args:
-        expected: the tensors the model loads, by the model's names (what the checkpoint must hold exactly).
-        provided: the checkpoint's tensors converted to the model's names by its adapter (from the file headers:
-            `LazyCheckpoint.meta_state_dict`).
-        sources: the model's name -> the checkpoint keys it is built from (several for per-expert tensors stacked
-            into one), for every name in `provided`.
-        file_keys: the checkpoint keys given model tensors are saved as (the adapter's `to_hf`): missing tensors are
-            named as the files name them, like the unexpected and mismatched ones.
+        expected: the tensors the model loads, by the model's names (meta tensors suffice: shapes only).
+        adapter: the model's checkpoint layout: `internal_key(file key)` -> the model's name it fills (several keys
+            for per-expert tensors stacked into one), `from_hf` / `to_hf` convert state dicts between the file's
+            names and the model's; missing tensors are named as `to_hf` would write them, so every key in the error
+            is in the files' naming.
+        skip: file keys the loader ignores unless their name is expected (e.g. the K/V weights of KV-shared layers,
+            which transformers skips too); None: none.
 
     Raises:
-        ValueError: `folder` does not match `model_name`: every missing and unexpected key and every shape mismatch,
-            listed at once.
+        ValueError: the checkpoint does not match `model_name`: every missing and unexpected key and every shape
+            mismatch, listed at once (and whatever `adapter.from_hf` refuses, e.g. an incomplete expert set).
     """
-    missing = sorted(file_keys({k: expected[k] for k in expected.keys() - provided.keys()}))
+    sources: dict[str, list[str]] = {}
+    for key in checkpoint.names():
+        name = adapter.internal_key(key)
+        if name in expected or skip is None or not skip(key):
+            sources.setdefault(name, []).append(key)
+    provided = adapter.from_hf(checkpoint.meta_state_dict([key for keys in sources.values() for key in keys]))
+    missing = sorted(adapter.to_hf({k: expected[k] for k in expected.keys() - provided.keys()}))
     unexpected = sorted(key for k in provided.keys() - expected.keys() for key in sources[k])
     mismatched = sorted(
         f"{_short(sources[k])}: checkpoint {tuple(provided[k].shape)} vs model {tuple(expected[k].shape)}"
@@ -285,7 +290,9 @@ def checked_sources(
     ]
     if problems:
         listed = "\n  - ".join(problems)
-        raise ValueError(f"checkpoint {folder} does not match {model_name} built from its config.json:\n  - {listed}")
+        raise ValueError(
+            f"checkpoint {checkpoint.folder} does not match {model_name} built from its config.json:\n  - {listed}"
+        )
     return {name: list(sources[name]) for name in expected}
 
 

@@ -17,7 +17,6 @@ import contextlib
 import copy
 import os
 import re
-from pathlib import Path
 from typing import Any, TypeVar, Unpack
 
 import torch
@@ -73,20 +72,14 @@ def _backend_of(model: nn.Module) -> Any:
 
 
 def _check_names_and_shapes(
-    model: nn.Module, checkpoint: LazyCheckpoint, folder: Path, layout: Layout = Gemma4StateDictAdapter
+    model: nn.Module, checkpoint: LazyCheckpoint, layout: Layout = Gemma4StateDictAdapter
 ) -> dict[str, list[str]]:
     """Our name -> the checkpoint key it is read from, after checking every name and shape (file headers only)."""
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", True))
     expected = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    sources: dict[str, list[str]] = {}
-    for key in checkpoint.names():
-        name = layout.internal_key(key)
-        if name in expected or not _skippable(key, config, tied):
-            sources[name] = [key]
-    provided = layout.from_hf(checkpoint.meta_state_dict(key for keys in sources.values() for key in keys))
     return checked_sources(
-        folder, type(model).__name__, expected=expected, provided=provided, sources=sources, file_keys=layout.to_hf
+        checkpoint, type(model).__name__, expected=expected, adapter=layout, skip=lambda k: _skippable(k, config, tied)
     )
 
 
@@ -141,11 +134,11 @@ def load_pretrained(
         # "meta": the layout only, every name and shape checked, no data read
         with torch.device("meta") if target.type == "meta" else contextlib.nullcontext():
             model = cls(config, **built)
-        sources = _check_names_and_shapes(model, checkpoint, root, layout)
+        sources = _check_names_and_shapes(model, checkpoint, layout)
         state = model.state_dict()
         with torch.no_grad():
-            for name, (key,) in sources.items() if target.type != "meta" else ():
-                (tensor,) = layout.from_hf({key: checkpoint.read(key)}).values()
+            for name, keys in sources.items() if target.type != "meta" else ():
+                (tensor,) = layout.from_hf({key: checkpoint.read(key) for key in keys}).values()
                 state[name].copy_(tensor)
                 del tensor  # before the next read: one tensor in flight at a time
     if target.type not in ("cpu", "meta"):
@@ -184,7 +177,7 @@ def load_sharded_checkpoint(
 
     root = resolve_checkpoint_folder(pretrained_model_name_or_path, **hub)
     with LazyCheckpoint(root) as checkpoint:
-        sources = _check_names_and_shapes(meta_twin(model), checkpoint, root, checkpoint_adapter(_backend_of(model)))
+        sources = _check_names_and_shapes(meta_twin(model), checkpoint, checkpoint_adapter(_backend_of(model)))
         report = load_sharded_tensors_(model, checkpoint, sources)
     restore_constructed_buffers_(model)
     model.tie_weights()  # type: ignore[operator]  # ties only when the config says so; to_empty untied it
@@ -206,10 +199,7 @@ def hf_file_layout(model: nn.Module) -> FileLayout:
     def to_file(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return adapter.to_hf({k: v for k, v in tensors.items() if not (tied and k == "lm_head.weight")})
 
-    def write_metadata(folder: Path) -> None:
-        config.save_pretrained(str(folder))
-
-    return FileLayout(to_file, write_metadata)
+    return FileLayout(to_file, write_metadata=lambda folder: config.save_pretrained(str(folder)))
 
 
 # (model, save_directory, *, max_shard_size="5GB", safe_serialization=True, state_dict=None): what hf_file_layout says

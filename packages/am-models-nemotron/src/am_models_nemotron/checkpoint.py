@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import os
-from pathlib import Path
 from typing import Any, Unpack
 
 import torch
@@ -118,7 +117,7 @@ def load_pretrained(
     with LazyCheckpoint(folder) as checkpoint:
         model = cls(config, backend, device="meta", **model_kwargs)
         adapter = checkpoint_adapter(config, model.backend)
-        sources = _check_names_and_shapes(cls.__name__, model, checkpoint, adapter, folder)
+        sources = checked_sources(checkpoint, cls.__name__, expected=model.state_dict(), adapter=adapter)
         if target.type == "meta":  # the layout only: every name and shape checked, no data read
             if target_dtype is not None:
                 cast_model_to_dtype(model, target_dtype)
@@ -168,7 +167,8 @@ def load_sharded_checkpoint(
     adapter = NemotronStateDictAdapter(model.config)
     with LazyCheckpoint(folder) as checkpoint:
         twin = meta_twin(model)
-        sources = _check_names_and_shapes(type(model).__name__, twin, checkpoint, adapter, folder)
+        # reported in the checkpoint's own naming (`backbone.layers.0.mixer.A_log`, per-expert tensors), not ours
+        sources = checked_sources(checkpoint, type(model).__name__, expected=twin.state_dict(), adapter=adapter)
         # per-expert keys in expert order (the files list them by name: experts.10 before experts.2)
         ordered = {name: sorted(keys, key=lambda k: adapter.expert_index(k) or 0) for name, keys in sources.items()}
         # Mamba2 mixers sharded by heads (tensor parallelism) hold a slice of every packed segment, not a block of the
@@ -182,20 +182,6 @@ def load_sharded_checkpoint(
         for _, experts in am_moe.expert_modules(model):
             experts.tokens_per_expert.zero_()
     return loaded
-
-
-def _check_names_and_shapes(
-    owner: str, model: nn.Module, checkpoint: LazyCheckpoint, adapter: NemotronStateDictAdapter, folder: Path
-) -> dict[str, list[str]]:
-    """Internal name -> the checkpoint keys it is built from, after checking every name and shape (headers only),
-    reported in the checkpoint's own naming (`backbone.layers.0.mixer.A_log`, per-expert tensors), not ours."""
-    converted = adapter.from_hf(checkpoint.meta_state_dict())  # raises on incomplete expert sets, all listed
-    sources: dict[str, list[str]] = {}
-    for key in checkpoint.names():
-        sources.setdefault(adapter.internal_key(key), []).append(key)
-    return checked_sources(
-        folder, owner, expected=model.state_dict(), provided=converted, sources=sources, file_keys=adapter.to_hf
-    )
 
 
 def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -235,10 +221,7 @@ def hf_file_layout(model: Any) -> FileLayout:
     def to_file(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: (v.float() if adapter.forced_fp32(k) else v) for k, v in adapter.to_hf(tensors).items()}
 
-    def write_metadata(folder: Path) -> None:
-        config.save_pretrained(str(folder))
-
-    return FileLayout(to_file, write_metadata)
+    return FileLayout(to_file, write_metadata=lambda folder: config.save_pretrained(str(folder)))
 
 
 # (model, save_directory, *, max_shard_size="5GB", safe_serialization=True, state_dict=None): what hf_file_layout says
