@@ -74,7 +74,7 @@ def _backend_of(model: nn.Module) -> Any:
 def _check_names_and_shapes(
     model: nn.Module, checkpoint: LazyCheckpoint, layout: Layout = Gemma4StateDictAdapter
 ) -> dict[str, list[str]]:
-    """Our name -> the checkpoint key it is read from, after checking every name and shape (file headers only)."""
+    """Our name -> the checkpoint keys it is read from, after checking every name and shape (file headers only)."""
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", True))
     expected = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
