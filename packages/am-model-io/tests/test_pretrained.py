@@ -4,17 +4,19 @@ Model-level loading and saving are tested in the model packages; here each helpe
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from am_model_io import (
+    FileLayout,
     OwnCacheGenerationHooks,
     load_hf_config,
-    save_folder,
+    pretrained_saver,
+    read_safetensors_folder,
     split_pretrained_kwargs,
-    state_dict_to_save,
 )
 
 
@@ -31,19 +33,31 @@ def test_split_pretrained_kwargs_refuses_what_would_change_the_load(name: str) -
     assert split_pretrained_kwargs({name: None}) == {}  # None changes nothing
 
 
-def test_state_dict_to_save_lists_every_key_problem() -> None:
+def _saver() -> Any:
+    """A save_pretrained writing the model's own names and a marker file as its metadata."""
+    return pretrained_saver(lambda model: FileLayout(dict, lambda folder: (folder / "meta.txt").write_text("m")))
+
+
+def test_saver_writes_the_layouts_tensors_and_metadata(tmp_path: Path) -> None:
     model = nn.Linear(2, 2)
-    assert set(state_dict_to_save(model, None)) == {"weight", "bias"}
+    _saver()(model, tmp_path / "a" / "b", max_shard_size=None)
+    assert (tmp_path / "a" / "b" / "meta.txt").read_text() == "m"
+    saved = read_safetensors_folder(tmp_path / "a" / "b")
+    assert saved.keys() == {"weight", "bias"}
+    assert torch.equal(saved["weight"], model.weight.detach())
+    _saver()(model, tmp_path / "c", state_dict={"weight": torch.ones(2, 2), "bias": torch.zeros(2)})
+    assert torch.equal(read_safetensors_folder(tmp_path / "c")["weight"], torch.ones(2, 2))
+
+
+def test_saver_lists_every_key_problem_and_refuses_pickles(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="save_pretrained needs the full state dict") as info:
-        state_dict_to_save(model, {"weight": torch.zeros(2, 2), "other": torch.zeros(1)})
+        _saver()(model, tmp_path / "a", state_dict={"weight": torch.zeros(2, 2), "other": torch.zeros(1)})
     assert "lacks 1 of the model's keys: ['bias']" in str(info.value)
     assert "has 1 keys the model does not: ['other']" in str(info.value)
-
-
-def test_save_folder_creates_it_and_refuses_pickles(tmp_path: Path) -> None:
-    assert save_folder(tmp_path / "a" / "b", safe_serialization=True).is_dir()
     with pytest.raises(ValueError, match="safe_serialization=False"):
-        save_folder(tmp_path / "c", safe_serialization=False)
+        _saver()(model, tmp_path / "c", safe_serialization=False)
+    assert not (tmp_path / "a").exists()
     assert not (tmp_path / "c").exists()
 
 

@@ -14,6 +14,7 @@ from am_model_io import (
     INDEX_FILE,
     SINGLE_FILE,
     LazyCheckpoint,
+    checked_sources,
     load_sharded_tensors_,
     resolve_checkpoint_folder,
     resolve_device,
@@ -37,7 +38,7 @@ def _tensors() -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("max_shard_size", [None, 4096])
 def test_written_folder_reads_back_tensor_by_tensor(tmp_path: Path, max_shard_size: int | None) -> None:
     tensors = _tensors()
-    write_safetensors(tensors, tmp_path, max_shard_size=max_shard_size, safe_serialization=True)
+    write_safetensors(tensors, tmp_path, max_shard_size=max_shard_size)
     sharded = (tmp_path / INDEX_FILE).is_file()
     assert sharded == (max_shard_size is not None)
     assert (tmp_path / SINGLE_FILE).is_file() != sharded
@@ -53,7 +54,7 @@ def test_written_folder_reads_back_tensor_by_tensor(tmp_path: Path, max_shard_si
 
 
 def test_missing_shard_and_damaged_file_are_named(tmp_path: Path) -> None:
-    write_safetensors(_tensors(), tmp_path, max_shard_size=4096, safe_serialization=True)
+    write_safetensors(_tensors(), tmp_path, max_shard_size=4096)
     shard = sorted(tmp_path.glob("*.safetensors"))[0]
     shard.rename(tmp_path / "gone")
     with pytest.raises(FileNotFoundError, match=shard.name):
@@ -71,7 +72,7 @@ def test_only_file_errors_are_reported_as_a_damaged_file(tmp_path: Path, monkeyp
     """safetensors' own error and OS errors name the file; anything else (a bug) propagates unchanged."""
     import am_model_io.safetensors_files as hf_io
 
-    write_safetensors(_tensors(), tmp_path, max_shard_size=None, safe_serialization=True)
+    write_safetensors(_tensors(), tmp_path, max_shard_size=None)
 
     def unreadable(path: str, framework: str) -> None:
         raise PermissionError(13, "Permission denied", path)
@@ -86,12 +87,6 @@ def test_only_file_errors_are_reported_as_a_damaged_file(tmp_path: Path, monkeyp
     monkeypatch.setattr(hf_io, "safe_open", buggy)
     with pytest.raises(TypeError, match="a bug, not a damaged file"):
         LazyCheckpoint(tmp_path)
-
-
-def test_pickle_serialization_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="safe_serialization=False"):
-        write_safetensors(_tensors(), tmp_path, max_shard_size=None, safe_serialization=False)
-    assert not any(tmp_path.iterdir())
 
 
 def test_dtype_spellings() -> None:
@@ -143,7 +138,7 @@ def test_folders_and_hub_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 def test_read_block_reads_only_the_block_and_counts_its_bytes(tmp_path: Path) -> None:
     tensors = _tensors()
-    write_safetensors(tensors, tmp_path, max_shard_size=4096, safe_serialization=True)
+    write_safetensors(tensors, tmp_path, max_shard_size=4096)
     with LazyCheckpoint(tmp_path) as checkpoint:
         block = checkpoint.read_block("a.weight", (16, 8), (8, 4))
         assert torch.equal(block, tensors["a.weight"][16:24, 8:12])
@@ -158,7 +153,7 @@ def test_read_indexed_reads_only_the_indexed_rows_in_the_asked_order(tmp_path: P
     """Rows in any order (transformers' `Interleave`: even rows, then odd rows) are read as arithmetic runs, only
     the indexed elements counted; repeated indices and an empty index work; the index must have the tensor's rank."""
     tensors = _tensors()
-    write_safetensors(tensors, tmp_path, max_shard_size=4096, safe_serialization=True)
+    write_safetensors(tensors, tmp_path, max_shard_size=4096)
     full = tensors["a.weight"]
     with LazyCheckpoint(tmp_path) as checkpoint:
         rows = torch.tensor([8, 10, 12, 14, 9, 11, 13, 15, 3, 3])
@@ -185,7 +180,7 @@ def test_load_sharded_tensors_fills_plain_tensors_and_stacks_keys_in_the_given_o
     """Without DTensors every tensor is read whole; several keys are stacked along a new dim 0 in the order given
     (the adapter's expert order, not the files' name order); bytes read are reported."""
     tensors = _tensors()
-    write_safetensors(tensors, tmp_path, max_shard_size=4096, safe_serialization=True)
+    write_safetensors(tensors, tmp_path, max_shard_size=4096)
     holder = _Holder()
     order = ["experts.2.weight", "experts.0.weight", "experts.3.weight", "experts.1.weight"]
     sources = {"a": ["a.weight"], "experts": order, "ids": ["c.ids"]}
@@ -199,7 +194,7 @@ def test_load_sharded_tensors_fills_plain_tensors_and_stacks_keys_in_the_given_o
 
 
 def test_load_sharded_tensors_refuses_meta_targets_and_wrong_shapes_before_reading(tmp_path: Path) -> None:
-    write_safetensors(_tensors(), tmp_path, max_shard_size=None, safe_serialization=True)
+    write_safetensors(_tensors(), tmp_path, max_shard_size=None)
     holder = _Holder()
     holder.ids = torch.empty(10, dtype=torch.int64, device="meta")
     sources = {"a": ["a.weight"], "experts": ["experts.0.weight", "experts.1.weight"], "ids": ["c.ids"]}
@@ -219,7 +214,7 @@ def test_fused_rows_concatenate_their_keys_and_read_only_the_rows_a_block_covers
     w1 = {e: torch.randn(3, 5, generator=g) for e in range(4)}
     w3 = {e: torch.randn(3, 5, generator=g) for e in range(4)}
     files = {**{f"experts.{e}.w1.weight": w1[e] for e in w1}, **{f"experts.{e}.w3.weight": w3[e] for e in w3}}
-    write_safetensors(files, tmp_path, max_shard_size=256, safe_serialization=True)
+    write_safetensors(files, tmp_path, max_shard_size=256)
     rows = [(f"experts.{e}.w1.weight", f"experts.{e}.w3.weight") for e in range(4)]
     holder = torch.nn.Module()
     holder.gate_up = torch.nn.Parameter(torch.zeros(4, 6, 5))
@@ -238,9 +233,49 @@ def test_fused_rows_concatenate_their_keys_and_read_only_the_rows_a_block_covers
         assert torch.equal(block, w3[1])
     files["experts.0.w3.weight"] = torch.randn(3, 4)  # a piece that does not concatenate: named before any read
     (tmp_path / "bad").mkdir()
-    write_safetensors(files, tmp_path / "bad", max_shard_size=None, safe_serialization=True)
+    write_safetensors(files, tmp_path / "bad", max_shard_size=None)
     with LazyCheckpoint(tmp_path / "bad") as checkpoint, pytest.raises(ValueError, match="do not concatenate") as info:
         load_sharded_tensors_(holder, checkpoint, {"gate_up": rows})
     assert checkpoint.bytes_read == 0
     expected = "gate_up: the pieces of experts.0.w1.weight + experts.0.w3.weight do not concatenate along dim 0: "
     assert expected + "[('experts.0.w1.weight', (3, 5)), ('experts.0.w3.weight', (3, 4))]" in str(info.value)
+
+
+class _StackingAdapter:
+    """A toy checkpoint layout: file keys are ours prefixed with "file.", and "file.e.{i}.w" are the rows of our
+    stacked "stack.w"."""
+
+    @staticmethod
+    def internal_key(key: str) -> str:
+        name = key.removeprefix("file.")
+        return "stack.w" if name.startswith("e.") else name
+
+    @staticmethod
+    def from_hf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rows = [t for k, t in tensors.items() if k.startswith("file.e.")]
+        out = {_StackingAdapter.internal_key(k): t for k, t in tensors.items() if not k.startswith("file.e.")}
+        return {**out, "stack.w": torch.stack(rows)} if rows else out
+
+    @staticmethod
+    def to_hf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {f"file.{name}": t for name, t in tensors.items()}
+
+
+def test_checked_sources_lists_every_problem_in_the_files_naming(tmp_path: Path) -> None:
+    stored = {"file.x.w": torch.zeros(2, 3), "file.extra.w": torch.zeros(1), "file.skipped.w": torch.zeros(1)}
+    stored |= {f"file.e.{i}.w": torch.zeros(3) for i in range(5)}
+    write_safetensors(stored, tmp_path, max_shard_size=None)
+    expected = {"x.w": torch.empty(2, 3, device="meta"), "stack.w": torch.empty(4, 3, device="meta")}
+    expected["gone.w"] = torch.empty(1, device="meta")
+    skip = "file.skipped.w".__eq__  # ignored unless expected
+    with LazyCheckpoint(tmp_path) as checkpoint, pytest.raises(ValueError, match="does not match Net") as info:
+        checked_sources(checkpoint, "Net", expected=expected, adapter=_StackingAdapter, skip=skip)
+    assert str(info.value).splitlines()[1:] == [
+        "  - missing keys (1): ['file.gone.w']",
+        "  - unexpected keys (1): ['file.extra.w']",
+        "  - shape mismatches (1): ['file.e.0.w .. file.e.4.w (5 tensors): checkpoint (5, 3) vs model (4, 3)']",
+    ]
+    expected = {"x.w": expected["x.w"], "stack.w": torch.empty(5, 3, device="meta"), "extra.w": torch.empty(1)}
+    with LazyCheckpoint(tmp_path) as checkpoint:
+        got = checked_sources(checkpoint, "Net", expected=expected, adapter=_StackingAdapter, skip=skip)
+    assert got == {"x.w": ["file.x.w"], "stack.w": [f"file.e.{i}.w" for i in range(5)], "extra.w": ["file.extra.w"]}

@@ -56,7 +56,7 @@ def test_missing_and_unexpected_keys_are_all_listed(tmp_path: Path) -> None:
     message = str(info.value)
     for fragment in (
         "model.layers.1.self_attn.q_proj.weight",
-        "model.layers.2.moe.router.scale",
+        "model.layers.2.router.scale",  # the file's naming (ours: model.layers.2.moe.router.scale)
         "model.layers.0.extra.weight",
         "model.norm.weight: checkpoint (5,) vs model (32,)",
     ):

@@ -25,18 +25,18 @@ from .materialize import (
 from .pretrained import (
     HubOptions,
     load_hf_config,
+    pretrained_saver,
     resolve_checkpoint_folder,
     resolve_device,
     resolve_dtype,
-    save_folder,
     split_pretrained_kwargs,
-    state_dict_to_save,
 )
 from .safetensors_files import (
     INDEX_FILE,
     SINGLE_FILE,
     LazyCheckpoint,
     ShardedLoad,
+    checked_sources,
     load_sharded_tensors_,
     read_safetensors_folder,
     write_safetensors,
@@ -47,6 +47,7 @@ __all__ = [
     # safetensors folders
     "LazyCheckpoint",
     "ShardedLoad",
+    "checked_sources",
     "load_sharded_tensors_",
     "read_safetensors_folder",
     "write_safetensors",
@@ -65,8 +66,7 @@ __all__ = [
     "resolve_dtype",
     "resolve_device",
     "load_hf_config",
-    "state_dict_to_save",
-    "save_folder",
+    "pretrained_saver",
     # materializing a meta-built, sharded model (seeded, layout-independent)
     "InitUnit",
     "materialize_sharded_",

@@ -4,7 +4,8 @@ What it is for: turning transformers' loading keywords into one dtype (`resolve_
 (`resolve_device`), or refusing them; resolving a folder or a hub id (`resolve_checkpoint_folder`:
 `huggingface_hub.snapshot_download`, imported when a hub id is given); separating the hub keywords and the ones
 `AutoModelForCausalLM` adds from a model's own (`split_pretrained_kwargs`); reading `config.json` (`load_hf_config`);
-checking what `save_pretrained` is asked to write (`state_dict_to_save`, `save_folder`).
+a model package's `save_pretrained`, built from its file layout (`pretrained_saver`: checking what it is asked to
+write, then writing it).
 What it must not do: know model names or layouts (each model package's state-dict adapter and `checkpoint.py` do),
 or accept an option it does not honour.
 """
@@ -12,22 +13,23 @@ or accept an option it does not honour.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypedDict, cast
 
 import torch
-from torch import nn
+
+from .safetensors_files import write_safetensors
+from .shard_writer import FileLayout
 
 __all__ = [
     "HubOptions",
     "load_hf_config",
+    "pretrained_saver",
     "resolve_checkpoint_folder",
     "resolve_device",
     "resolve_dtype",
-    "save_folder",
     "split_pretrained_kwargs",
-    "state_dict_to_save",
 ]
 
 
@@ -157,49 +159,67 @@ def load_hf_config(folder: Path) -> Any:
     return AutoConfig.from_pretrained(str(folder))
 
 
-def state_dict_to_save(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """The state dict `save_pretrained` writes: `state_dict` when given (it must name exactly the model's keys),
-    else `model.state_dict()`; every tensor must be full (no sharded DTensor).
+def pretrained_saver(layout_of: Callable[[Any], FileLayout]) -> Callable[..., None]:
+    """A model package's `save_pretrained(model, save_directory, *, max_shard_size="5GB", safe_serialization=True,
+    state_dict=None)`, writing what `layout_of(model)` (the package's `hf_file_layout`: names, dtypes, config.json)
+    says, so a whole save and a streaming export follow one rule."""
 
-    Raises:
-        ValueError: every problem at once (missing / unexpected keys, sharded DTensors with how to gather them).
-    """
-    from torch.distributed.tensor import DTensor
+    def save_pretrained(
+        model: Any,
+        save_directory: str | os.PathLike[str],
+        *,
+        max_shard_size: int | str | None = "5GB",
+        safe_serialization: bool = True,
+        state_dict: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Write `config.json` and the weights as the model package's `hf_file_layout(model)` names, types and
+        leaves them out (e.g. a tied LM head); see it for the package's naming.
 
-    own = model.state_dict()
-    tensors = dict(own if state_dict is None else state_dict)
-    problems = []
-    if state_dict is not None:
-        missing = sorted(set(own) - set(tensors))
-        unexpected = sorted(set(tensors) - set(own))
-        if missing:
-            problems.append(f"state_dict lacks {len(missing)} of the model's keys: {missing[:5]}")
-        if unexpected:
-            problems.append(f"state_dict has {len(unexpected)} keys the model does not: {unexpected[:5]}")
-    sharded = sorted(k for k, v in tensors.items() if isinstance(v, DTensor))
-    if sharded:
-        problems.append(
-            f"{len(sharded)} tensors are sharded DTensors (expert parallel / FSDP2), e.g. {sharded[:3]}: gather "
-            "them on every rank first — `{**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` for "
-            "expert parallelism, `get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` "
-            "with FSDP2 — and pass the result as state_dict= on one rank"
-        )
-    if problems:
-        raise ValueError("save_pretrained needs the full state dict of the model:\n  - " + "\n  - ".join(problems))
-    return tensors
+        Args:
+            max_shard_size: above it ("5GB", "200MB" or bytes) the weights are split into
+                `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`; None: one file.
+            safe_serialization: only True (safetensors) is supported; False is refused.
+            state_dict: the full state dict to write instead of `model.state_dict()` (transformers'
+                `save_pretrained` option). For an expert-parallel model every rank calls
+                `full = {**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` (collective: the experts
+                are gathered back to `[E, out, in]`), then one rank calls `model.save_pretrained(folder,
+                state_dict=full)`; the layout writes the file's expert keys.
 
+        Raises:
+            ValueError: sharded DTensors (expert parallel / FSDP2) in what would be written, or a state_dict whose
+                keys differ from the model's (all listed); safe_serialization=False.
+        """
+        from torch.distributed.tensor import DTensor
 
-def save_folder(path: str | os.PathLike[str], *, safe_serialization: bool) -> Path:
-    """The folder `save_pretrained` writes into, created if absent.
+        own = model.state_dict()
+        tensors = dict(own if state_dict is None else state_dict)
+        problems = []
+        if state_dict is not None:
+            missing = sorted(set(own) - set(tensors))
+            unexpected = sorted(set(tensors) - set(own))
+            if missing:
+                problems.append(f"state_dict lacks {len(missing)} of the model's keys: {missing[:5]}")
+            if unexpected:
+                problems.append(f"state_dict has {len(unexpected)} keys the model does not: {unexpected[:5]}")
+        sharded = sorted(k for k, v in tensors.items() if isinstance(v, DTensor))
+        if sharded:
+            problems.append(
+                f"{len(sharded)} tensors are sharded DTensors (expert parallel / FSDP2), e.g. {sharded[:3]}: gather "
+                "them on every rank first — `{**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` for "
+                "expert parallelism, `get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` "
+                "with FSDP2 — and pass the result as state_dict= on one rank"
+            )
+        if problems:
+            raise ValueError("save_pretrained needs the full state dict of the model:\n  - " + "\n  - ".join(problems))
+        if not safe_serialization:
+            raise ValueError(
+                "safe_serialization=False (pickled pytorch_model.bin) is not supported: checkpoints are written as "
+                "safetensors only, which transformers loads the same way; drop the argument"
+            )
+        folder = Path(save_directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        layout = layout_of(model)
+        layout.write_metadata(folder)
+        write_safetensors(layout.to_file(tensors), folder, max_shard_size=max_shard_size)
 
-    Raises:
-        ValueError: `safe_serialization=False` (pickled `pytorch_model.bin`): only safetensors are written.
-    """
-    if not safe_serialization:
-        raise ValueError(
-            "safe_serialization=False (pickled pytorch_model.bin) is not supported: checkpoints are written as "
-            "safetensors only, which transformers loads the same way; drop the argument"
-        )
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+    return save_pretrained

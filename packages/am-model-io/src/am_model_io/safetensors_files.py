@@ -2,6 +2,7 @@
 
 What it is for: `LazyCheckpoint` (a folder's `model.safetensors.index.json` shards or `model.safetensors`: keys,
 shapes and dtypes from the file headers before any data is read, one tensor or one block of a tensor at a time),
+`checked_sources` (a checkpoint's names and shapes checked strictly against a model's, from the headers),
 `load_sharded_tensors_` (fill a materialized, possibly sharded model, each rank reading only the blocks it holds),
 `read_safetensors_folder` (everything at once, for inspection and tests) and `write_safetensors` (shards and the
 index file are huggingface_hub's, imported when called).
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "SINGLE_FILE",
     "LazyCheckpoint",
     "ShardedLoad",
+    "checked_sources",
     "load_sharded_tensors_",
     "read_safetensors_folder",
     "write_safetensors",
@@ -244,6 +246,56 @@ class ShardedLoad:
     bytes_read: int
 
 
+def checked_sources(
+    checkpoint: LazyCheckpoint,
+    model_name: str,
+    *,
+    expected: Mapping[str, torch.Tensor],
+    adapter: Any,
+    skip: Callable[[str], bool] | None = None,
+) -> dict[str, list[str]]:
+    """The model's name -> the checkpoint keys it is read from, for every tensor of `expected`, after the strict check
+    (`load_state_dict(strict=True)`'s rule) of every name and shape, from the file headers (no data read).
+
+    Args:
+        expected: the tensors the model loads, by the model's names (meta tensors suffice: shapes only).
+        adapter: the model's checkpoint layout: `internal_key(file key)` -> the model's name it fills (several keys
+            for per-expert tensors stacked into one), `from_hf` / `to_hf` convert state dicts between the file's
+            names and the model's; missing tensors are named as `to_hf` would write them, so every key in the error
+            is in the files' naming.
+        skip: file keys the loader ignores unless their name is expected (e.g. the K/V weights of KV-shared layers,
+            which transformers skips too); None: none.
+
+    Raises:
+        ValueError: the checkpoint does not match `model_name`: every missing and unexpected key and every shape
+            mismatch, listed at once (and whatever `adapter.from_hf` refuses, e.g. an incomplete expert set).
+    """
+    sources: dict[str, list[str]] = {}
+    for key in checkpoint.names():
+        name = adapter.internal_key(key)
+        if name in expected or skip is None or not skip(key):
+            sources.setdefault(name, []).append(key)
+    provided = adapter.from_hf(checkpoint.meta_state_dict([key for keys in sources.values() for key in keys]))
+    missing = sorted(adapter.to_hf({k: expected[k] for k in expected.keys() - provided.keys()}))
+    unexpected = sorted(key for k in provided.keys() - expected.keys() for key in sources[k])
+    mismatched = sorted(
+        f"{_short(sources[k])}: checkpoint {tuple(provided[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in expected.keys() & provided.keys()
+        if tuple(provided[k].shape) != tuple(expected[k].shape)
+    )
+    problems = [
+        f"{what} ({len(keys)}): {keys}"
+        for what, keys in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", mismatched))
+        if keys
+    ]
+    if problems:
+        listed = "\n  - ".join(problems)
+        raise ValueError(
+            f"checkpoint {checkpoint.folder} does not match {model_name} built from its config.json:\n  - {listed}"
+        )
+    return {name: list(sources[name]) for name in expected}
+
+
 @torch.no_grad()
 def load_sharded_tensors_(
     model: nn.Module, checkpoint: LazyCheckpoint, sources: Mapping[str, Sequence[str | Sequence[str]]]
@@ -350,15 +402,9 @@ def write_safetensors(
     folder: str | os.PathLike[str],
     *,
     max_shard_size: int | str | None,
-    safe_serialization: bool,
 ) -> None:
     """`model.safetensors`, or shards + `model.safetensors.index.json` above `max_shard_size` ("5GB", bytes; None:
-    one file), written by `huggingface_hub.save_torch_state_dict`. Only safetensors are written."""
-    if not safe_serialization:
-        raise ValueError(
-            "safe_serialization=False (pickled pytorch_model.bin) is not supported: checkpoints are written as "
-            "safetensors only, which transformers loads the same way; drop the argument"
-        )
+    one file), written by `huggingface_hub.save_torch_state_dict`."""
     from huggingface_hub import save_torch_state_dict
 
     # Tensors that share storage (views of one stacked tensor) are written as separate tensors, not deduplicated.

@@ -17,8 +17,6 @@ import contextlib
 import copy
 import os
 import re
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, TypeVar, Unpack
 
 import torch
@@ -29,15 +27,14 @@ from am_model_io import (
     HubOptions,
     LazyCheckpoint,
     ShardedLoad,
+    checked_sources,
     load_hf_config,
     load_sharded_tensors_,
+    pretrained_saver,
     resolve_checkpoint_folder,
     resolve_device,
     resolve_dtype,
-    save_folder,
     split_pretrained_kwargs,
-    state_dict_to_save,
-    write_safetensors,
 )
 from am_precision import cast_model_to_dtype
 
@@ -75,44 +72,15 @@ def _backend_of(model: nn.Module) -> Any:
 
 
 def _check_names_and_shapes(
-    model: nn.Module, checkpoint: LazyCheckpoint, folder: Path, layout: Layout = Gemma4StateDictAdapter
-) -> dict[str, str]:
-    """Our name -> the checkpoint key it is read from, after checking every name and shape (file headers only)."""
+    model: nn.Module, checkpoint: LazyCheckpoint, layout: Layout = Gemma4StateDictAdapter
+) -> dict[str, list[str]]:
+    """Our name -> the checkpoint keys it is read from, after checking every name and shape (file headers only)."""
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", True))
     expected = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    source = {}
-    for key in checkpoint.names():
-        name = layout.internal_key(key)
-        if name in expected or not _skippable(key, config, tied):
-            source[name] = key
-    provided = layout.from_hf(checkpoint.meta_state_dict(source.values()))
-    missing = sorted(set(expected) - set(provided))
-    unexpected = sorted(set(provided) - set(expected))
-    mismatched = [
-        f"{k}: checkpoint {tuple(provided[k].shape)} vs model {tuple(expected[k].shape)}"
-        for k in sorted(set(expected) & set(provided))
-        if tuple(provided[k].shape) != tuple(expected[k].shape)
-    ]
-    problems = []
-    if missing:
-        named = [_both(k, next(iter(layout.to_hf({k: expected[k]})))) for k in missing]
-        problems.append(f"missing keys ({len(missing)}): {named}")
-    if unexpected:
-        problems.append(f"unexpected keys ({len(unexpected)}): {[_both(k, source[k]) for k in unexpected]}")
-    if mismatched:
-        problems.append(f"shape mismatches ({len(mismatched)}): {mismatched}")
-    if problems:
-        raise ValueError(
-            f"checkpoint {folder} does not match {type(model).__name__} built from its config.json:\n  - "
-            + "\n  - ".join(problems)
-        )
-    return {name: source[name] for name in expected}
-
-
-def _both(name: str, file_key: str) -> str:
-    """A key in the file's naming, with ours when it differs."""
-    return file_key if file_key == name else f"{file_key} (model: {name})"
+    return checked_sources(
+        checkpoint, type(model).__name__, expected=expected, adapter=layout, skip=lambda k: _skippable(k, config, tied)
+    )
 
 
 def load_pretrained(
@@ -166,11 +134,11 @@ def load_pretrained(
         # "meta": the layout only, every name and shape checked, no data read
         with torch.device("meta") if target.type == "meta" else contextlib.nullcontext():
             model = cls(config, **built)
-        sources = _check_names_and_shapes(model, checkpoint, root, layout)
+        sources = _check_names_and_shapes(model, checkpoint, layout)
         state = model.state_dict()
         with torch.no_grad():
-            for name, key in sources.items() if target.type != "meta" else ():
-                (tensor,) = layout.from_hf({key: checkpoint.read(key)}).values()
+            for name, keys in sources.items() if target.type != "meta" else ():
+                (tensor,) = layout.from_hf({key: checkpoint.read(key) for key in keys}).values()
                 state[name].copy_(tensor)
                 del tensor  # before the next read: one tensor in flight at a time
     if target.type not in ("cpu", "meta"):
@@ -209,8 +177,8 @@ def load_sharded_checkpoint(
 
     root = resolve_checkpoint_folder(pretrained_model_name_or_path, **hub)
     with LazyCheckpoint(root) as checkpoint:
-        sources = _check_names_and_shapes(meta_twin(model), checkpoint, root, checkpoint_adapter(_backend_of(model)))
-        report = load_sharded_tensors_(model, checkpoint, {name: [key] for name, key in sources.items()})
+        sources = _check_names_and_shapes(meta_twin(model), checkpoint, checkpoint_adapter(_backend_of(model)))
+        report = load_sharded_tensors_(model, checkpoint, sources)
     restore_constructed_buffers_(model)
     model.tie_weights()  # type: ignore[operator]  # ties only when the config says so; to_empty untied it
     return report
@@ -231,38 +199,8 @@ def hf_file_layout(model: nn.Module) -> FileLayout:
     def to_file(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return adapter.to_hf({k: v for k, v in tensors.items() if not (tied and k == "lm_head.weight")})
 
-    def write_metadata(folder: Path) -> None:
-        config.save_pretrained(str(folder))
-
-    return FileLayout(to_file, write_metadata)
+    return FileLayout(to_file, write_metadata=lambda folder: config.save_pretrained(str(folder)))
 
 
-def save_pretrained(
-    model: nn.Module,
-    save_directory: str | os.PathLike[str],
-    *,
-    max_shard_size: int | str | None = "5GB",
-    safe_serialization: bool = True,
-    state_dict: Mapping[str, torch.Tensor] | None = None,
-) -> None:
-    """Write `config.json` and the weights with transformers' names (tied LM head once; the model's native keys when
-    its backend says `enable_hf_state_dict_adapter=False`).
-
-    Args:
-        max_shard_size: above it ("5GB", "200MB" or bytes) the weights are split into
-            `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`; None: one file.
-        safe_serialization: only True (safetensors) is supported; False is refused.
-        state_dict: the full state dict to write instead of `model.state_dict()` (transformers' `save_pretrained`
-            option). For an expert-parallel model every rank calls
-            `full = {**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` (collective: the experts are
-            gathered back to `[E, out, in]`), then one rank calls `model.save_pretrained(folder, state_dict=full)`.
-
-    Raises:
-        ValueError: sharded DTensors (expert parallel / FSDP2) in what would be written, or a state_dict whose keys
-            differ from the model's (all listed); safe_serialization=False.
-    """
-    tensors = state_dict_to_save(model, state_dict)
-    root = save_folder(save_directory, safe_serialization=safe_serialization)
-    layout = hf_file_layout(model)
-    layout.write_metadata(root)
-    write_safetensors(layout.to_file(tensors), root, max_shard_size=max_shard_size, safe_serialization=True)
+# (model, save_directory, *, max_shard_size="5GB", safe_serialization=True, state_dict=None): what hf_file_layout says
+save_pretrained = pretrained_saver(hf_file_layout)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Unpack
 
 import torch
@@ -29,17 +27,16 @@ from am_model_io import (
     HubOptions,
     LazyCheckpoint,
     ShardedLoad,
+    checked_sources,
     fill_self_sharded_,
     load_hf_config,
     load_sharded_tensors_,
+    pretrained_saver,
     resolve_checkpoint_folder,
     resolve_device,
     resolve_dtype,
-    save_folder,
     self_sharded_names,
     split_pretrained_kwargs,
-    state_dict_to_save,
-    write_safetensors,
 )
 from am_precision import cast_model_to_dtype, match_keep_rule
 
@@ -120,7 +117,7 @@ def load_pretrained(
     with LazyCheckpoint(folder) as checkpoint:
         model = cls(config, backend, device="meta", **model_kwargs)
         adapter = checkpoint_adapter(config, model.backend)
-        sources = _check_names_and_shapes(cls.__name__, model, checkpoint, adapter, folder)
+        sources = checked_sources(checkpoint, cls.__name__, expected=model.state_dict(), adapter=adapter)
         if target.type == "meta":  # the layout only: every name and shape checked, no data read
             if target_dtype is not None:
                 cast_model_to_dtype(model, target_dtype)
@@ -170,7 +167,8 @@ def load_sharded_checkpoint(
     adapter = NemotronStateDictAdapter(model.config)
     with LazyCheckpoint(folder) as checkpoint:
         twin = meta_twin(model)
-        sources = _check_names_and_shapes(type(model).__name__, twin, checkpoint, adapter, folder)
+        # reported in the checkpoint's own naming (`backbone.layers.0.mixer.A_log`, per-expert tensors), not ours
+        sources = checked_sources(checkpoint, type(model).__name__, expected=twin.state_dict(), adapter=adapter)
         # per-expert keys in expert order (the files list them by name: experts.10 before experts.2)
         ordered = {name: sorted(keys, key=lambda k: adapter.expert_index(k) or 0) for name, keys in sources.items()}
         # Mamba2 mixers sharded by heads (tensor parallelism) hold a slice of every packed segment, not a block of the
@@ -184,41 +182,6 @@ def load_sharded_checkpoint(
         for _, experts in am_moe.expert_modules(model):
             experts.tokens_per_expert.zero_()
     return loaded
-
-
-def _check_names_and_shapes(
-    owner: str, model: nn.Module, checkpoint: LazyCheckpoint, adapter: NemotronStateDictAdapter, folder: Path
-) -> dict[str, list[str]]:
-    """Internal name -> the checkpoint keys it is built from, after checking every name and shape (headers only)."""
-    converted = adapter.from_hf(checkpoint.meta_state_dict())  # raises on incomplete expert sets, all listed
-    sources: dict[str, list[str]] = {}
-    for key in checkpoint.names():
-        sources.setdefault(adapter.internal_key(key), []).append(key)
-    expected = model.state_dict()
-    # Reported in the checkpoint's own naming (`backbone.layers.0.mixer.A_log`, per-expert tensors), not ours.
-    missing = sorted(adapter.to_hf({k: expected[k] for k in set(expected) - set(converted)}))
-    unexpected = sorted(key for k in set(converted) - set(expected) for key in sources[k])
-    mismatched = sorted(
-        f"{_short(sources[k])}: checkpoint {tuple(converted[k].shape)} vs model {tuple(expected[k].shape)}"
-        for k in set(expected) & set(converted)
-        if tuple(converted[k].shape) != tuple(expected[k].shape)
-    )
-    if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"missing keys ({len(missing)}): {missing}")
-        if unexpected:
-            parts.append(f"unexpected keys ({len(unexpected)}): {unexpected}")
-        if mismatched:
-            parts.append(f"shape mismatches ({len(mismatched)}): {mismatched}")
-        raise ValueError(
-            f"Checkpoint {folder} does not match {owner} built from its config.json:\n  - " + "\n  - ".join(parts)
-        )
-    return {name: sources[name] for name in expected}
-
-
-def _short(keys: list[str]) -> str:
-    return keys[0] if len(keys) == 1 else f"{keys[0]} .. {keys[-1]} ({len(keys)} tensors)"
 
 
 def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -258,40 +221,8 @@ def hf_file_layout(model: Any) -> FileLayout:
     def to_file(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: (v.float() if adapter.forced_fp32(k) else v) for k, v in adapter.to_hf(tensors).items()}
 
-    def write_metadata(folder: Path) -> None:
-        config.save_pretrained(str(folder))
-
-    return FileLayout(to_file, write_metadata)
+    return FileLayout(to_file, write_metadata=lambda folder: config.save_pretrained(str(folder)))
 
 
-def save_pretrained(
-    model: Any,
-    path: str | os.PathLike[str],
-    *,
-    max_shard_size: int | str | None = "5GB",
-    safe_serialization: bool = True,
-    state_dict: Mapping[str, torch.Tensor] | None = None,
-) -> None:
-    """Write config.json (transformers' NemotronHConfig) and the weights in NVIDIA's naming; fp32-pinned tensors
-    (`_keep_in_fp32_modules_strict`) are stored as F32 even from a model cast with a plain `.to(bfloat16)`.
-
-    Args:
-        max_shard_size: above it ("5GB", "200MB" or bytes) the weights are split into
-            `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`; None: one file.
-        safe_serialization: only True (safetensors) is supported; False is refused.
-        state_dict: the full state dict to write instead of `model.state_dict()` (transformers' `save_pretrained`
-            option). For an expert-parallel model every rank calls
-            `full = {**model.state_dict(), **am_moe.gather_expert_state_dict(model)}` (collective: the experts are
-            gathered back to `[E, out, in]`), then one rank calls `save_pretrained(model, path, state_dict=full)`;
-            the adapter writes the per-expert keys of the file.
-
-    Raises:
-        ValueError: sharded DTensors (expert parallel / FSDP2) in what would be written, or a state_dict whose keys
-            differ from the model's (all listed); safe_serialization=False.
-    """
-    tensors = state_dict_to_save(model, state_dict)
-    folder = save_folder(path, safe_serialization=safe_serialization)
-    layout = hf_file_layout(model)
-    layout.write_metadata(folder)
-    tensors = layout.to_file(tensors)
-    write_safetensors(tensors, folder, max_shard_size=max_shard_size, safe_serialization=True)
+# (model, save_directory, *, max_shard_size="5GB", safe_serialization=True, state_dict=None): what hf_file_layout says
+save_pretrained = pretrained_saver(hf_file_layout)
