@@ -120,9 +120,8 @@ def _emit_tensors_only(stage_model: nn.Module, *, stage_index: int = -1) -> nn.M
 
     A forward hook of this module (no forward is rebound): it travels with `copy.deepcopy` and acts on the copy.
     """
-    if any(getattr(hook, "func", None) is _tensors_only for hook in stage_model._forward_hooks.values()):
-        return stage_model
-    stage_model.register_forward_hook(functools.partial(_tensors_only, stage_index=stage_index))
+    if not any(getattr(hook, "func", None) is _tensors_only for hook in stage_model._forward_hooks.values()):
+        stage_model.register_forward_hook(functools.partial(_tensors_only, stage_index=stage_index))
     return stage_model
 
 
