@@ -100,15 +100,9 @@ def _textbook_order(name: str, pp_size: int, m: int) -> dict[int, list[_compat.C
             order[rank] = [(rank, "F", i) for i in range(m)] + [(rank, "B", i) for i in range(m)]
             continue
         warmup = min(pp_size - 1 - rank, m)
-        actions = [(rank, "F", i) for i in range(warmup)]
-        forward, backward = warmup, 0
-        while forward < m:
-            actions.append((rank, "F", forward))
-            forward += 1
-            actions.append((rank, "B", backward))
-            backward += 1
-        actions.extend((rank, "B", i) for i in range(backward, m))
-        order[rank] = actions
+        steady = [action for i in range(m - warmup) for action in ((rank, "F", warmup + i), (rank, "B", i))]
+        cooldown = [(rank, "B", i) for i in range(m - warmup, m)]
+        order[rank] = [(rank, "F", i) for i in range(warmup)] + steady + cooldown
     return order
 
 
