@@ -364,14 +364,12 @@ def register_pipeline_forward(
 def _pipeline_forward_for(model: nn.Module) -> PipelineForward | None:
     config = _config_of(model)
     inner = getattr(model, "model", None)
-    for model_type in (
+    model_types = (
         _model_type(config),
         _model_type(getattr(config, "text_config", None)),
         _model_type(_config_of(inner)) if isinstance(inner, nn.Module) else None,
-    ):
-        if model_type is not None and model_type in PIPELINE_FORWARDS:
-            return PIPELINE_FORWARDS[model_type]
-    return None
+    )
+    return next((PIPELINE_FORWARDS[t] for t in model_types if t in PIPELINE_FORWARDS), None)
 
 
 def _is_vlm(model: nn.Module) -> bool:
@@ -396,16 +394,14 @@ class _ForwardPlan:
 
 
 def _forward_plan(model: nn.Module) -> _ForwardPlan:
-    entry = _pipeline_forward_for(model)
+    entry = _pipeline_forward_for(model) or PipelineForward()  # no entry: the generic forwards
     inner = getattr(model, "model", None)
-    language_model = getattr(inner, "language_model", None) if inner is not None else None
-    text_factory = entry.text_forward if entry is not None else None
-    outer_factory = entry.outer_forward if entry is not None else None
-    if entry is not None and entry.multimodal and language_model is not None:
-        return _ForwardPlan(language_model, "model.language_model", text_factory, outer_factory, True)
+    language_model = getattr(inner, "language_model", None)
+    if entry.multimodal and language_model is not None:
+        return _ForwardPlan(language_model, "model.language_model", entry.text_forward, entry.outer_forward, True)
     if inner is not None:
-        return _ForwardPlan(inner, "model", text_factory, outer_factory, True)
-    return _ForwardPlan(model, "", text_factory, None, False)
+        return _ForwardPlan(inner, "model", entry.text_forward, entry.outer_forward, True)
+    return _ForwardPlan(model, "", entry.text_forward, None, False)
 
 
 def _assign_pipeline_forwards(
