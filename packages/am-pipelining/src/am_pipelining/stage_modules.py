@@ -45,14 +45,11 @@ def _has_kept_descendant(fqn: str, keep: set[str]) -> bool:
 def _detach_unkept(module: nn.Module, prefix: str, keep: set[str], undo: list[tuple[nn.Module, str, Any]]) -> None:
     """Replace, in place and reversibly, every child of `module` the stage does not keep (see `build_stage_modules`)."""
     for name, child in list(module._modules.items()):
-        if child is None:
-            continue
         fqn = f"{prefix}{name}"
-        if fqn in keep:
+        if child is None or fqn in keep:
             continue
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            keys = list(child._modules.keys())
-            kept = [k for k in keys if f"{fqn}.{k}" in keep or _has_kept_descendant(f"{fqn}.{k}", keep)]
+            kept = [k for k in child._modules if f"{fqn}.{k}" in keep or _has_kept_descendant(f"{fqn}.{k}", keep)]
             replacement = nn.ModuleDict({k: child._modules[k] for k in kept})
             undo.append((module, name, child))
             module._modules[name] = replacement
