@@ -23,7 +23,8 @@ from am_pipelining.stage_names import _default_module_names
 
 def _names(model, num_stages):
     """Module names per stage for an even split of the model's layers into `num_stages`."""
-    return _default_module_names(model, split_layers(find_layers(model).num_layers, num_stages))
+    layout = find_layers(model)
+    return _default_module_names(model, split_layers(layout.num_layers, num_stages), layout), layout
 
 
 def test_fqn_generation_uneven_split_and_extras():

@@ -135,26 +135,21 @@ def schedule_compute_actions(
     Returns an empty dict when this torch cannot tell (the caller falls back to its own textbook order).
     """
     order = getattr(schedule, "pipeline_order", None) if not isinstance(schedule, (str, type)) else None
-    if isinstance(order, dict) and order:
-        return _order_to_compute_actions(order)
-    schedule_class = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
-    if not isinstance(schedule_class, type):
-        schedule_class = type(schedule)
-    num_stages = pp_size * stages_per_rank
-    try:
-        if is_multi_stage_schedule(schedule_class):
-            stand_ins: Any = [_StandInStage(num_stages=num_stages, group_size=pp_size) for _ in range(stages_per_rank)]
-        else:
-            stand_ins = _StandInStage(num_stages=num_stages, group_size=pp_size)
-        instance = schedule_class(stand_ins, n_microbatches)
-        order = getattr(instance, "pipeline_order", None)
-    # ValueError: torch refuses fewer microbatches than the schedule needs (1F1B, DualPipeV); AttributeError /
-    # TypeError: a torch whose constructor reads more of a stage than the stand-in offers. Either way: no list.
-    except (ValueError, AttributeError, TypeError):
-        order = None
-    if not isinstance(order, dict) or not order:
-        return {}
-    return _order_to_compute_actions(order)
+    if not isinstance(order, dict) or not order:  # a name, a class, or no order kept: ask a stand-in instance
+        schedule_class = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
+        if not isinstance(schedule_class, type):
+            schedule_class = type(schedule)
+        num_stages = pp_size * stages_per_rank
+        stand_ins = [_StandInStage(num_stages=num_stages, group_size=pp_size) for _ in range(stages_per_rank)]
+        try:
+            multi = is_multi_stage_schedule(schedule_class)
+            instance = schedule_class(stand_ins if multi else stand_ins[0], n_microbatches)
+            order = getattr(instance, "pipeline_order", None)
+        # ValueError: torch refuses fewer microbatches than the schedule needs (1F1B, DualPipeV); AttributeError /
+        # TypeError: a torch whose constructor reads more of a stage than the stand-in offers. Either way: no list.
+        except (ValueError, AttributeError, TypeError):
+            order = None
+    return _order_to_compute_actions(order) if isinstance(order, dict) and order else {}
 
 
 def schedule_stage_to_rank(schedule: Any) -> dict[int, int] | None:
@@ -189,12 +184,6 @@ def replicate_chunk_spec() -> Any:
     return getattr(_microbatch, "_Replicate", None)
 
 
-def _meta_like(tensors: tuple[torch.Tensor, ...]) -> Any:
-    from torch.distributed.pipelining._utils import extract_tensor_metas
-
-    return extract_tensor_metas(tensors)
-
-
 def has_static_meta_api(stage: Any) -> bool:
     """True when this torch's `stage` takes static input/output metadata (`_user_meta`)."""
     return hasattr(getattr(stage, "_user_meta", None), "inputs")
@@ -206,14 +195,16 @@ def set_stage_metas(stage: Any, inputs: tuple[torch.Tensor, ...], outputs: tuple
     Raises:
         RuntimeError: when this torch's stages expose no known metadata API.
     """
+    from torch.distributed.pipelining._utils import extract_tensor_metas
+
     if not has_static_meta_api(stage):
         raise RuntimeError(
             f"Unsupported PipelineStage metadata API: {type(stage).__name__} exposes no known static-metadata API "
             f"in torch {torch.__version__}; update am_pipelining._compat.set_stage_metas for this torch."
         )
     user_meta = stage._user_meta
-    user_meta.inputs = _meta_like(inputs)
-    user_meta.outputs = _meta_like(outputs)
+    user_meta.inputs = extract_tensor_metas(inputs)
+    user_meta.outputs = extract_tensor_metas(outputs)
     user_meta.input_grads = None
     user_meta.output_grads = None
 

@@ -8,6 +8,7 @@ a stage; schedule classes come from `am_pipelining._compat`.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -50,12 +51,8 @@ def split_layer_ranges(num_layers: int, num_stages: int, problems: list[str]) ->
         )
         return None
     base, extra = divmod(num_layers, num_stages)
-    ranges, start = [], 0
-    for stage in range(num_stages):
-        count = base + (1 if stage < extra else 0)
-        ranges.append(tuple(range(start, start + count)))
-        start += count
-    return tuple(ranges)
+    starts = [stage * base + min(stage, extra) for stage in range(num_stages + 1)]  # stage k's first layer
+    return tuple(tuple(range(start, end)) for start, end in itertools.pairwise(starts))
 
 
 def explicit_layer_problems(stage_layers: Sequence[Sequence[int]], num_layers: int, say: Say) -> list[str]:

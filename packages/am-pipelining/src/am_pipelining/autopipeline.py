@@ -305,14 +305,8 @@ class AutoPipeline:
 
     @staticmethod
     def _count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
-        seen: set[int] = set()
-        total = 0
-        for param in model.parameters():
-            if id(param) in seen or (trainable_only and not param.requires_grad):
-                continue
-            seen.add(id(param))
-            total += param.numel()
-        return total
+        # `parameters()` yields a shared (tied) parameter once.
+        return sum(param.numel() for param in model.parameters() if param.requires_grad or not trainable_only)
 
     def list_stage_modules(self) -> list[list[str]]:
         if self._info.model_parts is None:

@@ -25,9 +25,7 @@ def _rope_fn(module: nn.Module, rope_type: str) -> Any:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     own = getattr(module, f"compute_{rope_type}_rope_parameters", None)
-    if callable(own):
-        return own
-    return ROPE_INIT_FUNCTIONS.get(rope_type)
+    return own if callable(own) else ROPE_INIT_FUNCTIONS.get(rope_type)
 
 
 def _inv_freq_buffers(module: nn.Module) -> list[str]:

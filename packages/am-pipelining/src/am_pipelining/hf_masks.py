@@ -94,17 +94,10 @@ def _build_or_reuse_pp_causal_mask(
     # The batch size is part of the key: eager masks are expanded to [B, 1, S, S], and a mask built for another
     # batch size would broadcast the attention scores to the wrong batch (a forward with a different batch size,
     # e.g. evaluation, must not reuse the training microbatch's mask).
-    key = (
-        inputs_embeds.shape[0],
-        inputs_embeds.shape[1],
-        inputs_embeds.dtype,
-        inputs_embeds.device,
-        tuple(sorted(kinds)),
-    )
+    key = (*inputs_embeds.shape[:2], inputs_embeds.dtype, inputs_embeds.device, tuple(sorted(kinds)))
     cache = module.__dict__.get("_pp_causal_mask_cache")
     if not isinstance(cache, dict):
-        cache = {}
-        module.__dict__["_pp_causal_mask_cache"] = cache
+        cache = module.__dict__["_pp_causal_mask_cache"] = {}
     if cacheable and key in cache:
         return cache[key]
 

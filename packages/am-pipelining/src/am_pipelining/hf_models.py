@@ -42,12 +42,6 @@ def _gemma4_layer_type(config: Any, index: int, layer: nn.Module) -> str:
     return str(getattr(layer, "attention_type", "full_attention"))
 
 
-def _shared_kv_store() -> Any:
-    from transformers.cache_utils import KVSharingDict  # transformers >= 5.23 (the declared floor)
-
-    return KVSharingDict()
-
-
 def _stage_padding_mask(
     padding_mask: torch.Tensor | None, attention_mask: Any, hidden: torch.Tensor
 ) -> torch.Tensor | None:
@@ -99,7 +93,9 @@ def create_pipeline_forward_gemma4_text() -> Callable[..., Any]:
             self, hidden, attention_mask, cache_position, given_position_ids, mask_types=kinds
         )
         position_embeddings = _position_embeddings(self, hidden, position_ids, kinds)
-        shared_kv_states = _shared_kv_store()
+        from transformers.cache_utils import KVSharingDict  # transformers >= 5.23 (the declared floor)
+
+        shared_kv_states = KVSharingDict()
         for index, layer in layers:
             kind = _gemma4_layer_type(config, index, layer)
             hidden = _first_tensor(
@@ -122,15 +118,19 @@ def create_pipeline_forward_gemma4_text() -> Callable[..., Any]:
     return pipeline_forward_gemma4_text
 
 
-def _take_media_chunk(model: Any, input_ids: torch.Tensor | None, image_token_id: Any) -> tuple[Any, Any]:
-    """Pixel values (and grid/position info) staged per micro-batch on `_vlm_pixel_values_chunks`, if any.
+def _take_media_chunk(model: Any, input_ids: torch.Tensor, pixel_values: Any) -> tuple[Any, Any]:
+    """(pixel values, staged grid/position info or None): the given `pixel_values`, else the entry staged per
+    micro-batch on `_vlm_pixel_values_chunks`, if any.
 
     The training loop may stage one entry per micro-batch before `schedule.step()` (images per sample vary, so
     they cannot be chunked along dim 0); the cursor `_vlm_chunk_idx` advances only for micro-batches that contain
     image tokens.
     """
+    if pixel_values is not None:
+        return pixel_values, None
+    image_token_id = getattr(model.config, "image_token_id", None)
     chunks = getattr(model, "_vlm_pixel_values_chunks", None)
-    if not chunks or input_ids is None or image_token_id is None or not bool((input_ids == image_token_id).any()):
+    if not chunks or image_token_id is None or not bool((input_ids == image_token_id).any()):
         return None, None
     index = getattr(model, "_vlm_chunk_idx", 0)
     if index >= len(chunks):
@@ -214,11 +214,8 @@ def create_pipeline_forward_gemma4_vlm() -> Callable[..., Any]:
         inner, config = self.model, self.config
 
         def embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-            pixels, positions = pixel_values, image_position_ids
-            if pixels is None:
-                pixels, grid = _take_media_chunk(self, input_ids, getattr(config, "image_token_id", None))
-                if grid is not None and positions is None:
-                    positions = grid
+            pixels, grid = _take_media_chunk(self, input_ids, pixel_values)
+            positions = image_position_ids if image_position_ids is not None else grid
             media_mask = torch.zeros_like(input_ids, dtype=torch.bool)
             for token_attr in ("image_token_id", "video_token_id", "audio_token_id"):
                 token_id = getattr(config, token_attr, None)
@@ -275,17 +272,13 @@ def create_pipeline_forward_mistral3_vlm() -> Callable[..., Any]:
         inner, config = self.model, self.config
 
         def embed(embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-            pixels, sizes = pixel_values, image_sizes
-            if pixels is None:
-                pixels, grid = _take_media_chunk(self, input_ids, getattr(config, "image_token_id", None))
-                if grid is not None:
-                    sizes = grid
+            pixels, grid = _take_media_chunk(self, input_ids, pixel_values)
+            sizes = grid if grid is not None else image_sizes
             embeds = embed_tokens(input_ids)
             if pixels is None or getattr(inner, "vision_tower", None) is None:
                 return embeds
-            layer = vision_feature_layer
-            if layer is None:
-                layer = getattr(config, "vision_feature_layer", -1)
+            default_layer = getattr(config, "vision_feature_layer", -1)
+            layer = vision_feature_layer if vision_feature_layer is not None else default_layer
             output = inner.get_image_features(
                 pixel_values=pixels, image_sizes=sizes, vision_feature_layer=layer, return_dict=True
             )

@@ -129,7 +129,7 @@ GENERIC_CAUSAL_LM_MODULES: frozenset[str] = frozenset({"model", "lm_head"})
 def _is_inactive(value: Any, inactive: tuple[Any, ...]) -> bool:
     if isinstance(value, bool):
         return value is False
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, (int, float)):  # bools are answered above
         return any(isinstance(i, (int, float)) and math.isclose(value, i) for i in inactive if i is not None)
     return value is None or any(value is i for i in inactive)
 
@@ -149,17 +149,9 @@ def _config_items(config: Any) -> dict[str, Any]:
 
 def active_forward_transforms(config: Any, where: str) -> list[tuple[ForwardTransform, Any]]:
     """The `FORWARD_TRANSFORMS` entries of `where` ("embeddings" / "logits") active in `config`, with their values."""
-    text_config = _text_config(config)
-    if text_config is None:
-        return []
-    active = []
-    for transform in FORWARD_TRANSFORMS:
-        if transform.where != where:
-            continue
-        value = getattr(text_config, transform.config_key, None)
-        if not _is_inactive(value, transform.inactive):
-            active.append((transform, value))
-    return active
+    text_config = _text_config(config)  # None (no config): every value reads as None, inactive
+    values = [(t, getattr(text_config, t.config_key, None)) for t in FORWARD_TRANSFORMS if t.where == where]
+    return [(transform, value) for transform, value in values if not _is_inactive(value, transform.inactive)]
 
 
 def apply_embedding_transforms(hidden: torch.Tensor, config: Any, *, training: bool) -> torch.Tensor:

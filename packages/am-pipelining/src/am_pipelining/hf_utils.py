@@ -20,6 +20,7 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -191,12 +192,6 @@ def _position_embeddings(
     return {None: rotary_emb(hidden, position_ids)}
 
 
-def _base_model_output(hidden: torch.Tensor, past_key_values: Any) -> Any:
-    from transformers.modeling_outputs import BaseModelOutputWithPast
-
-    return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # Forwards
 # ------------------------------------------------------------------------------------------------------------
@@ -257,7 +252,9 @@ def create_pipeline_forward_inner(model_class_name: str = "AutoModel") -> Callab
             hidden = norm(hidden)
         if model_class_name == "PipelineStage":
             return hidden
-        return _base_model_output(hidden, past_key_values if use_cache else None)
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None)
 
     return pipeline_forward
 
@@ -316,7 +313,7 @@ def create_pipeline_forward_causal_lm() -> Callable[..., Any]:
 
 
 def _model_type(config: Any) -> str | None:
-    return getattr(config, "model_type", None) if config is not None else None
+    return getattr(config, "model_type", None)
 
 
 @dataclass(frozen=True)
@@ -367,14 +364,12 @@ def register_pipeline_forward(
 def _pipeline_forward_for(model: nn.Module) -> PipelineForward | None:
     config = _config_of(model)
     inner = getattr(model, "model", None)
-    for model_type in (
+    model_types = (
         _model_type(config),
         _model_type(getattr(config, "text_config", None)),
         _model_type(_config_of(inner)) if isinstance(inner, nn.Module) else None,
-    ):
-        if model_type is not None and model_type in PIPELINE_FORWARDS:
-            return PIPELINE_FORWARDS[model_type]
-    return None
+    )
+    return next((PIPELINE_FORWARDS[t] for t in model_types if t in PIPELINE_FORWARDS), None)
 
 
 def _is_vlm(model: nn.Module) -> bool:
@@ -399,21 +394,14 @@ class _ForwardPlan:
 
 
 def _forward_plan(model: nn.Module) -> _ForwardPlan:
-    entry = _pipeline_forward_for(model)
+    entry = _pipeline_forward_for(model) or PipelineForward()  # no entry: the generic forwards
     inner = getattr(model, "model", None)
-    language_model = getattr(inner, "language_model", None) if inner is not None else None
-    text_factory = entry.text_forward if entry is not None else None
-    outer_factory = entry.outer_forward if entry is not None else None
-    if entry is not None and entry.multimodal and language_model is not None:
-        return _ForwardPlan(language_model, "model.language_model", text_factory, outer_factory, True)
+    language_model = getattr(inner, "language_model", None)
+    if entry.multimodal and language_model is not None:
+        return _ForwardPlan(language_model, "model.language_model", entry.text_forward, entry.outer_forward, True)
     if inner is not None:
-        return _ForwardPlan(inner, "model", text_factory, outer_factory, True)
-    return _ForwardPlan(model, "", text_factory, None, False)
-
-
-def _generic_text_forward() -> Callable[..., Any]:
-    """The text decoder's pipeline forward when the model's `PIPELINE_FORWARDS` entry names none."""
-    return create_pipeline_forward_inner("PipelineStage")
+        return _ForwardPlan(inner, "model", entry.text_forward, entry.outer_forward, True)
+    return _ForwardPlan(model, "", entry.text_forward, None, False)
 
 
 def _assign_pipeline_forwards(
@@ -423,19 +411,11 @@ def _assign_pipeline_forwards(
     `assign(module, forward_factory, hidden_states_supported)`: the text decoder the text forward (`inner`), the
     top-level model of a causal LM or VLM the outer forward (`outer`); a bare decoder is its own text decoder.
     `hidden_states_supported`: the generic causal-LM forward can return hidden states."""
-    plan = _forward_plan(model)
-    text_factory = plan.text_factory or _generic_text_forward
-    if not plan.has_outer:
-        if inner:
-            assign(model, text_factory, False)
-        return
+    plan = _forward_plan(model)  # a bare decoder's text module is the model itself
     if inner:
-        assign(plan.text_module, text_factory, False)
-    if outer:
-        if plan.outer_factory is not None:
-            assign(model, plan.outer_factory, False)
-        else:
-            assign(model, create_pipeline_forward_causal_lm, True)
+        assign(plan.text_module, plan.text_factory or partial(create_pipeline_forward_inner, "PipelineStage"), False)
+    if outer and plan.has_outer:
+        assign(model, plan.outer_factory or create_pipeline_forward_causal_lm, plan.outer_factory is None)
 
 
 def _bind_forward(module: nn.Module, factory: Callable[[], Any], hidden_states_supported: bool) -> None:

@@ -48,14 +48,11 @@ def _reentrant_checkpointing_problem(model: nn.Module) -> str | None:
     checkpointing (torch wrapper or HF's setting) and the fix; None when none does."""
     found = []
     for name, module in model.named_modules():
-        if is_reentrant_checkpoint_wrapper(module):
+        # HF's setting: `gradient_checkpointing` with a `functools.partial(checkpoint, use_reentrant=True)`
+        hf_keywords = getattr(module.__dict__.get("_gradient_checkpointing_func"), "keywords", None) or {}
+        hf_reentrant = getattr(module, "gradient_checkpointing", False) is True and hf_keywords.get("use_reentrant")
+        if is_reentrant_checkpoint_wrapper(module) or hf_reentrant is True:
             found.append(name or "<root>")
-            continue
-        if getattr(module, "gradient_checkpointing", False) is True:
-            func = module.__dict__.get("_gradient_checkpointing_func")
-            keywords = getattr(func, "keywords", None) or {}
-            if keywords.get("use_reentrant", False) is True:
-                found.append(name or "<root>")
     if not found:
         return None
     shown = ", ".join(found[:4]) + (" ..." if len(found) > 4 else "")

@@ -108,7 +108,6 @@ def find_layers(model: nn.Module) -> DecoderLayers:
     else:
         lm_head_fqn = None
     nested = prefix != base
-    owner = base if nested else prefix
     keys = list(container._modules.keys())
     return DecoderLayers(
         layers_prefix=prefix,
@@ -118,6 +117,6 @@ def find_layers(model: nn.Module) -> DecoderLayers:
         indices=tuple(int(k) for k in keys) if all(k.isdigit() for k in keys) else tuple(range(len(keys))),
         lm_head_fqn=lm_head_fqn,
         nested=nested,
-        extra_module_fqns=tuple(f"{owner}{suffix}" for suffix in MULTIMODAL_SUFFIXES) if nested else (),
+        extra_module_fqns=tuple(f"{base}{suffix}" for suffix in MULTIMODAL_SUFFIXES) if nested else (),
         has_rotary_emb=hasattr(text_model, "rotary_emb"),
     )

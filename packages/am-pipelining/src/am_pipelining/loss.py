@@ -39,8 +39,7 @@ __all__ = [
 
 def get_mtp_loss_scaling_factor(model: Any, default: float = 0.1) -> float:
     """`model.mtp_config.loss_scaling_factor` when the model has an MTP config, else `default`."""
-    mtp_config = getattr(model, "mtp_config", None)
-    value = getattr(mtp_config, "loss_scaling_factor", None) if mtp_config is not None else None
+    value = getattr(getattr(model, "mtp_config", None), "loss_scaling_factor", None)
     return float(value) if value is not None else default
 
 

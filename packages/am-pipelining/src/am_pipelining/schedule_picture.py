@@ -12,6 +12,7 @@ lazily. This module runs no collective and needs no process group.
 
 from __future__ import annotations
 
+import html
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -100,15 +101,9 @@ def _textbook_order(name: str, pp_size: int, m: int) -> dict[int, list[_compat.C
             order[rank] = [(rank, "F", i) for i in range(m)] + [(rank, "B", i) for i in range(m)]
             continue
         warmup = min(pp_size - 1 - rank, m)
-        actions = [(rank, "F", i) for i in range(warmup)]
-        forward, backward = warmup, 0
-        while forward < m:
-            actions.append((rank, "F", forward))
-            forward += 1
-            actions.append((rank, "B", backward))
-            backward += 1
-        actions.extend((rank, "B", i) for i in range(backward, m))
-        order[rank] = actions
+        steady = [action for i in range(m - warmup) for action in ((rank, "F", warmup + i), (rank, "B", i))]
+        cooldown = [(rank, "B", i) for i in range(m - warmup, m)]
+        order[rank] = [(rank, "F", i) for i in range(warmup)] + steady + cooldown
     return order
 
 
@@ -266,7 +261,7 @@ def render_svg(timeline: ScheduleTimeline, *, unit: int = 28, row: int = 30) -> 
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" '
         'font-size="11">',
-        f'<text x="{left}" y="18">{_escape(timeline.summary())}</text>',
+        f'<text x="{left}" y="18">{html.escape(timeline.summary(), quote=False)}</text>',
     ]
     for rank in range(timeline.pp_size):
         y = top + rank * row
@@ -278,13 +273,9 @@ def render_svg(timeline: ScheduleTimeline, *, unit: int = 28, row: int = 30) -> 
             f'<rect x="{x:.1f}" y="{y + 2}" width="{a.duration * unit - 1:.1f}" height="{row - 4}" '
             f'fill="{_COLORS.get(a.kind, "#999999")}" stroke="#333333"><title>{_label(a, True)}</title></rect>'
         )
-        parts.append(f'<text x="{x + 3:.1f}" y="{y + row // 2 + 4}">{_escape(_label(a, multi))}</text>')
+        parts.append(f'<text x="{x + 3:.1f}" y="{y + row // 2 + 4}">{_label(a, multi)}</text>')  # "F3s1": no markup
     parts.append("</svg>")
     return "\n".join(parts)
-
-
-def _escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def save_schedule_picture(timeline: ScheduleTimeline, path: str | os.PathLike[str]) -> str:

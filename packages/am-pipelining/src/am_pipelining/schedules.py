@@ -277,15 +277,16 @@ def pipeline_model(
         ValueError: the pipeline axis has size 1, or any error of `plan_for_model` / `build_stages` /
             `build_schedule`.
     """
+    mesh_options: dict[str, Any] = {
+        "moe_mesh": moe_mesh,
+        "dp_axis_names": dp_axis_names,
+        "cp_axis_name": cp_axis_name,
+        "tp_axis_name": tp_axis_name,
+        "ep_axis_name": ep_axis_name,
+        "ep_shard_axis_names": ep_shard_axis_names,
+    }
     if parallelize_fn is None:
-        _refuse_options_without_parallelize_fn(
-            moe_mesh=moe_mesh,
-            dp_axis_names=dp_axis_names,
-            cp_axis_name=cp_axis_name,
-            tp_axis_name=tp_axis_name,
-            ep_axis_name=ep_axis_name,
-            ep_shard_axis_names=ep_shard_axis_names,
-        )
+        _refuse_options_without_parallelize_fn(**mesh_options)
     pp_mesh = _pipeline_axis(world_mesh, pp_axis_name)
     pp_size = _pp_rank_size_group(pp_mesh)[1]
     if pp_size <= 1:
@@ -320,16 +321,7 @@ def pipeline_model(
     )
     if parallelize_fn is not None:
         for i, part in enumerate(model_parts):
-            result = parallelize_fn(
-                part,
-                world_mesh=world_mesh,
-                moe_mesh=moe_mesh,
-                dp_axis_names=dp_axis_names,
-                cp_axis_name=cp_axis_name,
-                tp_axis_name=tp_axis_name,
-                ep_axis_name=ep_axis_name,
-                ep_shard_axis_names=ep_shard_axis_names,
-            )
+            result = parallelize_fn(part, world_mesh=world_mesh, **mesh_options)
             if isinstance(result, nn.Module) and result is not part:
                 for attr in ("_pp_tied_embedding", "_pp_stage_index"):
                     if hasattr(part, attr):

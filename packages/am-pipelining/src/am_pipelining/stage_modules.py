@@ -45,14 +45,11 @@ def _has_kept_descendant(fqn: str, keep: set[str]) -> bool:
 def _detach_unkept(module: nn.Module, prefix: str, keep: set[str], undo: list[tuple[nn.Module, str, Any]]) -> None:
     """Replace, in place and reversibly, every child of `module` the stage does not keep (see `build_stage_modules`)."""
     for name, child in list(module._modules.items()):
-        if child is None:
-            continue
         fqn = f"{prefix}{name}"
-        if fqn in keep:
+        if child is None or fqn in keep:
             continue
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            keys = list(child._modules.keys())
-            kept = [k for k in keys if f"{fqn}.{k}" in keep or _has_kept_descendant(f"{fqn}.{k}", keep)]
+            kept = [k for k in child._modules if f"{fqn}.{k}" in keep or _has_kept_descendant(f"{fqn}.{k}", keep)]
             replacement = nn.ModuleDict({k: child._modules[k] for k in kept})
             undo.append((module, name, child))
             module._modules[name] = replacement
@@ -120,9 +117,8 @@ def _emit_tensors_only(stage_model: nn.Module, *, stage_index: int = -1) -> nn.M
 
     A forward hook of this module (no forward is rebound): it travels with `copy.deepcopy` and acts on the copy.
     """
-    if any(getattr(hook, "func", None) is _tensors_only for hook in stage_model._forward_hooks.values()):
-        return stage_model
-    stage_model.register_forward_hook(functools.partial(_tensors_only, stage_index=stage_index))
+    if not any(getattr(hook, "func", None) is _tensors_only for hook in stage_model._forward_hooks.values()):
+        stage_model.register_forward_hook(functools.partial(_tensors_only, stage_index=stage_index))
     return stage_model
 
 

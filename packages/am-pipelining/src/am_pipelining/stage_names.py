@@ -81,12 +81,9 @@ def _module_names_for_layers(
     return names_per_stage
 
 
-def _default_module_names(
-    model: Any, stage_layers: Sequence[Sequence[int]], layout: DecoderLayers | None = None
-) -> tuple[list[list[str]], DecoderLayers]:
+def _default_module_names(model: Any, stage_layers: Sequence[Sequence[int]], layout: DecoderLayers) -> list[list[str]]:
     """Module names per stage for a plan's layer split, passed through the model's
     `customize_pipeline_stage_modules` hook."""
-    layout = layout if layout is not None else find_layers(model)
     names = _module_names_for_layers(
         stage_layers,
         include_embeddings=True,
@@ -103,7 +100,7 @@ def _default_module_names(
         )
         if customized is not None:
             names = [list(stage) for stage in customized]
-    return names, layout
+    return names
 
 
 def _stage_layers_from_names(names_per_stage: Sequence[Sequence[str]], layout: DecoderLayers) -> list[list[int]]:

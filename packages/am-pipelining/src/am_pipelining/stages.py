@@ -12,7 +12,8 @@ import a model package. Errors that would otherwise surface as hangs are raised 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -136,7 +137,7 @@ def build_stages(
             "or with plan_for_model for explicit stage lists."
         )
     # generated lists come from the plan, then the model's hook edits them: the hook must keep the model whole
-    names = explicit if explicit is not None else _default_module_names(model, plan.stage_layers or (), layout)[0]
+    names = explicit if explicit is not None else _default_module_names(model, plan.stage_layers or (), layout)
     problems = module_names_problems(model, layout, names, explicit=explicit is not None)
     if problems:
         whose = (
@@ -156,20 +157,14 @@ def build_stages(
             f"{type(model).__name__}'s contract pp.output_names is invalid: "
             + "; ".join(output_names_problems(declared))
         )
+    stage_class: Callable[..., PipelineStage] = PipelineStage
+    if reduce_grad_per_microbatch or cover_nested_fsdp:
+        stage_class = partial(
+            GradSyncStage, reduce_grad_per_microbatch=reduce_grad_per_microbatch, cover_nested_fsdp=cover_nested_fsdp
+        )
     stages = []
     for stage_id, stage_model in zip(stage_ids, models, strict=True):
-        if reduce_grad_per_microbatch or cover_nested_fsdp:
-            stage: PipelineStage = GradSyncStage(
-                stage_model,
-                stage_id,
-                plan.num_stages,
-                torch.device(device),
-                group=group,
-                reduce_grad_per_microbatch=reduce_grad_per_microbatch,
-                cover_nested_fsdp=cover_nested_fsdp,
-            )
-        else:
-            stage = PipelineStage(stage_model, stage_id, plan.num_stages, torch.device(device), group=group)
+        stage = stage_class(stage_model, stage_id, plan.num_stages, torch.device(device), group=group)
         _compat.preserve_grads_across_stage_reinit(stage)
         stage._am_pipeline_plan = plan  # type: ignore[attr-defined]  # build_pipeline_schedule reads it back
         stages.append(stage)
