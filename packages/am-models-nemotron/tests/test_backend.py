@@ -232,6 +232,39 @@ def test_without_the_hf_adapter_checkpoints_hold_the_native_keys(tmp_path) -> No
     assert "backbone.embeddings.weight" in read_safetensors_folder(tmp_path / "hf")
 
 
+def test_load_sharded_checkpoint_uses_the_native_layout_without_the_hf_adapter(tmp_path) -> None:
+    """enable_hf_state_dict_adapter=False: `load_sharded_checkpoint` reads the native layout `save_pretrained` wrote,
+    exactly, and checks it in that layout as `from_pretrained` does: a missing tensor is named by its native key, and
+    a checkpoint in NVIDIA's HF naming is refused (it was read through the HF adapter whatever the backend said)."""
+    from am_model_io import write_safetensors
+    from am_models_nemotron import load_sharded_checkpoint
+
+    native = default_backend().replace(enable_hf_state_dict_adapter=False)
+    torch.manual_seed(0)
+    model = randomize_(NemotronHForCausalLM(tiny_hf_config("M*E"), native))
+    model.save_pretrained(tmp_path / "native")
+    NemotronHForCausalLM(tiny_hf_config("M*E"), default_backend()).save_pretrained(tmp_path / "hf")
+    holed = {k: v for k, v in model.state_dict().items() if k != "model.norm.weight"}
+    (tmp_path / "holed").mkdir()
+    write_safetensors(holed, tmp_path / "holed", max_shard_size=None)
+
+    def target() -> NemotronHForCausalLM:
+        return NemotronHForCausalLM(tiny_hf_config("M*E"), native, device="meta").to_empty(device="cpu")
+
+    loaded = target()
+    report = load_sharded_checkpoint(loaded, tmp_path / "native")
+    assert set(report.names) == set(model.state_dict())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match=r"model\.norm\.weight") as info:
+        load_sharded_checkpoint(target(), tmp_path / "holed")
+    assert "backbone.norm_f.weight" not in str(info.value)
+    with pytest.raises(ValueError, match=r"backbone\.embeddings\.weight"):
+        load_sharded_checkpoint(target(), tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"backbone\.embeddings\.weight"):  # the same refusal as from_pretrained's
+        NemotronHForCausalLM.from_pretrained(tmp_path / "hf", backend=native)
+
+
 LIBRARY_VALUES = [
     ({"experts": "te", "dispatcher": "deepep"}, ("experts='te' (TE GroupedLinear) needs", "`deep_ep` package")),
     ({"experts": "gmm", "dispatcher": "uccl_ep"}, ("experts='gmm' needs the `grouped_gemm` package", "`uccl_ep`")),

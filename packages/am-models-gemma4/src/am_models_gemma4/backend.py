@@ -19,8 +19,7 @@ What it must not do: rewrite a field to another value, import transformer_engine
 
 from __future__ import annotations
 
-from typing import Any
-
+from am_moe.upstream import EXPERTS_GROUPED_MM, LIBRARY_DISPATCHERS, expert_parallel_options
 from am_precision import (
     LINEAR_BACKENDS,
     RMS_NORM_BACKENDS,
@@ -38,19 +37,12 @@ __all__ = [
     "resolve_backend",
 ]
 
-# BackendConfig.experts -> am-moe's grouped-GEMM backend (am_moe.GroupedExperts(grouped_mm=...)).
-# "torch_mm_mxfp8" (am-moe's MXFP8 grouped GEMM) is refused off Blackwell by `backend_runtime_problems`.
-_EXPERTS_GROUPED_MM = {"torch": "loop", "torch_mm": "grouped_mm", "te": "te", "gmm": "gmm", "torch_mm_mxfp8": "mxfp8"}
-# Dispatchers that move tokens between expert-parallel ranks with a library (am_moe.apply_expert_parallel); they run
-# only once the experts are sharded over ep > 1 (the MoE block refuses a forward without).
-LIBRARY_DISPATCHERS: tuple[str, ...] = ("deepep", "hybridep", "uccl_ep")
-
 # Values Gemma 4 has code for (a value may still need CUDA / a library: `backend_problems` says which).
 SUPPORTED_BACKENDS: dict[str, tuple[object, ...]] = {
     "attn": RUNNABLE_ATTN_BACKENDS,
     "linear": LINEAR_BACKENDS,
     "rms_norm": RMS_NORM_BACKENDS,
-    "experts": tuple(_EXPERTS_GROUPED_MM),
+    "experts": tuple(EXPERTS_GROUPED_MM),
     "dispatcher": ("torch", *LIBRARY_DISPATCHERS),
 }
 
@@ -95,22 +87,4 @@ def resolve_backend(backend: BackendConfig | None, *, owner: str = "am-models-ge
 
 def experts_grouped_mm(backend: BackendConfig | None) -> str:
     """am-moe's `grouped_mm=` for `backend.experts` ("auto" without a backend)."""
-    return "auto" if backend is None else _EXPERTS_GROUPED_MM[backend.experts]
-
-
-def expert_parallel_options(backend: BackendConfig | None, *, dispatcher: str | None = None) -> dict[str, Any]:
-    """`am_moe.apply_expert_parallel`'s dispatcher keywords from `backend` (upstream's names and meaning; None: the
-    defaults, dispatcher "torch"): `dispatcher` (`dispatcher=` overrides it with any am-moe dispatcher, e.g.
-    "torch_token": DeepEP's token-level protocol in plain torch), `dispatcher_num_sms`, `dispatcher_async_dispatch`,
-    `dispatcher_share_token_dispatcher`."""
-    options: dict[str, Any] = {"dispatcher": "torch"}
-    if backend is not None:
-        options = {
-            "dispatcher": backend.dispatcher,
-            "dispatcher_num_sms": backend.dispatcher_num_sms,
-            "dispatcher_async_dispatch": backend.dispatcher_async_dispatch,
-            "dispatcher_share_token_dispatcher": backend.dispatcher_share_token_dispatcher,
-        }
-    if dispatcher is not None:
-        options["dispatcher"] = dispatcher
-    return options
+    return "auto" if backend is None else EXPERTS_GROUPED_MM[backend.experts]

@@ -3,8 +3,8 @@
 What it is for: a `BackendConfig` value either runs as asked or is refused, with every problem listed in one
 `ValueError` that names what is missing (CUDA, Transformer Engine, grouped_gemm, DeepEP, UCCL-EP, ...).
 `resolve_backend(None)` is the plain-PyTorch `default_backend()`; any other config is returned unchanged once it
-passed the check. `expert_parallel_options` turns the dispatcher fields into `am_moe.apply_expert_parallel`'s
-keywords (the model's `apply_expert_parallel` passes them on).
+passed the check. `expert_parallel_options` (am-moe's, `am_moe.upstream`) turns the dispatcher fields into
+`am_moe.apply_expert_parallel`'s keywords (the model's `apply_expert_parallel` passes them on).
 What it must not do: rewrite a field the user set to another value (earlier releases mapped e.g. attn='te' to 'sdpa'
 with a warning; that silently ran another kernel), import transformer_engine or a dispatcher library (am-precision
 builds TE modules lazily, am-moe imports the libraries on first use), or mutate the config it is given. The routing
@@ -14,8 +14,7 @@ fields (`gate_precision`, `fake_balanced_gate`, `fake_gate_noise`) are read as t
 
 from __future__ import annotations
 
-from typing import Any
-
+from am_moe.upstream import EXPERTS_GROUPED_MM, LIBRARY_DISPATCHERS, expert_parallel_options
 from am_precision import RUNNABLE_ATTN_BACKENDS, BackendConfig, backend_runtime_problems
 
 __all__ = [
@@ -28,21 +27,6 @@ __all__ = [
     "moe_backend_problems",
     "resolve_backend",
 ]
-
-# BackendConfig.experts -> am_moe.GroupedExperts(grouped_mm=...): "torch" one matmul per expert, "torch_mm"
-# torch._grouped_mm, "te" Transformer Engine's GroupedLinear, "gmm" the grouped_gemm package (CUDA; refused by
-# `backend_runtime_problems` where the library or CUDA is missing), "torch_mm_mxfp8" am-moe's MXFP8 grouped GEMM
-# (refused off Blackwell by `backend_runtime_problems`; am-moe names anything else missing at the first forward).
-EXPERTS_GROUPED_MM: dict[str, str] = {
-    "torch": "loop",
-    "torch_mm": "grouped_mm",
-    "te": "te",
-    "gmm": "gmm",
-    "torch_mm_mxfp8": "mxfp8",
-}
-# Dispatchers that move tokens between expert-parallel ranks with a library (am_moe.apply_expert_parallel); they run
-# only once the experts are sharded over ep > 1 (the MoE block refuses a forward without).
-LIBRARY_DISPATCHERS: tuple[str, ...] = ("deepep", "hybridep", "uccl_ep")
 
 # Values of the fields the model reads that it has code for (a value may still need CUDA / a library: the check
 # says which). `linear` and `rms_norm` are built by am-precision for every value it accepts.
@@ -89,19 +73,6 @@ def backend_problems(backend: BackendConfig) -> list[str]:
             "has no positional encoding (NoPE): there is no RoPE to fuse; leave rope_fusion False"
         )
     return problems
-
-
-def expert_parallel_options(backend: BackendConfig, *, dispatcher: str | None = None) -> dict[str, Any]:
-    """`am_moe.apply_expert_parallel`'s dispatcher keywords from `backend` (upstream's names and meaning):
-    `dispatcher` (`dispatcher=` overrides it with any am-moe dispatcher, e.g. "torch_token": DeepEP's token-level
-    protocol in plain torch), `dispatcher_num_sms`, `dispatcher_async_dispatch`, `dispatcher_share_token_dispatcher`.
-    """
-    return {
-        "dispatcher": backend.dispatcher if dispatcher is None else dispatcher,
-        "dispatcher_num_sms": backend.dispatcher_num_sms,
-        "dispatcher_async_dispatch": backend.dispatcher_async_dispatch,
-        "dispatcher_share_token_dispatcher": backend.dispatcher_share_token_dispatcher,
-    }
 
 
 def resolve_backend(backend: BackendConfig | None, *, owner: str = "am-models-nemotron") -> BackendConfig:

@@ -147,7 +147,8 @@ def load_sharded_checkpoint(
         `from_pretrained(folder, device_map="meta")`), then split into a pipeline stage, expert-parallel
         (`apply_expert_parallel`) and/or FSDP2-wrapped in any combination, then `to_empty(device=...)`. Plain
         tensors are read whole; DTensors read their own block (`safe_open(...).get_slice`), per-expert keys only for
-        the experts the rank holds (`NemotronStateDictAdapter` maps the names and the stacking order).
+        the experts the rank holds (`NemotronStateDictAdapter` maps the names and the stacking order; the native
+        keys when the model's backend says `enable_hf_state_dict_adapter=False`).
     The strict check runs once, on the files' headers, against the whole model (`sharded.meta_twin`): missing or
     unexpected tensors and shape mismatches are named as the files name them, whichever stage this rank holds.
     Values are cast to each tensor's dtype (fp32-pinned tensors are fp32 in the model). Expert load counters are
@@ -164,7 +165,7 @@ def load_sharded_checkpoint(
     from .sharded import meta_twin
 
     folder = resolve_checkpoint_folder(path_or_hub_id, **hub)
-    adapter = NemotronStateDictAdapter(model.config)
+    adapter = checkpoint_adapter(model.config, model.backend)  # the layout from_pretrained / save_pretrained use
     with LazyCheckpoint(folder) as checkpoint:
         twin = meta_twin(model)
         # reported in the checkpoint's own naming (`backbone.layers.0.mixer.A_log`, per-expert tensors), not ours
