@@ -17,6 +17,7 @@ from am_model_contract import (
     PipelineContract,
     TensorParallelContract,
     contract_of,
+    conventional_contract,
     declared_tp_plan,
     declares_contract,
 )
@@ -164,3 +165,5 @@ def test_tp_plan_merges_every_module_class_plan_under_its_name() -> None:
     assert declared_tp_plan(plain) is None
     plain._tp_plan = {"": "colwise"}  # type: ignore[assignment]
     assert contract_of(plain).tp.plan == {"": "colwise"}
+    # a class (read before any instance exists, e.g. for its attention flags) gives its own class plan
+    assert conventional_contract(_Stack).tp.plan == {"head": "colwise_rep"}

@@ -43,7 +43,9 @@ def declared_tp_plan(model: Any) -> dict[str, str] | None:
     it). An object whose classes declare nothing falls back to its instance `_tp_plan` (a plan set by hand). Models
     that declare `am_contract` pass this as their `tp.plan`, so every reader sees one merged plan.
     """
-    plan = _declared_tp(model, "") if callable(getattr(model, "named_children", None)) else {}
+    # a class (its flags read before any instance exists) has no modules to walk: its own `_tp_plan` only
+    walk = not isinstance(model, type) and callable(getattr(model, "named_children", None))
+    plan = _declared_tp(model, "") if walk else {}
     return plan or _plan(getattr(model, "_tp_plan", None))
 
 
