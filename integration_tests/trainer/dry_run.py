@@ -59,22 +59,12 @@ def has_weights(folder: str) -> bool:
 def rank_coordinates(plan: RunPlan, rank: int) -> dict[str, int]:
     """The mesh coordinates of global `rank` on every axis the trainer builds (pp, dp, cp, tp; FSDP2's flattened
     dp_cp; ep and expert_dp carved out of dp_cp, ep innermost: trainer/expert_parallel.py)."""
-    tp = rank % plan.tp
-    rest = rank // plan.tp
-    cp = rest % plan.cp
-    rest //= plan.cp
-    dp = rest % plan.dp
-    pp = rest // plan.dp
+    rest, tp = divmod(rank, plan.tp)
+    rest, cp = divmod(rest, plan.cp)
+    pp, dp = divmod(rest, plan.dp)
     dp_cp = dp * plan.cp + cp
-    return {
-        "pp": pp,
-        "dp": dp,
-        "cp": cp,
-        "tp": tp,
-        "dp_cp": dp_cp,
-        "ep": dp_cp % plan.ep,
-        "expert_dp": dp_cp // plan.ep,
-    }
+    expert_dp, ep = divmod(dp_cp, plan.ep)
+    return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "dp_cp": dp_cp, "ep": ep, "expert_dp": expert_dp}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -140,6 +130,8 @@ def fake_step(cfg: RunConfig, validated: ValidatedRun, *, rank: int, world_size:
         traffic = CollectiveBytes(axis_of_group)
         flops = FlopCounterMode(display=False, custom_mapping=extra_flop_formulas())
         saved = SavedActivations(recomputation=cfg.activation_checkpointing)
+        # the ranks of this stage (as build() names its exporter's), read off the real mesh tensor before the fake mode
+        stage_ranks = meshes.mesh.mesh[meshes.mesh.get_local_rank("pp")].flatten().tolist()
         with fake_mode:
             built.loss_fn.denominator = denominator
             if built.balance is not None:
@@ -153,9 +145,6 @@ def fake_step(cfg: RunConfig, validated: ValidatedRun, *, rank: int, world_size:
                 clip_grad_norm(built.parts, max_norm=cfg.grad_clip, pp_group=pp_group, tp_group=tp_group)
                 for optimizer in built.optimizers:
                     optimizer.step()
-            stage_ranks = [
-                r for r in range(world_size) if rank_coordinates(plan, r)["pp"] == rank_coordinates(plan, rank)["pp"]
-            ]
             per_rank = {r: state_bytes(built.parts, built.optimizers, rank_coordinates(plan, r)) for r in stage_ranks}
         axes = {}
         for name, axis in axis_of_group.items():

@@ -11,7 +11,7 @@ Every rank of an ep group holds the same pipeline stage and runs the same schedu
 all-to-alls (one pair per MoE layer and microbatch, forward and backward) always meet; they sit inside a stage's
 action like CP's ring transfers (see parallel.py).
 
-Order (trainer/loop.py): split_pipeline -> `apply_expert_parallel` (the model's `apply_expert_parallel(ep_mesh)` hook
+Order (trainer/loop.py): pipeline split -> `apply_expert_parallel` (the model's `apply_expert_parallel(ep_mesh)` hook
 on every stage module: expert weights become DTensor Shard(0) over ep, dispatch becomes all-to-all) -> `apply_fsdp`
 with `expert_mesh`: the experts FSDP2-sharded over expert_dp first (`am_moe.fully_shard_experts`), then the layers and
 the root over dp_cp as without EP.

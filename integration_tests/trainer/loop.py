@@ -60,6 +60,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from am_moe import build_expert_meshes, reset_expert_load
+from am_precision import cast_model_to_dtype
 from trainer import checkpoint as ckpt
 from trainer.batch_step import BatchStep
 from trainer.build import materialize_parts
@@ -76,11 +77,9 @@ from trainer.optim import build_optimizers, lr_at, set_lr
 from trainer.parallel import (
     CPPipelineTargets,
     apply_fsdp,
-    apply_precision,
     build_mesh,
     init_distributed,
     layer_notes,
-    split_pipeline,
 )
 from trainer.plan import RunPlan, ValidatedRun
 from trainer.progress import Progress, run_summary, save_loss_curve
@@ -205,7 +204,7 @@ class Built:
 def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
     """Phase 3 and 4: the model as the plan lays it out (storage dtype -> pipeline stages -> experts over ep ->
     per-layer wrappers -> FSDP2), the pipeline schedule, the optimizers and the exporter."""
-    from am_pipelining import PipelineCausalLMLoss, build_schedule
+    from am_pipelining import PipelineCausalLMLoss, build_schedule, build_stages
 
     plan, device = validated.plan, meshes.device
     memory = BuildMemory()  # test-only (AM_TRAIN_MEMORY_REPORT): this rank's peak host memory while building
@@ -216,12 +215,18 @@ def build(cfg: RunConfig, validated: ValidatedRun, meshes: Meshes) -> Built:
     # A transformers MoE model (router logits): its load-balancing loss (when its config adds it to the objective)
     # and its expert imbalance, over the global batch (dp x cp); the plan has it at pp = 1 only.
     router = RouterAuxLoss.from_plan(plan.router_aux, group=meshes.dp_cp.get_group()) if plan.router_aux else None
-    apply_precision(model, precision=plan.precision)
+    # The storage dtype: bf16 (--dtype bf16-pure) with the model's fp32-pinned tensors kept bit-exactly (am-precision),
+    # or nothing (fp32 storage: fp32, and the mixed-precision default bf16)
+    if plan.precision.storage != torch.float32:
+        cast_model_to_dtype(model, plan.precision.storage)
     stages: list[Any] = []
     parts = [model]
     pipeline_router = None
-    if plan.is_pipeline:  # each rank keeps only its stages
-        stages, parts = split_pipeline(model, mesh=meshes.mesh, plan=plan, device=device)
+    if plan.is_pipeline:  # each rank keeps only its stages, as the plan lays them out (am-pipelining; the model's
+        # hooks honoured), with static shapes [microbatch, local_seq_len] (the CP shard's) in the compute dtype
+        stages, parts = build_stages(
+            model, meshes.mesh, plan.pipeline, device=device, seq_len=plan.local_seq_len, dtype=plan.precision.compute
+        )
         if router is not None:  # the router loss over the global batch, from each stage's own layers
             assert plan.num_layers is not None  # a pipeline needs the layers (validated)
             pipeline_router = PipelineRouterAux(parts, router, num_layers=plan.num_layers, device=device)
@@ -443,7 +448,7 @@ def train(
 
 def _save(cfg: RunConfig, step: int, plan: RunPlan, built: Built, history: History) -> Path:
     """A checkpoint of this step (collective): the parts, the optimizers, and the trainer state a resume needs."""
-    router = built.run_batch.router
+    router, balancing = plan.router_aux, plan.moe_balancing
     trainer_state = {
         "args": json.loads(json.dumps(asdict(cfg), default=str)),
         "data": history.stream.state_dict(),
@@ -451,7 +456,7 @@ def _save(cfg: RunConfig, step: int, plan: RunPlan, built: Built, history: Histo
         "val_losses": history.val_losses,
         "expert_imbalance": history.imbalances if plan.moe or router else None,
         "aux_losses": history.aux_losses if router else None,
-        "moe_aux_losses": history.moe_terms if built.balance is not None and built.balance.has_loss_terms else None,
+        "moe_aux_losses": history.moe_terms if balancing is not None and balancing.has_loss_terms else None,
         "skipped_steps": history.guard.skipped,
     }
     return ckpt.save_checkpoint(

@@ -182,7 +182,7 @@ def _am_models_spec(name: str, config: Any, backend: Any) -> ModelSpec:
             if nemotron:
                 # fp32 master weights whatever the config's torch_dtype says (the published configs say bfloat16,
                 # which the model would otherwise be built in); the precision policy decides the storage dtype later
-                # (apply_precision).
+                # (trainer/loop.py's `build`).
                 return package.NemotronHForCausalLM(config, backend, dtype=torch.float32)
             return package.Gemma4ForCausalLM(config, backend=backend)
 
@@ -230,24 +230,17 @@ def preset_spec(
     `fsdp_optimizations`: an am-models preset's `BackendConfig.enable_fsdp_optimizations` (`preset_backend`)."""
     vocab = vocab_size or ByteTokenizer.vocab_size
     backend = preset_backend(name, fsdp_optimizations=fsdp_optimizations) if name != "llama" else None
+    sizes = {"hidden_size": hidden_size, "num_layers": num_layers, "vocab_size": vocab}
     if name == "nemotron":
-        config = nemotron_config(
-            hidden_size=hidden_size, num_layers=num_layers, mtp_depths=mtp_depths, vocab_size=vocab
-        )
-        return _am_models_spec(name, config, backend)
+        return _am_models_spec(name, nemotron_config(**sizes, mtp_depths=mtp_depths), backend)
     if name in ("gemma4", "gemma4-moe"):
-        config = gemma4_config(
-            hidden_size=hidden_size, num_layers=num_layers, moe=name == "gemma4-moe", vocab_size=vocab
-        )
-        return _am_models_spec(name, config, backend)
+        return _am_models_spec(name, gemma4_config(**sizes, moe=name == "gemma4-moe"), backend)
     if name in REAL_SIZE_MODELS:
         return real_size_spec(name, backend=backend)
     if name == "llama":
         from trainer.build import TRANSFORMERS_INIT
 
-        config = llama_config(
-            hidden_size=hidden_size, num_layers=num_layers, tie_embeddings=tie_embeddings, vocab_size=vocab
-        )
+        config = llama_config(**sizes, tie_embeddings=tie_embeddings)
 
         def build_llama() -> nn.Module:
             from transformers import LlamaForCausalLM

@@ -159,10 +159,6 @@ class MoEBalance:
             configure_load_balancing(part, balancing, sequence_group=sequence_group)
         self.tokens = 1.0
 
-    @property
-    def has_loss_terms(self) -> bool:
-        return self.balancing.has_loss_terms
-
     def before_step(self, global_tokens: int) -> None:
         """Scale the terms' gradients by 1 / the step's routed tokens (the global batch's: no padding in the
         trainer's windows), so their token-sums become the token-mean of the whole global batch."""
@@ -177,7 +173,7 @@ class MoEBalance:
         every rank calls it, after the step's backward and before any other forward); None when no term is on."""
         from am_moe import AUX_LOSS_TERMS, aux_loss_values
 
-        if not self.has_loss_terms:
+        if not self.balancing.has_loss_terms:
             return None
         local = torch.zeros(len(AUX_LOSS_TERMS), dtype=torch.float64, device=device)
         for part in self.parts:  # each part's own layers: no collective here

@@ -1,7 +1,8 @@
 """How the reference trainer parallelizes a model: process group, DeviceMesh, precision, pipeline, CP, FSDP2.
 
 What it is for: the functions the train loop applies to a model, in this fixed order:
-    init_distributed -> build_mesh -> apply_precision -> split_pipeline (pp > 1)
+    init_distributed -> build_mesh -> the storage dtype (trainer/loop.py's `build`: am-precision's
+    `cast_model_to_dtype`) -> the pipeline split (pp > 1; there too: am-pipelining's `build_stages`)
     -> tensor parallelism (tp > 1; trainer/tensor_parallel.py: the plan's modules of each part over the innermost
        "tp" axis, as DTensors, and the plain-tensor shards of modules that shard themselves)
     -> expert parallelism (ep > 1; trainer/expert_parallel.py: the ep and expert_dp meshes carved out of this
@@ -53,6 +54,7 @@ peers of a group reach in the same order (induction over the schedule's actions)
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -64,7 +66,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from am_pipelining import DecoderLayers, find_layers
 from am_pipelining.layers import LAYER_PREFIX_CANDIDATES
-from am_precision import cast_model_to_dtype, fp32_keep_rules
+from am_precision import fp32_keep_rules
 from trainer.plan import Precision, RunPlan
 
 
@@ -104,39 +106,21 @@ def build_mesh(plan: RunPlan, *, device: torch.device) -> tuple[DeviceMesh, Devi
     return mesh, mesh["dp", "cp"]._flatten("dp_cp")
 
 
-def apply_precision(model: nn.Module, *, precision: Precision) -> None:
-    """The storage dtype of the precision policy: bf16 (`bf16-pure`) with the model's fp32-pinned tensors kept
-    bit-exactly (am-precision), or nothing (fp32 storage: `fp32`, and the mixed-precision default `bf16`)."""
-    if precision.storage != torch.float32:
-        cast_model_to_dtype(model, precision.storage)
-
-
-def split_pipeline(
-    model: nn.Module, *, mesh: DeviceMesh, plan: RunPlan, device: torch.device
-) -> tuple[list[Any], list[nn.Module]]:
-    """This rank's pipeline stages and their modules (am-pipelining), exactly as `plan.pipeline` (validated before
-    any collective) lays them out, with static shapes [microbatch, plan.local_seq_len] for the microbatches (this
-    rank's tokens per sequence: the CP shard's length when cp > 1) in the compute dtype. The model's hooks (e.g.
-    Nemotron's `mtp` on the last stage) are honoured by am-pipelining."""
-    from am_pipelining import build_stages
-
-    return build_stages(
-        model, mesh, plan.pipeline, device=device, seq_len=plan.local_seq_len, dtype=plan.precision.compute
-    )
+def _outermost(model: nn.Module, match: Callable[[str, nn.Module], bool]) -> list[nn.Module]:
+    """The submodules (root excluded) that `match(name, module)` selects, outermost only, in module order."""
+    found: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if name and match(name, module) and not any(name.startswith(prefix + ".") for prefix in found):
+            found[name] = module
+    return list(found.values())
 
 
 def _strict_fp32_modules(model: nn.Module) -> list[nn.Module]:
     """Modules with parameters that a STRICT keep-in-fp32 rule pins (outermost matches only)."""
     strict = [rule for rule in fp32_keep_rules(model) if rule.strict]
-    found: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if not name or not any(rule.matches(name) for rule in strict):
-            continue
-        if any(name.startswith(prefix + ".") for prefix, _ in found):
-            continue
-        if any(True for _ in module.parameters()):
-            found.append((name, module))
-    return [module for _, module in found]
+    return _outermost(
+        model, lambda name, module: any(r.matches(name) for r in strict) and any(True for _ in module.parameters())
+    )
 
 
 def decoder_layers(model: nn.Module) -> DecoderLayers | None:
@@ -176,11 +160,7 @@ def _no_split_layers(model: nn.Module) -> list[nn.Module]:
     """The outermost modules whose class transformers lists in the model's `_no_split_modules` (its own statement of
     which blocks hold together: the decoder layers of every transformers causal LM), in module order."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    found: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if name and type(module).__name__ in names and not any(name.startswith(p + ".") for p, _ in found):
-            found.append((name, module))
-    return [module for _, module in found]
+    return _outermost(model, lambda _, module: type(module).__name__ in names)
 
 
 def fsdp_grouping(model: nn.Module) -> str:

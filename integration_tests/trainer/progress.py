@@ -67,18 +67,12 @@ class Progress:
             self._val_loss = val_loss
         if self._bar is None:
             return
-        fields = {"loss": f"{loss:.4f}"}
-        if aux_loss is not None:
-            fields["aux_loss"] = f"{aux_loss:.4f}"
-        for name, value in (moe_terms or {}).items():
-            fields[name] = f"{value:.3g}"
-        if expert_imbalance is not None:
-            fields["experts max/mean"] = f"{expert_imbalance:.2f}"
-        if self._val_loss is not None:
-            fields["val_loss"] = f"{self._val_loss:.4f}"
-        if skipped is not None:
-            fields["skipped"] = str(skipped)
-        fields.update(lr=f"{lr:.2e}", tok_s=f"{self.tokens_per_second():,.0f}")
+        # (value, format) in the bar's order; a value that is None is not shown
+        shown: dict[str, tuple[Any, str]] = {"loss": (loss, ".4f"), "aux_loss": (aux_loss, ".4f")}
+        shown |= {name: (value, ".3g") for name, value in (moe_terms or {}).items()}
+        shown |= {"experts max/mean": (expert_imbalance, ".2f"), "val_loss": (self._val_loss, ".4f")}
+        shown |= {"skipped": (skipped, "d"), "lr": (lr, ".2e"), "tok_s": (self.tokens_per_second(), ",.0f")}
+        fields = {name: format(value, spec) for name, (value, spec) in shown.items() if value is not None}
         self._bar.set_postfix(fields, refresh=False)
         self._bar.update(1)
 

@@ -124,10 +124,6 @@ class _Saved:
             self.owner._release(self.key)
 
 
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)
-
-
 def _in_recomputation() -> bool:
     """Whether the op running now belongs to an activation checkpoint's recomputation: a backward is running and the
     innermost saved-tensor hook is torch.utils.checkpoint's own (in backward only its recomputation hook is pushed;
@@ -164,9 +160,10 @@ class _Recomputed(TorchDispatchMode):
                 self._recomputing = True
             # only storages the op created: a view (of a weight, of the layer's input the hooks count, of an earlier
             # recomputed tensor) is not new memory
-            inputs = {_local(t).untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if _is_tensor(t)}
+            leaves = tree_leaves((args, kwargs))
+            inputs = {_local(t).untyped_storage()._cdata for t in leaves if isinstance(t, torch.Tensor)}
             for tensor in tree_leaves(out):
-                if _is_tensor(tensor):
+                if isinstance(tensor, torch.Tensor):
                     storage = _local(tensor).untyped_storage()
                     key = storage._cdata
                     known = self._storages.get(key)

@@ -5,7 +5,7 @@ Mesh: pp x dp x cp x tp, tp innermost (the tp ranks of a group are consecutive g
 fastest links). Every rank of a tp group holds the same pipeline stage and reads the same rows of the batch; ep is
 still carved out of the dp x cp ranks (per tp coordinate), so FSDP2, EP and the loss work as without TP within one
 tp coordinate.
-Order (trainer/loop.py's `build`, torchtitan's): split_pipeline -> `apply_tensor_parallel_to_parts` (each part:
+Order (trainer/loop.py's `build`, torchtitan's): the pipeline split -> `apply_tensor_parallel_to_parts` (each part:
 am-tensor-parallel's plan, validated once on the whole model, restricted to the modules the part holds) -> experts
 over ep -> FSDP2 over dp x cp on top of the TP DTensors (2-D (dp_cp, tp) parameters) -> materialization. All of it
 runs on the meta model: each rank then allocates and fills its own TP shards only (trainer/build.py; the Mamba2

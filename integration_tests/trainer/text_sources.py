@@ -178,11 +178,6 @@ def load_tokenizer(path: str | Path) -> Any:
         ) from None
 
 
-def tokenizer_vocab_size(tokenizer: Any) -> int:
-    """Token ids the tokenizer can produce: its base vocabulary plus added tokens (`len(tokenizer)`)."""
-    return len(tokenizer)
-
-
 def encode_documents(documents: Sequence[str], tokenizer: Any) -> torch.Tensor:
     """int64 token ids `[N]`: each document's tokens (no BOS or other added specials), then the EOS id if the
     tokenizer has one."""
@@ -208,5 +203,4 @@ __all__ = [
     "read_dataset",
     "read_documents",
     "read_jsonl",
-    "tokenizer_vocab_size",
 ]

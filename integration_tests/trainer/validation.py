@@ -142,13 +142,12 @@ def tokenizer_problems(cfg: RunConfig) -> tuple[Any, list[str]]:
 
 
 def vocab_problems(cfg: RunConfig, *, tokenizer: Any, spec: ModelSpec | None) -> list[str]:
-    """The tokenizer's ids must fit the model's embedding (presets are built with the tokenizer's size)."""
-    from trainer.text_sources import tokenizer_vocab_size
-
-    if tokenizer is None or spec is None or tokenizer_vocab_size(tokenizer) <= spec.vocab_size:
+    """The tokenizer's ids must fit the model's embedding (presets are built with the tokenizer's size). An HF
+    tokenizer's `len` counts the ids it can produce: its base vocabulary plus added tokens."""
+    if tokenizer is None or spec is None or len(tokenizer) <= spec.vocab_size:
         return []
     return [
-        f"--tokenizer {cfg.tokenizer} has {tokenizer_vocab_size(tokenizer)} tokens but the model's vocabulary has "
+        f"--tokenizer {cfg.tokenizer} has {len(tokenizer)} tokens but the model's vocabulary has "
         f"{spec.vocab_size} entries: give a tokenizer of at most {spec.vocab_size} tokens or a model that matches it"
     ]
 
@@ -191,13 +190,12 @@ def validate(cfg: RunConfig, *, world_size: int) -> ValidatedRun:
     """
     from am_capabilities import validate_for_mesh
     from trainer.step_parts import router_aux_spec
-    from trainer.text_sources import tokenizer_vocab_size
 
     problems = find_problems(cfg, world_size=world_size)
     problems += out_problems(cfg)
     tokenizer, found = tokenizer_problems(cfg)
     problems += found
-    tokenizer_vocab = tokenizer_vocab_size(tokenizer) if tokenizer is not None else None
+    tokenizer_vocab = len(tokenizer) if tokenizer is not None else None  # its base vocabulary plus added tokens
     spec = model = None
     # a --model-path folder without safetensors weights: said once, in its own words, and nothing to build from
     # (the dry run reads only config.json: it needs no weights)
