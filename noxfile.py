@@ -117,7 +117,10 @@ def lowest(session: nox.Session, package: str) -> None:
     pyproject = _read_pyproject(package)
     test_deps = pyproject.get("dependency-groups", {}).get("test", [])
     siblings = [f"-e{PACKAGES_DIR / name}" for name in sorted(_workspace_closure(package))]
-    session.install("--resolution", "lowest-direct", *siblings, *test_deps)
+    # the shared test harness is a workspace member outside packages/ (not on PyPI): installed from its folder
+    harness = [f"-e{ROOT / 'tools' / 'am-testing'}"] if "am-testing" in test_deps else []
+    test_deps = [dep for dep in test_deps if dep != "am-testing"]
+    session.install("--resolution", "lowest-direct", *siblings, *harness, *test_deps)
     session.run("python", "-m", "pytest", f"packages/{package}/tests", "-p", "no:cacheprovider", *session.posargs)
 
 

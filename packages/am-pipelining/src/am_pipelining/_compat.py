@@ -37,6 +37,7 @@ __all__ = [
     "has_static_meta_api",
     "is_reentrant_checkpoint_wrapper",
     "full_stage_backward",
+    "fsdp_finalization_problem",
 ]
 
 ComputeAction = tuple[int, str, int]
@@ -262,6 +263,24 @@ def preserve_grads_across_stage_reinit(stage: Any) -> None:
 
     cleanup._am_pp_preserves_grads = True  # type: ignore[attr-defined]
     stage._post_metadata_inference_cleanup = cleanup
+
+
+def fsdp_finalization_problem() -> str | None:
+    """Why this torch cannot run `GradSyncStage` (its FSDP2 lacks the explicit end-of-backward API it drives:
+    `FSDPModule.set_manual_backward_finalization` / `finalize_backward`, in torch 2.15, not in 2.13), or None."""
+    from torch.distributed.fsdp import FSDPModule
+
+    missing = [
+        name for name in ("set_manual_backward_finalization", "finalize_backward") if not hasattr(FSDPModule, name)
+    ]
+    if not missing:
+        return None
+    return (
+        f"torch {torch.__version__}'s FSDP2 has no {' / '.join(missing)}, which per-microbatch gradient reduction "
+        "(reduce_grad_per_microbatch / defer_fsdp_grad_sync=False) and deferred reduction of nested FSDP2 modules "
+        "(patch_stage_backward_maybe_with_nosync / cover_nested_fsdp) drive. Upgrade torch (2.15 has it), or leave "
+        "both options off."
+    )
 
 
 def full_stage_backward(bwd_kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, ...]:

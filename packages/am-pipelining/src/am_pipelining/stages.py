@@ -109,7 +109,8 @@ def build_stages(
     Raises:
         ValueError: a plan for another group size or layer count, stage lists that do not hold the plan's layers,
             `seq_len` with a plan without a batch, `dtype` without `seq_len`, reentrant checkpointing, a model whose
-            own forward the pipeline forwards do not reproduce (`check_forward_reproduction`).
+            own forward the pipeline forwards do not reproduce (`check_forward_reproduction`), either gradient
+            choice on a torch whose FSDP2 lacks the end-of-backward API they drive (torch 2.13; 2.15 has it).
 
     NOTE: call it on every rank of the default process group (SPMD). When tied input/output embeddings land on
     different ranks, the first/last-stage pair groups of all pipeline replicas are created here, collectively.
@@ -117,6 +118,8 @@ def build_stages(
     pp_rank, pp_size, group = _pp_rank_size_group(_pipeline_axis(pp_mesh, "pp"))
     check_forward_reproduction(model)  # first: a stage list cannot fix a forward the stages do not reproduce
     layout = find_layers(model)
+    if (reduce_grad_per_microbatch or cover_nested_fsdp) and (why := _compat.fsdp_finalization_problem()):
+        raise ValueError(f"build_stages: {why}")
     problems = []
     if plan.pp_size != pp_size:
         problems.append(f"the plan is for {plan.pp_size} pipeline ranks but the pipeline group has {pp_size}")
